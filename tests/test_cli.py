@@ -1,0 +1,100 @@
+"""The `nkicache` command line: version, help, the demo and its error handling."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from workers.cli import DEMO_CASES, _Group, main
+
+
+def test_version_prints_the_package_version() -> None:
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert version("nkicache") in result.output
+    assert "nkicache" in result.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"]])
+def test_help(args: list[str]) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_group_help_lists_demo() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert "demo" in result.output
+
+
+@pytest.mark.parametrize("func_name", ["Matmul", "Softmax", "RMSNorm"])
+def test_demo_json_matches_reference(func_name: str) -> None:
+    result = CliRunner().invoke(main, ["demo", "--func-name", func_name, "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    assert report["func_name"] == func_name
+    assert report["kernel_name"] == DEMO_CASES[func_name].kernel_name
+    assert report["bytes"] > 0
+    assert report["instructions"] > 0
+    assert report["compile_seconds"] >= 0
+    assert report["max_abs_err"] < 1e-3
+
+
+def test_demo_line_reports_ok() -> None:
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert result.stdout.startswith("Matmul matmul_tiled lhsT[256,200] rhs[256,300] -> out[200,300]: binary ")
+    assert result.stdout.rstrip().endswith("-> OK")
+
+
+def test_project_errors_become_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bridge
+    from bridge.errors import UnknownKernelError
+
+    def broken_compile(*args, **kwargs):
+        raise UnknownKernelError("no internal kernel named Matmul")
+
+    monkeypatch.setattr(bridge, "compile_kernel", broken_compile)
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 2
+    assert result.stderr == "nkicache: error: no internal kernel named Matmul\n"
+    assert "Traceback" not in result.output
+
+
+def _group_raising(exc: Exception) -> click.Group:
+    @click.group(cls=_Group)
+    def group() -> None:
+        """A throwaway group."""
+
+    @group.command()
+    def boom() -> None:
+        """Raise."""
+        raise exc
+
+    return group
+
+
+def test_wrapper_turns_any_nkicache_error_into_exit_2() -> None:
+    from bridge.errors import KernelCompileError
+
+    group = _group_raising(KernelCompileError("partition dim 200 > 128", kernel="matmul_tiled"))
+    result = CliRunner().invoke(group, ["boom"])
+    assert result.exit_code == 2
+    assert result.stderr == "nkicache: error: kernel matmul_tiled: partition dim 200 > 128\n"
+    assert result.stdout == ""
+
+
+def test_wrapper_lets_other_errors_through() -> None:
+    result = CliRunner().invoke(_group_raising(ValueError("a bug")), ["boom"])
+    assert isinstance(result.exception, ValueError)
+
+
+def test_unknown_func_name_is_a_usage_error() -> None:
+    result = CliRunner().invoke(main, ["demo", "--func-name", "Nope"])
+    assert result.exit_code == 2
+    assert "Nope" in result.output

@@ -1,0 +1,1 @@
+"""Compile workers and the `nkicache` command line."""
