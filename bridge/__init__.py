@@ -3,6 +3,6 @@ the internal kernel registry and (in `bridge.codegen`) the codegen loop with its
 
 from bridge.errors import NkiCacheError
 from bridge.ir import Tensor
-from bridge.toolchain import binary_info, compile_kernel, run_bir
+from bridge.toolchain import binary_info, compile_kernel, run_bir, run_klir
 
-__all__ = ["NkiCacheError", "Tensor", "binary_info", "compile_kernel", "run_bir"]
+__all__ = ["NkiCacheError", "Tensor", "binary_info", "compile_kernel", "run_bir", "run_klir"]

@@ -8,6 +8,7 @@ import numpy as np
 
 from bridge.executor import LoadedProgram
 from bridge.frontends.beta3 import trace_beta3
+from bridge.klir import decode_klir
 from bridge.program import decode_bir
 from bridge.registry import TensorLike, get_internal_kernel_registry
 from bridge.targets import Target, get_platform_target
@@ -31,6 +32,11 @@ def compile_kernel(
 def run_bir(binary: bytes, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute a BIR binary; inputs and outputs are keyed by the binary's input and output names."""
     return LoadedProgram(decode_bir(binary)).run(dict(inputs))
+
+
+def run_klir(binary: bytes, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Execute a KLIR binary from the beta2 tracer, on the same executor as BIR."""
+    return LoadedProgram(decode_klir(binary)).run(dict(inputs))
 
 
 def binary_info(binary: bytes) -> dict:
