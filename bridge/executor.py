@@ -248,13 +248,13 @@ class LoadedProgram:
         read, _, shape, _ = self._access(access, for_store=False)
         write, tile_shape, _, space = self._writer(dst)
         _expect_space(space, "sbuf", "load destination")
-        _expect_shape(isa.tile_shape_of_access(shape), tile_shape, "loaded region", "destination tile")
+        _expect_fit(tile_shape, shape, "destination tile", "loaded region")
         return lambda m: write(m, read(m).reshape(tile_shape))
 
     def _op_store(self, access: object, src: object) -> Step:
         _, write, shape, tensor_id = self._access(access, for_store=True)
         buf, index, tile_shape, dtype, _ = self._tile(src)
-        _expect_shape(tile_shape, isa.tile_shape_of_access(shape), "stored tile", "destination region")
+        _expect_fit(tile_shape, shape, "stored tile", "destination region")
         read = self._reader(buf, index, dtype)
         np_dtype = dtypes.to_numpy((self.inputs + self.outputs)[tensor_id][2])
         return lambda m: write(m, read(m).reshape(shape).astype(np_dtype, copy=False))
@@ -445,6 +445,11 @@ def _lookup(table: dict, op: object, what: str) -> Callable:
 def _expect_shape(actual: tuple, expected: tuple, actual_what: str, expected_what: str) -> None:
     if tuple(actual) != tuple(expected):
         raise BinaryFormatError(f"{actual_what} {list(actual)} does not match {expected_what} {list(expected)}")
+
+
+def _expect_fit(tile_shape: tuple, access_shape: tuple, tile_what: str, access_what: str) -> None:
+    if not isa.tile_fits_access(tile_shape, access_shape):
+        raise BinaryFormatError(f"{tile_what} {list(tile_shape)} does not fit {access_what} {list(access_shape)}")
 
 
 def _expect_space(space: str, expected: str, what: str) -> None:

@@ -328,10 +328,23 @@ class KernelInterpreter:
         return slice(part(node.lower), part(node.upper), part(node.step))
 
     def _expr_Tuple(self, node: ast.Tuple, frame: _Frame) -> tuple:
-        return tuple(self._eval(element, frame) for element in node.elts)
+        return tuple(self._elements(node.elts, frame))
 
     def _expr_List(self, node: ast.List, frame: _Frame) -> list:
-        return [self._eval(element, frame) for element in node.elts]
+        return self._elements(node.elts, frame)
+
+    def _elements(self, elements: list[ast.expr], frame: _Frame) -> list:
+        """The items of a tuple or list display; `*xs` splices a compile-time sequence in."""
+        items: list = []
+        for element in elements:
+            if isinstance(element, ast.Starred):
+                spliced = self._eval(element.value, frame)
+                if not isinstance(spliced, tuple | list | range):
+                    raise KernelCompileError(f"*{type(spliced).__name__} cannot be spliced; only tuples and lists")
+                items.extend(spliced)
+            else:
+                items.append(self._eval(element, frame))
+        return items
 
     def _expr_BinOp(self, node: ast.BinOp, frame: _Frame) -> object:
         return self._binary(node.op, self._eval(node.left, frame), self._eval(node.right, frame))

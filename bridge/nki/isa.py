@@ -14,8 +14,8 @@ values so that a binary is the same bytes on every machine:
 Opcodes and their fields (after the opcode):
 
     memset      dst, value
-    load        dst, access
-    store       access, src
+    load        dst, access                 dst's shape fits the region (see tile_fits_access)
+    store       access, src                 src's shape fits the region
     load_scalar reg, access                 one int32 element into a register
     binary      op, dst, a, b               a and b are operands; numpy broadcasting to dst
     unary       op, dst, src
@@ -26,6 +26,8 @@ Opcodes and their fields (after the opcode):
 """
 
 from __future__ import annotations
+
+import math
 
 # Hardware limits (DESIGN.md section 5); checked at compile time and again when a binary is loaded.
 PARTITION_MAX = 128  # partition dim of every on-chip tile
@@ -112,3 +114,22 @@ def tile_shape_of_access(access_shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(access_shape) >= 2:
         return tuple(access_shape)
     return (1, access_shape[0] if access_shape else 1)
+
+
+def tile_fits_access(tile_shape: tuple[int, ...], access_shape: tuple[int, ...]) -> bool:
+    """Whether a tile can receive a load of, or be stored into, an HBM region of `access_shape`.
+
+    The elements move in row-major order, so beyond the region's own tile shape a rank-0/1 region may
+    land in an [N, 1] column (one element per partition), and a region of rank >= 2 in any tile that
+    keeps its partition dim and its number of free elements ([C, R, W] as [C, R * W]).
+    """
+    tile_shape, access_shape = tuple(tile_shape), tuple(access_shape)
+    if tile_shape == tile_shape_of_access(access_shape):
+        return True
+    if len(access_shape) <= 1:
+        return tile_shape == (math.prod(access_shape), 1)
+    return (
+        len(tile_shape) >= 2
+        and tile_shape[0] == access_shape[0]
+        and math.prod(tile_shape[1:]) == math.prod(access_shape[1:])
+    )

@@ -70,10 +70,20 @@ def full(shape: tuple[int, ...], fill_value: float, dtype: str, buffer: str = sb
 
 
 # -- data movement ----------------------------------------------------------------------------------
-def load(access: HBMAccess, dtype: str | None = None) -> Tile:
-    """Copy an HBM region into a new SBUF tile; a rank-1 region becomes a [1, N] tile."""
+def load(access: HBMAccess, dtype: str | None = None, shape: tuple[int, ...] | None = None) -> Tile:
+    """Copy an HBM region into a new SBUF tile; a rank-1 region becomes a [1, N] tile.
+
+    `shape` lands the region in another tile shape, elements in row-major order: (N, 1) loads a rank-1
+    region as a column (one element per partition, e.g. a gather index), and a region of rank >= 2 may
+    have its free dims merged ([C, R, W] as (C, R * W)); see isa.tile_fits_access."""
     _expect(access, HBMAccess, "load", "an HBM tensor region such as a[0:128, :]")
-    tile = ndarray(isa.tile_shape_of_access(access.shape), dtype or access.tensor.dtype)
+    tile_shape = isa.tile_shape_of_access(access.shape) if shape is None else _static_shape(shape, "load")
+    if not isa.tile_fits_access(tile_shape, access.shape):
+        raise KernelCompileError(
+            f"cannot load region {list(access.shape)} of {access.tensor.name} into a {list(tile_shape)} tile; "
+            "a tile keeps the region's partition dim and element count (a rank-1 region loads as [1, N] or [N, 1])"
+        )
+    tile = ndarray(tile_shape, dtype or access.tensor.dtype)
     active().emit("load", tile.ref(), access.encode())
     return tile
 
@@ -95,7 +105,7 @@ def store(access: HBMAccess, value: Tile) -> None:
     _expect(value, Tile, "store", "a tile")
     if not access.tensor.is_output:
         raise KernelCompileError(f"cannot store into input tensor {access.tensor.name}; inputs are read-only")
-    if isa.tile_shape_of_access(access.shape) != value.shape:
+    if not isa.tile_fits_access(value.shape, access.shape):
         raise KernelCompileError(
             f"store of a {list(value.shape)} tile into {access.tensor.name} region {list(access.shape)}"
         )
@@ -290,6 +300,12 @@ def assign(target: Tile, value: object) -> None:
 def _expect(value: object, kind: type, where: str, what: str) -> None:
     if not isinstance(value, kind):
         raise KernelCompileError(f"{where} expects {what}, got {type(value).__name__}")
+
+
+def _static_shape(shape: object, where: str) -> tuple[int, ...]:
+    if not isinstance(shape, tuple | list) or any(isinstance(n, bool) or not isinstance(n, int) for n in shape):
+        raise KernelCompileError(f"{where} shape must be a tuple of compile-time ints, got {shape!r}")
+    return tuple(shape)
 
 
 def _constant(value: object) -> list:
