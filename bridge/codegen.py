@@ -52,6 +52,14 @@ class BirCodeGenLoop:
         self.traces = 0
         self.trace_seconds = 0.0
         self.nki_frontend_setting: str | None = None
+        # The persistent tier (cachestore.client.TierClient): read-through before tracing, mirror after.
+        self.remote_hits = 0
+        self.lease_waits = 0
+        self.saved_seconds = 0.0
+        self.key_use_times: dict[str, tuple[float, float]] = {}
+        self._compile_seconds: dict[str, float] = {}
+        self._leases: set[str] = set()
+        self._tier_stats_at_start = tier.stats.snapshot() if tier is not None else {}
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -77,12 +85,16 @@ class BirCodeGenLoop:
             self.cache_hits += 1
             logger.info("Cache hit for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
             self._record_cache_usage(cache_key)
+            self._note_use(cache_key, saved=self._compile_seconds.get(cache_key, 0.0))
             result = cached
         else:
             self.cache_misses += 1
             logger.info("Cache miss for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
-            result = self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
+            result = self._read_through_tier(cache_key)
+            if result is None:
+                result = self._trace_and_publish(inst, cache_key, key_components)
             self._cache_new_nki_frontend_binary(cache_key, result, key_components)
+            self._note_use(cache_key, saved=0.0)
 
         kernel = NKIKLIRKernel(kernel_name, [t.name for t in inst.operands], [t.name for t in inst.results])
         kernel.set_klir_binary(result["binary"])
@@ -179,6 +191,82 @@ class BirCodeGenLoop:
             "format": "klir",
         }
 
+    # -- the persistent tier (beyond the specification) --------------------------------------------
+    def _tier_reads(self) -> bool:
+        return self.tier is not None and self.tier.mode == "read-through"
+
+    def _read_through_tier(self, cache_key: str) -> dict | None:
+        """On a local miss, the tier's verified entry (counted in remote_hits), else None: trace it."""
+        if not self._tier_reads():
+            return None
+        entry = self.tier.lookup(cache_key)
+        if entry is None and self.tier.settings.single_flight:
+            if self.tier.acquire_lease(cache_key):
+                self._leases.add(cache_key)
+                return None
+            self.lease_waits += 1
+            entry = self.tier.wait_for_entry(cache_key)
+        if entry is None:
+            return None
+        self.remote_hits += 1
+        self.saved_seconds += entry.compile_seconds
+        self._compile_seconds[cache_key] = entry.compile_seconds
+        return entry.trace_result()
+
+    def _trace_and_publish(self, inst: InternalNkiKernel, cache_key: str, key_components: dict) -> dict:
+        holds_lease = cache_key in self._leases
+        self._leases.discard(cache_key)
+        started = time.perf_counter()
+        try:
+            result = self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
+        except BaseException:
+            if holds_lease:
+                self.tier.release_lease(cache_key)
+            raise
+        self._compile_seconds[cache_key] = time.perf_counter() - started
+        if self.tier is not None:
+            self.tier.publish(cache_key, self._entry_for(result, key_components, cache_key), release_lease=holds_lease)
+        return result
+
+    def _entry_for(self, result: dict, key_components: dict, cache_key: str) -> Any:
+        from cachestore.entry import Entry
+
+        return Entry(
+            binary=result["binary"],
+            input_names=list(result["input_names"]),
+            output_names=list(result["output_names"]),
+            format=result["format"],
+            version_identifier=VERSION_IDENTIFIERS[result["format"]],
+            key_components=key_components,
+            producer_host=self.tier.settings.host,
+            producer_worker=self.tier.settings.worker,
+            created=time.time(),
+            compile_seconds=self._compile_seconds[cache_key],
+        )
+
+    def _note_use(self, cache_key: str, saved: float) -> None:
+        now = time.time()
+        first, _ = self.key_use_times.get(cache_key, (now, now))
+        self.key_use_times[cache_key] = (first, now)
+        self.saved_seconds += saved
+
+    def tier_counts(self) -> dict[str, int]:
+        """Tier errors, timeouts, rejections and drops during this pass."""
+        names = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped")
+        if self.tier is None:
+            return dict.fromkeys(names, 0)
+        now = self.tier.stats.snapshot()
+        return {name: now[name] - self._tier_stats_at_start.get(name, 0) for name in names}
+
+    def finish_pass(self, graph_name: str, started: float) -> None:
+        """Hand this pass's metrics to the tier and wait (bounded) for the mirror to drain."""
+        if self.tier is None:
+            return
+        from cachestore.passes import pass_metrics
+
+        self.tier.record(pass_metrics(self, graph_name, started, time.time()))
+        self.tier.flush()
+
     # -- statistics and metrics -------------------------------------------------------------------
     def _kernel_types(self) -> dict[str, dict]:
         types: dict[str, dict] = defaultdict(lambda: {"keys": [], "usage": 0})
@@ -246,6 +334,7 @@ class BirCodeGenLoop:
         dispatch = {"InternalNkiKernel": self.codegenInternalNativeNkiKernel}
         dispatch.update(dict.fromkeys(ORDINARY_OPS, self.codegenElementwise))
         bb = BasicBlock(graph.name)
+        started = time.time()
         for index, op in enumerate(graph.ops):
             codegen = dispatch.get(type(op).__name__)
             if codegen is None:
@@ -255,6 +344,7 @@ class BirCodeGenLoop:
             except NkiCacheError as exc:
                 raise OpCodegenError(graph.source, index, op, exc) from exc
         self.afterStmtTransform()
+        self.finish_pass(graph.name, started)
         return bb
 
 

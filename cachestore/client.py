@@ -1,0 +1,280 @@
+"""The tier as the codegen loop sees it: verified reads, write-behind mirroring, single flight, and fault
+handling that never lets the tier fail or stall a compile.
+
+Reads happen on the compiling thread, bounded by the operation timeout. Writes (entries, lease releases,
+metrics batches) go to an outbox that a background thread drains with pipelines. Any tier failure opens a
+circuit breaker: for `breaker_cooldown` seconds the tier is not asked at all, then it is tried again. What
+waits in the outbox during an outage is delivered when the tier returns; past `outbox_limit` the oldest
+items are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry, encode_entry
+from cachestore.settings import Settings
+from cachestore.tier import Backend, MetricsBatch, StoreRequest, TierError, TierTimeout
+
+logger = logging.getLogger(__name__)
+LEASE_POLL_SECONDS = 0.05
+
+
+@dataclass
+class LeaseRelease:
+    cache_key: str
+    owner: str
+
+
+class TierStats:
+    """Thread-safe counters of what the tier did for this process."""
+
+    NAMES = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "tier_skipped", "metrics_applied")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class TierClient:
+    """One per process; shared by every pass the process runs."""
+
+    def __init__(self, backend_factory: Callable[[], Backend], settings: Settings, description: str = "tier"):
+        self.settings = settings
+        self.description = description
+        self.mode = settings.tier_mode
+        self.stats = TierStats()
+        self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
+        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable)
+        self._backend_factory = backend_factory
+        self._backend: Backend | None = None
+        self._open_until = 0.0
+        self._outbox: collections.deque = collections.deque()
+        self._outbox_lock = threading.Condition()
+        self._flusher: threading.Thread | None = None
+        self._closing = False
+
+    def __repr__(self) -> str:
+        return f"TierClient({self.description}, mode={self.mode})"
+
+    # -- fault handling ---------------------------------------------------------------------------
+    def _available(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    def _guarded(self, operation: Callable[[Backend], object], what: str) -> tuple[bool, object]:
+        """(ok, result) of an operation on the backend; a failure is counted and opens the breaker."""
+        if not self._available():
+            if what == "lookup":
+                self.stats.add("tier_skipped")
+            return False, None
+        try:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return True, operation(self._backend)
+        except TierTimeout as exc:
+            self.stats.add("tier_timeouts")
+            self._trip(what, exc)
+        except TierError as exc:
+            self.stats.add("tier_errors")
+            self._trip(what, exc)
+        return False, None
+
+    def _trip(self, what: str, exc: Exception) -> None:
+        self._open_until = time.monotonic() + self.settings.breaker_cooldown
+        logger.warning(
+            "tier %s failed during %s (%s); not asked again for %.1f s",
+            self.description,
+            what,
+            exc,
+            self.settings.breaker_cooldown,
+        )
+
+    # -- reads ------------------------------------------------------------------------------------
+    def lookup(self, cache_key: str) -> Entry | None:
+        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable)."""
+        ok, found = self._guarded(lambda b: b.fetch([cache_key], self.settings.entry_ttl), "lookup")
+        if not ok or cache_key not in found:
+            return None
+        entry = self._decode(cache_key, found[cache_key])
+        if entry is None or not entry.is_reference:
+            return entry
+        return self._follow_reference(cache_key, entry)
+
+    def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
+        ok, found = self._guarded(lambda b: b.fetch([entry.ref], self.settings.entry_ttl), "lookup")
+        if not ok or entry.ref not in found:
+            return None
+        holder = self._decode(entry.ref, found[entry.ref])
+        if holder is None or holder.is_reference or holder.digest != entry.digest:
+            if holder is not None:
+                self._reject(cache_key, "referenced entry holds another binary")
+            return None
+        return entry.with_binary(holder.binary)
+
+    def _decode(self, cache_key: str, data: bytes) -> Entry | None:
+        try:
+            return decode_entry(data, self.policy, self.settings.max_entry_bytes)
+        except EntryRejected as exc:
+            self._reject(cache_key, exc.reason)
+            return None
+
+    def _reject(self, cache_key: str, reason: str) -> None:
+        self.stats.add("tier_rejected")
+        logger.warning("rejected tier entry %s...: %s", cache_key[:16], reason)
+
+    # -- single flight ----------------------------------------------------------------------------
+    def acquire_lease(self, cache_key: str) -> bool:
+        """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say)."""
+        ok, acquired = self._guarded(lambda b: b.acquire_lease(cache_key, self.owner, self.settings.lease_ttl), "lease")
+        return (not ok) or bool(acquired)
+
+    def wait_for_entry(self, cache_key: str) -> Entry | None:
+        """Wait (bounded) for another worker's trace of `cache_key`; None when it does not come."""
+        deadline = time.monotonic() + self.settings.lease_wait
+        while time.monotonic() < deadline and self._available():
+            entry = self.lookup(cache_key)
+            if entry is not None:
+                return entry
+            ok, holder = self._guarded(lambda b: b.lease_holder(cache_key), "lease")
+            if ok and holder is None:
+                # The holder finished without publishing (failed) or died: look once more, then trace.
+                return self.lookup(cache_key)
+            time.sleep(LEASE_POLL_SECONDS)
+        return None
+
+    # -- writes (write-behind) --------------------------------------------------------------------
+    def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
+        full = encode_entry(entry, self.settings.hmac_key)
+        if len(full) > self.settings.max_entry_bytes:
+            logger.warning("entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", cache_key[:16], len(full))
+        else:
+            reference = encode_entry(entry.as_reference_to(cache_key), self.settings.hmac_key)
+            kernel_name = str(entry.key_components.get("kernel_name", ""))
+            self._enqueue(StoreRequest(cache_key, entry.digest, full, reference, kernel_name))
+        if release_lease:
+            self.release_lease(cache_key)
+
+    def release_lease(self, cache_key: str) -> None:
+        self._enqueue(LeaseRelease(cache_key, self.owner))
+
+    def record(self, batch: MetricsBatch) -> None:
+        self._enqueue(batch)
+
+    def _enqueue(self, item: object) -> None:
+        with self._outbox_lock:
+            if len(self._outbox) >= self.settings.outbox_limit:
+                self._outbox.popleft()
+                self.stats.add("tier_dropped")
+            self._outbox.append(item)
+            self._outbox_lock.notify_all()
+        self._ensure_flusher()
+
+    def _ensure_flusher(self) -> None:
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._outbox_lock:
+                self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
+                if self._closing and not self._outbox:
+                    return
+                cooling = self._open_until - time.monotonic()
+                if cooling > 0:
+                    if self._closing:
+                        return
+                    # The breaker is open: sleep until it closes (or new work arrives), never spin.
+                    self._outbox_lock.wait(min(cooling, self.settings.flush_interval * 5))
+                    continue
+            if not self._drain_once() and self._closing:
+                return
+
+    def _drain_once(self) -> bool:
+        """Send what is queued, in order; False when the tier failed (items stay queued)."""
+        with self._outbox_lock:
+            items = list(self._outbox)
+        if not items:
+            return True
+        sent = 0
+        while sent < len(items):
+            group = _leading_group(items[sent:])
+            if not self._send(group):
+                break
+            sent += len(group)
+        with self._outbox_lock:
+            for _ in range(sent):
+                self._outbox.popleft()
+            self._outbox_lock.notify_all()
+        return sent == len(items)
+
+    def _send(self, group: list) -> bool:
+        head = group[0]
+        if isinstance(head, StoreRequest):
+            ok, _ = self._guarded(lambda b: b.store(group, self.settings.entry_ttl), "store")
+        elif isinstance(head, LeaseRelease):
+            ok, _ = self._guarded(lambda b: b.release_lease(head.cache_key, head.owner), "lease release")
+        else:
+            ok, applied = self._guarded(lambda b: b.apply_metrics(head), "metrics")
+            if ok and applied:
+                self.stats.add("metrics_applied")
+        return ok
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the outbox is empty, at most `timeout` seconds (and not at all while the tier is down)."""
+        deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
+        with self._outbox_lock:
+            self._outbox_lock.notify_all()
+            while self._outbox:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._available():
+                    return False
+                self._outbox_lock.wait(min(remaining, 0.05))
+        return True
+
+    def pending(self) -> int:
+        with self._outbox_lock:
+            return len(self._outbox)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush (bounded), stop the flusher, count what could not be delivered, close the backend."""
+        self.flush(timeout)
+        with self._outbox_lock:
+            self._closing = True
+            self._outbox_lock.notify_all()
+        if self._flusher is not None:
+            self._flusher.join(timeout=max(self.settings.op_timeout * 3, 1.0))
+        with self._outbox_lock:
+            if self._outbox:
+                self.stats.add("tier_dropped", len(self._outbox))
+                self._outbox.clear()
+        if self._backend is not None:
+            with contextlib.suppress(TierError):
+                self._backend.close()
+
+
+def _leading_group(items: list) -> list:
+    """The first item, with the StoreRequests right after it when it is one (they go in one pipeline)."""
+    if not isinstance(items[0], StoreRequest):
+        return items[:1]
+    group = []
+    for item in items:
+        if not isinstance(item, StoreRequest) or len(group) == 256:
+            break
+        group.append(item)
+    return group

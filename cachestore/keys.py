@@ -1,0 +1,97 @@
+"""Every Redis key nkicache uses, built here and nowhere else.
+
+Layout (NS = namespace, V = schema version):
+
+    NS:vV:entry:{KEY}          string   encoded entry for cache key KEY (TTL, refreshed on use)
+    NS:vV:lease:{KEY}          string   single-flight lease: the tracing worker's id (short TTL)
+    NS:vV:digest:{DIGEST}      string   the cache key whose entry holds the binary with this SHA-256 (TTL)
+    {NS:vV:metrics}:...        fleet metrics, all in one hash slot so one Lua script applies a batch
+
+The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
+every metrics key shares the metrics slot, which is what lets a batch apply atomically and exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachestore.entry import SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    namespace: str = "nkicache"
+    version: int = SCHEMA_VERSION
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.namespace}:v{self.version}"
+
+    # -- entries ----------------------------------------------------------------------------------
+    def entry(self, cache_key: str) -> str:
+        return f"{self.prefix}:entry:{{{cache_key}}}"
+
+    def lease(self, cache_key: str) -> str:
+        return f"{self.prefix}:lease:{{{cache_key}}}"
+
+    def digest(self, digest: str) -> str:
+        return f"{self.prefix}:digest:{{{digest}}}"
+
+    def entry_pattern(self) -> str:
+        return f"{self.prefix}:entry:*"
+
+    def cache_key_of_entry(self, redis_key: str) -> str:
+        return redis_key[len(self.prefix) + len(":entry:{") : -1]
+
+    # -- metrics (one slot) -----------------------------------------------------------------------
+    @property
+    def metrics_tag(self) -> str:
+        return f"{{{self.prefix}:metrics}}"
+
+    def metrics(self, name: str) -> str:
+        return f"{self.metrics_tag}:{name}"
+
+    def applied_batch(self, batch_id: str) -> str:
+        return self.metrics(f"applied:{batch_id}")
+
+    def worker_metrics(self, host: str, worker: str) -> str:
+        return self.metrics(f"worker:{host}:{worker}")
+
+    def key_hosts(self, cache_key: str) -> str:
+        return self.metrics(f"key-hosts:{cache_key}")
+
+    @property
+    def totals(self) -> str:
+        return self.metrics("totals")
+
+    @property
+    def workers(self) -> str:
+        return self.metrics("workers")
+
+    @property
+    def kernel_calls(self) -> str:
+        return self.metrics("kernel-calls")
+
+    @property
+    def kernel_variants(self) -> str:
+        return self.metrics("kernel-variants")
+
+    @property
+    def key_usage(self) -> str:
+        return self.metrics("key-usage")
+
+    @property
+    def key_first(self) -> str:
+        return self.metrics("key-first")
+
+    @property
+    def key_last(self) -> str:
+        return self.metrics("key-last")
+
+    @property
+    def key_kernel(self) -> str:
+        return self.metrics("key-kernel")
+
+    @property
+    def pass_log(self) -> str:
+        return self.metrics("pass-log")

@@ -1,0 +1,236 @@
+"""The embedded persistent tier: one SQLite file in WAL mode (`local:PATH`, the default).
+
+Several processes on one machine may share the file: writes take SQLite's write lock (BEGIN IMMEDIATE)
+and readers never block writers in WAL mode. Each thread gets its own connection, since the mirror's
+background flusher writes while the compiling thread reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from cachestore.entry import SCHEMA_VERSION
+from cachestore.tier import MetricsBatch, StoreRequest, TierTimeout, TierUnavailable
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    cache_key TEXT PRIMARY KEY, data BLOB NOT NULL, digest TEXT NOT NULL, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS digests (digest TEXT PRIMARY KEY, cache_key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (cache_key TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS applied_batches (batch_id TEXT PRIMARY KEY, applied REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, value REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS worker_totals (
+    host TEXT NOT NULL, worker TEXT NOT NULL, name TEXT NOT NULL, value REAL NOT NULL,
+    PRIMARY KEY (host, worker, name));
+CREATE TABLE IF NOT EXISTS kernels (
+    kernel_name TEXT PRIMARY KEY, call_count INTEGER NOT NULL, variants INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS key_usage (
+    cache_key TEXT PRIMARY KEY, kernel_name TEXT NOT NULL, usage INTEGER NOT NULL,
+    first_use REAL NOT NULL, last_use REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS key_hosts (cache_key TEXT NOT NULL, host TEXT NOT NULL, PRIMARY KEY (cache_key, host));
+CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, record TEXT NOT NULL);
+"""
+
+
+class LocalTier:
+    """A tier in one SQLite file."""
+
+    def __init__(self, path: str | Path, op_timeout: float = 1.0):
+        self.path = Path(path).expanduser()
+        self.op_timeout = op_timeout
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierUnavailable(f"local tier {self.path}: cannot create its folder: {exc.strerror}") from None
+        try:
+            self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+        except sqlite3.Error as exc:
+            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] != str(SCHEMA_VERSION):
+                raise TierUnavailable(f"local tier {self.path} has schema v{row[0]}; this build uses v{SCHEMA_VERSION}")
+
+    def __repr__(self) -> str:
+        return f"LocalTier({str(self.path)!r})"
+
+    # -- connections ------------------------------------------------------------------------------
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            try:
+                db = sqlite3.connect(self.path, timeout=self.op_timeout, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.Error as exc:
+                raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+            self._local.db = db
+            with self._lock:
+                self._connections.append(db)
+        return db
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise TierTimeout(f"local tier {self.path}: {exc}") from None
+            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+        except sqlite3.Error as exc:
+            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+
+    def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
+        try:
+            return self._db().execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+
+    # -- entries ----------------------------------------------------------------------------------
+    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
+        now = time.time()
+        found: dict[str, bytes] = {}
+        for start in range(0, len(cache_keys), 500):
+            chunk = list(cache_keys[start : start + 500])
+            marks = ",".join("?" * len(chunk))
+            rows = self._read(
+                f"SELECT cache_key, data FROM entries WHERE cache_key IN ({marks}) AND expires > ?", (*chunk, now)
+            )
+            found.update((key, bytes(data)) for key, data in rows)
+        if found:
+            with self._write() as db:
+                db.executemany(
+                    "UPDATE entries SET expires = ? WHERE cache_key = ?", [(now + ttl, key) for key in found]
+                )
+        return found
+
+    def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
+        now = time.time()
+        with self._write() as db:
+            for request in requests:
+                row = db.execute(
+                    "SELECT d.cache_key FROM digests d JOIN entries e ON e.cache_key = d.cache_key "
+                    "WHERE d.digest = ? AND e.expires > ?",
+                    (request.digest, now),
+                ).fetchone()
+                if row is not None and row[0] != request.cache_key:
+                    data = request.reference
+                else:
+                    data = request.full
+                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?)", (request.digest, request.cache_key))
+                db.execute(
+                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)",
+                    (request.cache_key, data, request.digest, now + ttl),
+                )
+
+    def scan_entries(self) -> Iterator[tuple[str, bytes]]:
+        last = ""
+        while True:
+            rows = self._read(
+                "SELECT cache_key, data FROM entries WHERE cache_key > ? AND expires > ? ORDER BY cache_key LIMIT 500",
+                (last, time.time()),
+            )
+            if not rows:
+                return
+            for key, data in rows:
+                yield key, bytes(data)
+            last = rows[-1][0]
+
+    # -- single flight ----------------------------------------------------------------------------
+    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        now = time.time()
+        with self._write() as db:
+            db.execute("DELETE FROM leases WHERE cache_key = ? AND expires <= ?", (cache_key, now))
+            cursor = db.execute("INSERT OR IGNORE INTO leases VALUES (?, ?, ?)", (cache_key, owner, now + ttl))
+            return cursor.rowcount == 1
+
+    def release_lease(self, cache_key: str, owner: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM leases WHERE cache_key = ? AND owner = ?", (cache_key, owner))
+
+    def lease_holder(self, cache_key: str) -> str | None:
+        rows = self._read("SELECT owner FROM leases WHERE cache_key = ? AND expires > ?", (cache_key, time.time()))
+        return rows[0][0] if rows else None
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def apply_metrics(self, batch: MetricsBatch) -> bool:
+        with self._write() as db:
+            if (
+                db.execute(
+                    "INSERT OR IGNORE INTO applied_batches VALUES (?, ?)", (batch.batch_id, time.time())
+                ).rowcount
+                == 0
+            ):
+                return False
+            for name, value in batch.totals.items():
+                db.execute(
+                    "INSERT INTO totals VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                    (name, value),
+                )
+                db.execute(
+                    "INSERT INTO worker_totals VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(host, worker, name) DO UPDATE SET value = value + excluded.value",
+                    (batch.host, batch.worker, name, value),
+                )
+            for key, usage in batch.keys.items():
+                self._apply_key(db, batch.host, key, usage)
+            for kernel_name, calls in batch.kernel_calls.items():
+                db.execute(
+                    "INSERT INTO kernels VALUES (?, ?, 0) "
+                    "ON CONFLICT(kernel_name) DO UPDATE SET call_count = call_count + excluded.call_count",
+                    (kernel_name, calls),
+                )
+            if batch.pass_record is not None:
+                db.execute(
+                    "INSERT INTO pass_log (ts, record) VALUES (?, ?)",
+                    (time.time(), json.dumps(batch.pass_record, sort_keys=True)),
+                )
+        return True
+
+    @staticmethod
+    def _apply_key(db: sqlite3.Connection, host: str, key: str, usage) -> None:
+        new = db.execute(
+            "INSERT OR IGNORE INTO key_usage VALUES (?, ?, 0, ?, ?)",
+            (key, usage.kernel_name, usage.first_use, usage.last_use),
+        ).rowcount
+        db.execute(
+            "UPDATE key_usage SET usage = usage + ?, first_use = min(first_use, ?), last_use = max(last_use, ?) "
+            "WHERE cache_key = ?",
+            (usage.usage, usage.first_use, usage.last_use, key),
+        )
+        db.execute("INSERT OR IGNORE INTO key_hosts VALUES (?, ?)", (key, host))
+        if new:
+            db.execute(
+                "INSERT INTO kernels VALUES (?, 0, 1) ON CONFLICT(kernel_name) DO UPDATE SET variants = variants + 1",
+                (usage.kernel_name,),
+            )
+
+    def ping(self) -> None:
+        self._read("SELECT 1")
+
+    def close(self) -> None:
+        with self._lock:
+            for db in self._connections:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            self._connections.clear()
+        self._local = threading.local()

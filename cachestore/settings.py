@@ -1,0 +1,154 @@
+"""The one settings object. Sources, later winning: defaults < config file < NKICACHE_* environment < flags.
+
+The config file is TOML: $NKICACHE_CONFIG, else ./nkicache.toml, else ~/.config/nkicache/config.toml, with
+the field names below as keys. Secrets (the HMAC key, the Redis password) come only from the environment
+or from files named there, never from flags, so they never show in `ps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bridge.errors import NkiCacheError
+
+TIER_MODES = ("read-through", "mirror", "off")
+DAY = 24 * 3600
+
+
+class SettingsError(NkiCacheError):
+    """A setting has a bad value; the message names the setting and where it came from."""
+
+
+def default_tier_url() -> str:
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return f"local:{Path(cache_home) / 'nkicache' / 'tier.sqlite'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    tier: str = dataclasses.field(default_factory=default_tier_url)  # URL, local:PATH or off
+    tier_mode: str = "read-through"  # read-through | mirror | off
+    namespace: str = "nkicache"  # prefix of every Redis key
+    connect_timeout: float = 0.5  # seconds to open a connection to the tier
+    op_timeout: float = 1.0  # seconds for one tier operation
+    entry_ttl: int = 30 * DAY  # seconds a binary entry lives unused; refreshed on every use
+    max_entry_bytes: int = 64 * 1024 * 1024  # larger entries are neither read nor written
+    single_flight: bool = True  # one worker traces a key that several miss at once
+    lease_ttl: float = 60.0  # seconds a trace lease lives (the holder's worst-case trace time)
+    lease_wait: float = 30.0  # seconds a worker waits for another's trace before tracing itself
+    breaker_cooldown: float = 5.0  # seconds the tier is left alone after a failure
+    flush_interval: float = 0.2  # seconds between background mirror flushes
+    final_flush_timeout: float = 2.0  # seconds a pass waits at its end for the mirror to drain
+    outbox_limit: int = 10_000  # queued mirror writes kept during an outage; older ones are dropped, counted
+    require_signed: bool = True  # with an HMAC key: reject unsigned entries
+    reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+    worker: str = dataclasses.field(default_factory=lambda: f"pid{os.getpid()}")
+    # Secrets: environment or files only.
+    hmac_key: bytes | None = dataclasses.field(default=None, repr=False)
+    redis_password: str | None = dataclasses.field(default=None, repr=False)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+_SECRETS = {"hmac_key", "redis_password"}
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings from every source; `overrides` are the command-line flags (None = not given)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config_path = _config_path(environ)
+    if config_path is not None:
+        values.update(_from_file(config_path))
+    values.update(_from_environment(environ))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:
+        raise SettingsError(f"unknown setting {sorted(unknown)[0]!r}")
+    settings = Settings(**values)
+    _validate(settings)
+    return settings
+
+
+def _config_path(environ: Mapping[str, str]) -> Path | None:
+    if environ.get("NKICACHE_CONFIG"):
+        return Path(environ["NKICACHE_CONFIG"])
+    for candidate in (Path("nkicache.toml"), Path.home() / ".config" / "nkicache" / "config.toml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        document = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    secrets = _SECRETS & set(document)
+    if secrets:
+        raise SettingsError(f"{path}: {sorted(secrets)[0]} belongs in the environment, not in a config file")
+    return {key.replace("-", "_"): _coerce(key.replace("-", "_"), value, str(path)) for key, value in document.items()}
+
+
+def _from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(Settings):
+        name = "NKICACHE_" + field.name.upper()
+        if field.name in _SECRETS:
+            secret = _secret(environ, name)
+            if secret is not None:
+                values[field.name] = secret.encode() if field.name == "hmac_key" else secret
+        elif environ.get(name):
+            values[field.name] = _coerce(field.name, environ[name], f"${name}")
+    return values
+
+
+def _secret(environ: Mapping[str, str], name: str) -> str | None:
+    if environ.get(name):
+        return environ[name]
+    file_name = environ.get(name + "_FILE")
+    if file_name:
+        try:
+            return Path(file_name).read_text().strip()
+        except OSError as exc:
+            raise SettingsError(f"${name}_FILE: cannot read {file_name}: {exc.strerror or exc}") from None
+    return None
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    if name not in fields:
+        raise SettingsError(f"{source}: unknown setting {name!r}")
+    default = fields[name].default
+    kind = type(default) if default is not dataclasses.MISSING else str
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            lowered = str(value).strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(value)
+            return lowered in ("1", "true", "yes", "on")
+        return kind(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{source}: {name} must be a {kind.__name__}, got {value!r}") from None
+
+
+def _validate(settings: Settings) -> None:
+    if settings.tier_mode not in TIER_MODES:
+        raise SettingsError(f"tier_mode must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
+    for name in ("connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval"):
+        if getattr(settings, name) <= 0:
+            raise SettingsError(f"{name} must be positive, got {getattr(settings, name)}")
+    if not settings.namespace or any(c in settings.namespace for c in "{}: "):
+        raise SettingsError(f"namespace {settings.namespace!r} must be non-empty without braces, colons or spaces")
