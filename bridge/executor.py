@@ -380,7 +380,7 @@ def _buffer_spec(spec: object, index: int, target) -> tuple[tuple[int, ...], str
         raise BinaryFormatError(f"buffer {index} spec {spec!r} is malformed")
     if not isinstance(spec[0], list):
         raise BinaryFormatError(f"buffer {index} shape is malformed")
-    shape = tuple(_int(n, "buffer dim") for n in spec[0])
+    shape = tuple(_int(n, f"buffer {index} dim") for n in spec[0])
     dtype = _dtype(spec[1])
     try:
         check_tile_shape(shape, dtype, spec[2], target)

@@ -313,7 +313,8 @@ class KernelInterpreter:
             return getattr(value, node.attr)  # nl.tile_size.pmax
         if isinstance(value, HBMTensor | Tile) and node.attr in TENSOR_ATTRIBUTES:
             return getattr(value, node.attr)
-        raise KernelCompileError(f"attribute .{node.attr} of {type(value).__name__} is not available in kernels")
+        owner = f"module {value.__name__}" if isinstance(value, types.ModuleType) else type(value).__name__
+        raise KernelCompileError(f"attribute .{node.attr} of {owner} is not available in kernels")
 
     def _expr_Subscript(self, node: ast.Subscript, frame: _Frame) -> object:
         value = self._eval(node.value, frame)

@@ -37,8 +37,16 @@ def region_shape(region: Region) -> tuple[int, ...]:
     return tuple(len(range(start, stop, step)) for start, stop, step in region)
 
 
-def normalize_index(index: object) -> tuple:
-    return index if isinstance(index, tuple) else (index,)
+def normalize_index(index: object, ndim: int) -> tuple:
+    """The index as a tuple, with a `...` expanded to the full slices it stands for."""
+    index = index if isinstance(index, tuple) else (index,)
+    ellipses = [i for i, item in enumerate(index) if item is Ellipsis]
+    if len(ellipses) > 1:
+        raise KernelCompileError("an index can have only one '...'")
+    if ellipses:
+        at = ellipses[0]
+        index = index[:at] + (slice(None),) * max(0, ndim - len(index) + 1) + index[at + 1 :]
+    return index
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ class HBMTensor:
         return len(self.shape)
 
     def __getitem__(self, index: object) -> HBMAccess:
-        return HBMAccess.build(self, normalize_index(index))
+        return HBMAccess.build(self, normalize_index(index, self.ndim))
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,7 @@ class Tile:
         return ["t", self.buf, [list(r) for r in self.region]]
 
     def __getitem__(self, index: object) -> Tile:
-        index = normalize_index(index)
+        index = normalize_index(index, self.ndim)
         if len(index) > self.ndim:
             raise KernelCompileError(f"too many indices for a tile of rank {self.ndim}")
         index = index + (slice(None),) * (self.ndim - len(index))
