@@ -1,3 +1,12 @@
 """The internal kernels, written in the kernel language and registered under their func_names."""
 
-from bridge.kernels import matmul, rmsnorm, softmax  # noqa: F401 - importing registers them
+# Importing a kernel module registers it.
+from bridge.kernels import (  # noqa: F401
+    blockwise_mm,
+    conv2d,
+    matmul,
+    resize,
+    rmsnorm,
+    softmax,
+    transpose,
+)
