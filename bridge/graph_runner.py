@@ -1,0 +1,189 @@
+"""Executes a compiled basic block (an `Artifact`) on given inputs, optionally checking every kernel
+against its numpy reference.
+
+A graph tensor's value has the shape the kernels see: its access_shape when it has one, else its shape.
+Kernel instructions run their binary (BIR through `run_bir`, KLIR through `run_klir`) with inputs bound by
+position from the instruction's graph operands to the binary's func_args, and outputs bound from func_outs
+to the graph results; elementwise instructions run in numpy, in float32, cast to the result dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bridge import dtypes
+from bridge.artifact import Artifact, ElementwiseInstruction, KernelInstruction
+from bridge.errors import KernelRuntimeError
+from bridge.references import reference
+from bridge.sampling import sample_graph_inputs, view_shape
+from bridge.toolchain import run_bir, run_klir
+
+# (rtol, atol) of the reference check, by the lowest-precision dtype an instruction touches.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-4),
+    "float16": (1e-2, 1e-2),
+    "bfloat16": (5e-2, 5e-2),
+    "int32": (0.0, 0.0),
+}
+_PRECISION_ORDER = ("bfloat16", "float16", "float32", "int32")
+
+RUNNERS: dict[str, Callable[[bytes, Mapping[str, np.ndarray]], dict[str, np.ndarray]]] = {
+    "bir": run_bir,
+    "klir": run_klir,
+}
+
+ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
+    "Add": np.add,
+    "Multiply": np.multiply,
+    "Relu": lambda x: np.maximum(x, np.float32(0)),
+    "Copy": lambda x: x.copy(),
+}
+
+
+@dataclass
+class InstructionReport:
+    index: int
+    name: str  # kernel_name, or the elementwise op
+    func_name: str | None  # None for elementwise instructions
+    max_abs_err: float | None = None  # set when checked
+    ok: bool | None = None  # None when not checked
+    tolerance: tuple[float, float] | None = None
+    error: str | None = None  # why the reference could not be computed
+
+    def as_json(self) -> dict:
+        err = self.max_abs_err
+        return {
+            "index": self.index,
+            "name": self.name,
+            "func_name": self.func_name,
+            # JSON has no NaN or infinity: a non-finite error (or a shape mismatch) is null.
+            "max_abs_err": err if err is not None and np.isfinite(err) else None,
+            "ok": self.ok,
+            "error": self.error,
+        }
+
+
+@dataclass
+class RunReport:
+    graph: str
+    checked: bool
+    instructions: list[InstructionReport] = field(default_factory=list)
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)  # produced tensors no later instruction reads
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(report.ok is not False for report in self.instructions)
+
+    @property
+    def failures(self) -> list[InstructionReport]:
+        return [report for report in self.instructions if report.ok is False]
+
+    def output_digests(self) -> dict[str, str]:
+        """SHA-256 of each output's bytes: equal digests, equal results (for determinism checks)."""
+        return {
+            name: hashlib.sha256(np.ascontiguousarray(self.values[name]).tobytes()).hexdigest() for name in self.outputs
+        }
+
+
+def tolerance(dtype_names: list[str]) -> tuple[float, float]:
+    loosest = min(dtype_names, key=_PRECISION_ORDER.index, default="float32")
+    return TOLERANCES[loosest]
+
+
+def sample_artifact_inputs(artifact: Artifact, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Valid random inputs for every graph input of `artifact` (see bridge.sampling)."""
+    kernel_ops = [(k.func_name, k.operands, k.attrs) for k in artifact.kernels]
+    return sample_graph_inputs(artifact.inputs, artifact.tensors, kernel_ops, rng)
+
+
+def run_compiled(artifact: Artifact, inputs: Mapping[str, np.ndarray], check: bool = False) -> RunReport:
+    """Execute every instruction of `artifact` in order; with `check`, compare each kernel's outputs with
+    bridge.references.reference(func_name, operand arrays, attrs)."""
+    started = time.perf_counter()
+    missing = [name for name in artifact.inputs if name not in inputs]
+    if missing:
+        raise KernelRuntimeError(f"graph {artifact.graph}: no value for input {missing[0]!r}")
+    values = {name: _bind(artifact, name, inputs[name]) for name in artifact.inputs}
+    report = RunReport(artifact.graph, check)
+    for index, inst in enumerate(artifact.instructions):
+        for name in inst.operands:
+            if name not in values:
+                raise KernelRuntimeError(f"graph {artifact.graph}: instruction {index} reads {name!r} before it is set")
+        if isinstance(inst, ElementwiseInstruction):
+            values.update(_run_elementwise(artifact, inst, values))
+            report.instructions.append(InstructionReport(index, inst.op, None))
+            continue
+        produced = _run_kernel(inst, values)
+        item = InstructionReport(index, inst.name, inst.func_name)
+        if check:
+            _check(artifact, inst, values, produced, item)
+        values.update(produced)
+        report.instructions.append(item)
+    read_later: set[str] = set()
+    produced_names: list[str] = []
+    for inst in reversed(artifact.instructions):
+        produced_names[:0] = [name for name in inst.results if name not in read_later]
+        read_later.update(inst.operands)
+    report.outputs = list(dict.fromkeys(produced_names))
+    report.values = values
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _bind(artifact: Artifact, name: str, value: np.ndarray) -> np.ndarray:
+    tensor = artifact.tensors[name]
+    array = np.asarray(value)
+    if array.shape != view_shape(tensor):
+        raise KernelRuntimeError(
+            f"graph {artifact.graph}: input {name!r} has shape {list(array.shape)}, expected {list(view_shape(tensor))}"
+        )
+    return array.astype(dtypes.to_numpy(tensor.dtype), copy=False)
+
+
+def _run_kernel(inst: KernelInstruction, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    binary_inputs = {arg: values[name] for arg, name in zip(inst.func_args, inst.operands, strict=True)}
+    outputs = RUNNERS[inst.kernel_format](inst.klir_binary, binary_inputs)
+    return {name: outputs[out] for out, name in zip(inst.func_outs, inst.results, strict=True)}
+
+
+def _run_elementwise(
+    artifact: Artifact, inst: ElementwiseInstruction, values: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    args = [np.asarray(values[name], dtype=np.float32) for name in inst.operands]
+    result = ELEMENTWISE[inst.op](*args)
+    return {name: result.astype(dtypes.to_numpy(artifact.tensors[name].dtype)) for name in inst.results}
+
+
+def _check(
+    artifact: Artifact,
+    inst: KernelInstruction,
+    values: Mapping[str, np.ndarray],
+    produced: Mapping[str, np.ndarray],
+    item: InstructionReport,
+) -> None:
+    try:
+        expected = reference(inst.func_name, [values[name] for name in inst.operands], dict(inst.attrs))
+    except (TypeError, ValueError, IndexError) as exc:  # operands or attrs the reference cannot take
+        item.ok, item.error = False, f"reference {inst.func_name} failed: {type(exc).__name__}: {exc}"
+        return
+    touched = [artifact.tensors[name].dtype for name in (*inst.operands, *inst.results)]
+    rtol, atol = item.tolerance = tolerance(touched)
+    item.max_abs_err, item.ok = 0.0, len(expected) == len(inst.results)
+    for name, want in zip(inst.results, expected, strict=False):
+        got = np.asarray(produced[name], dtype=np.float64)
+        # The reference is float32; round it to the output dtype as the kernel's final store does.
+        want = np.asarray(want).astype(dtypes.to_numpy(artifact.tensors[name].dtype)).astype(np.float64)
+        if got.shape != want.shape:
+            item.max_abs_err, item.ok = float("inf"), False
+            return
+        if got.size:
+            err = float(np.max(np.abs(got - want)))
+            item.max_abs_err = err if np.isnan(err) else max(item.max_abs_err, err)
+        item.ok = item.ok and bool(np.allclose(got, want, rtol=rtol, atol=atol))
