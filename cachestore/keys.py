@@ -6,6 +6,8 @@ Layout (NS = namespace, V = schema version):
     NS:vV:lease:{KEY}          string   single-flight lease: the tracing worker's id (short TTL)
     NS:vV:digest:{DIGEST}      string   the cache key whose entry holds the binary with this SHA-256 (TTL)
     {NS:vV:metrics}:...        fleet metrics, all in one hash slot so one Lua script applies a batch
+    {NS:vV:jobs}:...           the fleet's job queue (a stream with a consumer group), results, dead letters,
+                               artifacts and worker heartbeats, all in one slot so job scripts are atomic
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
 every metrics key shares the metrics slot, which is what lets a batch apply atomically and exactly once.
@@ -95,3 +97,41 @@ class KeySpace:
     @property
     def pass_log(self) -> str:
         return self.metrics("pass-log")
+
+    # -- the fleet's job queue (one slot) ---------------------------------------------------------
+    @property
+    def jobs_tag(self) -> str:
+        return f"{{{self.prefix}:jobs}}"
+
+    def jobs(self, name: str) -> str:
+        return f"{self.jobs_tag}:{name}"
+
+    @property
+    def job_stream(self) -> str:
+        return self.jobs("stream")
+
+    @property
+    def dead_letter_stream(self) -> str:
+        return self.jobs("dead-letter")
+
+    @property
+    def job_results(self) -> str:
+        return self.jobs("results")
+
+    @property
+    def job_failures(self) -> str:
+        return self.jobs("failures")
+
+    @property
+    def job_counts(self) -> str:
+        return self.jobs("counts")
+
+    @property
+    def worker_heartbeats(self) -> str:
+        return self.jobs("workers")
+
+    def job_batch(self, batch_id: str) -> str:
+        return self.jobs(f"batch:{batch_id}")
+
+    def job_artifact(self, job_id: str) -> str:
+        return self.jobs(f"artifact:{job_id}")

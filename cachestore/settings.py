@@ -46,6 +46,9 @@ class Settings:
     flush_interval: float = 0.2  # seconds between background mirror flushes
     final_flush_timeout: float = 2.0  # seconds a pass waits at its end for the mirror to drain
     outbox_limit: int = 10_000  # queued mirror writes kept during an outage; older ones are dropped, counted
+    job_claim_idle: float = 60.0  # seconds a job may sit unacknowledged before another worker reclaims it
+    job_max_attempts: int = 3  # failed attempts before a job goes to the dead-letter stream
+    heartbeat_interval: float = 2.0  # seconds between worker heartbeats; 3 missed = not live
     require_signed: bool = True  # with an HMAC key: reject unsigned entries
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
     host: str = dataclasses.field(default_factory=socket.gethostname)
@@ -147,7 +150,9 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 def _validate(settings: Settings) -> None:
     if settings.tier_mode not in TIER_MODES:
         raise SettingsError(f"tier_mode must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
-    for name in ("connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval"):
+    positive = ("connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
+                "job_claim_idle", "job_max_attempts", "heartbeat_interval")  # fmt: skip
+    for name in positive:
         if getattr(settings, name) <= 0:
             raise SettingsError(f"{name} must be positive, got {getattr(settings, name)}")
     if not settings.namespace or any(c in settings.namespace for c in "{}: "):

@@ -1,0 +1,90 @@
+"""One compilation pass: a graph file in, a compiled basic block and the pass's counts out.
+
+Used by every way of compiling (the command line in-process, the local pool, the fleet worker), so a pass
+counts and fails the same way everywhere. Project errors end up in `PassResult.error` as one line naming
+the file, the op and the cause; the caller decides what to do with them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bridge.artifact import build_artifact, encode_artifact, write_artifact
+from bridge.codegen import BirCodeGenLoop
+from bridge.errors import NkiCacheError
+from bridge.graph import load_graph
+from bridge.targets import get_platform_target, make_target
+from cachestore.passes import pass_summary
+
+COUNT_KEYS = (
+    "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds", "saved_seconds",
+    "lease_waits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped",
+)  # fmt: skip
+
+
+@dataclass
+class PassResult:
+    file: str
+    graph: str | None = None
+    target: str | None = None
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
+    seconds: float = 0.0
+    artifact: str | None = None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if key != "counts"} | self.counts
+
+
+def compile_graph(
+    source: str | Path | Mapping,
+    *,
+    tier: Any = None,
+    target_name: str | None = None,
+    out_dir: str | Path | None = None,
+    label: str | None = None,
+) -> tuple[PassResult, bytes | None]:
+    """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
+
+    With `out_dir` the artifact is written there atomically and its path recorded; the encoded artifact is
+    returned either way, for callers that ship it elsewhere (the fleet)."""
+    result = PassResult(label or (str(source) if not isinstance(source, Mapping) else "<graph>"))
+    started = time.perf_counter()
+    loop = None
+    encoded = None
+    try:
+        graph = load_graph(source)
+        result.graph = graph.name
+        name = target_name or graph.target
+        target = make_target(name) if name else get_platform_target()
+        result.target = type(target).__name__
+        loop = BirCodeGenLoop(target, tier=tier)
+        bb = loop.run(graph)
+        artifact = build_artifact(graph, bb, result.target)
+        encoded = encode_artifact(artifact)
+        if out_dir is not None:
+            result.artifact = str(write_artifact(artifact, out_dir))
+    except NkiCacheError as exc:
+        result.error = " ".join(str(exc).split())
+        encoded = None
+    finally:
+        if loop is not None:
+            summary = pass_summary(loop)
+            result.counts = {key: summary[key] for key in COUNT_KEYS}
+        result.seconds = time.perf_counter() - started
+    return result, encoded
+
+
+def add_counts(results: list[PassResult]) -> dict[str, float]:
+    """Totals over passes, from summed counts (a hit rate is computed from these, never averaged)."""
+    totals: dict[str, float] = dict.fromkeys(COUNT_KEYS, 0)
+    for result in results:
+        for key in COUNT_KEYS:
+            totals[key] += result.counts.get(key, 0)
+    for key in ("compile_seconds", "saved_seconds"):
+        totals[key] = round(totals[key], 6)
+    return totals

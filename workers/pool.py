@@ -1,0 +1,98 @@
+"""The local pool: N processes compiling graph files, all sharing the configured tier.
+
+Each process opens its own tier client once and runs one pass per graph with a fresh BirCodeGenLoop.
+Workers ignore Ctrl-C: the parent stops handing out graphs, lets the running passes finish (their
+artifacts are written atomically) and reports what was done.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.util
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+
+from cachestore.settings import Settings
+from cachestore.urls import open_tier
+from workers.passes import PassResult, compile_graph
+
+_process_tier = None  # the tier client of a pool process, opened by _init_process
+
+
+def _init_process(settings: Settings) -> None:
+    global _process_tier
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _process_tier = open_tier(settings.replace(worker=f"pid{os.getpid()}"))
+    if _process_tier is not None:
+        # Pool processes end without running atexit; a multiprocessing finalizer still runs.
+        multiprocessing.util.Finalize(None, _process_tier.close, exitpriority=10)
+
+
+def _compile_in_process(path: str, target_name: str | None, out_dir: str) -> PassResult:
+    result, _ = compile_graph(path, tier=_process_tier, target_name=target_name, out_dir=out_dir)
+    return result
+
+
+def compile_paths(
+    paths: Sequence[str],
+    *,
+    settings: Settings,
+    workers: int,
+    out_dir: str,
+    target_name: str | None = None,
+    on_result: Callable[[PassResult], None] = lambda result: None,
+) -> tuple[list[PassResult], bool]:
+    """Compile every path; returns (results in input order, interrupted)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if workers <= 1:
+        return _compile_serially(paths, settings, out_dir, target_name, on_result)
+    results: dict[int, PassResult] = {}
+    context = multiprocessing.get_context("forkserver" if sys.platform != "win32" else "spawn")
+    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
+    interrupted = False
+    try:
+        pending: dict[Future, int] = {
+            executor.submit(_compile_in_process, path, target_name, out_dir): index for index, path in enumerate(paths)
+        }
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                results[index] = future.result()
+                on_result(results[index])
+    except KeyboardInterrupt:
+        interrupted = True
+        executor.shutdown(wait=True, cancel_futures=True)
+        for future, index in pending.items():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                results[index] = future.result()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+    return [results[i] for i in sorted(results)], interrupted
+
+
+def _compile_serially(
+    paths: Sequence[str],
+    settings: Settings,
+    out_dir: str,
+    target_name: str | None,
+    on_result: Callable[[PassResult], None],
+) -> tuple[list[PassResult], bool]:
+    tier = open_tier(settings)
+    results: list[PassResult] = []
+    interrupted = False
+    try:
+        for path in paths:
+            result, _ = compile_graph(path, tier=tier, target_name=target_name, out_dir=out_dir)
+            results.append(result)
+            on_result(result)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if tier is not None:
+            tier.close()
+    return results, interrupted
