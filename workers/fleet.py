@@ -1,0 +1,279 @@
+"""The fleet: compile jobs on a Redis Stream, read by workers on many machines through a consumer group.
+
+    submit   XADD one job per graph (the graph's JSON travels in the job, so workers need no shared disk)
+    worker   XREADGROUP, compile, then one Lua script records the result and the artifact and XACKs;
+             XAUTOCLAIM takes over jobs whose worker went quiet for `job_claim_idle` seconds
+    failure  the job is re-queued with its attempt count; after `job_max_attempts` it goes to the
+             dead-letter stream with its error
+    results  a hash job id -> result, written with HSETNX, so a job completes exactly once even when a
+             reclaimed job was also finished by the worker that was thought dead
+
+Artifacts live in the tier (`{NS:vV:jobs}:artifact:JOB`, with the entry TTL); `nkicache submit --wait --out
+DIR` downloads them so `nkicache run` can load them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.exceptions as rex
+
+from bridge.errors import NkiCacheError
+from cachestore.keys import KeySpace
+from cachestore.redis_tier import connect
+from cachestore.settings import Settings
+from cachestore.urls import REDIS_SCHEMES, open_tier
+from workers.passes import PassResult, compile_graph
+
+GROUP = "nkicache-workers"
+MAX_GRAPH_BYTES = 16 * 1024 * 1024
+BLOCK_MS = 1000
+
+# KEYS[1] results hash  KEYS[2] counts hash  KEYS[3] artifact key  KEYS[4] job stream
+# ARGV[1] job id  ARGV[2] result JSON  ARGV[3] artifact bytes  ARGV[4] artifact TTL (s)  ARGV[5] message id
+# Record the result once (a second finisher of a reclaimed job changes nothing) and acknowledge.
+COMPLETE_JOB_LUA = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+  redis.call('HINCRBY', KEYS[2], 'completed', 1)
+end
+redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[5])
+return 1
+"""
+
+# KEYS[1] results  KEYS[2] counts  KEYS[3] failures  KEYS[4] job stream  KEYS[5] dead-letter stream
+# ARGV[1] job id  ARGV[2] message id  ARGV[3] error  ARGV[4] max attempts  ARGV[5] job JSON  ARGV[6] worker
+# Count the failure; re-queue the job, or dead-letter it after the last attempt; acknowledge either way.
+FAIL_JOB_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[2])
+  return 0
+end
+local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+redis.call('HINCRBY', KEYS[2], 'failed', 1)
+if attempts >= tonumber(ARGV[4]) then
+  local result = cjson.encode({status='dead_letter', error=ARGV[3], worker=ARGV[6], attempts=attempts})
+  redis.call('HSET', KEYS[1], ARGV[1], result)
+  redis.call('HINCRBY', KEYS[2], 'dead_letter', 1)
+  redis.call('XADD', KEYS[5], '*', 'job', ARGV[1], 'error', ARGV[3], 'attempts', attempts, 'payload', ARGV[5])
+else
+  redis.call('XADD', KEYS[4], '*', 'job', ARGV[5])
+end
+redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[2])
+return attempts
+"""
+
+
+class FleetError(NkiCacheError):
+    """A fleet operation cannot proceed (a graph too large to submit, a tier that is not Redis)."""
+
+
+def fleet_client(settings: Settings) -> Any:
+    if not settings.tier.startswith(REDIS_SCHEMES):
+        raise FleetError(f"the fleet runs on Redis; --tier must be a redis:// URL, got {settings.tier!r}")
+    return connect(settings.tier, connect_timeout=settings.connect_timeout, op_timeout=max(settings.op_timeout,
+                   BLOCK_MS / 1000 + 1), password=settings.redis_password)  # fmt: skip
+
+
+def ensure_group(client: Any, keys: KeySpace) -> None:
+    try:
+        client.xgroup_create(keys.job_stream, GROUP, id="0", mkstream=True)
+    except rex.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+# -- submitting -----------------------------------------------------------------------------------
+@dataclass
+class Submission:
+    batch_id: str
+    job_ids: list[str] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # job id -> graph file
+
+
+def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submission:
+    ensure_group(client, keys)
+    submission = Submission(uuid.uuid4().hex[:12])
+    for path in paths:
+        data = Path(path).read_bytes()
+        if len(data) > MAX_GRAPH_BYTES:
+            raise FleetError(f"{path}: graph file of {len(data)} bytes exceeds {MAX_GRAPH_BYTES}")
+        job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
+        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": data.decode(), "attempt": 1}
+        client.xadd(keys.job_stream, {"job": json.dumps(job)})
+        submission.job_ids.append(job_id)
+        submission.names[job_id] = str(path)
+    if submission.job_ids:
+        client.rpush(keys.job_batch(submission.batch_id), *submission.job_ids)
+        client.expire(keys.job_batch(submission.batch_id), ttl)
+    return submission
+
+
+def results_of(client: Any, keys: KeySpace, job_ids: Sequence[str]) -> dict[str, dict]:
+    values = client.hmget(keys.job_results, list(job_ids)) if job_ids else []
+    return {job_id: json.loads(value) for job_id, value in zip(job_ids, values, strict=True) if value is not None}
+
+
+def wait_for(
+    client: Any, keys: KeySpace, job_ids: Sequence[str], timeout: float | None, on_progress: Callable[[int], None]
+) -> dict[str, dict]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        results = results_of(client, keys, job_ids)
+        on_progress(len(results))
+        if len(results) == len(job_ids) or (deadline is not None and time.monotonic() > deadline):
+            return results
+        time.sleep(0.2)
+
+
+def download_artifacts(client: Any, keys: KeySpace, results: dict[str, dict], out_dir: str) -> list[str]:
+    from bridge.artifact import decode_artifact, write_artifact
+
+    written = []
+    for job_id, result in sorted(results.items()):
+        if result.get("status") != "completed":
+            continue
+        data = client.get(keys.job_artifact(job_id))
+        if data is None:
+            continue
+        artifact = decode_artifact(data, f"artifact of job {job_id}")
+        written.append(str(write_artifact(artifact, out_dir)))
+    return written
+
+
+def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict[str, Any]:
+    ensure_group(client, keys)
+    group = next((g for g in client.xinfo_groups(keys.job_stream) if _text(g["name"]) == GROUP), {})
+    counts = {_text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
+    now = time.time()
+    workers = []
+    for name, beat in client.hgetall(keys.worker_heartbeats).items():
+        info = json.loads(beat)
+        if now - info["time"] <= 3 * heartbeat_interval:
+            workers.append({"name": _text(name), **info})
+    return {
+        "pending": int(group.get("lag") or 0),
+        "in_flight": int(group.get("pending", 0)),
+        "completed": counts.get("completed", 0),
+        "failed": counts.get("failed", 0),
+        "dead_letter": client.xlen(keys.dead_letter_stream),
+        "workers": sorted(workers, key=lambda w: w["name"]),
+    }
+
+
+# -- the worker -----------------------------------------------------------------------------------
+class Worker:
+    """Reads jobs with the consumer group until told to stop (SIGTERM/SIGINT finish the current job)."""
+
+    def __init__(self, settings: Settings, name: str, out_dir: str | None = None, max_jobs: int | None = None):
+        self.settings = settings.replace(worker=name)
+        self.name = name
+        self.out_dir = out_dir
+        self.max_jobs = max_jobs
+        self.keys = KeySpace(settings.namespace)
+        self.client = fleet_client(settings)
+        self.tier = open_tier(self.settings)
+        self._complete = self.client.register_script(COMPLETE_JOB_LUA)
+        self._fail = self.client.register_script(FAIL_JOB_LUA)
+        self.stopping = False
+        self.current: str | None = None
+        self.done = 0
+        self._last_beat = 0.0
+        self._last_claim = 0.0
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum: int, frame: object) -> None:
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def run(self) -> int:
+        ensure_group(self.client, self.keys)
+        try:
+            while not self.stopping and (self.max_jobs is None or self.done < self.max_jobs):
+                self._heartbeat()
+                message = self._next_message()
+                if message is not None:
+                    self._process(*message)
+        finally:
+            self._heartbeat(leaving=True)
+            if self.tier is not None:
+                self.tier.close()
+        return self.done
+
+    def _next_message(self) -> tuple[str, dict] | None:
+        if time.monotonic() - self._last_claim >= min(self.settings.job_claim_idle / 2, 5.0):
+            self._last_claim = time.monotonic()
+            claimed = self.client.xautoclaim(
+                self.keys.job_stream, GROUP, self.name, int(self.settings.job_claim_idle * 1000), "0-0", count=1
+            )
+            messages = claimed[1] if claimed else []
+            for message_id, fields in messages:
+                if fields:  # a deleted entry comes back without fields
+                    return _text(message_id), fields
+        reply = self.client.xreadgroup(GROUP, self.name, {self.keys.job_stream: ">"}, count=1, block=BLOCK_MS)
+        for _stream, messages in reply or []:
+            for message_id, fields in messages:
+                return _text(message_id), fields
+        return None
+
+    def _process(self, message_id: str, fields: dict) -> None:
+        job = json.loads(fields.get(b"job") or fields.get("job"))
+        self.current = job["id"]
+        self._heartbeat(force=True)
+        try:
+            graph = json.loads(job["graph"])
+        except json.JSONDecodeError as exc:
+            result, artifact = PassResult(job["file"], error=f"{job['file']}: not valid JSON: {exc}"), None
+        else:
+            result, artifact = compile_graph(graph, tier=self.tier, label=job["file"], out_dir=self.out_dir)
+        if result.error is None and artifact is not None:
+            record = {"status": "completed", "worker": self.name, "host": self.settings.host,
+                      "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip
+            keys = [
+                self.keys.job_results,
+                self.keys.job_counts,
+                self.keys.job_artifact(job["id"]),
+                self.keys.job_stream,
+            ]
+            self._complete(
+                keys=keys, args=[job["id"], json.dumps(record), artifact, self.settings.entry_ttl, message_id]
+            )
+        else:
+            keys = [self.keys.job_results, self.keys.job_counts, self.keys.job_failures, self.keys.job_stream,
+                    self.keys.dead_letter_stream]  # fmt: skip
+            retry = {**job, "attempt": job.get("attempt", 1) + 1}
+            self._fail(keys=keys, args=[job["id"], message_id, result.error or "no artifact",
+                                        self.settings.job_max_attempts, json.dumps(retry), self.name])  # fmt: skip
+        self.done += 1
+        self.current = None
+        self._heartbeat(force=True)
+
+    def _heartbeat(self, force: bool = False, leaving: bool = False) -> None:
+        if leaving:
+            self.client.hdel(self.keys.worker_heartbeats, self.name)
+            return
+        if not force and time.monotonic() - self._last_beat < self.settings.heartbeat_interval:
+            return
+        self._last_beat = time.monotonic()
+        beat = {"time": time.time(), "host": self.settings.host, "pid": os.getpid(), "job": self.current,
+                "done": self.done}  # fmt: skip
+        self.client.hset(self.keys.worker_heartbeats, self.name, json.dumps(beat))
+
+
+def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
+    for message_id, fields in client.xrange(keys.dead_letter_stream):
+        yield {"id": _text(message_id), **{_text(k): _text(v) for k, v in fields.items() if _text(k) != "payload"}}
+
+
+def _text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
