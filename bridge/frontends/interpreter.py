@@ -141,12 +141,15 @@ class KernelInterpreter:
     def __init__(self, kernel_name: str):
         self.kernel_name = kernel_name
         self.depth = 0
+        self.kernel_module: str | None = None  # helpers are inlined from here and from bridge.kernels
 
     # -- calls ------------------------------------------------------------------------------------
     def call(self, func: Callable, args: tuple, kwargs: dict) -> object:
         """Interpret `func(*args, **kwargs)` from its source."""
         if self.depth >= MAX_INLINE_DEPTH:
             raise KernelCompileError(f"helper calls nest deeper than {MAX_INLINE_DEPTH} (recursion?)")
+        if self.kernel_module is None:
+            self.kernel_module = func.__module__
         parsed = parse_function(func.__code__, func)
         try:
             bound = inspect.signature(func).bind(*args, **kwargs)
@@ -166,12 +169,18 @@ class KernelInterpreter:
         return None
 
     def _call_value(self, func: object, args: list, kwargs: dict, frame: _Frame, node: ast.AST) -> object:
-        if isinstance(func, types.FunctionType) and func.__module__ != language.__name__:
+        if isinstance(func, types.FunctionType) and self._is_kernel_code(func):
             return self.call(func, tuple(args), kwargs)  # a helper: inline it
         if not self._may_call(func):
             name = getattr(func, "__qualname__", type(func).__name__)
             raise KernelCompileError(f"calling {name} is not supported in kernels ({SUPPORTED})")
         return func(*args, **kwargs)
+
+    def _is_kernel_code(self, func: types.FunctionType) -> bool:
+        """Helpers written beside the kernel or in the kernel library; anything else (shutil, numpy) is not
+        kernel code and is rejected rather than interpreted."""
+        module = func.__module__ or ""
+        return module == self.kernel_module or module.startswith("bridge.kernels")
 
     @staticmethod
     def _may_call(func: object) -> bool:
