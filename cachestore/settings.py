@@ -68,16 +68,24 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
     """Build the settings from every source; `overrides` are the command-line flags (None = not given)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # setting -> where its value came from, for error messages
     config_path = _config_path(environ)
     if config_path is not None:
-        values.update(_from_file(config_path))
-    values.update(_from_environment(environ))
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
-    if unknown:
-        raise SettingsError(f"unknown setting {sorted(unknown)[0]!r}")
+        from_file = _from_file(config_path)
+        values.update(from_file)
+        sources.update(dict.fromkeys(from_file, str(config_path)))
+    for name, (value, source) in _from_environment(environ).items():
+        values[name] = value
+        sources[name] = source
+    for name, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if name in _SECRETS:
+            raise SettingsError(f"{name} belongs in the environment (NKICACHE_{name.upper()}), not on the command line")
+        values[name] = _coerce(name, value, "command line")
+        sources[name] = "command line"
     settings = Settings(**values)
-    _validate(settings)
+    _validate(settings, sources)
     return settings
 
 
@@ -97,22 +105,24 @@ def _from_file(path: Path) -> dict[str, Any]:
         raise SettingsError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    document = {key.replace("-", "_"): value for key, value in document.items()}
     secrets = _SECRETS & set(document)
     if secrets:
         raise SettingsError(f"{path}: {sorted(secrets)[0]} belongs in the environment, not in a config file")
-    return {key.replace("-", "_"): _coerce(key.replace("-", "_"), value, str(path)) for key, value in document.items()}
+    return {key: _coerce(key, value, str(path)) for key, value in document.items()}
 
 
-def _from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
+def _from_environment(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """{setting: (value, source)} from the NKICACHE_* variables."""
+    values: dict[str, tuple[Any, str]] = {}
     for field in dataclasses.fields(Settings):
         name = "NKICACHE_" + field.name.upper()
         if field.name in _SECRETS:
             secret = _secret(environ, name)
             if secret is not None:
-                values[field.name] = secret.encode() if field.name == "hmac_key" else secret
+                values[field.name] = (secret.encode() if field.name == "hmac_key" else secret, f"${name}")
         elif environ.get(name):
-            values[field.name] = _coerce(field.name, environ[name], f"${name}")
+            values[field.name] = (_coerce(field.name, environ[name], f"${name}"), f"${name}")
     return values
 
 
@@ -147,13 +157,19 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise SettingsError(f"{source}: {name} must be a {kind.__name__}, got {value!r}") from None
 
 
-def _validate(settings: Settings) -> None:
+def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
+    def fail(name: str, problem: str) -> None:
+        raise SettingsError(f"{sources.get(name, 'default')}: {name} {problem}")
+
     if settings.tier_mode not in TIER_MODES:
-        raise SettingsError(f"tier_mode must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
-    positive = ("connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
-                "job_claim_idle", "job_max_attempts", "heartbeat_interval")  # fmt: skip
-    for name in positive:
+        fail("tier_mode", f"must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
+    for name in (
+        "connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
+        "job_claim_idle", "job_max_attempts", "heartbeat_interval", "entry_ttl", "max_entry_bytes", "outbox_limit",
+    ):  # fmt: skip
         if getattr(settings, name) <= 0:
-            raise SettingsError(f"{name} must be positive, got {getattr(settings, name)}")
+            fail(name, f"must be positive, got {getattr(settings, name)}")
+    if settings.final_flush_timeout < 0:
+        fail("final_flush_timeout", f"must not be negative, got {settings.final_flush_timeout}")
     if not settings.namespace or any(c in settings.namespace for c in "{}: "):
-        raise SettingsError(f"namespace {settings.namespace!r} must be non-empty without braces, colons or spaces")
+        fail("namespace", f"{settings.namespace!r} must be non-empty without braces, colons or spaces")
