@@ -79,7 +79,27 @@ def _build(document: Mapping, source: str) -> Graph:
         raise GraphError(f"{source}: 'ops' must be a list")
     for index, op in enumerate(ops):
         graph.ops.append(_op(op, index, graph, source))
+    _check_order(graph, source)
     return graph
+
+
+def _check_order(graph: Graph, source: str) -> None:
+    """Ops run in file order: an op may not read a tensor a later op produces, nor produce one twice."""
+    producer = {}
+    for index, op in enumerate(graph.ops):
+        for tensor in op.results:
+            if tensor.name in producer:
+                raise GraphError(
+                    f"{source}: op {index}: result {tensor.name!r} is already produced by op {producer[tensor.name]}"
+                )
+            producer.setdefault(tensor.name, index)
+    for index, op in enumerate(graph.ops):
+        for tensor in op.operands:
+            if producer.get(tensor.name, -1) >= index:
+                raise GraphError(
+                    f"{source}: op {index}: operand {tensor.name!r} is read before op {producer[tensor.name]} "
+                    "produces it (ops run in file order)"
+                )
 
 
 def _tensor(name: str, spec: object, source: str) -> Tensor:

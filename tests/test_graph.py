@@ -90,6 +90,8 @@ def compile_graph(path_or_doc, target=None):
         (lambda d: d["tensors"]["b"].update(dtype="float64"), "tensor 'b'", "unsupported dtype 'float64'"),
         (lambda d: d["ops"][0]["operands"].append("b"), "op 0", "takes 1 operands"),
         (lambda d: d.update(target="Trn9"), None, "unknown target 'Trn9'"),
+        (lambda d: d["ops"][0].update(operands=["c"]), "op 0", "operand 'c' is read before op 1 produces it"),
+        (lambda d: d["ops"].append(copy.deepcopy(d["ops"][1])), "op 2", "'c' is already produced by op 1"),
     ],
     ids=[
         "top-field",
@@ -103,6 +105,8 @@ def compile_graph(path_or_doc, target=None):
         "dtype",
         "arity",
         "target",
+        "read-before-produced",
+        "produced-twice",
     ],
 )
 def test_load_graph_errors_name_file_and_op(tmp_path: Path, change, where, problem) -> None:
