@@ -15,6 +15,7 @@ from types import TracebackType
 
 from bridge.errors import KernelCompileError
 from bridge.frontends.beta3 import eliminate_dead_code, program_of
+from bridge.frontends.interpreter import display_path
 from bridge.klir import KLIR_VERSION_IDENTIFIER, encode_klir
 from bridge.nki.builder import KernelBuilder
 from bridge.registry import KernelCall, TensorSpec
@@ -101,7 +102,7 @@ def _kernel_location(exc: BaseException) -> str | None:
     ]
     if not frames:
         return None
-    return f"{frames[-1].filename}:{frames[-1].lineno}"
+    return f"{display_path(frames[-1].filename)}:{frames[-1].lineno}"
 
 
 __all__ = ["KLIR_VERSION_IDENTIFIER", "TraceKernel", "trace_beta2"]

@@ -93,10 +93,10 @@ def parse_function(code: types.CodeType, func: Callable) -> ParsedFunction:
     node = tree.body[0]
     if not isinstance(node, ast.FunctionDef):
         raise KernelCompileError(f"{func.__qualname__} is not a plain function definition")
-    return ParsedFunction(node, _display_path(inspect.getsourcefile(func) or "<unknown>"), code.co_firstlineno - 1)
+    return ParsedFunction(node, display_path(inspect.getsourcefile(func) or "<unknown>"), code.co_firstlineno - 1)
 
 
-def _display_path(filename: str) -> str:
+def display_path(filename: str) -> str:
     path = Path(filename)
     root = Path(__file__).resolve().parents[2]
     try:
