@@ -28,12 +28,13 @@ class Tensor:
 
 
 def freeze_attr(value: Any) -> Any:
-    """Lists become tuples, so an attr reads the same whether it came from JSON or from Python; the cache key
-    stringifies attrs, and "[1, 2]" and "(1, 2)" would otherwise be two keys for one variant."""
+    """Lists become tuples and mappings are ordered by key, so an attr reads the same whether it came from
+    JSON or from Python, in whatever order it was written; the cache key stringifies attrs (the spec sorts
+    only the top-level items), and "[1, 2]" and "(1, 2)" would otherwise be two keys for one variant."""
     if isinstance(value, list | tuple):
         return tuple(freeze_attr(v) for v in value)
     if isinstance(value, Mapping):
-        return {k: freeze_attr(v) for k, v in value.items()}
+        return {k: freeze_attr(value[k]) for k in sorted(value, key=str)}
     return value
 
 
@@ -52,7 +53,9 @@ class InternalNkiKernel:
         self.kernel_name = kernel_name
         self.operands = list(operands)
         self.results = list(results)
-        self.attrs = {name: freeze_attr(value) for name, value in (attrs or {}).items()}
+        # In name order, as a compiler op's attributes come in a fixed order: a graph file may list them in
+        # any order, and str() of the attrs dict is part of the cache key.
+        self.attrs = freeze_attr(dict(attrs or {}))
 
     def get_attrs_dict(self) -> dict[str, Any]:
         return dict(self.attrs)

@@ -441,6 +441,21 @@ def test_key_distinguishes_dtype_shape_and_attrs(loop: BirCodeGenLoop, first, se
     assert loop.cache_misses == 2 and loop.cache_hits == 0
 
 
+def test_attr_order_in_a_graph_does_not_split_a_variant(loop: BirCodeGenLoop) -> None:
+    """str() of the attrs dict is inside the key (the spec sorts only the top level), so the IR keeps attrs
+    in name order, as a compiler op's attributes come in a fixed order."""
+
+    def op(attrs: dict) -> InternalNkiKernel:
+        return InternalNkiKernel("Softmax", "softmax", [t("x", (8, 8))], [t("y", (8, 8))], attrs)
+
+    fake = {"b": [1, 2], "a": {"z": 1, "y": [3]}}
+    same = {"a": {"y": (3,), "z": 1}, "b": (1, 2)}
+    assert op(fake).get_attrs_dict() == op(same).get_attrs_dict()
+    assert str(op(fake).get_attrs_dict()) == str(op(same).get_attrs_dict())
+    assert independent_key(op(fake), loop.target) == independent_key(op(same), loop.target)
+    assert list(op(fake).get_attrs_dict()) == ["a", "b"]
+
+
 def test_key_ignores_graph_tensor_names(loop: BirCodeGenLoop) -> None:
     codegen_all(loop, matmul("first"), matmul("second"))
     assert (loop.cache_misses, loop.cache_hits) == (1, 1)
