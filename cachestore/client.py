@@ -163,11 +163,13 @@ class TierClient:
         if len(full) > self.settings.max_entry_bytes:
             logger.warning("entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", cache_key[:16], len(full))
         else:
-            reference = encode_entry(entry.as_reference_to(cache_key), self.settings.hmac_key)
             kernel_name = str(entry.key_components.get("kernel_name", ""))
-            self._enqueue(StoreRequest(cache_key, entry.digest, full, reference, kernel_name))
+            self._enqueue(StoreRequest(cache_key, entry.digest, full, self._reference_encoder(entry), kernel_name))
         if release_lease:
             self.release_lease(cache_key)
+
+    def _reference_encoder(self, entry: Entry) -> Callable[[str], bytes]:
+        return lambda holder: encode_entry(entry.as_reference_to(holder), self.settings.hmac_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._enqueue(LeaseRelease(cache_key, self.owner))

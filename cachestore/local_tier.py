@@ -133,7 +133,7 @@ class LocalTier:
                     (request.digest, now),
                 ).fetchone()
                 if row is not None and row[0] != request.cache_key:
-                    data = request.reference
+                    data = request.reference(row[0])
                 else:
                     data = request.full
                     db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?)", (request.digest, request.cache_key))

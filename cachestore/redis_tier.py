@@ -140,12 +140,18 @@ class RedisTier:
         holders = [_text(claims[2 * i + 1]) for i in range(len(requests))]
         others = [(r, holder) for r, holder in zip(requests, holders, strict=True) if holder not in (None, r.cache_key)]
         alive = self._pipeline(lambda pipe: [pipe.exists(self.keys.entry(h)) for _, h in others]) if others else []
-        referenced = {r.cache_key for (r, _), exists in zip(others, alive, strict=True) if exists}
+        # A holder earlier in this batch is written below, in the same pipeline, before its references.
+        in_batch = {r.cache_key for r, holder in zip(requests, holders, strict=True) if holder == r.cache_key}
+        referenced = {
+            r.cache_key: holder
+            for (r, holder), exists in zip(others, alive, strict=True)
+            if exists or holder in in_batch
+        }
 
         def write(pipe: Any) -> None:
             for r in requests:
                 if r.cache_key in referenced:
-                    pipe.set(self.keys.entry(r.cache_key), r.reference, ex=ttl)
+                    pipe.set(self.keys.entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
                     pipe.set(self.keys.entry(r.cache_key), r.full, ex=ttl)
                     pipe.set(self.keys.digest(r.digest), r.cache_key, ex=ttl)

@@ -8,7 +8,7 @@ done by the client for every backend alike). `MISS` is the typed "nothing there"
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,7 +39,9 @@ class StoreRequest:
     cache_key: str
     digest: str
     full: bytes  # the encoded entry holding the binary
-    reference: bytes  # the same entry encoded as a reference, used when the digest is already stored elsewhere
+    # The same entry encoded as a reference to the cache key (the argument) whose entry already holds this
+    # digest: only the backend learns which key that is, and only the client can sign the encoding.
+    reference: Callable[[str], bytes]
     kernel_name: str
 
 

@@ -1,0 +1,330 @@
+"""Small graphs and tier helpers shared by the tier tests.
+
+Run as a script it compiles one graph in a process of its own against a tier and prints what happened as
+one JSON line (the two-process tests use it):
+
+    python tests/helpers_graphs.py GRAPH.json SETTINGS.json [BARRIER_DIR NAME PARTIES]
+
+SETTINGS.json holds `cachestore.settings.Settings` fields (`hmac_key_hex` for the key). With a barrier, the
+process writes BARRIER_DIR/NAME.ready and starts compiling only when PARTIES such files exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __name__ == "__main__":  # run as a script from anywhere: make the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bridge import run_bir
+from bridge.ir import NKIKLIRKernel
+from bridge.references import reference
+
+SCRIPT = Path(__file__).resolve()
+KERNEL_NAMES = {"Matmul": "matmul_tiled", "Softmax": "softmax", "RMSNorm": "rmsnorm"}
+
+
+# -- graph builders ---------------------------------------------------------------------------------
+def kernel_op(func_name: str, operands: list[str], results: list[str], attrs: dict | None = None) -> dict:
+    op = {"type": "InternalNkiKernel", "func_name": func_name, "kernel_name": KERNEL_NAMES[func_name],
+          "operands": operands, "results": results}  # fmt: skip
+    if attrs:
+        op["attrs"] = attrs
+    return op
+
+
+def tensor(shape: tuple[int, ...] | list[int], dtype: str = "float32") -> dict:
+    return {"shape": list(shape), "dtype": dtype}
+
+
+def mixed_graph(name: str = "mixed", rows: int = 64) -> dict:
+    """Matmul, RMSNorm and Softmax, with repeats (local hits) and an elementwise op: 5 distinct kernels."""
+    k, m, n = rows, 32, 48
+    tensors = {
+        "x0": tensor((k, m)), "x1": tensor((k, m)), "w": tensor((k, n)), "w2": tensor((k, 2 * n)),
+        "g": tensor((n,)), "h0": tensor((m, n)), "h1": tensor((m, n)), "h2": tensor((m, 2 * n)),
+        "n0": tensor((m, n)), "n1": tensor((m, n)), "p0": tensor((m, n)), "p1": tensor((m, 2 * n)),
+        "p2": tensor((m, n)),
+    }  # fmt: skip
+    ops = [
+        kernel_op("Matmul", ["x0", "w"], ["h0"]),
+        kernel_op("Matmul", ["x1", "w"], ["h1"]),  # same shapes: a local hit
+        kernel_op("Matmul", ["x0", "w2"], ["h2"]),
+        kernel_op("RMSNorm", ["h0", "g"], ["n0"], {"eps": 1e-6}),
+        kernel_op("RMSNorm", ["h1", "g"], ["n1"], {"eps": 1e-5}),  # another eps: another variant
+        {"type": "Add", "operands": ["n0", "n1"], "results": ["s"]},
+        kernel_op("Softmax", ["n0"], ["p0"]),
+        kernel_op("Softmax", ["h2"], ["p1"]),
+        kernel_op("Softmax", ["n1"], ["p2"]),  # a local hit
+    ]
+    return {"name": name, "tensors": tensors, "ops": ops}
+
+
+MIXED_DISTINCT_KEYS = 6
+MIXED_KERNEL_OPS = 8
+
+
+def slow_graph(name: str = "slow", variants: int = 10, base_rows: int = 4096) -> dict:
+    """`variants` distinct Softmax/RMSNorm kernels on tall inputs: each traces in tens of milliseconds."""
+    tensors: dict[str, dict] = {"g": tensor((256,))}
+    ops = []
+    for i in range(variants):
+        rows = base_rows + 128 * i
+        tensors[f"x{i}"] = tensor((rows, 256))
+        tensors[f"y{i}"] = tensor((rows, 256))
+        if i % 2:
+            ops.append(kernel_op("RMSNorm", [f"x{i}", "g"], [f"y{i}"], {"eps": 1e-6}))
+        else:
+            ops.append(kernel_op("Softmax", [f"x{i}"], [f"y{i}"]))
+    return {"name": name, "tensors": tensors, "ops": ops}
+
+
+def write_graph(directory: Path, graph: dict) -> Path:
+    path = directory / f"{graph['name']}.json"
+    path.write_text(json.dumps(graph))
+    return path
+
+
+# -- what a compile produced ------------------------------------------------------------------------
+def kernels_of(bb: Any) -> list[NKIKLIRKernel]:
+    return [inst for inst in bb.instructions if isinstance(inst, NKIKLIRKernel)]
+
+
+def binary_digests(bb: Any) -> list[str]:
+    """sha256 of every NKIKLIRKernel's binary, in instruction order."""
+    return [hashlib.sha256(kernel.klir_binary).hexdigest() for kernel in kernels_of(bb)]
+
+
+def assert_outputs_correct(graph: dict, bb: Any, seed: int = 0) -> None:
+    """Run every kernel binary of `bb` on random inputs and compare with bridge.references."""
+    rng = np.random.default_rng(seed)
+    kernel_ops = [op for op in graph["ops"] if op["type"] == "InternalNkiKernel"]
+    kernels = kernels_of(bb)
+    assert len(kernels) == len(kernel_ops)
+    for op, kernel in zip(kernel_ops, kernels, strict=True):
+        arrays = [rng.standard_normal(graph["tensors"][name]["shape"]).astype(np.float32) for name in op["operands"]]
+        outputs = run_bir(kernel.klir_binary, dict(zip(kernel.func_args, arrays, strict=True)))
+        expected = reference(op["func_name"], arrays, op.get("attrs"))
+        for out_name, want in zip(kernel.func_outs, expected, strict=True):
+            np.testing.assert_allclose(outputs[out_name], want, rtol=1e-4, atol=1e-4, err_msg=str(op))
+
+
+# -- looking inside a tier --------------------------------------------------------------------------
+class TierView:
+    """Reads (and for fault injection, writes) a backend's storage directly, the same way for every backend."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    @staticmethod
+    def of(backend: Any) -> TierView:
+        from cachestore.local_tier import LocalTier
+
+        return LocalView(backend) if isinstance(backend, LocalTier) else RedisView(backend)
+
+
+class LocalView(TierView):
+    def _rows(self, sql: str, params: tuple = ()) -> list[tuple]:
+        db = sqlite3.connect(self.backend.path, timeout=5)
+        try:
+            return db.execute(sql, params).fetchall()
+        finally:
+            db.close()
+
+    def _write(self, sql: str, params: tuple = ()) -> None:
+        db = sqlite3.connect(self.backend.path, timeout=5, isolation_level=None)
+        try:
+            db.execute(sql, params)
+        finally:
+            db.close()
+
+    def totals(self) -> dict[str, float]:
+        return dict(self._rows("SELECT name, value FROM totals"))
+
+    def worker_totals(self, host: str, worker: str) -> dict[str, float]:
+        return dict(self._rows("SELECT name, value FROM worker_totals WHERE host = ? AND worker = ?", (host, worker)))
+
+    def kernel_calls(self) -> dict[str, int]:
+        return {k: v for k, v, _ in self._rows("SELECT kernel_name, call_count, variants FROM kernels")}
+
+    def variants(self) -> dict[str, int]:
+        return {k: n for k, _, n in self._rows("SELECT kernel_name, call_count, variants FROM kernels")}
+
+    def key_usage(self, cache_key: str) -> tuple[int, float, float] | None:
+        rows = self._rows("SELECT usage, first_use, last_use FROM key_usage WHERE cache_key = ?", (cache_key,))
+        return tuple(rows[0]) if rows else None
+
+    def key_hosts(self, cache_key: str) -> set[str]:
+        return {h for (h,) in self._rows("SELECT host FROM key_hosts WHERE cache_key = ?", (cache_key,))}
+
+    def pass_log(self) -> list[dict]:
+        return [json.loads(r) for (r,) in self._rows("SELECT record FROM pass_log ORDER BY id")]
+
+    def ttl(self, cache_key: str) -> float | None:
+        rows = self._rows("SELECT expires FROM entries WHERE cache_key = ?", (cache_key,))
+        return rows[0][0] - time.time() if rows else None
+
+    def set_ttl(self, cache_key: str, seconds: float) -> None:
+        self._write("UPDATE entries SET expires = ? WHERE cache_key = ?", (time.time() + seconds, cache_key))
+
+    def raw(self, cache_key: str) -> bytes | None:
+        rows = self._rows("SELECT data FROM entries WHERE cache_key = ?", (cache_key,))
+        return bytes(rows[0][0]) if rows else None
+
+    def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", (cache_key, data, "0" * 64, time.time() + ttl)
+        )
+
+
+class RedisView(TierView):
+    @property
+    def _r(self) -> Any:
+        return self.backend.client
+
+    @property
+    def _k(self) -> Any:
+        return self.backend.keys
+
+    @staticmethod
+    def _decoded(mapping: dict) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in mapping.items()}
+
+    def totals(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._decoded(self._r.hgetall(self._k.totals)).items()}
+
+    def worker_totals(self, host: str, worker: str) -> dict[str, float]:
+        raw = self._decoded(self._r.hgetall(self._k.worker_metrics(host, worker)))
+        return {k: float(v) for k, v in raw.items()}
+
+    def kernel_calls(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self._decoded(self._r.hgetall(self._k.kernel_calls)).items()}
+
+    def variants(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self._decoded(self._r.hgetall(self._k.kernel_variants)).items()}
+
+    def key_usage(self, cache_key: str) -> tuple[int, float, float] | None:
+        usage = self._r.hget(self._k.key_usage, cache_key)
+        if usage is None:
+            return None
+        first = self._r.hget(self._k.key_first, cache_key)
+        last = self._r.hget(self._k.key_last, cache_key)
+        return int(usage), float(first), float(last)
+
+    def key_hosts(self, cache_key: str) -> set[str]:
+        return {h.decode() for h in self._r.smembers(self._k.key_hosts(cache_key))}
+
+    def pass_log(self) -> list[dict]:
+        return [json.loads(fields[b"pass"]) for _, fields in self._r.xrange(self._k.pass_log)]
+
+    def ttl(self, cache_key: str) -> float | None:
+        ms = self._r.pttl(self._k.entry(cache_key))
+        return None if ms < 0 else ms / 1000
+
+    def set_ttl(self, cache_key: str, seconds: float) -> None:
+        self._r.pexpire(self._k.entry(cache_key), max(1, int(seconds * 1000)))
+
+    def raw(self, cache_key: str) -> bytes | None:
+        return self._r.get(self._k.entry(cache_key))
+
+    def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
+        self._r.set(self._k.entry(cache_key), data, ex=int(ttl))
+
+
+def delete_namespace(client: Any, namespace: str) -> None:
+    """Delete every key of a KeySpace namespace, the metrics keys (which start with '{') included."""
+    for pattern in (f"{namespace}:*", f"{{{namespace}:*"):
+        keys = list(client.scan_iter(match=pattern, count=1000))
+        for start in range(0, len(keys), 1000):
+            client.delete(*keys[start : start + 1000])
+
+
+def unique_namespace() -> str:
+    """A namespace Settings accepts (no colons) and that no other test uses."""
+    return f"nkicachetest-{uuid.uuid4().hex[:16]}"
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+# -- compiling in another process ---------------------------------------------------------------------
+def start_compile_process(
+    tmp_path: Path, graph_path: Path, settings: dict, barrier: tuple[Path, str, int] | None = None
+) -> Any:
+    import subprocess
+
+    settings_path = tmp_path / f"settings-{uuid.uuid4().hex[:8]}.json"
+    settings_path.write_text(json.dumps(settings))
+    argv = [sys.executable, str(SCRIPT), str(graph_path), str(settings_path)]
+    if barrier is not None:
+        argv += [str(barrier[0]), barrier[1], str(barrier[2])]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def compile_process_result(process: Any, timeout: float = 60) -> dict:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"compile process failed ({process.returncode}):\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _wait_at_barrier(directory: Path, name: str, parties: int) -> None:
+    (directory / f"{name}.ready").write_text("")
+    deadline = time.monotonic() + 30
+    while len(list(directory.glob("*.ready"))) < parties:
+        if time.monotonic() > deadline:
+            raise SystemExit("barrier: the other processes never arrived")
+        time.sleep(0.001)
+
+
+def main(argv: list[str]) -> None:
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.graph import load_graph
+    from cachestore.passes import pass_summary
+    from cachestore.settings import Settings
+    from cachestore.urls import open_tier
+
+    graph = load_graph(argv[0])
+    fields = json.loads(Path(argv[1]).read_text())
+    if "hmac_key_hex" in fields:
+        fields["hmac_key"] = bytes.fromhex(fields.pop("hmac_key_hex"))
+    tier = open_tier(Settings(**fields))
+    batches: list[dict] = []
+    if tier is not None:
+        record = tier.record
+        tier.record = lambda batch: (batches.append(dict(batch.totals)), record(batch))
+    if len(argv) > 2:
+        _wait_at_barrier(Path(argv[2]), argv[3], int(argv[4]))
+    started = time.time()
+    loop = BirCodeGenLoop(tier=tier)
+    bb = loop.run(graph)
+    finished = time.time()
+    if tier is not None:
+        tier.close(timeout=10)
+    report = {
+        "summary": pass_summary(loop),
+        "batches": batches,
+        "digests": binary_digests(bb),
+        "stats": tier.stats.snapshot() if tier is not None else {},
+        "started": started,
+        "finished": finished,
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,323 @@
+"""The shared backend suite: every tier backend honours the same contract (cachestore.tier.Backend).
+
+Each test runs three times: the embedded SQLite tier, the Redis tier on fakeredis, and the Redis tier on a
+real redis-server (REDIS_URL, or a private server), each under a namespace of its own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis
+from helpers_graphs import TierView, delete_namespace, wait_until
+
+from cachestore.client import TierClient
+from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
+from cachestore.keys import KeySpace
+from cachestore.local_tier import LocalTier
+from cachestore.redis_tier import RedisTier
+from cachestore.settings import Settings
+from cachestore.tier import KeyUsage, MetricsBatch, StoreRequest
+
+TTL = 3600
+
+
+@pytest.fixture(params=["local", "fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalTier | RedisTier]:
+    if request.param == "local":
+        tier = LocalTier(tmp_path / "tier.sqlite")
+        yield tier
+        tier.close()
+    elif request.param == "fakeredis":
+        tier = RedisTier(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"fake-{uuid.uuid4().hex}"))
+        yield tier
+        tier.close()
+    else:
+        namespace = request.getfixturevalue("redis_namespace").rstrip(":")
+        client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=5)
+        tier = RedisTier(client, KeySpace(namespace), "test redis")
+        yield tier
+        delete_namespace(client, namespace)  # the metrics keys start with '{', outside redis_namespace's prefix
+        tier.close()
+
+
+@pytest.fixture
+def view(backend: LocalTier | RedisTier) -> TierView:
+    return TierView.of(backend)
+
+
+def entry(binary: bytes, kernel: str = "softmax", shape: int = 8) -> Entry:
+    return Entry(
+        binary=binary,
+        input_names=["x"],
+        output_names=["out"],
+        format="bir",
+        version_identifier="bir-1",
+        key_components={"kernel_name": kernel, "operands": {"shapes": [[shape, 4]], "dtypes": ["float32"]}},
+        producer_host="host-a",
+        producer_worker="w1",
+        created=time.time(),
+        compile_seconds=0.5,
+    )
+
+
+def request_for(cache_key: str, item: Entry) -> StoreRequest:
+    return StoreRequest(
+        cache_key,
+        item.digest,
+        encode_entry(item),
+        lambda holder: encode_entry(item.as_reference_to(holder)),
+        str(item.key_components["kernel_name"]),
+    )
+
+
+def decoded(data: bytes) -> Entry:
+    return decode_entry(data, SignaturePolicy())
+
+
+# -- entries ------------------------------------------------------------------------------------------
+def test_fetch_of_missing_keys_is_empty(backend) -> None:
+    assert backend.fetch(["nope"], TTL) == {}
+    assert backend.fetch(["a", "b", "c"], TTL) == {}
+    assert list(backend.scan_entries()) == []
+
+
+def test_store_and_fetch_round_trip(backend) -> None:
+    items = {f"key-{i}": entry(b"binary-%d" % i, shape=i) for i in range(3)}
+    backend.store([request_for(k, v) for k, v in items.items()], TTL)
+    assert backend.fetch(["key-1"], TTL) == {"key-1": encode_entry(items["key-1"])}
+    found = backend.fetch(["key-0", "missing", "key-2"], TTL)
+    assert set(found) == {"key-0", "key-2"}
+    assert decoded(found["key-2"]) == items["key-2"]
+
+
+def test_storing_the_same_key_again_overwrites(backend) -> None:
+    backend.store([request_for("k", entry(b"one"))], TTL)
+    backend.store([request_for("k", entry(b"one"))], TTL)
+    assert decoded(backend.fetch(["k"], TTL)["k"]).binary == b"one"
+    assert [key for key, _ in backend.scan_entries()] == ["k"]
+
+
+@pytest.mark.parametrize("one_call", [False, True], ids=["separate-stores", "one-store"])
+def test_identical_binaries_are_stored_once(backend, one_call: bool) -> None:
+    binary = b"the same binary" * 100
+    first, second = entry(binary, shape=8), entry(binary, shape=16)  # two cache keys, one digest
+    requests = [request_for("key-a", first), request_for("key-b", second)]
+    if one_call:
+        backend.store(requests, TTL)
+    else:
+        backend.store(requests[:1], TTL)
+        backend.store(requests[1:], TTL)
+    stored = backend.fetch(["key-a", "key-b"], TTL)
+    assert stored["key-a"] == requests[0].full
+    assert stored["key-b"] == requests[1].reference("key-a")
+    reference = decoded(stored["key-b"])
+    assert reference.is_reference and reference.ref == "key-a" and reference.binary == b""
+    assert binary not in stored["key-b"]
+
+    client = TierClient(lambda: backend, Settings(tier="test", host="h", worker="w"))
+    found = client.lookup("key-b")
+    assert found is not None and not found.is_reference
+    assert found.binary == binary
+    assert found.key_components == second.key_components  # its own entry, with the shared binary
+    assert client.stats.snapshot()["tier_rejected"] == 0
+
+
+def test_a_reference_to_an_entry_that_expired_is_not_made(backend, view) -> None:
+    binary = b"shared" * 50
+    backend.store([request_for("key-a", entry(binary, shape=1))], TTL)
+    view.set_ttl("key-a", 0.05)
+    assert wait_until(lambda: (view.ttl("key-a") or 0) <= 0, timeout=3)  # (fetching would refresh it)
+    assert backend.fetch(["key-a"], TTL) == {}
+    backend.store([request_for("key-b", entry(binary, shape=2))], TTL)
+    assert decoded(backend.fetch(["key-b"], TTL)["key-b"]).binary == binary
+
+
+# -- retention ----------------------------------------------------------------------------------------
+def test_fetch_refreshes_the_ttl(backend, view) -> None:
+    backend.store([request_for("k", entry(b"bin"))], TTL)
+    assert TTL - 60 < view.ttl("k") <= TTL
+    view.set_ttl("k", 30)
+    assert view.ttl("k") <= 30
+    assert backend.fetch(["k"], TTL)
+    assert TTL - 60 < view.ttl("k") <= TTL
+    view.set_ttl("k", 30)
+    assert backend.fetch(["k"], 7200) and 7200 - 60 < view.ttl("k") <= 7200  # the reader's TTL counts
+
+
+def test_entries_expire(backend, view) -> None:
+    backend.store([request_for("short", entry(b"short-lived")), request_for("long", entry(b"long-lived"))], 1)
+    backend.store([request_for("kept", entry(b"kept"))], TTL)
+    assert 0 < view.ttl("short") <= 1 and view.raw("short") is not None
+    # Poll without fetching: a fetch would refresh the TTL.
+    assert wait_until(lambda: all((view.ttl(key) or 0) <= 0 for key in ("short", "long")), timeout=5)
+    assert set(backend.fetch(["short", "long", "kept"], TTL)) == {"kept"}
+    assert [key for key, _ in backend.scan_entries()] == ["kept"]
+
+
+# -- single flight ------------------------------------------------------------------------------------
+def test_lease_is_exclusive_and_released_only_by_its_owner(backend) -> None:
+    assert backend.lease_holder("k") is None
+    assert backend.acquire_lease("k", "worker-1", 30) is True
+    assert backend.acquire_lease("k", "worker-2", 30) is False
+    assert backend.acquire_lease("k", "worker-1", 30) is False  # not re-entrant either
+    assert backend.lease_holder("k") == "worker-1"
+    assert backend.acquire_lease("other-key", "worker-2", 30) is True  # leases are per key
+
+    backend.release_lease("k", "worker-2")  # not the owner: nothing happens
+    assert backend.lease_holder("k") == "worker-1"
+    backend.release_lease("k", "worker-1")
+    assert backend.lease_holder("k") is None
+    assert backend.acquire_lease("k", "worker-2", 30) is True
+    assert backend.lease_holder("k") == "worker-2"
+    assert backend.lease_holder("other-key") == "worker-2"
+
+
+def test_lease_expires(backend) -> None:
+    assert backend.acquire_lease("k", "dead-worker", 0.2)
+    assert backend.acquire_lease("k", "worker-2", 30) is False
+    assert wait_until(lambda: backend.lease_holder("k") is None, timeout=3)
+    assert backend.acquire_lease("k", "worker-2", 30) is True
+    backend.release_lease("k", "dead-worker")  # a late release by the dead holder must not free it
+    assert backend.lease_holder("k") == "worker-2"
+
+
+# -- fleet metrics ------------------------------------------------------------------------------------
+def batch(batch_id: str, host: str, worker: str, keys: dict[str, KeyUsage], **totals: float) -> MetricsBatch:
+    calls: dict[str, int] = {}
+    for usage in keys.values():
+        calls[usage.kernel_name] = calls.get(usage.kernel_name, 0) + usage.usage
+    record = {"pass_id": batch_id, "graph": f"graph-{batch_id}", "host": host, **totals}
+    return MetricsBatch(batch_id, host, worker, dict(totals), calls, keys, record)
+
+
+def test_apply_metrics_exactly_once_and_summed(backend, view) -> None:
+    first = batch(
+        "pass-1",
+        "host-a",
+        "w1",
+        {"k1": KeyUsage("softmax", 3, 100.0, 110.0), "k2": KeyUsage("matmul", 1, 101.0, 101.0)},
+        passes=1,
+        kernels=4,
+        cache_hits=2,
+        cache_misses=2,
+        traces=2,
+        compile_seconds=0.25,
+    )
+    assert backend.apply_metrics(first) is True
+    assert backend.apply_metrics(first) is False  # a retried flush
+    assert backend.apply_metrics(first) is False
+    assert view.totals() == {"passes": 1, "kernels": 4, "cache_hits": 2, "cache_misses": 2, "traces": 2,
+                             "compile_seconds": 0.25}  # fmt: skip
+
+    second = batch(
+        "pass-2",
+        "host-b",
+        "w7",
+        {"k1": KeyUsage("softmax", 2, 90.0, 105.0), "k3": KeyUsage("softmax", 5, 120.0, 130.0)},
+        passes=1,
+        kernels=7,
+        cache_hits=5,
+        cache_misses=2,
+        remote_hits=1,
+        traces=1,
+        compile_seconds=0.5,
+    )
+    assert backend.apply_metrics(second) is True
+    assert backend.apply_metrics(first) is False
+    assert backend.apply_metrics(second) is False
+
+    assert view.totals() == pytest.approx(
+        {
+            "passes": 2,
+            "kernels": 11,
+            "cache_hits": 7,
+            "cache_misses": 4,
+            "remote_hits": 1,
+            "traces": 3,
+            "compile_seconds": 0.75,
+        }
+    )
+    assert view.worker_totals("host-a", "w1") == pytest.approx(first.totals)
+    assert view.worker_totals("host-b", "w7") == pytest.approx(second.totals)
+    assert view.worker_totals("host-a", "w7") == {}
+
+    assert view.kernel_calls() == {"softmax": 3 + 2 + 5, "matmul": 1}
+    assert view.variants() == {"softmax": 2, "matmul": 1}  # k1 counted once across both batches
+
+    assert view.key_usage("k1") == (5, 90.0, 110.0)  # usage summed, earliest first use, latest last use
+    assert view.key_usage("k2") == (1, 101.0, 101.0)
+    assert view.key_usage("k3") == (5, 120.0, 130.0)
+    assert view.key_usage("never-used") is None
+    assert view.key_hosts("k1") == {"host-a", "host-b"}
+    assert view.key_hosts("k3") == {"host-b"}
+
+    log = view.pass_log()
+    assert [record["pass_id"] for record in log] == ["pass-1", "pass-2"]
+    assert log[1] == second.pass_record
+
+
+def test_batches_without_a_pass_record_leave_the_log_alone(backend, view) -> None:
+    partial = MetricsBatch("partial-1", "h", "w", {"traces": 1}, {}, {}, None)
+    assert backend.apply_metrics(partial) is True
+    assert backend.apply_metrics(partial) is False
+    assert view.totals() == {"traces": 1}
+    assert view.pass_log() == []
+
+
+def test_many_batches_sum_exactly(backend, view) -> None:
+    batches = [
+        batch(
+            f"b{i}",
+            f"host-{i % 3}",
+            "w",
+            {f"key-{i % 5}": KeyUsage("rmsnorm", i + 1, float(i), float(i + 1))},
+            passes=1,
+            kernels=i + 1,
+            traces=i % 2,
+            compile_seconds=0.125 * i,
+        )
+        for i in range(20)
+    ]
+    for item in batches + batches[::3]:  # some retried
+        backend.apply_metrics(item)
+    totals = view.totals()
+    assert totals["passes"] == 20
+    assert totals["kernels"] == sum(i + 1 for i in range(20))
+    assert totals["traces"] == 10
+    assert totals["compile_seconds"] == pytest.approx(0.125 * sum(range(20)))
+    assert view.kernel_calls() == {"rmsnorm": sum(i + 1 for i in range(20))}
+    assert view.variants() == {"rmsnorm": 5}
+    assert view.key_usage("key-0") == (1 + 6 + 11 + 16, 0.0, 16.0)
+    assert view.key_hosts("key-0") == {"host-0", "host-2", "host-1"}
+    assert len(view.pass_log()) == 20
+
+
+# -- scanning -----------------------------------------------------------------------------------------
+def test_scan_entries_streams_every_entry(backend) -> None:
+    items = {f"key-{i:04d}": entry(b"binary-%d" % i, shape=i) for i in range(1234)}
+    requests = [request_for(k, v) for k, v in items.items()]
+    for start in range(0, len(requests), 300):
+        backend.store(requests[start : start + 300], TTL)
+    stream = backend.scan_entries()
+    assert iter(stream) is stream  # a generator, not a list built up front
+    scanned = dict(stream)
+    assert scanned.keys() == items.keys()
+    assert all(scanned[k] == encode_entry(v) for k, v in items.items())
+
+
+def test_scan_entries_includes_references(backend) -> None:
+    backend.store([request_for("a", entry(b"same", shape=1))], TTL)
+    backend.store([request_for("b", entry(b"same", shape=2))], TTL)
+    scanned = dict(backend.scan_entries())
+    assert decoded(scanned["a"]).binary == b"same"
+    assert decoded(scanned["b"]).ref == "a"
+
+
+def test_ping_answers(backend) -> None:
+    backend.ping()
