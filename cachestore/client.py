@@ -237,14 +237,16 @@ class TierClient:
                 self.stats.add("metrics_applied")
         return ok
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the outbox is empty, at most `timeout` seconds (and not at all while the tier is down)."""
+    def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
+        """Wait until the outbox is empty, at most `timeout` seconds. While the tier is down it gives up at once,
+        unless `through_outage` and the breaker closes (so the flusher retries) before the deadline."""
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         with self._outbox_lock:
             self._outbox_lock.notify_all()
             while self._outbox:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._available():
+                retries_in_time = through_outage and self._open_until < deadline
+                if remaining <= 0 or not (self._available() or retries_in_time):
                     return False
                 self._outbox_lock.wait(min(remaining, 0.05))
         return True
@@ -254,8 +256,9 @@ class TierClient:
             return len(self._outbox)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush (bounded), stop the flusher, count what could not be delivered, close the backend."""
-        self.flush(timeout)
+        """Flush (bounded; waiting out the breaker when it closes in time), stop the flusher, count what could
+        not be delivered, close the backend."""
+        self.flush(timeout, through_outage=True)
         with self._outbox_lock:
             self._closing = True
             self._outbox_lock.notify_all()

@@ -1,0 +1,379 @@
+"""TierClient over the embedded tier and fakeredis: verified reads, rejections counted, the circuit breaker,
+the bounded outbox, and metrics held through an outage delivered exactly once."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fakeredis
+import msgpack
+import pytest
+from helpers_graphs import TierView, wait_until
+
+from cachestore.client import TierClient
+from cachestore.entry import Entry, encode_entry
+from cachestore.keys import KeySpace
+from cachestore.local_tier import LocalTier
+from cachestore.redis_tier import RedisTier
+from cachestore.settings import Settings
+from cachestore.tier import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable
+
+KEY = b"fleet-key-0123456789abcdef"
+OTHER_KEY = b"another-key-0123456789abcd"
+BINARY = b"\x00BIR" + bytes(range(200)) + b"MARKER-IN-THE-BINARY" + bytes(50)
+
+
+@pytest.fixture(params=["local", "fakeredis"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalTier | RedisTier]:
+    if request.param == "local":
+        tier = LocalTier(tmp_path / "tier.sqlite")
+    else:
+        tier = RedisTier(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"t{uuid.uuid4().hex}"))
+    yield tier
+    tier.close()
+
+
+class FlakyBackend:
+    """A backend that fails on demand: while `down`, for the next `fail[method]` calls, or (for metrics)
+    after applying a batch but before answering, as when a reply is lost."""
+
+    def __init__(self, inner: LocalTier | RedisTier):
+        self.inner = inner
+        self.down = False
+        self.error: type[Exception] = TierUnavailable
+        self.fail: collections.Counter = collections.Counter()
+        self.lose_replies = 0
+        self.calls: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def _gate(self, method: str) -> None:
+        with self._lock:
+            self.calls[method] += 1
+            if self.down:
+                raise self.error(f"{method}: the tier is down")
+            if self.fail[method] > 0:
+                self.fail[method] -= 1
+                raise self.error(f"{method}: failing on purpose")
+
+    def fetch(self, cache_keys, ttl):
+        self._gate("fetch")
+        return self.inner.fetch(cache_keys, ttl)
+
+    def store(self, requests, ttl):
+        self._gate("store")
+        self.inner.store(requests, ttl)
+
+    def apply_metrics(self, batch):
+        self._gate("apply_metrics")
+        applied = self.inner.apply_metrics(batch)
+        with self._lock:
+            if self.lose_replies > 0:
+                self.lose_replies -= 1
+                raise TierTimeout("applied, but the reply was lost")
+        return applied
+
+    def acquire_lease(self, cache_key, owner, ttl):
+        self._gate("acquire_lease")
+        return self.inner.acquire_lease(cache_key, owner, ttl)
+
+    def release_lease(self, cache_key, owner):
+        self._gate("release_lease")
+        self.inner.release_lease(cache_key, owner)
+
+    def lease_holder(self, cache_key):
+        self._gate("lease_holder")
+        return self.inner.lease_holder(cache_key)
+
+    def scan_entries(self):
+        self._gate("scan_entries")
+        return self.inner.scan_entries()
+
+    def ping(self):
+        self._gate("ping")
+
+    def close(self):
+        pass
+
+
+def settings(**changes) -> Settings:
+    base = {"tier": "test", "host": "host-a", "worker": "w1", "breaker_cooldown": 0.3, "flush_interval": 0.05}
+    return Settings(**{**base, **changes})
+
+
+def client_for(backend, **changes) -> TierClient:
+    return TierClient(lambda: backend, settings(**changes), "test tier")
+
+
+def make_entry(binary: bytes = BINARY, shape: int = 64) -> Entry:
+    return Entry(
+        binary=binary,
+        input_names=["lhsT", "rhs"],
+        output_names=["out"],
+        format="bir",
+        version_identifier="bir-1",
+        key_components={"kernel_name": "matmul_tiled", "operands": {"shapes": [[shape, 32]], "dtypes": ["float32"]}},
+        producer_host="host-a",
+        producer_worker="w1",
+        created=1_700_000_000.5,
+        compile_seconds=0.25,
+    )
+
+
+def counts(client: TierClient) -> dict[str, int]:
+    return client.stats.snapshot()
+
+
+# -- verified reads -----------------------------------------------------------------------------------
+def test_read_through_returns_the_verified_entry(backend) -> None:
+    writer = client_for(backend)
+    writer.publish("key-1", make_entry())
+    assert writer.flush(timeout=5) is True
+    reader = client_for(backend, worker="w2")
+    found = reader.lookup("key-1")
+    assert found == make_entry() and found.binary == BINARY
+    assert reader.lookup("missing") is None
+    assert counts(reader) == dict.fromkeys(counts(reader), 0)
+    writer.close()
+    reader.close()
+
+
+def test_signed_entries_between_clients(backend) -> None:
+    writer = client_for(backend, hmac_key=KEY)
+    writer.publish("key-1", make_entry())
+    assert writer.flush(timeout=5)
+    same_key = client_for(backend, hmac_key=KEY)
+    assert same_key.lookup("key-1").signed is True
+    assert client_for(backend).lookup("key-1") == make_entry()  # no key: accepted on its digest
+    strict = client_for(backend, reject_unverifiable=True)
+    assert strict.lookup("key-1") is None and counts(strict)["tier_rejected"] == 1
+    wrong_key = client_for(backend, hmac_key=OTHER_KEY)
+    assert wrong_key.lookup("key-1") is None and counts(wrong_key)["tier_rejected"] == 1
+    writer.close()
+
+
+def test_a_deduplicated_entry_reads_back_whole(backend) -> None:
+    client = client_for(backend, hmac_key=KEY)
+    client.publish("key-1", make_entry(shape=64))
+    assert client.flush(timeout=5)
+    client.publish("key-2", make_entry(shape=128))  # another key, the same binary
+    assert client.flush(timeout=5)
+    assert BINARY not in TierView.of(backend).raw("key-2")
+    found = client_for(backend, hmac_key=KEY).lookup("key-2")
+    assert found.binary == BINARY and found.key_components == make_entry(shape=128).key_components
+    client.close()
+
+
+def _reencoded(data: bytes, **envelope_changes) -> bytes:
+    envelope = msgpack.unpackb(data, raw=False)
+    envelope.update(envelope_changes)
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _flip_binary_byte(data: bytes) -> bytes:
+    forged = bytearray(data)
+    forged[forged.index(b"MARKER-IN-THE-BINARY")] ^= 0x01
+    return bytes(forged)
+
+
+CORRUPTIONS = {
+    "garbage": lambda good, signed: b"\xde\xad\xbe\xef not an entry",
+    "truncated": lambda good, signed: good[: len(good) // 2],
+    "truncated-by-one": lambda good, signed: good[:-1],
+    "forged-binary": lambda good, signed: _flip_binary_byte(good),
+    "wrong-version": lambda good, signed: _reencoded(good, schema=99),
+    "wrongly-signed": lambda good, signed: encode_entry(make_entry(), OTHER_KEY),
+    "unsigned": lambda good, signed: encode_entry(make_entry()),
+    "pickle": lambda good, signed: __import__("pickle").dumps(make_entry()),
+    "empty": lambda good, signed: b"",
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_bad_entries_are_rejected_and_counted(backend, corruption: str) -> None:
+    client = client_for(backend, hmac_key=KEY)
+    good = encode_entry(make_entry(), KEY)
+    TierView.of(backend).put_raw("bad-key", CORRUPTIONS[corruption](good, True))
+    assert client.lookup("bad-key") is None
+    assert counts(client)["tier_rejected"] == 1
+    assert counts(client)["tier_errors"] == 0 and counts(client)["tier_timeouts"] == 0
+    TierView.of(backend).put_raw("bad-key", good)
+    assert client.lookup("bad-key") == make_entry()  # the same key, intact, is read again
+    assert counts(client)["tier_rejected"] == 1
+
+
+def test_a_reference_to_another_binary_is_rejected(backend) -> None:
+    view = TierView.of(backend)
+    view.put_raw("holder", encode_entry(make_entry(b"some other binary")))
+    view.put_raw("ref", encode_entry(make_entry().as_reference_to("holder")))
+    client = client_for(backend)
+    assert client.lookup("ref") is None and counts(client)["tier_rejected"] == 1
+    view.put_raw("dangling", encode_entry(make_entry().as_reference_to("gone")))
+    assert client.lookup("dangling") is None  # a miss, nothing to reject
+
+
+def test_entries_over_the_size_limit_are_rejected(backend) -> None:
+    data = encode_entry(make_entry())
+    TierView.of(backend).put_raw("big", data)
+    small = client_for(backend, max_entry_bytes=len(data) - 1)
+    assert small.lookup("big") is None and counts(small)["tier_rejected"] == 1
+    assert client_for(backend, max_entry_bytes=len(data)).lookup("big") == make_entry()
+
+
+def test_entries_over_the_size_limit_are_not_written(backend) -> None:
+    client = client_for(backend, max_entry_bytes=100)
+    client.publish("big", make_entry())
+    assert client.flush(timeout=5)
+    assert TierView.of(backend).raw("big") is None
+
+
+# -- the circuit breaker ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("error", "counter"), [(TierUnavailable, "tier_errors"), (TierTimeout, "tier_timeouts")])
+def test_breaker_opens_skips_then_retries(backend, error: type[Exception], counter: str) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=0.3)
+    client.publish("key-1", make_entry())
+    assert client.flush(timeout=5)
+
+    flaky.down, flaky.error = True, error
+    started = time.monotonic()
+    assert client.lookup("key-1") is None
+    assert flaky.calls["fetch"] == 1 and counts(client)[counter] == 1
+    other = "tier_timeouts" if counter == "tier_errors" else "tier_errors"
+    assert counts(client)[other] == 0 and counts(client)["tier_rejected"] == 0
+
+    for _ in range(5):  # during the cool-down the tier is not asked at all
+        assert client.lookup("key-1") is None
+    assert flaky.calls["fetch"] == 1 and counts(client)["tier_skipped"] == 5
+    assert client.acquire_lease("key-1") is True  # cannot ask: trace
+    assert flaky.calls["acquire_lease"] == 0
+
+    flaky.down = False
+    assert wait_until(lambda: client.lookup("key-1") is not None, timeout=5)
+    assert time.monotonic() - started >= 0.3
+    assert flaky.calls["fetch"] == 2 and counts(client)[counter] == 1
+    client.close()
+
+
+def test_an_unreachable_tier_at_start_is_retried_after_the_cooldown(backend) -> None:
+    attempts = []
+
+    def factory():
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise TierUnavailable("connection refused")
+        return backend
+
+    TierView.of(backend).put_raw("k", encode_entry(make_entry()))
+    client = TierClient(factory, settings(breaker_cooldown=0.2))
+    assert client.lookup("k") is None and counts(client)["tier_errors"] == 1
+    assert client.lookup("k") is None and len(attempts) == 1  # not even connecting during the cool-down
+    assert wait_until(lambda: client.lookup("k") is not None, timeout=3)
+    assert len(attempts) == 2 and attempts[1] - attempts[0] >= 0.2
+    assert counts(client)["tier_errors"] == 1
+    client.close()
+
+
+# -- the outbox ---------------------------------------------------------------------------------------
+def test_the_outbox_is_bounded_and_drops_are_counted(backend) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, outbox_limit=5, breaker_cooldown=0.5)
+    flaky.down = True
+    assert client.lookup("x") is None  # opens the breaker
+    for i in range(12):
+        client.publish(f"key-{i}", make_entry(b"binary-%d" % i))
+    assert client.pending() == 5
+    assert counts(client)["tier_dropped"] == 7
+    assert client.flush(timeout=0.2) is False  # the tier is down: a pass-end flush does not wait
+
+    flaky.down = False
+    assert client.flush(timeout=10, through_outage=True) is True
+    view = TierView.of(backend)
+    assert [i for i in range(12) if view.raw(f"key-{i}") is not None] == [7, 8, 9, 10, 11]  # the newest kept
+    assert counts(client)["tier_dropped"] == 7
+    client.close()
+
+
+def test_close_counts_what_it_could_not_deliver(backend) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=30)
+    flaky.down = True
+    client.publish("a", make_entry())
+    client.record(MetricsBatch("b1", "host-a", "w1", {"passes": 1}))
+    assert wait_until(lambda: counts(client)["tier_errors"] >= 1, timeout=5)
+    started = time.monotonic()
+    client.close(timeout=5)  # the breaker stays open past the deadline: no point waiting
+    assert time.monotonic() - started < 2
+    assert counts(client)["tier_dropped"] == 2 and client.pending() == 0
+
+
+def test_writes_keep_their_order_through_failures(backend) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=0.1)
+    assert client.acquire_lease("key-1") is True
+    flaky.fail["store"] = 2
+    client.publish("key-1", make_entry(), release_lease=True)
+    assert client.flush(timeout=10, through_outage=True)
+    assert flaky.calls["store"] == 3
+    assert backend.lease_holder("key-1") is None  # released only after the entry was stored
+    assert client.lookup("key-1") == make_entry()
+    client.close()
+
+
+# -- metrics through an outage ------------------------------------------------------------------------
+def pass_batch(i: int) -> MetricsBatch:
+    totals = {"passes": 1, "kernels": 3 + i, "cache_hits": i, "cache_misses": 3, "traces": 3 - i % 2,
+              "compile_seconds": 0.5 * i}  # fmt: skip
+    keys = {f"key-{i % 2}": KeyUsage("matmul_tiled", 2 + i, 100.0 + i, 101.0 + i)}
+    record = {"pass_id": f"pass-{i}", **totals}
+    return MetricsBatch(f"pass-{i}", "host-a", "w1", totals, {"matmul_tiled": 2 + i}, keys, record)
+
+
+def expected_totals(batches: list[MetricsBatch]) -> dict[str, float]:
+    summed: dict[str, float] = collections.defaultdict(float)
+    for item in batches:
+        for name, value in item.totals.items():
+            summed[name] += value
+    return dict(summed)
+
+
+@pytest.mark.parametrize("failure", ["errors", "timeouts", "lost-replies"])
+def test_metrics_held_during_an_outage_are_delivered_exactly_once(backend, failure: str) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=0.1)
+    batches = [pass_batch(i) for i in range(4)]
+    if failure == "lost-replies":
+        flaky.lose_replies = 3  # applied each time, but the client hears a timeout and retries
+    else:
+        flaky.error = TierTimeout if failure == "timeouts" else TierUnavailable
+        flaky.fail["apply_metrics"] = 3
+    for item in batches:
+        client.record(item)
+    assert client.flush(timeout=15, through_outage=True) is True
+    view = TierView.of(backend)
+    assert view.totals() == pytest.approx(expected_totals(batches))
+    assert view.kernel_calls() == {"matmul_tiled": sum(2 + i for i in range(4))}
+    assert view.variants() == {"matmul_tiled": 2}
+    assert [record["pass_id"] for record in view.pass_log()] == [f"pass-{i}" for i in range(4)]
+    assert flaky.calls["apply_metrics"] == 4 + 3
+    failures = counts(client)["tier_timeouts"] + counts(client)["tier_errors"]
+    assert failures == 3 and counts(client)["tier_dropped"] == 0
+    client.close()
+
+
+def test_close_waits_for_the_tier_to_return(backend) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=0.2)
+    flaky.down = True
+    batches = [pass_batch(i) for i in range(3)]
+    for item in batches:
+        client.record(item)
+    assert wait_until(lambda: counts(client)["tier_errors"] >= 1, timeout=5)
+    threading.Timer(0.5, lambda: setattr(flaky, "down", False)).start()
+    client.close(timeout=10)
+    assert TierView.of(backend).totals() == pytest.approx(expected_totals(batches))
+    assert counts(client)["tier_dropped"] == 0
