@@ -90,7 +90,7 @@ class BirCodeGenLoop:
         else:
             self.cache_misses += 1
             logger.info("Cache miss for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
-            result = self._read_through_tier(cache_key)
+            result = self._read_through_tier(inst, cache_key)
             if result is None:
                 result = self._trace_and_publish(inst, cache_key, key_components)
             self._cache_new_nki_frontend_binary(cache_key, result, key_components)
@@ -195,17 +195,26 @@ class BirCodeGenLoop:
     def _tier_reads(self) -> bool:
         return self.tier is not None and self.tier.mode == "read-through"
 
-    def _read_through_tier(self, cache_key: str) -> dict | None:
+    def _read_through_tier(self, inst: InternalNkiKernel, cache_key: str) -> dict | None:
         """On a local miss, the tier's verified entry (counted in remote_hits), else None: trace it."""
         if not self._tier_reads():
             return None
-        entry = self.tier.lookup(cache_key)
+        # The key names the kernel, not the func_name: resolve the op first so that an unknown func_name
+        # or a kernel_name the registry would not select fails as it would without a tier.
+        self._resolve_kernel_config(inst)
+        entry, stored = self.tier.find(cache_key)
         if entry is None and self.tier.settings.single_flight:
             if self.tier.acquire_lease(cache_key):
-                self._leases.add(cache_key)
-                return None
-            self.lease_waits += 1
-            entry = self.tier.wait_for_entry(cache_key)
+                # On a plain miss, the previous holder may have published and released between our lookup and
+                # our lease: look once more (an entry just rejected is not read, nor counted, twice).
+                entry = None if stored else self.tier.lookup(cache_key)
+                if entry is None:
+                    self._leases.add(cache_key)
+                    return None
+                self.tier.release_lease(cache_key)
+            else:
+                self.lease_waits += 1
+                entry = self.tier.wait_for_entry(cache_key)
         if entry is None:
             return None
         self.remote_hits += 1

@@ -95,9 +95,7 @@ class RedisServer:
                 return self
             time.sleep(0.05)
         self.kill()
-        raise RuntimeError(
-            f"redis-server on port {self.port} did not answer PING in {START_TIMEOUT_SECONDS} s"
-        )
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING in {START_TIMEOUT_SECONDS} s")
 
     def stop(self) -> None:
         if self.running:
@@ -193,3 +191,12 @@ def private_redis_server() -> Iterator[Callable[[], RedisServer]]:
     yield start
     for server in servers:
         server.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def isolated_default_tier(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default tier is an SQLite file under $XDG_CACHE_HOME: give every test its own, so tests never
+    share cache entries (a remote hit from another test would change its counts) or touch ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    for name in ("NKICACHE_TIER", "NKICACHE_TIER_MODE", "NKICACHE_CONFIG", "NKICACHE_HMAC_KEY"):
+        monkeypatch.delenv(name, raising=False)

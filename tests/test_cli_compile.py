@@ -79,7 +79,7 @@ def test_compile_directory_is_one_pass_per_file_with_a_fresh_cache(tmp_path: Pat
     shutil.copy(GRAPHS / "mlp_repeated.json", folder / "z_again.json")
     (folder / "notes.txt").write_text("not a graph")
     (folder / "z_again.json").write_text((GRAPHS / "mlp_repeated.json").read_text().replace("mlp-repeated", "again"))
-    result, report = compile_json(folder, "--out", tmp_path / "out")
+    result, report = compile_json(folder, "--out", tmp_path / "out", "--tier", "off")
     assert result.exit_code == 0, result.output
     assert report["passes"] == 4
     assert [Path(g["file"]).name for g in report["graphs"]] == [*GOOD, "z_again.json"]  # sorted
@@ -100,13 +100,33 @@ def test_compile_directory_is_one_pass_per_file_with_a_fresh_cache(tmp_path: Pat
     ]
 
 
+def test_compile_with_the_default_tier_traces_each_variant_once_across_passes(tmp_path: Path) -> None:
+    """The same graphs as above with the default (local) tier: later passes get what earlier ones traced."""
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    for name in GOOD:
+        shutil.copy(GRAPHS / name, folder / name)
+    (folder / "z_again.json").write_text((GRAPHS / "mlp_repeated.json").read_text().replace("mlp-repeated", "again"))
+    result, report = compile_json(folder, "--out", tmp_path / "out", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    # Local counts keep the specification's meaning; the tier turns repeated misses into remote hits.
+    assert report["cache_misses"] == 3 + 2 + 3 + 3 and report["cache_hits"] == 2 + 1 + 4 + 4
+    assert report["remote_hits"] + report["traces"] == report["cache_misses"]
+    again = report["graphs"][3]
+    assert (again["remote_hits"], again["traces"]) == (3, 0)
+    _, second = compile_json(folder, "--out", tmp_path / "out2", "--workers", "2")
+    assert second["traces"] == 0 and second["remote_hits"] == second["cache_misses"]
+
+
 def test_compile_text_summary(tmp_path: Path) -> None:
     result = invoke("compile", GRAPHS / "attention_tiles.json", "--out", tmp_path)
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"{GRAPHS / 'attention_tiles.json'} -> {tmp_path / 'attention-tiles.nkibb'}: Trn2, ")
-    assert "5 kernels, 2 hits, 3 misses, 3 traces" in lines[0]
-    assert lines[1].startswith("1 pass (1 compiled, 0 failed): 5 kernels, 2 hits, 3 misses, 3 traces")
+    assert lines[0].startswith(
+        f"[1/1] {GRAPHS / 'attention_tiles.json'} -> {tmp_path / 'attention-tiles.nkibb'}: Trn2, "
+    )
+    assert "5 kernels, 2 hits, 3 misses, 0 remote hits, 3 traces" in lines[0]
+    assert lines[1].startswith("1 pass (1 compiled, 0 failed): 5 kernels, 2 hits, 3 misses, 0 remote hits, 3 traces")
 
 
 def test_compile_failures_are_one_line_each_and_others_still_compile(tmp_path: Path) -> None:
@@ -114,7 +134,7 @@ def test_compile_failures_are_one_line_each_and_others_still_compile(tmp_path: P
     out = tmp_path / "out"
     args = [GRAPHS / "attention_tiles.json", bad["malformed"], bad["unknown"], GRAPHS / "bf16_norm.json"]
     result, report = compile_json(*args, bad["impossible"], "--out", out)
-    assert result.exit_code == 1
+    assert result.exit_code == 1, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 3
     malformed, unknown, impossible = lines
@@ -149,7 +169,7 @@ def test_compile_internal_error_in_one_pass_spares_the_others(tmp_path: Path, mo
         return real_run(self, graph)
 
     monkeypatch.setattr(BirCodeGenLoop, "run", run)
-    result, report = compile_json(GRAPHS, "--out", tmp_path)
+    result, report = compile_json(GRAPHS, "--out", tmp_path, "--workers", "1")  # in this process
     assert result.exit_code == 1
     assert result.stderr == (
         f"nkicache: error: {GRAPHS / 'bf16_norm.json'}: internal error (a bug, please report): RuntimeError: boom\n"

@@ -15,10 +15,17 @@ from typing import Any
 
 import click
 
-# Exit codes: 1 = a check failed (the command ran, the answer is wrong); 2 = a project error
-# (bad kernel, corrupt binary, ...) reported as one line; click's usage errors also exit 2.
-EXIT_CHECK_FAILED = 1
-EXIT_PROJECT_ERROR = 2
+from workers.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_PROJECT_ERROR,
+    Progress,
+    expand,
+    hit_rate,
+    load_cli_settings,
+    plural,
+    summary_line,
+    tier_options,
+)
 
 # Tolerance of the demo's comparison with the numpy reference (float32 kernels).
 DEMO_RTOL = 1e-4
@@ -177,77 +184,59 @@ GRAPH_SUFFIX = ".json"
 DEFAULT_OUT_DIR = "out"
 
 
-@dataclass
-class PassReport:
-    """One compilation pass: one graph file, one fresh BirCodeGenLoop."""
-
-    file: str
-    graph: str | None = None
-    target: str | None = None
-    kernels: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    traces: int = 0
-    seconds: float = 0.0
-    artifact: str | None = None
-    error: str | None = None
+def _pass_line(result: Any) -> str:
+    if result.error:
+        return f"{result.file}: FAILED"
+    c = result.counts
+    return (
+        f"{result.file} -> {result.artifact}: {result.target}, {plural(c['kernels'], 'kernel')}, "
+        f"{plural(c['cache_hits'], 'hit')}, {plural(c['cache_misses'], 'miss')}, "
+        f"{plural(c['remote_hits'], 'remote hit')}, {plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
+    )
 
 
-def _expand(paths: tuple[str, ...], suffix: str) -> list[str]:
-    """Files in command-line order; a directory stands for its *suffix files, sorted by name."""
-    from pathlib import Path
+def compile_and_summarize(
+    files: list[str], *, settings: Any, workers: int, out_dir: str, target_name: str | None, as_json: bool
+) -> tuple[dict, bool]:
+    """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed)."""
+    from workers.passes import add_counts
+    from workers.pool import compile_paths
 
-    files: list[str] = []
-    for path in paths:
-        if Path(path).is_dir():
-            files.extend(str(p) for p in sorted(Path(path).glob(f"*{suffix}")) if p.is_file())
-        else:
-            files.append(path)
-    return files
-
-
-def _compile_pass(path: str, out_dir: str, target_name: str | None, written: dict[str, str]) -> PassReport:
-    """Load, lower and write one graph. Project errors end up in `report.error`, one line naming the file."""
-    from bridge.artifact import ArtifactError, artifact_filename, build_artifact, write_artifact
-    from bridge.codegen import BirCodeGenLoop
-    from bridge.errors import NkiCacheError
-    from bridge.graph import load_graph
-    from bridge.targets import get_platform_target, make_target
-
-    report = PassReport(path)
     started = time.perf_counter()
-    loop = None
+    progress = Progress(len(files), "compiling", quiet=as_json)
     try:
-        graph = load_graph(path)
-        report.graph = graph.name
-        target = make_target(target_name or graph.target) if (target_name or graph.target) else get_platform_target()
-        report.target = type(target).__name__
-        loop = BirCodeGenLoop(target)  # a fresh loop: the cache is per-pass and dies with it
-        bb = loop.run(graph)
-        artifact = build_artifact(graph, bb, report.target)
-        name = artifact_filename(graph.name)
-        if name in written:
-            raise ArtifactError(
-                f"{path}: graph name {graph.name!r} was already compiled from {written[name]} "
-                f"in this call; its artifact {name} would be overwritten"
-            )
-        report.artifact = str(write_artifact(artifact, out_dir))
-        written[name] = path
-    except NkiCacheError as exc:
-        report.error = " ".join(str(exc).split())  # one line, whatever the cause's message holds
-    except Exception as exc:  # a bug in one pass must not cost the other graphs their compile
-        report.error = " ".join(f"{path}: internal error (a bug, please report): {type(exc).__name__}: {exc}".split())
+        results, interrupted = compile_paths(
+            files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
+            on_result=lambda r: progress.advance(_pass_line(r)),
+        )  # fmt: skip
     finally:
-        if loop is not None:
-            report.cache_hits, report.cache_misses = loop.cache_hits, loop.cache_misses
-            report.kernels = loop.cache_hits + loop.cache_misses  # one of the two per kernel op seen
-            report.traces = loop.traces
-        report.seconds = time.perf_counter() - started
-    return report
-
-
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"
+        progress.close()
+    seconds = time.perf_counter() - started
+    failed = [r for r in results if r.error]
+    for result in failed:
+        click.echo(f"nkicache: error: {result.error}", err=True)
+    totals = add_counts(results)
+    summary = {
+        "passes": len(results),
+        "compiled": len(results) - len(failed),
+        **totals,
+        "hit_rate": round(hit_rate(totals), 4),
+        "seconds": seconds,
+        "workers": workers,
+        "tier": settings.tier if settings.tier_mode != "off" else "off",
+        "tier_mode": settings.tier_mode,
+        "interrupted": interrupted,
+        "artifacts": [r.artifact for r in results if r.artifact],
+        "failed": [{"file": r.file, "error": r.error} for r in failed],
+        "graphs": [r.as_json() for r in results],
+    }
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(summary_line(len(results), len(failed), totals, seconds))
+        if interrupted:
+            click.echo(f"interrupted: {len(results)} of {len(files)} graphs compiled; their artifacts are in {out_dir}")
+    return summary, bool(failed) or interrupted
 
 
 @main.command("compile")
@@ -260,6 +249,12 @@ def _plural(count: int, word: str) -> str:
     show_default=True,
     help="Folder the compiled basic blocks (<graph name>.nkibb) are written to.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes compiling in parallel. Default: the number of CPUs (at most one per graph).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (totals, artifacts, failures).")
 @click.option(
     "--target",
@@ -269,58 +264,44 @@ def _plural(count: int, word: str) -> str:
     help="Compile for this target, overriding the graph files' own. Default: each graph's target, "
     "else $NKICACHE_TARGET, else Trn2.",
 )
-def compile_command(graphs: tuple[str, ...], out_dir: str, as_json: bool, target_name: str | None) -> None:
-    """Compile graph files to BIR basic blocks, one compilation pass per file.
+@tier_options
+def compile_command(
+    graphs: tuple[str, ...],
+    out_dir: str,
+    workers: int | None,
+    as_json: bool,
+    target_name: str | None,
+    tier: str | None,
+    tier_mode: str | None,
+) -> None:
+    """Compile graph files to BIR basic blocks, one compilation pass per file, in parallel processes.
 
     A directory stands for its *.json files, sorted. Each pass runs a fresh codegen loop, so its kernel
-    cache lives only as long as the pass: identical kernels within one graph are traced once, across
-    graphs again. Each result is written atomically to OUT/<graph name>.nkibb (see
-    docs/artifact-format.md), which `nkicache run` executes.
+    cache (the specification's) lives only as long as the pass. On a miss the loop asks the tier (by
+    default an SQLite file under ~/.cache/nkicache) before tracing, and mirrors what it traced there, so
+    a kernel variant traced once is not traced again by a later pass or another process. Each result is
+    written atomically to OUT/<graph name>.nkibb (docs/artifact-format.md), which `nkicache run`
+    executes. Ctrl-C stops handing out graphs; running passes finish and keep their artifacts.
 
     A graph that fails (malformed file, unknown func_name, shapes a kernel cannot take) is reported as
     one line on stderr naming the file, the op and the cause; the other graphs are still compiled and
-    the exit code is 1.
+    the exit code is 1. A tier that is down costs counted errors, never a failed compile.
 
-    --json keys: passes, compiled, kernels, cache_hits, cache_misses, traces (beta3 compiles actually
-    run), seconds, artifacts, failed ([{file, error}]) and graphs (the same figures per pass).
+    --json keys: passes, compiled, kernels, cache_hits, cache_misses, remote_hits, traces (beta3
+    compiles actually run), compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
+    tier_rejected, tier_dropped, hit_rate, seconds, workers, tier, tier_mode, interrupted, artifacts,
+    failed ([{file, error}]) and graphs (the same figures per pass).
     """
-    started = time.perf_counter()
-    written: dict[str, str] = {}
-    reports = [_compile_pass(path, out_dir, target_name, written) for path in _expand(graphs, GRAPH_SUFFIX)]
-    if not reports:
+    import os
+
+    files = expand(graphs, GRAPH_SUFFIX)
+    if not files:
         raise click.UsageError(f"no {GRAPH_SUFFIX} graph files in {', '.join(graphs)}")
-    seconds = time.perf_counter() - started
-    failed = [r for r in reports if r.error]
-    for report in failed:
-        click.echo(f"nkicache: error: {report.error}", err=True)
-    totals = {key: sum(getattr(r, key) for r in reports) for key in ("kernels", "cache_hits", "cache_misses", "traces")}
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "passes": len(reports),
-                    "compiled": len(reports) - len(failed),
-                    **totals,
-                    "seconds": seconds,
-                    "artifacts": [r.artifact for r in reports if r.artifact],
-                    "failed": [{"file": r.file, "error": r.error} for r in failed],
-                    "graphs": [r.__dict__ for r in reports],
-                }
-            )
-        )
-    else:
-        for r in reports:
-            if r.artifact:
-                click.echo(
-                    f"{r.file} -> {r.artifact}: {r.target}, {_plural(r.kernels, 'kernel')}, "
-                    f"{_plural(r.cache_hits, 'hit')}, {_plural(r.cache_misses, 'miss')}, "
-                    f"{_plural(r.traces, 'trace')}, {r.seconds:.2f} s"
-                )
-        click.echo(
-            f"{_plural(len(reports), 'pass')} ({len(reports) - len(failed)} compiled, {len(failed)} failed): "
-            f"{_plural(totals['kernels'], 'kernel')}, {_plural(totals['cache_hits'], 'hit')}, "
-            f"{_plural(totals['cache_misses'], 'miss')}, {_plural(totals['traces'], 'trace')}, {seconds:.2f} s"
-        )
+    settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
+    workers = workers or min(os.cpu_count() or 1, len(files))
+    _, failed = compile_and_summarize(
+        files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name, as_json=as_json
+    )
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
 
@@ -371,7 +352,7 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
     [{index, name, func_name, max_abs_err, ok}], outputs: {tensor: sha256}}]), failed ([{file, error}]).
     """
     started = time.perf_counter()
-    files = _expand(compiled, ".nkibb")
+    files = expand(compiled, ".nkibb")
     if not files:
         raise click.UsageError(f"no .nkibb files in {', '.join(compiled)}")
     results = [_run_one(path, seed, check) for path in files]
@@ -399,7 +380,7 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
             verdict = ("OK" if r["ok"] else "FAILED") if check else "ran"
             click.echo(
                 f"{r['file']}: {r['graph']} ({r['target']}), {len(r['instructions'])} instructions, "
-                f"{_plural(len(kernels), 'kernel')}, {r['seconds']:.2f} s -> {verdict}"
+                f"{plural(len(kernels), 'kernel')}, {r['seconds']:.2f} s -> {verdict}"
             )
             if check:
                 for i in kernels:

@@ -71,6 +71,11 @@ def compile_graph(
     except NkiCacheError as exc:
         result.error = " ".join(str(exc).split())
         encoded = None
+    except Exception as exc:  # a bug in one pass must not cost the other graphs their compile
+        result.error = " ".join(
+            f"{result.file}: internal error (a bug, please report): {type(exc).__name__}: {exc}".split()
+        )
+        encoded = None
     finally:
         if loop is not None:
             summary = pass_summary(loop)

@@ -7,6 +7,7 @@ artifacts are written atomically) and reports what was done.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.util
 import os
@@ -37,6 +38,29 @@ def _compile_in_process(path: str, target_name: str | None, out_dir: str) -> Pas
     return result
 
 
+def duplicate_names(paths: Sequence[str]) -> dict[str, str]:
+    """{path: error} for graph files whose artifact name an earlier file in `paths` already takes; a
+    file that cannot be read is left to its pass to report."""
+    from bridge.artifact import artifact_filename
+
+    seen: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    for path in paths:
+        try:
+            name = json.loads(Path(path).read_text()).get("name") or Path(path).stem
+        except (OSError, ValueError, AttributeError):
+            continue
+        filename = artifact_filename(str(name))
+        if filename in seen:
+            errors[path] = (
+                f"{path}: graph name {name!r} was already compiled from {seen[filename]} in this call; "
+                f"its artifact {filename} would be overwritten"
+            )
+        else:
+            seen[filename] = path
+    return errors
+
+
 def compile_paths(
     paths: Sequence[str],
     *,
@@ -48,7 +72,31 @@ def compile_paths(
 ) -> tuple[list[PassResult], bool]:
     """Compile every path; returns (results in input order, interrupted)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    if workers <= 1:
+    refused = duplicate_names(paths)
+    compiled, interrupted = _compile_all([p for p in paths if p not in refused], settings=settings,
+                                         workers=workers, out_dir=out_dir, target_name=target_name,
+                                         on_result=on_result)  # fmt: skip
+    by_path = {result.file: result for result in compiled}
+    results = []
+    for path in paths:
+        if path in refused:
+            results.append(PassResult(path, error=refused[path]))
+            on_result(results[-1])
+        elif path in by_path:
+            results.append(by_path[path])
+    return results, interrupted
+
+
+def _compile_all(
+    paths: Sequence[str],
+    *,
+    settings: Settings,
+    workers: int,
+    out_dir: str,
+    target_name: str | None,
+    on_result: Callable[[PassResult], None],
+) -> tuple[list[PassResult], bool]:
+    if workers <= 1 or len(paths) <= 1:
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
     results: dict[int, PassResult] = {}
     context = multiprocessing.get_context("forkserver" if sys.platform != "win32" else "spawn")
