@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,3 +104,83 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _pass_line(result: Any) -> str:
+    if result.error:
+        return f"{result.file}: FAILED"
+    c = result.counts
+    return (
+        f"{result.file} -> {result.artifact}: {result.target}, {plural(c['kernels'], 'kernel')}, "
+        f"{plural(c['cache_hits'], 'hit')}, {plural(c['cache_misses'], 'miss')}, "
+        f"{plural(c['remote_hits'], 'remote hit')}, {plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
+    )
+
+
+def compile_and_summarize(
+    files: list[str], *, settings: Any, workers: int, out_dir: str, target_name: str | None, as_json: bool
+) -> tuple[dict, bool]:
+    """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed)."""
+    from workers.passes import add_counts
+    from workers.pool import compile_paths
+
+    started = time.perf_counter()
+    progress = Progress(len(files), "compiling", quiet=as_json)
+    try:
+        results, interrupted = compile_paths(
+            files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
+            on_result=lambda r: progress.advance(_pass_line(r)),
+        )  # fmt: skip
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - started
+    failed = [r for r in results if r.error]
+    for result in failed:
+        click.echo(f"nkicache: error: {result.error}", err=True)
+    totals = add_counts(results)
+    summary = {
+        "passes": len(results),
+        "compiled": len(results) - len(failed),
+        **totals,
+        "hit_rate": round(hit_rate(totals), 4),
+        "seconds": seconds,
+        "workers": workers,
+        "tier": settings.tier if settings.tier_mode != "off" else "off",
+        "tier_mode": settings.tier_mode,
+        "interrupted": interrupted,
+        "artifacts": [r.artifact for r in results if r.artifact],
+        "failed": [{"file": r.file, "error": r.error} for r in failed],
+        "graphs": [r.as_json() for r in results],
+    }
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(summary_line(len(results), len(failed), totals, seconds))
+        if interrupted:
+            click.echo(f"interrupted: {len(results)} of {len(files)} graphs compiled; their artifacts are in {out_dir}")
+    return summary, bool(failed) or interrupted
+
+
+def run_one(path: str, seed: int, check: bool) -> dict:
+    """Load, sample, execute (and check) one artifact; a project error becomes {'error': one line}."""
+    import numpy as np
+
+    from bridge.artifact import load_artifact
+    from bridge.errors import NkiCacheError
+    from bridge.graph_runner import run_compiled, sample_artifact_inputs
+
+    try:
+        artifact = load_artifact(path)
+        inputs = sample_artifact_inputs(artifact, np.random.default_rng(seed))
+        report = run_compiled(artifact, inputs, check=check)
+    except NkiCacheError as exc:
+        return {"file": path, "error": " ".join(str(exc).split())}
+    return {
+        "file": path,
+        "graph": report.graph,
+        "target": artifact.target,
+        "ok": report.ok,
+        "seconds": report.seconds,
+        "instructions": [item.as_json() for item in report.instructions],
+        "outputs": report.output_digests(),
+    }

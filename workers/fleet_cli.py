@@ -1,0 +1,171 @@
+"""`nkicache submit`, `worker` and `queue`: the fleet on Redis Streams (see workers/fleet.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+
+import click
+
+from workers.cli_common import EXIT_CHECK_FAILED, expand, load_cli_settings, tier_options
+
+
+def _fleet(tier: str | None, tier_mode: str | None = None, **extra) -> tuple:
+    from cachestore.keys import KeySpace
+    from workers.fleet import fleet_client
+
+    settings = load_cli_settings(tier=tier, tier_mode=tier_mode, **extra)
+    return settings, fleet_client(settings), KeySpace(settings.namespace)
+
+
+def _redis_errors(function):
+    """Turn an unreachable or failing Redis into one clear line (exit 2) instead of a traceback."""
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        import redis.exceptions as rex
+
+        from workers.fleet import FleetError
+
+        try:
+            return function(*args, **kwargs)
+        except rex.RedisError as exc:
+            raise FleetError(f"the fleet's Redis failed: {type(exc).__name__}: {exc}") from None
+
+    return wrapper
+
+
+@click.command("submit")
+@click.argument("graphs", nargs=-1, required=True, metavar="GRAPH_OR_DIR...")
+@tier_options
+@click.option("--wait", is_flag=True, help="Return only when every job is completed or dead-lettered.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="With --wait: download the completed jobs' artifacts into this folder.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_redis_errors
+def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> None:
+    """Put one compile job per graph file on the fleet's Redis Stream.
+
+    The graph travels inside the job, so workers need no shared disk; artifacts come back through Redis
+    (`--wait --out DIR` downloads them for `nkicache run`). Without --wait it prints the batch id and
+    job ids and returns.
+
+    --json keys: batch, submitted, completed, failed, dead_letter, jobs ({id: {file, status, error}}),
+    artifacts (with --out).
+    """
+    from workers import fleet
+
+    files = expand(graphs, ".json")
+    if not files:
+        raise click.UsageError(f"no .json graph files in {', '.join(graphs)}")
+    settings, client, keys = _fleet(tier, tier_mode)
+    submission = fleet.submit(client, keys, files, settings.entry_ttl)
+    report: dict = {"batch": submission.batch_id, "submitted": len(submission.job_ids)}
+    if wait:
+
+        def progress(done: int) -> None:
+            if not as_json and sys.stderr.isatty():
+                click.echo(f"\r{done}/{len(submission.job_ids)} jobs finished", err=True, nl=False)
+
+        results = fleet.wait_for(client, keys, submission.job_ids, timeout, progress)
+        statuses = [r.get("status") for r in results.values()]
+        report.update(
+            completed=statuses.count("completed"),
+            dead_letter=statuses.count("dead_letter"),
+            failed=sum(int(r.get("attempts", 0)) for r in results.values() if r.get("status") == "dead_letter"),
+            unfinished=len(submission.job_ids) - len(results),
+            jobs={job: {"file": submission.names[job], "status": results.get(job, {}).get("status", "unfinished"),
+                        "error": results.get(job, {}).get("error")} for job in submission.job_ids},
+        )  # fmt: skip
+        if out_dir:
+            report["artifacts"] = fleet.download_artifacts(client, keys, results, out_dir)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted")
+        if wait:
+            click.echo(f"{report['completed']} completed, {report['dead_letter']} dead-lettered, "
+                       f"{report['unfinished']} unfinished")  # fmt: skip
+            for job, info in report["jobs"].items():
+                if info["status"] != "completed":
+                    click.echo(f"  {job} {info['file']}: {info['status']} {info['error'] or ''}".rstrip())
+    if wait and (report["dead_letter"] or report["unfinished"]):
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@click.command("worker")
+@tier_options
+@click.option("--name", default=None, help="This worker's consumer name. Default: HOST-PID.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes on this machine, each its own consumer.")  # fmt: skip
+@click.option("--max-jobs", type=click.IntRange(min=1), default=None, help="Exit after this many jobs.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write each artifact into this folder (artifacts always go to Redis).")  # fmt: skip
+def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> None:
+    """Compile jobs from the fleet's stream until SIGTERM or Ctrl-C.
+
+    Reads with the consumer group, compiles with a fresh codegen loop per job (reading and mirroring the
+    tier on the same Redis), stores the artifact and the result and acknowledges, in one script. Jobs
+    whose worker went quiet for job_claim_idle seconds are reclaimed (XAUTOCLAIM); a job that fails
+    job_max_attempts times goes to the dead-letter stream with its error. SIGTERM finishes the current
+    job, then exits 0. Heartbeats every heartbeat_interval seconds show in `nkicache queue`.
+    """
+    import multiprocessing
+
+    base = name or f"{socket.gethostname()}-{__import__('os').getpid()}"
+    if concurrency == 1:
+        _run_worker(tier, tier_mode, base, max_jobs, out_dir)
+        return
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_run_worker, args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir))
+                 for i in range(concurrency)]  # fmt: skip
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+
+
+def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> None:
+    from workers.fleet import Worker
+
+    settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
+    worker = Worker(settings, name, out_dir=out_dir, max_jobs=max_jobs)
+    worker.install_signal_handlers()
+    done = worker.run()
+    click.echo(f"worker {name}: {done} jobs, exiting", err=True)
+
+
+@click.command("queue")
+@tier_options
+@click.option("--dead-letters", is_flag=True, help="Also list the dead-lettered jobs with their errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_redis_errors
+def queue_command(tier, tier_mode, dead_letters, as_json) -> None:
+    """Show the fleet's queue: pending (not yet delivered), in flight (delivered, not acknowledged),
+    completed, failed attempts, dead-lettered, and the live workers (heartbeat within 3 intervals).
+
+    --json keys: pending, in_flight, completed, failed, dead_letter, workers ([{name, host, pid, job, done,
+    time}]), and dead_letters with --dead-letters.
+    """
+    from workers import fleet
+
+    settings, client, keys = _fleet(tier, tier_mode)
+    status = fleet.queue_status(client, keys, settings.heartbeat_interval)
+    if dead_letters:
+        status["dead_letters"] = list(fleet.dead_letters(client, keys))
+    if as_json:
+        click.echo(json.dumps(status))
+        return
+    click.echo(f"pending {status['pending']}, in flight {status['in_flight']}, completed {status['completed']}, "
+               f"failed attempts {status['failed']}, dead-lettered {status['dead_letter']}")  # fmt: skip
+    click.echo(f"{len(status['workers'])} live workers")
+    for w in status["workers"]:
+        age = time.time() - w["time"]
+        click.echo(f"  {w['name']} on {w['host']} (pid {w['pid']}): {w['done']} jobs, "
+                   f"{'on ' + w['job'] if w['job'] else 'idle'}, seen {age:.1f} s ago")  # fmt: skip
+    for d in status.get("dead_letters", []):
+        click.echo(f"  dead: {d['job']}: {d['error']}")

@@ -1,0 +1,75 @@
+"""`nkicache workload` and `nkicache quickstart`, the main job on the embedded default tier."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from workers.cli_common import EXIT_CHECK_FAILED, compile_and_summarize, load_cli_settings, run_one
+
+
+@click.command("workload")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the graphs.")
+@click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graph files to write.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The same seed writes the same files.")
+def workload_command(out_dir: str, models: int, seed: int) -> None:
+    """Write realistic graph files: MoE transformer layers and UNet-like blocks, with layers repeated
+    inside a model and shapes shared across models in a Zipf-like way (docs/workload.md)."""
+    from workers.workload import generate_workload
+
+    paths = generate_workload(out_dir, models, seed)
+    click.echo(f"{len(paths)} graphs written to {out_dir}")
+
+
+@click.command("quickstart")
+@click.option("--dir", "work_dir", type=click.Path(file_okay=False), default="nkicache-quickstart",
+              show_default=True, help="Folder for the graphs, the artifacts and the tier file.")  # fmt: skip
+@click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graphs to generate.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Pool processes.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload and input seed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with cold, warm and check.")
+def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_json: bool) -> None:
+    """The main job on the embedded tier, end to end: generate a workload, compile it cold with a pool
+    (a fresh tier file in DIR), compile it again warm (every variant comes from the tier, nothing is
+    traced), and run every compiled graph against the numpy references. Exit 1 if anything fails."""
+    from workers.workload import generate_workload
+
+    root = Path(work_dir)
+    graphs, out, tier_path = root / "graphs", root / "out", root / "tier.sqlite"
+    shutil.rmtree(graphs, ignore_errors=True)
+    for stale in root.glob("tier.sqlite*"):
+        stale.unlink()
+    files = [str(p) for p in generate_workload(graphs, models, seed)]
+    settings = load_cli_settings(tier=f"local:{tier_path}", tier_mode="read-through")
+    report: dict = {}
+    failed = False
+    for run in ("cold", "warm"):
+        if not as_json:
+            click.echo(f"== {run} compile: {len(files)} graphs, {workers} workers, tier local:{tier_path}")
+        summary, run_failed = compile_and_summarize(
+            files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=True
+        ) if as_json else compile_and_summarize(
+            files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=False
+        )  # fmt: skip
+        report[run] = {k: v for k, v in summary.items() if k not in ("graphs", "artifacts")}
+        failed |= run_failed
+    speedup = report["cold"]["seconds"] / report["warm"]["seconds"] if report["warm"]["seconds"] else 0.0
+    checks = [run_one(str(p), seed, check=True) for p in sorted(out.glob("*.nkibb"))]
+    bad = [c for c in checks if "error" in c or not c["ok"]]
+    kernels = sum(1 for c in checks if "error" not in c for i in c["instructions"] if i["func_name"] is not None)
+    report["check"] = {"artifacts": len(checks), "kernels": kernels, "failed": [c["file"] for c in bad]}
+    report["warm_speedup"] = round(speedup, 2)
+    failed |= bool(bad)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"== warm run {speedup:.1f}x faster than cold; traces {report['cold']['traces']} -> "
+                   f"{report['warm']['traces']}")  # fmt: skip
+        click.echo(f"== check: {len(checks)} compiled graphs run, {kernels} kernel outputs compared with numpy "
+                   f"references: {'all OK' if not bad else f'{len(bad)} FAILED'}")  # fmt: skip
+    if failed:
+        sys.exit(EXIT_CHECK_FAILED)
