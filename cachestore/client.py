@@ -107,13 +107,17 @@ class TierClient:
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, cache_key: str) -> Entry | None:
         """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable)."""
+        return self.find(cache_key)[0]
+
+    def find(self, cache_key: str) -> tuple[Entry | None, bool]:
+        """(the verified entry or None, whether the tier held anything under the key, rejected or not)."""
         ok, found = self._guarded(lambda b: b.fetch([cache_key], self.settings.entry_ttl), "lookup")
         if not ok or cache_key not in found:
-            return None
+            return None, False
         entry = self._decode(cache_key, found[cache_key])
         if entry is None or not entry.is_reference:
-            return entry
-        return self._follow_reference(cache_key, entry)
+            return entry, True
+        return self._follow_reference(cache_key, entry), True
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self.settings.entry_ttl), "lookup")

@@ -185,6 +185,9 @@ class LocalView(TierView):
             "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", (cache_key, data, "0" * 64, time.time() + ttl)
         )
 
+    def delete(self, cache_key: str) -> None:
+        self._write("DELETE FROM entries WHERE cache_key = ?", (cache_key,))
+
 
 class RedisView(TierView):
     @property
@@ -238,6 +241,9 @@ class RedisView(TierView):
 
     def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
         self._r.set(self._k.entry(cache_key), data, ex=int(ttl))
+
+    def delete(self, cache_key: str) -> None:
+        self._r.delete(self._k.entry(cache_key))
 
 
 def delete_namespace(client: Any, namespace: str) -> None:

@@ -1,0 +1,299 @@
+"""The codegen loop with a tier, compiling real graphs: a kernel variant traced anywhere is not traced again,
+bad entries are rejected and re-traced, and racing processes trace each key once."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+from helpers_graphs import (
+    MIXED_DISTINCT_KEYS,
+    MIXED_KERNEL_OPS,
+    TierView,
+    assert_outputs_correct,
+    binary_digests,
+    compile_process_result,
+    delete_namespace,
+    mixed_graph,
+    slow_graph,
+    start_compile_process,
+    unique_namespace,
+    wait_until,
+    write_graph,
+)
+
+from bridge.codegen import BirCodeGenLoop
+from bridge.graph import load_graph
+from cachestore.entry import SignaturePolicy, decode_entry, encode_entry
+from cachestore.keys import KeySpace
+from cachestore.local_tier import LocalTier
+from cachestore.redis_tier import RedisTier
+from cachestore.settings import Settings
+from cachestore.tier import TOTAL_COUNTERS
+from cachestore.urls import open_tier
+
+HOST = "test-host"
+KEY = b"fleet-signing-key-for-tests-0001"
+OTHER_KEY = b"someone-elses-signing-key-00002"
+
+
+@dataclass
+class Tier:
+    url: str
+    namespace: str
+    backend: Any  # a backend of our own on the same store, to look inside
+
+    def settings(self, **changes: Any) -> Settings:
+        return Settings(tier=self.url, namespace=self.namespace, host=HOST, **changes)
+
+    def process_settings(self, **changes: Any) -> dict:
+        return {"tier": self.url, "namespace": self.namespace, "host": HOST, **changes}
+
+    @property
+    def view(self) -> TierView:
+        return TierView.of(self.backend)
+
+
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    namespace = unique_namespace()
+    if request.param == "local":
+        path = tmp_path / "tier.sqlite"
+        backend = LocalTier(path)  # created up front, as a tier that persists between runs would be
+        yield Tier(f"local:{path}", namespace, backend)
+        backend.close()
+        return
+    url = request.getfixturevalue("redis_url")
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    backend = RedisTier(client, KeySpace(namespace))
+    try:
+        yield Tier(url, namespace, backend)
+    finally:
+        delete_namespace(client, namespace)
+        client.close()
+
+
+def summed(batches: list[dict]) -> dict[str, float]:
+    total: dict[str, float] = collections.defaultdict(float)
+    for batch in batches:
+        for name, value in batch.items():
+            total[name] += value
+    return dict(total)
+
+
+def assert_fleet_totals(tier: Tier, batches: list[dict]) -> None:
+    fleet = tier.view.totals()
+    expected = summed(batches)
+    assert set(expected) == set(TOTAL_COUNTERS)
+    for name in TOTAL_COUNTERS:
+        assert fleet.get(name, 0) == pytest.approx(expected[name], abs=1e-6), name
+
+
+def compile_in_process(graph: dict, tier_client: Any = None) -> tuple[BirCodeGenLoop, Any]:
+    loop = BirCodeGenLoop(tier=tier_client)
+    return loop, loop.run(load_graph(graph))
+
+
+# -- a second process -----------------------------------------------------------------------------------
+def test_a_second_process_hits_what_the_first_traced(tier: Tier, tmp_path: Path) -> None:
+    graph = mixed_graph()
+    graph_path = write_graph(tmp_path, graph)
+    first = compile_process_result(start_compile_process(tmp_path, graph_path, tier.process_settings(worker="w1")))
+    second = compile_process_result(start_compile_process(tmp_path, graph_path, tier.process_settings(worker="w2")))
+
+    assert first["summary"]["traces"] == MIXED_DISTINCT_KEYS
+    assert first["summary"]["remote_hits"] == 0
+    assert second["summary"]["remote_hits"] == first["summary"]["traces"]
+    assert second["summary"]["traces"] == 0
+    assert second["digests"] == first["digests"]  # byte-identical binaries
+    # The specification's counters keep their local meaning.
+    for run in (first, second):
+        assert run["summary"]["cache_hits"] == MIXED_KERNEL_OPS - MIXED_DISTINCT_KEYS
+        assert run["summary"]["cache_misses"] == MIXED_DISTINCT_KEYS
+        for counter in ("tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "lease_waits"):
+            assert run["summary"][counter] == 0, counter
+        assert run["stats"]["metrics_applied"] == 1
+    assert second["summary"]["saved_seconds"] > 0
+
+    # The same binaries as a compile without any tier.
+    _, bb = compile_in_process(graph)
+    assert binary_digests(bb) == first["digests"]
+
+    # Fleet totals in the tier equal the sums of what the passes counted.
+    assert len(first["batches"]) == len(second["batches"]) == 1
+    assert_fleet_totals(tier, first["batches"] + second["batches"])
+    assert tier.view.totals()["passes"] == 2
+    assert tier.view.worker_totals(HOST, "w1") == pytest.approx(first["batches"][0])
+    assert tier.view.worker_totals(HOST, "w2") == pytest.approx(second["batches"][0])
+    assert sum(tier.view.kernel_calls().values()) == 2 * MIXED_KERNEL_OPS
+    assert tier.view.kernel_calls() == {"matmul_tiled": 6, "rmsnorm": 4, "softmax": 6}
+    assert tier.view.variants() == {"matmul_tiled": 2, "rmsnorm": 2, "softmax": 2}
+    assert [record["worker"] for record in tier.view.pass_log()] == ["w1", "w2"]
+
+
+# -- bad entries ----------------------------------------------------------------------------------------
+def _forged(data: bytes, policy: SignaturePolicy) -> bytes:
+    binary = decode_entry(data, policy).binary
+    forged = bytearray(data)
+    forged[data.index(binary) + len(binary) // 2] ^= 0x01
+    return bytes(forged)
+
+
+def _wrong_version(data: bytes, policy: SignaturePolicy) -> bytes:
+    envelope = msgpack.unpackb(data, raw=False)
+    return msgpack.packb({**envelope, "schema": envelope["schema"] + 1}, use_bin_type=True)
+
+
+def _wrongly_signed(data: bytes, policy: SignaturePolicy) -> bytes:
+    return encode_entry(decode_entry(data, policy), OTHER_KEY)
+
+
+CORRUPTIONS = {
+    "forged": _forged,
+    "truncated": lambda data, policy: data[: len(data) * 2 // 3],
+    "wrong-version": _wrong_version,
+    "wrongly-signed": _wrongly_signed,
+}
+
+
+@pytest.mark.parametrize("hmac_key", [None, KEY], ids=["unsigned", "signed"])
+def test_bad_entries_are_rejected_counted_and_retraced(tier: Tier, hmac_key: bytes | None) -> None:
+    # Without a key, the reader refuses signed entries it cannot verify (so the wrongly signed one counts too).
+    settings = tier.settings(hmac_key=hmac_key, reject_unverifiable=hmac_key is None, worker="w1")
+    policy = SignaturePolicy(hmac_key)
+    graph = mixed_graph()
+
+    client = open_tier(settings)
+    first, first_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert first.traces == MIXED_DISTINCT_KEYS
+    stored = dict(tier.backend.scan_entries())
+    assert len(stored) == MIXED_DISTINCT_KEYS
+    assert all(not decode_entry(data, policy).is_reference for data in stored.values())
+
+    corrupted = dict(zip(sorted(stored), CORRUPTIONS, strict=False))
+    for cache_key, corruption in corrupted.items():
+        tier.view.put_raw(cache_key, CORRUPTIONS[corruption](stored[cache_key], policy))
+
+    client = open_tier(settings.replace(worker="w2"))
+    second, second_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert second.tier_counts()["tier_rejected"] == len(CORRUPTIONS)
+    assert second.traces == len(CORRUPTIONS)  # each bad entry re-traced
+    assert second.remote_hits == MIXED_DISTINCT_KEYS - len(CORRUPTIONS)
+    assert second.tier_counts()["tier_errors"] == 0
+    assert binary_digests(second_bb) == binary_digests(first_bb)
+    assert_outputs_correct(graph, second_bb)
+
+    # The re-traced entries replaced the bad ones: a third pass takes everything from the tier.
+    client = open_tier(settings.replace(worker="w3"))
+    third, third_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert (third.traces, third.remote_hits, third.tier_counts()["tier_rejected"]) == (0, MIXED_DISTINCT_KEYS, 0)
+    assert binary_digests(third_bb) == binary_digests(first_bb)
+    assert tier.view.totals()["tier_rejected"] == len(CORRUPTIONS)
+
+
+def test_garbage_under_every_key_still_compiles_correctly(tier: Tier) -> None:
+    graph = mixed_graph(rows=96)
+    client = open_tier(tier.settings(worker="w1"))
+    _, first_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    for cache_key in list(dict(tier.backend.scan_entries())):
+        tier.view.put_raw(cache_key, hashlib.sha256(cache_key.encode()).digest() * 3)
+    client = open_tier(tier.settings(worker="w2"))
+    second, second_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert second.tier_counts()["tier_rejected"] == MIXED_DISTINCT_KEYS
+    assert (second.traces, second.remote_hits) == (MIXED_DISTINCT_KEYS, 0)
+    assert binary_digests(second_bb) == binary_digests(first_bb)
+    assert_outputs_correct(graph, second_bb, seed=1)
+
+
+# -- racing processes -----------------------------------------------------------------------------------
+def test_racing_processes_trace_each_key_once(tier: Tier, tmp_path: Path) -> None:
+    variants = 10
+    graph = slow_graph(variants=variants)
+    graph_path = write_graph(tmp_path, graph)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    processes = [
+        start_compile_process(
+            tmp_path, graph_path, tier.process_settings(worker=f"racer-{i}", single_flight=True), (barrier, str(i), 2)
+        )
+        for i in range(2)
+    ]
+    results = [compile_process_result(process, timeout=90) for process in processes]
+
+    traces = [r["summary"]["traces"] for r in results]
+    remote_hits = [r["summary"]["remote_hits"] for r in results]
+    assert sum(traces) == variants, f"traces {traces}, remote hits {remote_hits}"
+    assert sum(remote_hits) == variants
+    assert results[0]["digests"] == results[1]["digests"]
+    for r in results:
+        assert r["summary"]["tier_errors"] == r["summary"]["tier_timeouts"] == r["summary"]["tier_rejected"] == 0
+    # They really raced: both compiles were running at once, and one waited on the other's leases.
+    assert max(r["started"] for r in results) < min(r["finished"] for r in results)
+    assert sum(r["summary"]["lease_waits"] for r in results) >= 1
+
+    _, bb = compile_in_process(graph)
+    assert binary_digests(bb) == results[0]["digests"]
+    assert_fleet_totals(tier, results[0]["batches"] + results[1]["batches"])
+    assert tier.view.totals()["traces"] == variants
+
+
+def test_single_flight_waits_for_the_lease_holder(tier: Tier) -> None:
+    """Deterministically, in one process: a key another worker holds the lease on is waited for, not traced."""
+    graph = mixed_graph(rows=32)
+    producer = open_tier(tier.settings(worker="producer"))
+    _, reference_bb = compile_in_process(graph, producer)
+    producer.close(timeout=10)
+    entries = dict(tier.backend.scan_entries())
+    busy_key = sorted(entries)[0]
+    tier.view.delete(busy_key)
+    assert tier.backend.acquire_lease(busy_key, "other-worker", 30)  # tracing it, not yet published
+
+    client = open_tier(tier.settings(worker="waiter", lease_wait=10))
+    loop = BirCodeGenLoop(tier=client)
+
+    def other_worker_publishes() -> None:
+        if wait_until(lambda: loop.lease_waits == 1, timeout=10):  # once the waiter is waiting
+            tier.view.put_raw(busy_key, entries[busy_key])
+            tier.backend.release_lease(busy_key, "other-worker")
+
+    other = threading.Thread(target=other_worker_publishes)
+    other.start()
+    bb = loop.run(load_graph(graph))
+    other.join()
+    client.close(timeout=10)
+    assert loop.lease_waits == 1
+    assert (loop.traces, loop.remote_hits) == (0, MIXED_DISTINCT_KEYS)
+    assert binary_digests(bb) == binary_digests(reference_bb)
+
+
+def test_a_dead_lease_holder_is_not_waited_for_beyond_lease_wait(tier: Tier) -> None:
+    graph = mixed_graph(rows=32)
+    client = open_tier(tier.settings(worker="w1"))
+    _, reference_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    keys = sorted(dict(tier.backend.scan_entries()))
+    for cache_key in keys:
+        tier.view.delete(cache_key)
+    assert tier.backend.acquire_lease(keys[0], "dead-worker", 60)  # it will never publish
+
+    client = open_tier(tier.settings(worker="w2", lease_wait=0.5))
+    started = time.monotonic()
+    loop, bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert time.monotonic() - started < 5
+    assert loop.lease_waits == 1 and loop.traces == MIXED_DISTINCT_KEYS
+    assert binary_digests(bb) == binary_digests(reference_bb)
