@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -116,7 +117,7 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> Non
     """
     import multiprocessing
 
-    base = name or f"{socket.gethostname()}-{__import__('os').getpid()}"
+    base = name or os.environ.get("NKICACHE_WORKER") or f"{socket.gethostname()}-{os.getpid()}"
     if concurrency == 1:
         _run_worker(tier, tier_mode, base, max_jobs, out_dir)
         return
@@ -143,8 +144,11 @@ def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> None:
 @tier_options
 @click.option("--dead-letters", is_flag=True, help="Also list the dead-lettered jobs with their errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--live-check", is_flag=True,
+              help="Exit 0 if worker NAME (or NAME-i) has a fresh heartbeat, else 1: a liveness probe.")  # fmt: skip
+@click.option("--name", default=None, help="With --live-check. Default: $NKICACHE_WORKER, else the host name.")
 @_redis_errors
-def queue_command(tier, tier_mode, dead_letters, as_json) -> None:
+def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> None:
     """Show the fleet's queue: pending (not yet delivered), in flight (delivered, not acknowledged),
     completed, failed attempts, dead-lettered, and the live workers (heartbeat within 3 intervals).
 
@@ -155,6 +159,11 @@ def queue_command(tier, tier_mode, dead_letters, as_json) -> None:
 
     settings, client, keys = _fleet(tier, tier_mode)
     status = fleet.queue_status(client, keys, settings.heartbeat_interval)
+    if live_check:
+        wanted = name or os.environ.get("NKICACHE_WORKER") or socket.gethostname()
+        live = [w["name"] for w in status["workers"] if w["name"] == wanted or w["name"].startswith(wanted + "-")]
+        click.echo(f"{wanted}: {'live (' + ', '.join(live) + ')' if live else 'no fresh heartbeat'}")
+        sys.exit(0 if live else EXIT_CHECK_FAILED)
     if dead_letters:
         status["dead_letters"] = list(fleet.dead_letters(client, keys))
     if as_json:
