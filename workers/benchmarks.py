@@ -1,0 +1,268 @@
+"""The performance goals of nkicache, measured as ratios side by side in one run (`nkicache bench`).
+
+Every figure is the median of several repetitions, and every ratio compares two things measured in the
+same process, against the same server, minutes apart at most, so a noisy shared machine moves both sides.
+bench/RESULTS.md records a full run and what the figures mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bridge.codegen import BirCodeGenLoop
+from bridge.graph import Graph, load_graph
+from bridge.ir import BasicBlock, InternalNkiKernel
+from bridge.targets import make_target
+from cachestore.keys import KeySpace
+from cachestore.settings import load_settings
+from cachestore.urls import open_tier
+
+GOALS = {
+    "warm_speedup": ("min", 20.0),
+    "mirror_overhead": ("max", 1.03),
+    "remote_hit_vs_raw_get": ("max", 1.5),
+    "pool_scaling": ("min", 1.6),
+}
+
+
+@dataclass
+class BenchConfig:
+    models: int = 12
+    seed: int = 0
+    repeats: int = 5
+    quick: bool = False
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> BenchConfig:
+        return cls(models=6, repeats=3, quick=True) if quick else cls()
+
+
+def median_seconds(function: Callable[[], Any], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def workload_graphs(directory: Path, config: BenchConfig) -> list[Graph]:
+    from workers.workload import generate_workload
+
+    return [load_graph(p) for p in generate_workload(directory, config.models, config.seed)]
+
+
+def compile_all(graphs: list[Graph], tier: Any) -> tuple[int, list[BasicBlock]]:
+    """Compile every graph in this process, one fresh loop per pass; returns (traces, basic blocks)."""
+    traces, blocks = 0, []
+    for graph in graphs:
+        loop = BirCodeGenLoop(make_target(graph.target or "Trn2"), tier=tier)
+        blocks.append(loop.run(graph))
+        traces += loop.traces
+    return traces, blocks
+
+
+def tier_settings(url: str, mode: str = "read-through", namespace: str = "nkibench") -> Any:
+    return load_settings({"tier": url, "tier_mode": mode, "namespace": namespace, "single_flight": False})
+
+
+# -- 1. warm_speedup ------------------------------------------------------------------------------
+def warm_speedup(graphs: list[Graph], config: BenchConfig, work: Path) -> dict:
+    cold = median_seconds(lambda: compile_all(graphs, None), config.repeats)
+    tier = open_tier(tier_settings(f"local:{work / 'warm.sqlite'}"))
+    try:
+        compile_all(graphs, tier)  # populate
+        tier.flush(30)
+        warm_traces = compile_all(graphs, tier)[0]
+        warm = median_seconds(lambda: compile_all(graphs, tier), config.repeats)
+    finally:
+        tier.close()
+    return {"warm_speedup": cold / warm, "cold_seconds": cold, "warm_seconds": warm, "warm_traces": warm_traces}
+
+
+# -- 2. mirror_overhead ---------------------------------------------------------------------------
+def mirror_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str) -> dict:
+    tier = open_tier(tier_settings(redis_url, mode="mirror", namespace="nkibench-mirror"))
+    off, mirror = [], []
+    try:
+        for _ in range(config.repeats):  # interleaved, so drift on the machine hits both alike
+            off.append(median_seconds(lambda: compile_all(graphs, None), 1))
+            mirror.append(median_seconds(lambda: compile_all(graphs, tier), 1))
+    finally:
+        tier.close()
+    return {"mirror_overhead": statistics.median(mirror) / statistics.median(off),
+            "off_seconds": statistics.median(off), "mirror_seconds": statistics.median(mirror)}  # fmt: skip
+
+
+# -- 3. remote_hit_vs_raw_get ---------------------------------------------------------------------
+def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: str) -> dict:
+    import redis
+
+    settings = tier_settings(redis_url, namespace="nkibench-hit")
+    tier = open_tier(settings)
+    raw = redis.Redis.from_url(redis_url)
+    keys_space = KeySpace(settings.namespace)
+    try:
+        compile_all(graphs, tier)
+        tier.flush(30)
+        keys = [key for key, _ in tier._backend.scan_entries()]  # every stored cache key
+        full = [k for k in keys if not _is_reference(tier, k)]
+        loop = BirCodeGenLoop(make_target("Trn2"))
+        rounds = max(1, 2000 // max(1, len(full)))
+
+        def hits() -> None:
+            for _ in range(rounds):
+                for key in full:
+                    entry = tier.lookup(key)
+                    loop._cache_new_nki_frontend_binary(key, entry.trace_result(), entry.key_components)
+
+        def gets() -> None:
+            for _ in range(rounds):
+                for key in full:
+                    raw.get(keys_space.entry(key))
+
+        def batched() -> None:
+            for _ in range(rounds):
+                for key, entry in tier.lookup_many(full).items():
+                    loop._cache_new_nki_frontend_binary(key, entry.trace_result(), entry.key_components)
+
+        def raw_batched() -> None:
+            for _ in range(rounds):
+                raw.mget([keys_space.entry(key) for key in full])
+
+        count = rounds * len(full)
+        hit = median_seconds(hits, config.repeats) / count
+        get = median_seconds(gets, config.repeats) / count
+        result = {"remote_hit_vs_raw_get": hit / get, "remote_hit_us": hit * 1e6, "raw_get_us": get * 1e6,
+                  "entries": len(full)}  # fmt: skip
+        if hasattr(tier, "lookup_many"):
+            many = median_seconds(batched, config.repeats) / count
+            raw_many = median_seconds(raw_batched, config.repeats) / count
+            result.update(batched_hit_us=many * 1e6, batched_vs_raw_mget=many / raw_many)
+        return result
+    finally:
+        tier.close()
+        raw.close()
+
+
+def _is_reference(tier: Any, key: str) -> bool:
+    from cachestore.entry import decode_entry
+
+    data = tier._backend.fetch([key], tier.settings.entry_ttl)[key]
+    return decode_entry(data, tier.policy).is_reference
+
+
+# -- 4. local_hit_us and 5. key_throughput_ratio ---------------------------------------------------
+def local_hit_cost(graphs: list[Graph], config: BenchConfig) -> dict:
+    op = next(op for g in graphs for op in g.ops if isinstance(op, InternalNkiKernel))
+    loop = BirCodeGenLoop(make_target("Trn2"))
+    bb = BasicBlock()
+    loop.codegenInternalNativeNkiKernel(op, bb)  # the miss that fills the cache
+    rounds = 20_000 if not config.quick else 5_000
+
+    def hits() -> None:
+        for _ in range(rounds):
+            loop.codegenInternalNativeNkiKernel(op, bb)
+            bb.instructions.pop()
+
+    components = next(iter(loop._cache_key_components.values()))
+
+    def keys_only() -> None:
+        for _ in range(rounds):
+            loop._compute_cache_key_from_components(dict(components))
+
+    hit = median_seconds(hits, config.repeats) / rounds
+    key = median_seconds(keys_only, config.repeats) / rounds
+    return {"local_hit_us": hit * 1e6, "key_us": key * 1e6, "local_hit_vs_key": hit / key}
+
+
+def key_throughput(graphs: list[Graph], config: BenchConfig) -> dict:
+    loop = BirCodeGenLoop(make_target("Trn2"))
+    components = []
+    for graph in graphs:
+        probe = BirCodeGenLoop(make_target(graph.target or "Trn2"))
+        probe.run(graph)
+        components.extend(probe._cache_key_components.values())
+    strings = [str(sorted(kc.items())).encode() for kc in components]
+    rounds = max(1, 20_000 // len(components))
+
+    def via_loop() -> None:
+        for _ in range(rounds):
+            for kc in components:
+                loop._compute_cache_key_from_components(dict(kc))
+
+    def bare() -> None:
+        for _ in range(rounds):
+            for s in strings:
+                hashlib.sha256(s).hexdigest()
+
+    n = rounds * len(components)
+    with_loop = n / median_seconds(via_loop, config.repeats)
+    with_hashlib = n / median_seconds(bare, config.repeats)
+    return {"key_throughput_ratio": with_loop / with_hashlib, "keys_per_second": with_loop,
+            "hashlib_per_second": with_hashlib}  # fmt: skip
+
+
+# -- 8. storage_ratio -----------------------------------------------------------------------------
+def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
+    import redis
+
+    settings = tier_settings(redis_url, namespace="nkibench-storage")
+    tier = open_tier(settings)
+    raw = redis.Redis.from_url(redis_url)
+    space = KeySpace(settings.namespace)
+    try:
+        _, blocks = compile_all(graphs, tier)
+        tier.flush(30)
+        binaries = {}
+        for bb in blocks:
+            for inst in bb.instructions:
+                if hasattr(inst, "klir_binary"):
+                    binaries[hashlib.sha256(inst.klir_binary).hexdigest()] = len(inst.klir_binary)
+        entry_keys = list(raw.scan_iter(match=space.entry_pattern(), count=1000))
+        digest_keys = list(raw.scan_iter(match=f"{space.prefix}:digest:*", count=1000))
+        used = sum(raw.memory_usage(k, samples=0) or 0 for k in entry_keys + digest_keys)
+        per_key_binary = 0
+        for key, _ in tier._backend.scan_entries():
+            entry = tier.lookup(key)
+            per_key_binary += len(entry.binary)
+        unique_binary = sum(binaries.values())
+    finally:
+        tier.close()
+        raw.close()
+    return {
+        "storage_ratio": used / unique_binary,
+        "entries": len(entry_keys),
+        "unique_binaries": len(binaries),
+        "redis_bytes": used,
+        "binary_bytes_unique": unique_binary,
+        "dedupe_saving": 1 - unique_binary / per_key_binary if per_key_binary else 0.0,
+    }
+
+
+def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="nkibench-") as tmp:
+        work = Path(tmp)
+        graphs = workload_graphs(work / "graphs", config)
+        results: dict[str, Any] = {"config": config.__dict__}
+        steps = [
+            ("warm_speedup", lambda: warm_speedup(graphs, config, work)),
+            ("mirror_overhead", lambda: mirror_overhead(graphs, config, redis_url)),
+            ("remote_hit_vs_raw_get", lambda: remote_hit_vs_raw_get(graphs, config, redis_url)),
+            ("local_hit_us", lambda: local_hit_cost(graphs, config)),
+            ("key_throughput_ratio", lambda: key_throughput(graphs, config)),
+            ("storage_ratio", lambda: storage_ratio(graphs, redis_url)),
+        ]
+        for name, step in steps:
+            progress(name)
+            detail = step()
+            results[name] = detail[name]
+            results[f"{name}_detail"] = detail
+    return results
