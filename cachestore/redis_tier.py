@@ -74,11 +74,20 @@ def connect(url: str, *, connect_timeout: float, op_timeout: float, password: st
             user, _, secret = credentials.partition(":")
             options.setdefault("password", secret or None)
             options["username"] = user or None
-        return RedisCluster(
+        # A cluster client connects to its startup nodes as it is built.
+        return _opened(lambda: RedisCluster(
             startup_nodes=nodes, ssl=scheme.startswith("rediss"), require_full_coverage=False,
             cluster_error_retry_attempts=1, **options,
-        )  # fmt: skip
-    return redis.Redis.from_url(url, **options)
+        ))  # fmt: skip
+    return _opened(lambda: redis.Redis.from_url(url, **options))
+
+
+def _opened(open_client: Callable[[], T]) -> T:
+    """The client, or TierUnavailable: an unreachable cluster or a malformed URL must not fail a compile."""
+    try:
+        return open_client()
+    except (rex.RedisError, rex.RedisClusterException, OSError, ValueError) as exc:
+        raise TierUnavailable(f"cannot open the Redis tier: {type(exc).__name__}: {exc}") from None
 
 
 def _cluster_node(part: str, url: str) -> ClusterNode:
@@ -106,7 +115,7 @@ class RedisTier:
             return operation()
         except rex.TimeoutError as exc:
             raise TierTimeout(f"{self.description}: timed out: {exc}") from None
-        except (rex.RedisError, OSError) as exc:
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:  # the latter is no RedisError
             raise TierUnavailable(f"{self.description}: {type(exc).__name__}: {exc}") from None
 
     def _pipeline(self, fill: Callable[[Any], None]) -> list:

@@ -141,6 +141,24 @@ def test_redis_not_listening(server: Any) -> None:
     assert undelivered >= len(graphs) and stats["tier_dropped"] == undelivered  # counted, not lost silently
 
 
+@pytest.mark.parametrize(
+    "make_url",
+    [lambda port: f"redis+cluster://127.0.0.1:{port}", lambda port: "redis://127.0.0.1:not-a-port/0"],
+    ids=["cluster-unreachable", "malformed-url"],
+)
+def test_a_tier_that_cannot_be_opened_does_not_fail_the_compile(server: Any, make_url: Any) -> None:
+    server.stop()
+    graph = mixed_graph()
+    _, bb_off = compile_pass(graph, None)
+    client = open_tier(Settings(tier=make_url(server.port), namespace=unique_namespace(), host=HOST))
+    started = time.monotonic()
+    loop, bb = compile_pass(graph, client)
+    client.close()
+    assert time.monotonic() - started < STALL_BOUND_SECONDS
+    assert binary_digests(bb) == binary_digests(bb_off)
+    assert loop.tier_counts()["tier_errors"] >= 1
+
+
 # -- killed and restarted -------------------------------------------------------------------------------
 def test_killed_and_restarted_mid_run_metrics_arrive_exactly_once(server: Any) -> None:
     server.stop()
