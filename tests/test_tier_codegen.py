@@ -297,3 +297,24 @@ def test_a_dead_lease_holder_is_not_waited_for_beyond_lease_wait(tier: Tier) -> 
     assert time.monotonic() - started < 5
     assert loop.lease_waits == 1 and loop.traces == MIXED_DISTINCT_KEYS
     assert binary_digests(bb) == binary_digests(reference_bb)
+
+
+# -- modes ----------------------------------------------------------------------------------------------
+def test_mirror_mode_writes_but_never_reads(tier: Tier) -> None:
+    graph = mixed_graph()
+    loops = []
+    for worker in ("w1", "w2"):
+        client = open_tier(tier.settings(tier_mode="mirror", worker=worker))
+        loop, _ = compile_in_process(graph, client)
+        client.close(timeout=10)
+        loops.append(loop)
+    for loop in loops:
+        assert (loop.traces, loop.remote_hits, loop.lease_waits) == (MIXED_DISTINCT_KEYS, 0, 0)
+    assert len(dict(tier.backend.scan_entries())) == MIXED_DISTINCT_KEYS
+    assert tier.view.totals()["passes"] == 2 and tier.view.totals()["traces"] == 2 * MIXED_DISTINCT_KEYS
+
+
+def test_tier_off_is_the_specification_alone(tmp_path: Path) -> None:
+    assert open_tier(Settings(tier="off")) is None
+    assert open_tier(Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", tier_mode="off")) is None
+    assert not (tmp_path / "tier.sqlite").exists()

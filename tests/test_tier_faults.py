@@ -206,7 +206,7 @@ def test_slow_redis_times_out_and_the_compile_finishes(server: Any, admin: redis
     namespace = unique_namespace()
     graph = mixed_graph()
     _, bb_off = compile_pass(graph, None)
-    client = open_tier(settings_for(server, namespace, op_timeout=0.3, breaker_cooldown=0.3))
+    client = open_tier(settings_for(server, namespace, op_timeout=0.3, breaker_cooldown=1.0))
     recorder = RecordingClient(client)
     pause_seconds = 2.5
     admin.execute_command("CLIENT", "PAUSE", int(pause_seconds * 1000), "ALL")  # every command waits
