@@ -33,6 +33,7 @@ from helpers_graphs import (
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
+from cachestore.client import TierClient
 from cachestore.entry import SignaturePolicy, decode_entry, encode_entry
 from cachestore.keys import KeySpace
 from cachestore.local_tier import LocalTier
@@ -318,3 +319,39 @@ def test_tier_off_is_the_specification_alone(tmp_path: Path) -> None:
     assert open_tier(Settings(tier="off")) is None
     assert open_tier(Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", tier_mode="off")) is None
     assert not (tmp_path / "tier.sqlite").exists()
+
+
+class _PublishesBeforeEachLease:
+    """A backend through which another worker publishes every key (and lets its lease go) in the instant
+    between this worker's lookup and its lease: the race single flight must not lose to."""
+
+    def __init__(self, inner: Any, entries: dict[str, bytes]):
+        self.inner = inner
+        self.entries = entries
+
+    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        TierView.of(self.inner).put_raw(cache_key, self.entries[cache_key])
+        return self.inner.acquire_lease(cache_key, owner, ttl)
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_an_entry_published_between_lookup_and_lease_is_used_not_retraced(tier: Tier) -> None:
+    graph = mixed_graph()
+    producer = open_tier(tier.settings(worker="producer"))
+    _, reference_bb = compile_in_process(graph, producer)
+    producer.close(timeout=10)
+    entries = dict(tier.backend.scan_entries())
+    for cache_key in entries:
+        tier.view.delete(cache_key)
+
+    client = TierClient(lambda: _PublishesBeforeEachLease(tier.backend, entries), tier.settings(worker="late"))
+    loop, bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert (loop.traces, loop.remote_hits) == (0, MIXED_DISTINCT_KEYS)
+    assert binary_digests(bb) == binary_digests(reference_bb)
+    assert all(tier.backend.lease_holder(cache_key) is None for cache_key in entries)  # leases given back
