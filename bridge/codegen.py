@@ -261,7 +261,7 @@ class BirCodeGenLoop:
 
     def tier_counts(self) -> dict[str, int]:
         """Tier errors, timeouts, rejections and drops during this pass."""
-        names = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped")
+        names = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")
         if self.tier is None:
             return dict.fromkeys(names, 0)
         now = self.tier.stats.snapshot()

@@ -36,7 +36,10 @@ class LeaseRelease:
 class TierStats:
     """Thread-safe counters of what the tier did for this process."""
 
-    NAMES = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "tier_skipped", "metrics_applied")
+    NAMES = (
+        "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped", "tier_skipped",
+        "metrics_applied",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -68,6 +71,7 @@ class TierClient:
         self._outbox_lock = threading.Condition()
         self._flusher: threading.Thread | None = None
         self._closing = False
+        self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -132,10 +136,13 @@ class TierClient:
 
     def _decode(self, cache_key: str, data: bytes) -> Entry | None:
         try:
-            return decode_entry(data, self.policy, self.settings.max_entry_bytes)
+            entry = decode_entry(data, self.policy, self.settings.max_entry_bytes)
         except EntryRejected as exc:
             self._reject(cache_key, exc.reason)
             return None
+        if entry.unverified:
+            self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
+        return entry
 
     def _reject(self, cache_key: str, reason: str) -> None:
         self.stats.add("tier_rejected")
@@ -150,15 +157,20 @@ class TierClient:
     def wait_for_entry(self, cache_key: str) -> Entry | None:
         """Wait (bounded) for another worker's trace of `cache_key`; None when it does not come."""
         deadline = time.monotonic() + self.settings.lease_wait
+        holder = None
         while time.monotonic() < deadline and self._available():
-            entry = self.lookup(cache_key)
-            if entry is not None:
-                return entry
+            entry, stored = self.find(cache_key)
+            if entry is not None or stored:
+                return entry  # an entry there but rejected will not get better by waiting: trace it
             ok, holder = self._guarded(lambda b: b.lease_holder(cache_key), "lease")
             if ok and holder is None:
                 # The holder finished without publishing (failed) or died: look once more, then trace.
                 return self.lookup(cache_key)
+            if ok and holder in self._silent_holders:
+                return None  # it already let a wait run out: it is gone, do not wait on its leases again
             time.sleep(LEASE_POLL_SECONDS)
+        if holder is not None:
+            self._silent_holders.add(holder)
         return None
 
     # -- writes (write-behind) --------------------------------------------------------------------

@@ -51,7 +51,8 @@ class Entry:
     compile_seconds: float = 0.0
     digest: str = ""
     ref: str | None = None  # the cache key whose entry holds this binary, for deduplicated entries
-    signed: bool = field(default=False, compare=False)
+    signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
+    unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -118,6 +119,7 @@ def decode_entry(data: bytes, policy: SignaturePolicy, max_bytes: int = MAX_ENTR
     fields = _unpack(body, "body")
     entry = _entry_from_fields(fields)
     entry.signed = signed
+    entry.unverified = signature is not None and not signed
     if not entry.is_reference and binary_digest(entry.binary) != entry.digest:
         raise EntryRejected("binary does not match its digest")
     return entry

@@ -68,7 +68,7 @@ class MetricsBatch:
 
 TOTAL_COUNTERS = (
     "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds",
-    "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "lease_waits", "tier_dropped",
+    "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
 )  # fmt: skip
 
 

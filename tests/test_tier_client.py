@@ -148,7 +148,9 @@ def test_signed_entries_between_clients(backend) -> None:
     assert writer.flush(timeout=5)
     same_key = client_for(backend, hmac_key=KEY)
     assert same_key.lookup("key-1").signed is True
-    assert client_for(backend).lookup("key-1") == make_entry()  # no key: accepted on its digest
+    no_key = client_for(backend)
+    assert no_key.lookup("key-1") == make_entry()  # no key: accepted on its digest, and counted
+    assert counts(no_key)["tier_unverified"] == 1 and counts(same_key)["tier_unverified"] == 0
     strict = client_for(backend, reject_unverifiable=True)
     assert strict.lookup("key-1") is None and counts(strict)["tier_rejected"] == 1
     wrong_key = client_for(backend, hmac_key=OTHER_KEY)
@@ -377,3 +379,33 @@ def test_close_waits_for_the_tier_to_return(backend) -> None:
     client.close(timeout=10)
     assert TierView.of(backend).totals() == pytest.approx(expected_totals(batches))
     assert counts(client)["tier_dropped"] == 0
+
+
+# -- waiting on another worker's lease ----------------------------------------------------------------
+def test_a_waiter_stops_at_a_rejected_entry_instead_of_recounting_it(backend) -> None:
+    holder = client_for(backend, worker="holder")
+    assert holder.acquire_lease("key-1")
+    backend.store([_raw_request("key-1", b"not an entry")], 60)
+    waiter = client_for(backend, worker="waiter", lease_wait=5.0)
+    started = time.monotonic()
+    assert waiter.wait_for_entry("key-1") is None
+    assert time.monotonic() - started < 1.0  # did not wait out the lease
+    assert counts(waiter)["tier_rejected"] == 1  # counted once, not once per poll
+
+
+def test_a_holder_that_let_a_wait_run_out_is_not_waited_on_again(backend) -> None:
+    dead = client_for(backend, worker="dead")
+    assert dead.acquire_lease("key-1") and dead.acquire_lease("key-2")
+    waiter = client_for(backend, worker="waiter", lease_wait=0.3)
+    started = time.monotonic()
+    assert waiter.wait_for_entry("key-1") is None
+    first = time.monotonic() - started
+    started = time.monotonic()
+    assert waiter.wait_for_entry("key-2") is None
+    assert first >= 0.3 and time.monotonic() - started < 0.2
+
+
+def _raw_request(cache_key: str, data: bytes):
+    from cachestore.tier import StoreRequest
+
+    return StoreRequest(cache_key, "d" * 64, data, lambda holder: data, "matmul_tiled")

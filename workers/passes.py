@@ -22,7 +22,7 @@ from cachestore.passes import pass_summary
 
 COUNT_KEYS = (
     "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds", "saved_seconds",
-    "lease_waits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped",
+    "lease_waits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped",
 )  # fmt: skip
 
 
@@ -57,7 +57,8 @@ def compile_graph(
     loop = None
     encoded = None
     try:
-        graph = load_graph(source)
+        # A parsed graph (a fleet job) is named by its file, so errors and the default name match a local compile.
+        graph = load_graph(source, source=label) if isinstance(source, Mapping) else load_graph(source)
         result.graph = graph.name
         name = target_name or graph.target
         target = make_target(name) if name else get_platform_target()
