@@ -123,6 +123,23 @@ class TierClient:
             return entry, True
         return self._follow_reference(cache_key, entry), True
 
+    def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
+        """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
+        (two when some entries are references). The tier being unavailable looks like all misses."""
+        if not cache_keys:
+            return {}, set()
+        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self.settings.entry_ttl), "lookup")
+        if not ok:
+            return {}, set()
+        entries = {}
+        for key, data in found.items():
+            entry = self._decode(key, data)
+            if entry is not None and entry.is_reference:
+                entry = self._follow_reference(key, entry)
+            if entry is not None:
+                entries[key] = entry
+        return entries, set(found)
+
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self.settings.entry_ttl), "lookup")
         if not ok or entry.ref not in found:
