@@ -17,6 +17,7 @@ import click
 
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_PROJECT_ERROR,
     compile_and_summarize,
     expand,
@@ -75,6 +76,11 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # Commands that can stop cleanly report what they finished and exit 130 themselves; this is
+            # Ctrl-C anywhere else (click would print "Aborted!" and exit 1, like a failed check).
+            click.echo("nkicache: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except Exception as exc:
             if not _is_project_error(exc):
                 raise
@@ -225,7 +231,8 @@ def compile_command(
     default an SQLite file under ~/.cache/nkicache) before tracing, and mirrors what it traced there, so
     a kernel variant traced once is not traced again by a later pass or another process. Each result is
     written atomically to OUT/<graph name>.nkibb (docs/artifact-format.md), which `nkicache run`
-    executes. Ctrl-C stops handing out graphs; running passes finish and keep their artifacts.
+    executes. Ctrl-C stops handing out graphs; running passes finish and keep their artifacts, the summary
+    of what finished is printed (with an "interrupted" line, or "interrupted": true) and the exit code is 130.
 
     A graph that fails (malformed file, unknown func_name, shapes a kernel cannot take) is reported as
     one line on stderr naming the file, the op and the cause; the other graphs are still compiled and
@@ -243,9 +250,11 @@ def compile_command(
         raise click.UsageError(f"no {GRAPH_SUFFIX} graph files in {', '.join(graphs)}")
     settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
     workers = workers or min(os.cpu_count() or 1, len(files))
-    _, failed = compile_and_summarize(
+    summary, failed = compile_and_summarize(
         files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name, as_json=as_json
     )
+    if summary["interrupted"]:
+        sys.exit(EXIT_INTERRUPTED)
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
 

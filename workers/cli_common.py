@@ -12,9 +12,11 @@ from typing import Any
 import click
 
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
-# one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2.
+# one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
+# by Ctrl-C (what finished is kept and reported).
 EXIT_CHECK_FAILED = 1
 EXIT_PROJECT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 def tier_options(command: Callable) -> Callable:

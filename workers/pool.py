@@ -7,13 +7,16 @@ artifacts are written atomically) and reports what was done.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
@@ -99,18 +102,20 @@ def _compile_all(
     if workers <= 1 or len(paths) <= 1:
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
     results: dict[int, PassResult] = {}
-    context = multiprocessing.get_context("forkserver" if sys.platform != "win32" else "spawn")
-    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
+    context = _pool_context()
     interrupted = False
+    pending: dict[Future, int] = {}
     try:
-        pending: dict[Future, int] = {
-            executor.submit(_compile_in_process, path, target_name, out_dir): index for index, path in enumerate(paths)
-        }
+        with _sigint_held():
+            executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
+            for index, path in enumerate(paths):
+                pending[executor.submit(_compile_in_process, path, target_name, out_dir)] = index
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
-                index = pending.pop(future)
+                index = pending[future]
                 results[index] = future.result()
+                del pending[future]
                 on_result(results[index])
     except KeyboardInterrupt:
         interrupted = True
@@ -121,6 +126,43 @@ def _compile_all(
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
     return [results[i] for i in sorted(results)], interrupted
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C while the pool starts and takes the graphs, then raise it: an executor interrupted inside
+    its first submit has no manager thread yet and cannot be shut down."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """forkserver (spawn on Windows), the server importing the compiler once so pool processes start with it.
+
+    A terminal's Ctrl-C goes to the whole process group. The server is started with SIGINT ignored, which it
+    and every process forked from it inherit, so Ctrl-C cannot kill one of them while it is still importing
+    (before `_init_process` ignores SIGINT itself) and print a traceback or break the pool: only this process
+    sees it, and stops the pool cleanly."""
+    if sys.platform == "win32":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["workers.pool"])
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    return context
 
 
 def _compile_serially(

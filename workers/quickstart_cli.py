@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, compile_and_summarize, load_cli_settings, run_one
+from workers.cli_common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, compile_and_summarize, load_cli_settings, run_one
 
 
 @click.command("workload")
@@ -51,10 +51,10 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
         if not as_json:
             click.echo(f"== {run} compile: {len(files)} graphs, {workers} workers, tier local:{tier_path}")
         summary, run_failed = compile_and_summarize(
-            files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=True
-        ) if as_json else compile_and_summarize(
-            files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=False
-        )  # fmt: skip
+            files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=as_json
+        )
+        if summary["interrupted"]:  # Ctrl-C: stop here, not go on to the next run
+            sys.exit(EXIT_INTERRUPTED)
         report[run] = {k: v for k, v in summary.items() if k not in ("graphs", "artifacts")}
         failed |= run_failed
     speedup = report["cold"]["seconds"] / report["warm"]["seconds"] if report["warm"]["seconds"] else 0.0
