@@ -46,7 +46,7 @@ class Settings:
     flush_interval: float = 0.2  # seconds between background mirror flushes
     final_flush_timeout: float = 2.0  # seconds a pass waits at its end for the mirror to drain
     outbox_limit: int = 10_000  # queued mirror writes kept during an outage; older ones are dropped, counted
-    job_claim_idle: float = 60.0  # seconds a job may sit unacknowledged before another worker reclaims it
+    job_claim_idle: float = 60.0  # seconds a job's worker may be silent (dead) before another reclaims the job
     job_max_attempts: int = 3  # failed attempts before a job goes to the dead-letter stream
     heartbeat_interval: float = 2.0  # seconds between worker heartbeats; 3 missed = not live
     require_signed: bool = True  # with an HMAC key: reject unsigned entries

@@ -15,8 +15,10 @@ DIR` downloads them so `nkicache run` can load them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +35,7 @@ from cachestore.settings import Settings
 from cachestore.urls import REDIS_SCHEMES, open_tier
 from workers.passes import PassResult, compile_graph
 
+logger = logging.getLogger(__name__)
 GROUP = "nkicache-workers"
 MAX_GRAPH_BYTES = 16 * 1024 * 1024
 BLOCK_MS = 1000
@@ -69,6 +72,19 @@ else
 end
 redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[2])
 return attempts
+"""
+
+
+# KEYS[1] job stream   ARGV[1] consumer   ARGV[2] message id
+# Reset the idle time of a job this consumer still holds, so a long compile is not taken over while its worker
+# is alive (only a worker that went quiet loses its job); a job another consumer already took is left alone.
+TOUCH_JOB_LUA = """
+local entry = redis.call('XPENDING', KEYS[1], 'nkicache-workers', ARGV[2], ARGV[2], 1)[1]
+if entry and entry[2] == ARGV[1] then
+  redis.call('XCLAIM', KEYS[1], 'nkicache-workers', ARGV[1], 0, ARGV[2], 'JUSTID')
+  return 1
+end
+return 0
 """
 
 
@@ -171,7 +187,11 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
 
 # -- the worker -----------------------------------------------------------------------------------
 class Worker:
-    """Reads jobs with the consumer group until told to stop (SIGTERM/SIGINT finish the current job)."""
+    """Reads jobs with the consumer group until told to stop (SIGTERM/SIGINT finish the current job).
+
+    A background thread writes the heartbeat and keeps the current job claimed (its idle time reset) while
+    the job compiles, so `job_claim_idle` measures how long a worker has been silent, not how long its
+    compile takes."""
 
     def __init__(self, settings: Settings, name: str, out_dir: str | None = None, max_jobs: int | None = None):
         self.settings = settings.replace(worker=name)
@@ -183,11 +203,13 @@ class Worker:
         self.tier = open_tier(self.settings)
         self._complete = self.client.register_script(COMPLETE_JOB_LUA)
         self._fail = self.client.register_script(FAIL_JOB_LUA)
+        self._touch = self.client.register_script(TOUCH_JOB_LUA)
         self.stopping = False
         self.current: str | None = None
+        self._current_message: str | None = None
         self.done = 0
-        self._last_beat = 0.0
         self._last_claim = 0.0
+        self._beats_stop = threading.Event()
 
     def install_signal_handlers(self) -> None:
         def stop(signum: int, frame: object) -> None:
@@ -198,14 +220,18 @@ class Worker:
 
     def run(self) -> int:
         ensure_group(self.client, self.keys)
+        self._heartbeat()
+        beats = threading.Thread(target=self._beat_until_stopped, name="nkicache-heartbeat", daemon=True)
+        beats.start()
         try:
             while not self.stopping and (self.max_jobs is None or self.done < self.max_jobs):
-                self._heartbeat()
                 message = self._next_message()
                 if message is not None:
                     self._process(*message)
         finally:
-            self._heartbeat(leaving=True)
+            self._beats_stop.set()
+            beats.join()
+            self._leave()
             if self.tier is not None:
                 self.tier.close()
         return self.done
@@ -228,8 +254,8 @@ class Worker:
 
     def _process(self, message_id: str, fields: dict) -> None:
         job = json.loads(fields.get(b"job") or fields.get("job"))
-        self.current = job["id"]
-        self._heartbeat(force=True)
+        self.current, self._current_message = job["id"], message_id
+        self._heartbeat()
         try:
             graph = json.loads(job["graph"])
         except json.JSONDecodeError as exc:
@@ -255,19 +281,28 @@ class Worker:
             self._fail(keys=keys, args=[job["id"], message_id, result.error or "no artifact",
                                         self.settings.job_max_attempts, json.dumps(retry), self.name])  # fmt: skip
         self.done += 1
-        self.current = None
-        self._heartbeat(force=True)
+        self.current, self._current_message = None, None
+        self._heartbeat()
 
-    def _heartbeat(self, force: bool = False, leaving: bool = False) -> None:
-        if leaving:
-            self.client.hdel(self.keys.worker_heartbeats, self.name)
-            return
-        if not force and time.monotonic() - self._last_beat < self.settings.heartbeat_interval:
-            return
-        self._last_beat = time.monotonic()
+    def _beat_until_stopped(self) -> None:
+        # Often enough that the current job never looks idle for job_claim_idle to the other workers.
+        interval = min(self.settings.heartbeat_interval, self.settings.job_claim_idle / 3)
+        while not self._beats_stop.wait(interval):
+            try:
+                self._heartbeat()
+                message_id = self._current_message
+                if message_id is not None:
+                    self._touch(keys=[self.keys.job_stream], args=[self.name, message_id])
+            except rex.RedisError as exc:  # the main loop meets the same outage and decides; keep beating
+                logger.warning("worker %s: heartbeat failed: %s", self.name, exc)
+
+    def _heartbeat(self) -> None:
         beat = {"time": time.time(), "host": self.settings.host, "pid": os.getpid(), "job": self.current,
                 "done": self.done}  # fmt: skip
         self.client.hset(self.keys.worker_heartbeats, self.name, json.dumps(beat))
+
+    def _leave(self) -> None:
+        self.client.hdel(self.keys.worker_heartbeats, self.name)
 
 
 def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
