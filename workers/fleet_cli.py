@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -124,10 +125,22 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> Non
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_run_worker, args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir))
                  for i in range(concurrency)]  # fmt: skip
+
+    def forward(signum: int, frame: object) -> None:
+        # A supervisor signals this process only (Kubernetes, `kill PID`): pass it on, so each worker
+        # finishes its job and exits, instead of this process dying and leaving them running.
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
     for process in processes:
         process.start()
     for process in processes:
         process.join()
+    if any(process.exitcode != 0 for process in processes):
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> None:
