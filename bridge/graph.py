@@ -43,10 +43,11 @@ class Graph:
         return [t for name, t in self.tensors.items() if name not in produced]
 
 
-def load_graph(path_or_dict: str | Path | Mapping) -> Graph:
-    """Read and validate a graph file (or an already parsed graph object)."""
+def load_graph(path_or_dict: str | Path | Mapping, source: str | None = None) -> Graph:
+    """Read and validate a graph file (or an already parsed graph object; `source` then names the file it
+    came from, for errors and the default graph name, as if it had been read from there)."""
     if isinstance(path_or_dict, Mapping):
-        return _build(path_or_dict, "<dict>")
+        return _build(path_or_dict, source or "<dict>")
     source = str(path_or_dict)
     try:
         size = Path(source).stat().st_size
