@@ -1,0 +1,335 @@
+"""The fleet on a real Redis (a private redis-server per test): `nkicache worker` processes, `submit --wait`,
+`queue`, a worker killed mid-job, poison jobs, SIGTERM, and fleet metrics equal to the sum of the passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from bridge.artifact import load_artifact
+from cachestore.keys import KeySpace
+from workers.fleet import queue_status
+from workers.workload import GraphBuilder, generate_workload, unet_block
+
+NKICACHE = str(Path(sys.executable).with_name("nkicache"))
+COUNTS = ("kernels", "cache_hits", "cache_misses", "remote_hits", "traces")
+WAIT = 60  # seconds: the bound of every wait below; none should come close
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = WAIT, interval: float = 0.05) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+class Fleet:
+    """Workers as `nkicache worker` processes on one private Redis, configured through NKICACHE_* variables."""
+
+    def __init__(self, url: str, tmp_path: Path, **settings: object):
+        self.url = url
+        self.tmp_path = tmp_path
+        self.namespace = f"fleettest{uuid.uuid4().hex[:12]}"
+        self.keys = KeySpace(self.namespace)
+        self.redis = redis.Redis.from_url(url)
+        self.env = {**os.environ, "NKICACHE_NAMESPACE": self.namespace, "NKICACHE_HEARTBEAT_INTERVAL": "0.5"}
+        self.env.update({f"NKICACHE_{name.upper()}": str(value) for name, value in settings.items()})
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def start_worker(self, name: str, *extra: str) -> subprocess.Popen:
+        log = open(self.tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the process owns it
+        process = subprocess.Popen([NKICACHE, "worker", "--tier", self.url, "--name", name, *extra], env=self.env,
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        log.close()
+        self.workers[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def run(self, *args: object, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run([NKICACHE, *map(str, args)], env=self.env, capture_output=True, text=True,
+                              timeout=WAIT * 2, stdin=subprocess.DEVNULL)  # fmt: skip
+        if check:
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done
+
+    def submit(self, *paths: Path, wait: bool = True, out: Path | None = None, expect_code: int = 0) -> dict:
+        args = ["submit", *paths, "--tier", self.url, "--json"]
+        if wait:
+            args += ["--wait", "--timeout", WAIT]
+        if out is not None:
+            args += ["--out", out]
+        done = self.run(*args, check=False)
+        assert done.returncode == expect_code, (done.stdout, done.stderr)
+        return json.loads(done.stdout)
+
+    def queue(self, *extra: str) -> dict:
+        return json.loads(self.run("queue", "--tier", self.url, "--json", *extra).stdout)
+
+    def heartbeats(self) -> dict[str, dict]:
+        raw = self.redis.hgetall(self.keys.worker_heartbeats)
+        return {name.decode(): json.loads(beat) for name, beat in raw.items()}
+
+    def wait_live(self, *names: str) -> None:
+        wait_until(lambda: set(names) <= set(self.heartbeats()))
+
+    def busy_job(self, name: str) -> str | None:
+        return self.heartbeats().get(name, {}).get("job")
+
+    def results(self) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(self.keys.job_results).items()}
+
+    def counts(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.job_counts).items()}
+
+    def totals(self) -> dict[str, float]:
+        return {k.decode(): float(v) for k, v in self.redis.hgetall(self.keys.totals).items()}
+
+    def in_flight(self) -> int:
+        return self.redis.xpending(self.keys.job_stream, "nkicache-workers")["pending"]
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> tuple[int, float]:
+        """Signal a worker and wait for it: (exit code, seconds it took)."""
+        process = self.workers[name]
+        sent = time.monotonic()
+        process.send_signal(sig)
+        code = process.wait(timeout=timeout)
+        return code, time.monotonic() - sent
+
+    def close(self) -> None:
+        for process in self.workers.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.redis.close()
+
+
+@pytest.fixture
+def fleet(private_redis_server, tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
+    made: list[Fleet] = []
+
+    def make(**settings: object) -> Fleet:
+        made.append(Fleet(private_redis_server().url, tmp_path, **settings))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def slow_graphs(folder: Path, sizes: list[int]) -> list[Path]:
+    """UNet blocks at large image sizes: each distinct size traces five kernels in about a second."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for size in sizes:
+        g = GraphBuilder(f"slow-{size}")
+        unet_block(g, 0, (32, 32, size), "float32")
+        paths.append(folder / f"slow-{size}.json")
+        paths[-1].write_text(json.dumps(g.document()))
+    return paths
+
+
+def assert_metrics_are_the_sum_of_the_passes(f: Fleet, results: dict[str, dict]) -> None:
+    completed = [r for r in results.values() if r["status"] == "completed"]
+    totals = f.totals()
+    assert totals["passes"] == len(completed), "a job was compiled to the end more than once"
+    for key in COUNTS:
+        assert totals[key] == sum(r[key] for r in completed), key
+
+
+# -- a healthy fleet --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_workers_complete_a_workload_whose_artifacts_run(fleet, tmp_path: Path) -> None:
+    f = fleet()
+    graphs = tmp_path / "graphs"
+    paths = generate_workload(graphs, 4, seed=0)
+    f.start_worker("w1")
+    f.start_worker("w2")
+    f.wait_live("w1", "w2")
+    before = f.queue()
+    assert [w["name"] for w in before["workers"]] == ["w1", "w2"]
+    assert all(w["job"] is None and w["done"] == 0 and w["host"] for w in before["workers"])
+    assert (before["pending"], before["in_flight"], before["completed"], before["dead_letter"]) == (0, 0, 0, 0)
+
+    out = tmp_path / "artifacts"
+    report = f.submit(graphs, out=out)
+    assert {k: report[k] for k in ("submitted", "completed", "failed", "dead_letter", "unfinished")} == {
+        "submitted": 4, "completed": 4, "failed": 0, "dead_letter": 0, "unfinished": 0
+    }  # fmt: skip
+    assert {job["status"] for job in report["jobs"].values()} == {"completed"}
+    assert sorted(Path(job["file"]).name for job in report["jobs"].values()) == sorted(p.name for p in paths)
+    assert sorted(Path(a).name for a in report["artifacts"]) == sorted(f"{p.stem}.nkibb" for p in paths)
+    for artifact in report["artifacts"]:
+        assert load_artifact(artifact).graph == Path(artifact).stem
+    check = json.loads(f.run("run", out, "--check", "--json").stdout)
+    assert check["ok"] and check["checked"] and len(check["artifacts"]) == 4 and check["failed"] == []
+
+    # The fleet's artifacts are byte for byte what a local compile writes.
+    local = tmp_path / "local"
+    f.run("compile", graphs, "--tier", "off", "--workers", 1, "--out", local, "--json")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in local.iterdir()}
+
+    status = f.queue()
+    assert (status["pending"], status["in_flight"], status["completed"], status["failed"], status["dead_letter"]) == (
+        0, 0, 4, 0, 0
+    )  # fmt: skip
+    assert [w["name"] for w in status["workers"]] == ["w1", "w2"]
+    assert sum(w["done"] for w in status["workers"]) == 4
+    assert all(w["job"] is None and time.time() - w["time"] < 3 * 0.5 + 1 for w in status["workers"])
+    results = f.results()
+    assert set(results) == set(report["jobs"]) and {r["worker"] for r in results.values()} <= {"w1", "w2"}
+
+    # SIGTERM on idle workers: both exit 0 promptly and leave the live list.
+    for name in ("w1", "w2"):
+        code, seconds = f.stop(name)
+        assert code == 0 and seconds < 5, (name, code, seconds, f.log(name))
+        assert f"worker {name}: " in f.log(name) and "Traceback" not in f.log(name)
+    assert f.queue()["workers"] == []
+    # Workers flushed their metrics before exiting: the fleet's totals are the sum of the passes' counts.
+    assert_metrics_are_the_sum_of_the_passes(f, results)
+    assert f.counts() == {"completed": 4}
+
+
+# -- a worker dies ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_worker_killed_mid_job_loses_nothing_and_completes_nothing_twice(fleet, tmp_path: Path) -> None:
+    """SIGKILL one of two workers while it compiles: the other reclaims its job after job_claim_idle. The
+    claim idle (1 s) is shorter than a job (about 1 s to several s here), so this also shows that a live
+    worker keeps its job however long it compiles: no job is compiled to the end twice."""
+    f = fleet(job_claim_idle=1.0, lease_ttl=2.0)  # a dead worker's trace leases expire soon too
+    paths = slow_graphs(tmp_path / "graphs", [80, 88, 96, 104])
+    f.start_worker("w1")
+    f.start_worker("w2")
+    f.wait_live("w1", "w2")
+    submission = f.submit(*paths, wait=False)
+    assert submission["submitted"] == 4
+
+    killed_job = wait_until(lambda: f.busy_job("w1"), interval=0.01)
+    code, _ = f.stop("w1", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert killed_job not in f.results()
+
+    wait_until(lambda: len(f.results()) == 4)
+    results = f.results()
+    assert {r["status"] for r in results.values()} == {"completed"}
+    assert results[killed_job]["worker"] == "w2"  # reclaimed by the survivor
+    assert f.counts() == {"completed": 4}  # each job completed exactly once
+    assert f.in_flight() == 0 and f.redis.xlen(f.keys.dead_letter_stream) == 0
+    assert f.redis.hlen(f.keys.job_failures) == 0
+
+    # SIGTERM on a busy worker: it finishes its job, records it, then exits 0.
+    extra = f.submit(*slow_graphs(tmp_path / "more", [128]), wait=False)
+    busy = wait_until(lambda: f.busy_job("w2"), interval=0.01)
+    assert busy == f"{extra['batch']}-00000"
+    seen = queue_status(f.redis, f.keys, heartbeat_interval=0.5)  # what `nkicache queue` shows
+    assert next(w for w in seen["workers"] if w["name"] == "w2")["job"] == busy and seen["in_flight"] == 1
+    code, seconds = f.stop("w2")
+    assert code == 0, f.log("w2")
+    assert f.results()[busy]["status"] == "completed" and f.results()[busy]["worker"] == "w2"
+    assert f.in_flight() == 0 and "Traceback" not in f.log("w2")
+    assert seconds < 30
+    assert_metrics_are_the_sum_of_the_passes(f, f.results())
+    assert f.counts() == {"completed": 5}
+
+
+# -- poison ------------------------------------------------------------------------------------------
+def poison_graphs(folder: Path) -> dict[str, Path]:
+    """Not JSON; valid JSON naming an unknown func_name; a Matmul whose contraction dims disagree."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good = GraphBuilder("good")
+    good.tensor("a", (64, 32), "float32")
+    good.tensor("b", (64, 48), "float32")
+    good.tensor("c", (32, 48), "float32")
+    good.kernel("Matmul", ["a", "b"], ["c"])
+    document = good.document()
+    unknown = json.loads(json.dumps(document)) | {"name": "unknown-kernel"}
+    unknown["ops"][0]["func_name"] = "FlashAttention"
+    impossible = json.loads(json.dumps(document)) | {"name": "impossible"}
+    impossible["tensors"]["b"]["shape"] = [60, 48]
+    paths = {
+        "good": folder / "good.json",
+        "not-json": folder / "not-json.json",
+        "unknown": folder / "unknown.json",
+        "impossible": folder / "impossible.json",
+    }
+    # No "name": the graph is named after its file, by a worker as by a local compile.
+    paths["good"].write_text(json.dumps({k: v for k, v in document.items() if k != "name"}))
+    paths["not-json"].write_text('{"name": "broken", "ops": [}')
+    paths["unknown"].write_text(json.dumps(unknown))
+    paths["impossible"].write_text(json.dumps(impossible))
+    return paths
+
+
+def test_poison_jobs_go_to_the_dead_letter_stream_after_max_attempts(fleet, tmp_path: Path) -> None:
+    f = fleet(job_max_attempts=2)
+    poison = poison_graphs(tmp_path / "poison")
+    good = generate_workload(tmp_path / "graphs", 2, seed=4)
+    f.start_worker("w1")
+    f.start_worker("w2")
+    f.wait_live("w1", "w2")
+
+    from workers.cli_common import EXIT_CHECK_FAILED
+
+    report = f.submit(*good, *poison.values(), expect_code=EXIT_CHECK_FAILED)
+    assert (report["submitted"], report["completed"], report["dead_letter"], report["unfinished"]) == (6, 3, 3, 0)
+    assert report["failed"] == 3 * 2  # every poison job failed job_max_attempts times
+    by_file = {Path(job["file"]).stem: job for job in report["jobs"].values()}
+    for name in ("good", *(p.stem for p in good)):
+        assert by_file[name]["status"] == "completed" and by_file[name]["error"] is None
+    assert {r["graph"] for r in f.results().values() if r["status"] == "completed"} == {"good", *(p.stem for p in good)}
+    assert "not valid JSON" in by_file["not-json"]["error"]
+    assert "FlashAttention" in by_file["unknown"]["error"]
+    assert "impossible" in by_file["impossible"]["error"] and "op 0 (Matmul)" in by_file["impossible"]["error"]
+    for name in ("not-json", "unknown", "impossible"):
+        assert by_file[name]["status"] == "dead_letter"
+        assert str(poison[name]) in by_file[name]["error"]  # the error names the graph file
+
+    status = f.queue("--dead-letters")
+    assert (status["completed"], status["dead_letter"], status["failed"], status["pending"], status["in_flight"]) == (
+        3, 3, 6, 0, 0
+    )  # fmt: skip
+    dead = {entry["job"]: entry for entry in status["dead_letters"]}
+    assert set(dead) == {job for job, info in report["jobs"].items() if info["status"] == "dead_letter"}
+    for job, entry in dead.items():
+        assert entry["error"] == report["jobs"][job]["error"] and entry["attempts"] == "2"
+    # The dead letter keeps the job itself, so it can be inspected or resubmitted.
+    for _, fields in f.redis.xrange(f.keys.dead_letter_stream):
+        payload = json.loads(fields[b"payload"])
+        assert payload["graph"] == Path(payload["file"]).read_text()
+    assert {int(v) for v in f.redis.hvals(f.keys.job_failures)} == {2}
+
+    for name in ("w1", "w2"):
+        assert f.stop(name)[0] == 0
+    # Failed passes record no metrics; the totals are the sum of the completed passes.
+    assert_metrics_are_the_sum_of_the_passes(f, f.results())
+
+
+# -- signals to a worker with --concurrency -------------------------------------------------------------
+def test_sigterm_to_a_concurrency_worker_stops_every_process(fleet, tmp_path: Path) -> None:
+    """A supervisor (Kubernetes, `kill PID`) signals the parent only: it must pass SIGTERM to its workers."""
+    f = fleet()
+    parent = f.start_worker("multi", "--concurrency", "2")
+    f.wait_live("multi-0", "multi-1")
+    pids = {name: beat["pid"] for name, beat in f.heartbeats().items()}
+    assert parent.pid not in pids.values()
+    code, seconds = f.stop("multi")
+    assert code == 0 and seconds < 10, f.log("multi")
+    assert f.heartbeats() == {}  # both left cleanly
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert f.log("multi").count("jobs, exiting") == 2
