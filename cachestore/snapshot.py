@@ -1,0 +1,219 @@
+"""Snapshot files: a tier's raw entries (still encoded, signatures and all) and what the metrics know about
+each key, for offline inspection (`nkicache inspect --snapshot FILE`) and for moving entries between tiers
+(`inspect export` / `inspect import`).
+
+A snapshot is a sequence of msgpack objects, written and read one at a time (memory stays bounded):
+
+    header  {"nkicache_snapshot": 1, "schema": <entry schema>, "created": <unix time>, "source": <tier>}
+    record  {"key": <cache key>, "data": <encoded entry>, "ttl": <seconds left> | nil,
+             "usage": {"kernel_name", "usage", "first_use", "last_use", "hosts"} | nil}   (one per entry)
+    trailer {"nkicache_snapshot_end": <number of records>}
+
+The trailer tells a complete file from a truncated one. Nothing here trusts an entry: `inspect import`
+and `inspect verify` decode and check each one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+
+from bridge.errors import NkiCacheError
+from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION
+from cachestore.readers import BATCH, KeyRecord, RawEntry, TierReader, WriteItem, batched
+
+SNAPSHOT_VERSION = 1
+HEADER_KEY = "nkicache_snapshot"
+TRAILER_KEY = "nkicache_snapshot_end"
+RECENT = 2 * BATCH  # records whose usage a reader keeps from its scan
+
+
+class SnapshotError(NkiCacheError):
+    """A snapshot file cannot be read or written; the message names the file."""
+
+
+class SnapshotWriter:
+    """Writes a snapshot atomically: to FILE.partial, renamed to FILE when closed without error."""
+
+    def __init__(self, path: str | Path, source: str):
+        self.path = Path(path)
+        self._partial = self.path.with_name(self.path.name + ".partial")
+        self.count = 0
+        try:
+            self._file: IO[bytes] = open(self._partial, "wb")  # noqa: SIM115 - closed in close()/abort()
+        except OSError as exc:
+            raise SnapshotError(f"{self.path}: cannot write: {exc.strerror or exc}") from None
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._put({HEADER_KEY: SNAPSHOT_VERSION, "schema": SCHEMA_VERSION, "created": time.time(), "source": source})
+
+    def _put(self, obj: dict) -> None:
+        try:
+            self._file.write(self._packer.pack(obj))
+        except OSError as exc:
+            self.abort()
+            raise SnapshotError(f"{self.path}: cannot write: {exc.strerror or exc}") from None
+
+    def add(self, entry: RawEntry, usage: KeyRecord | None, hosts: Sequence[str] = ()) -> None:
+        record: dict[str, Any] = {"key": entry.cache_key, "data": entry.data, "ttl": entry.ttl, "usage": None}
+        if usage is not None:
+            record["usage"] = {"kernel_name": usage.kernel_name, "usage": usage.usage, "first_use": usage.first_use,
+                               "last_use": usage.last_use, "hosts": list(hosts)}  # fmt: skip
+        self._put(record)
+        self.count += 1
+
+    def close(self) -> None:
+        self._put({TRAILER_KEY: self.count})
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._partial, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._partial.unlink(missing_ok=True)
+
+
+class SnapshotReader:
+    """A snapshot file as a read-only `TierReader` (entries and per-key usage; no fleet totals)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.description = f"snapshot {self.path}"
+        self._index: dict[str, int] | None = None
+        self._recent: dict[str, dict | None] = {}
+        with self._open() as file:
+            self.header = self._header(self._unpacker(file))
+
+    def _open(self) -> IO[bytes]:
+        try:
+            return open(self.path, "rb")
+        except OSError as exc:
+            raise SnapshotError(f"{self.path}: cannot read snapshot: {exc.strerror or exc}") from None
+
+    @staticmethod
+    def _unpacker(file: IO[bytes]) -> msgpack.Unpacker:
+        return msgpack.Unpacker(file, raw=False, max_buffer_size=2 * MAX_ENTRY_BYTES, strict_map_key=True)
+
+    def _header(self, unpacker: msgpack.Unpacker) -> dict:
+        header = self._next(unpacker)
+        if not isinstance(header, dict) or header.get(HEADER_KEY) != SNAPSHOT_VERSION:
+            raise SnapshotError(f"{self.path}: not an nkicache snapshot (version {SNAPSHOT_VERSION})")
+        return header
+
+    def _next(self, unpacker: msgpack.Unpacker) -> Any:
+        try:
+            return next(unpacker)
+        except StopIteration:
+            raise SnapshotError(f"{self.path}: snapshot is truncated (no end marker)") from None
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise SnapshotError(f"{self.path}: snapshot is corrupt: {type(exc).__name__}") from None
+
+    def records(self) -> Iterator[tuple[int, dict]]:
+        """(file offset, record) for every record; raises SnapshotError at the end of a truncated file."""
+        with self._open() as file:
+            unpacker = self._unpacker(file)
+            self._header(unpacker)
+            count = 0
+            while True:
+                offset = unpacker.tell()
+                record = self._next(unpacker)
+                if isinstance(record, dict) and TRAILER_KEY in record:
+                    if record[TRAILER_KEY] != count:
+                        raise SnapshotError(f"{self.path}: end marker says {record[TRAILER_KEY]} records, read {count}")
+                    return
+                if not _is_record(record):
+                    raise SnapshotError(f"{self.path}: record {count} is malformed")
+                count += 1
+                yield offset, record
+
+    def _record_at(self, offset: int) -> dict:
+        with self._open() as file:
+            file.seek(offset)
+            return self._next(self._unpacker(file))
+
+    def _offsets(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = {record["key"]: offset for offset, record in self.records()}
+        return self._index
+
+    # -- TierReader: entries ------------------------------------------------------------------------
+    def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
+        for _, record in self.records():
+            # Callers ask for the usage of what they just scanned: keep the latest records' at hand.
+            self._recent[record["key"]] = record.get("usage")
+            if len(self._recent) > RECENT:
+                del self._recent[next(iter(self._recent))]
+            yield RawEntry(record["key"], record["data"], record.get("ttl"))
+
+    def _usage(self, key: str) -> dict | None:
+        if key in self._recent:
+            return self._recent[key]
+        offset = self._offsets().get(key)
+        return self._record_at(offset).get("usage") if offset is not None else None
+
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
+        offsets = self._offsets()
+        return {key: self._record_at(offsets[key])["data"] for key in cache_keys if key in offsets}
+
+    def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
+        return sorted(key for key in self._offsets() if key.startswith(prefix))[:limit]
+
+    def key_records(self, cache_keys: Sequence[str]) -> dict[str, KeyRecord]:
+        found = {}
+        for key in cache_keys:
+            usage = self._usage(key)
+            if usage:
+                found[key] = KeyRecord(key, usage["kernel_name"], usage["usage"], usage["first_use"], usage["last_use"])
+        return found
+
+    def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
+        found = {}
+        for key in cache_keys:
+            usage = self._usage(key)
+            if usage and usage["hosts"]:
+                found[key] = list(usage["hosts"])
+        return found
+
+    def put_entries(self, items: Sequence[WriteItem]) -> None:
+        raise SnapshotError(f"{self.path}: a snapshot is read-only; import it into a tier instead")
+
+    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
+        raise SnapshotError(f"{self.path}: a snapshot is read-only")
+
+    def close(self) -> None:
+        pass
+
+
+def _is_record(record: object) -> bool:
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("key"), str)
+        and isinstance(record.get("data"), bytes)
+        and isinstance(record.get("ttl"), int | float | type(None))
+        and (record.get("usage") is None or _is_usage(record["usage"]))
+    )
+
+
+def _is_usage(usage: object) -> bool:
+    return isinstance(usage, dict) and {"kernel_name", "usage", "first_use", "last_use", "hosts"} <= set(usage)
+
+
+def write_snapshot(reader: TierReader, path: str | Path) -> int:
+    """Every entry of `reader` with its usage, into a snapshot file; returns the number of entries."""
+    writer = SnapshotWriter(path, reader.description)
+    try:
+        for batch in batched(reader.scan_entries()):
+            keys = [entry.cache_key for entry in batch]
+            usage, hosts = reader.key_records(keys), reader.key_hosts(keys)
+            for entry in batch:
+                writer.add(entry, usage.get(entry.cache_key), hosts.get(entry.cache_key, ()))
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    return writer.count
