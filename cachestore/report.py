@@ -1,0 +1,242 @@
+"""The fleet report: what every pass on every machine told the tier, read back and summed.
+
+Totals and the per-worker counters are the fleet metrics' sums (`cachestore.passes` applies one batch per
+pass, exactly once). The hit rate is computed from summed counts, (cache_hits + remote_hits) / kernels,
+never averaged from rates. Per kernel name, `call_count` and `variants` are what the specification's
+`_export_new_nki_fe_metrics` records, fleet-wide. The top variants carry their operand and result shapes
+from the stored entries, like the specification's statistics report. The timeline buckets the pass log.
+
+Memory: the per-key usage is streamed and only the top N kept; the timeline holds one row per bucket.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from cachestore.readers import TierReader
+from cachestore.tier import TOTAL_COUNTERS
+
+SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
+TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces")
+# Bucket widths the timeline chooses from: the smallest giving at most MAX_BUCKETS buckets.
+BUCKET_WIDTHS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)
+MAX_BUCKETS = 48
+TOP_VARIANTS = 10
+
+
+def hit_rate(counts: dict[str, float]) -> float:
+    """Local and remote hits over kernels, from summed counts."""
+    kernels = counts.get("kernels", 0)
+    return (counts.get("cache_hits", 0) + counts.get("remote_hits", 0)) / kernels if kernels else 0.0
+
+
+def counters(values: dict[str, float]) -> dict[str, float]:
+    """Every total counter (0 when absent), integers as int, seconds as float, and the hit rate."""
+    out: dict[str, float] = {}
+    for name in TOTAL_COUNTERS:
+        value = float(values.get(name, 0) or 0)
+        out[name] = round(value, 6) if name in SECONDS_COUNTERS else round(value)
+    out["hit_rate"] = round(hit_rate(out), 6)
+    return out
+
+
+@dataclass
+class Variant:
+    key: str
+    kernel_name: str
+    usage: int
+    first_use: float | None = None
+    last_use: float | None = None
+    hosts: list[str] = field(default_factory=list)
+    operand_shapes: list | None = None  # None when the entry is no longer stored
+    operand_dtypes: list | None = None
+    result_shapes: list | None = None
+    result_dtypes: list | None = None
+    attrs: dict | None = None
+    target: str | None = None
+
+
+@dataclass
+class Bucket:
+    start: float
+    end: float
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
+
+    def as_json(self) -> dict:
+        return {"start": self.start, "end": self.end, **self.counts, "hit_rate": round(hit_rate(self.counts), 6)}
+
+
+@dataclass
+class FleetReport:
+    tier: str
+    generated: float
+    since: float | None
+    totals: dict[str, float]
+    per_host: dict[str, dict]  # host -> {"totals": {...}, "workers": {worker: {...}}}
+    per_kernel: dict[str, dict[str, int]]  # kernel name -> {"call_count", "variants"}
+    variants: int  # distinct cache keys the fleet used (the statistics report's "unique cached variants")
+    top_variants: list[Variant] = field(default_factory=list)
+    bucket_seconds: int = 0
+    timeline: list[Bucket] = field(default_factory=list)
+    window: dict[str, float] = field(default_factory=dict)  # the pass log summed over the timeline's span
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "generated": self.generated,
+            "since": self.since,
+            "totals": self.totals,
+            "per_host": self.per_host,
+            "per_kernel": self.per_kernel,
+            "variants": self.variants,
+            "kernel_types": len(self.per_kernel),
+            "top_variants": [asdict(v) for v in self.top_variants],
+            "bucket_seconds": self.bucket_seconds,
+            "timeline": [b.as_json() for b in self.timeline],
+            "window": self.window,
+        }
+
+
+def build_report(
+    reader: TierReader,
+    *,
+    since: float | None = None,
+    top: int = TOP_VARIANTS,
+    bucket_seconds: int | None = None,
+    timeline: bool = True,
+    now: float | None = None,
+) -> FleetReport:
+    """Read the fleet metrics (and, for the top variants, their entries) into a report."""
+    report = FleetReport(
+        tier=reader.description,
+        generated=time.time() if now is None else now,
+        since=since,
+        totals=counters(reader.totals()),
+        per_host=per_host(reader),
+        per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
+        variants=reader.key_count(),
+    )
+    if top > 0:
+        report.top_variants = top_variants(reader, top)
+    if timeline:
+        report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds)
+    return report
+
+
+def per_host(reader: TierReader) -> dict[str, dict]:
+    hosts: dict[str, dict] = {}
+    for host, worker, values in reader.workers():
+        hosts.setdefault(host, {"workers": {}})["workers"][worker] = counters(values)
+    for info in hosts.values():
+        summed: dict[str, float] = {}
+        for values in info["workers"].values():
+            for name in TOTAL_COUNTERS:
+                summed[name] = summed.get(name, 0) + values[name]
+        info["totals"] = counters(summed)
+        info["workers"] = dict(sorted(info["workers"].items()))
+    return {host: {"totals": info["totals"], "workers": info["workers"]} for host, info in sorted(hosts.items())}
+
+
+def top_variants(reader: TierReader, top: int) -> list[Variant]:
+    """The `top` most used cache keys, with their shapes from the stored entries."""
+    from cachestore.inspect import LOOKING, decode_or_reason, describe_components
+
+    best = heapq.nlargest(top, reader.key_usage(), key=lambda item: (item[1], item[0]))
+    keys = [key for key, _ in best]
+    records = reader.key_records(keys)
+    hosts = reader.key_hosts(keys)
+    entries = reader.get_entries(keys)
+    variants = []
+    for key, usage in best:
+        record = records.get(key)
+        variant = Variant(key, record.kernel_name if record else "", usage, record.first_use if record else None,
+                          record.last_use if record else None, hosts.get(key, []))  # fmt: skip
+        entry = decode_or_reason(entries[key], LOOKING) if key in entries else None
+        if entry is not None and not isinstance(entry, str):
+            info = describe_components(entry.key_components)
+            variant.kernel_name = variant.kernel_name or info["kernel_name"]
+            for name in ("operand_shapes", "operand_dtypes", "result_shapes", "result_dtypes", "attrs", "target"):
+                setattr(variant, name, info[name])
+        variants.append(variant)
+    return variants
+
+
+def choose_bucket(span: float) -> int:
+    for width in BUCKET_WIDTHS:
+        if span / width < MAX_BUCKETS:
+            return width
+    return BUCKET_WIDTHS[-1]
+
+
+def pass_timeline(
+    reader: TierReader, since: float | None, bucket_seconds: int | None = None
+) -> tuple[int, list[Bucket], dict[str, float]]:
+    """(bucket width, buckets from the first to the last pass, the window's summed counts): passes are
+    placed by when they finished; empty buckets are kept, so the time axis is even."""
+    span = reader.pass_log_span(since)
+    if span is None:
+        return bucket_seconds or 0, [], counters({})
+    first, last = span
+    if since is not None:  # the log is ordered by when passes were recorded; a record can tell an older time
+        first = max(first, since)
+        last = max(last, first)
+    width = bucket_seconds or choose_bucket(last - first)
+    origin = (first // width) * width
+    count = min(int((last - origin) // width) + 1, 100_000)
+    buckets = [Bucket(origin + i * width, origin + (i + 1) * width) for i in range(count)]
+    window: dict[str, float] = {}
+    for when, record in reader.pass_log(since):
+        if since is not None and when < since:
+            continue
+        index = min(max(int((when - origin) // width), 0), count - 1)
+        for name in TIMELINE_COUNTERS:
+            buckets[index].counts[name] += _number(record.get(name))
+        for name in TOTAL_COUNTERS:
+            window[name] = window.get(name, 0) + _number(record.get(name))
+    return width, buckets, counters(window)
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+# -- times and sizes on the command line --------------------------------------------------------------
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZES = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}  # fmt: skip
+
+
+def parse_duration(text: str) -> float:
+    """'90' (seconds), '90s', '30m', '12h', '7d', '2w' -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if not match:
+        raise ValueError(f"{text!r} is not a duration (like 90s, 30m, 12h, 7d)")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """A point in time: a duration ago ('2h', '7d'), Unix seconds, or an ISO 8601 date/time (local time
+    unless it names a zone)."""
+    now = time.time() if now is None else now
+    stripped = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?[smhdw]", stripped.lower()):
+        return now - parse_duration(stripped)
+    if re.fullmatch(r"\d{9,}(\.\d+)?", stripped):
+        return float(stripped)
+    try:
+        return datetime.fromisoformat(stripped).timestamp()
+    except ValueError:
+        raise ValueError(f"{text!r} is not a time: use 2h / 7d (ago), Unix seconds, or 2024-05-01T12:00") from None
+
+
+def parse_size(text: str) -> int:
+    """'1000', '512k', '64MiB', '2G' -> bytes (k/M/G are powers of 1000, KiB/MiB/GiB of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in _SIZES:
+        raise ValueError(f"{text!r} is not a size (like 500M, 64MiB, 2G)")
+    return int(float(match.group(1)) * _SIZES[match.group(2)])

@@ -1,0 +1,399 @@
+"""A `FleetReport` as text tables (rich), JSON, Prometheus text exposition (prometheus_client), or a
+self-contained HTML page with its plots inline (matplotlib SVG)."""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+from cachestore.report import FleetReport, hit_rate
+from cachestore.tier import TOTAL_COUNTERS
+
+TOTALS_SHOWN_FIRST = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
+                      "compile_seconds", "saved_seconds")  # fmt: skip
+TOTAL_LABELS = {
+    "passes": "passes",
+    "kernels": "kernels (internal kernel ops compiled)",
+    "cache_hits": "local hits (the pass's own cache)",
+    "remote_hits": "remote hits (from the tier)",
+    "cache_misses": "misses (local)",
+    "traces": "traces (beta3 compiles run)",
+    "hit_rate": "hit rate (local + remote) / kernels",
+    "compile_seconds": "compile seconds spent",
+    "saved_seconds": "compile seconds saved",
+    "lease_waits": "lease waits",
+    "tier_errors": "tier errors",
+    "tier_timeouts": "tier timeouts",
+    "tier_rejected": "tier entries rejected",
+    "tier_dropped": "tier writes dropped",
+}
+TOTALS_SHOWN = TOTALS_SHOWN_FIRST + tuple(name for name in TOTAL_COUNTERS if name not in TOTALS_SHOWN_FIRST)
+
+
+def label(name: str) -> str:
+    return TOTAL_LABELS.get(name, name.replace("_", " "))
+
+
+def when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def shapes(values: list | None) -> str:
+    if values is None:
+        return "(entry not stored)"
+    return " ".join("[" + ",".join(str(d) for d in shape) + "]" for shape in values) or "-"
+
+
+def _value(name: str, value: float) -> str:
+    if name == "hit_rate":
+        return f"{value:.1%}"
+    if name.endswith("seconds"):
+        return f"{value:,.2f}"
+    return f"{int(value):,}"
+
+
+# -- JSON -------------------------------------------------------------------------------------------
+def render_json(report: FleetReport) -> str:
+    return json.dumps(report.as_json(), indent=2)
+
+
+# -- text -------------------------------------------------------------------------------------------
+def render_text(report: FleetReport, width: int | None = None) -> str:
+    """Tables for a terminal (plain text when not on one)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width or 140, force_terminal=False, color_system=None, highlight=False)
+    for part in text_parts(report):
+        console.print(part)
+        if not isinstance(part, Text):  # a heading sits right above its table
+            console.print()
+    return buffer.getvalue()
+
+
+def text_parts(report: FleetReport) -> Iterator[Any]:
+    from rich.table import Table
+    from rich.text import Text
+
+    since = f", passes since {when(report.since)}" if report.since is not None else ""
+    yield f"Fleet report: {report.tier}, {when(report.generated)}{since}"
+
+    yield Text("Totals (all passes)", style="bold")
+
+    totals = Table()
+    totals.add_column("counter")
+    totals.add_column("value", justify="right")
+    for name in TOTALS_SHOWN:
+        totals.add_row(label(name), _value(name, report.totals.get(name, 0)))
+    totals.add_row("distinct variants (cache keys)", f"{report.variants:,}")
+    totals.add_row("distinct kernel types", f"{len(report.per_kernel):,}")
+    yield totals
+
+    yield Text("Per host and worker", style="bold")
+
+    workers = Table()
+    workers.add_column("host")
+    workers.add_column("worker")
+    for column in WORKER_HEADERS:
+        workers.add_column(column, justify="right")
+    for host, info in report.per_host.items():
+        for worker, values in info["workers"].items():
+            workers.add_row(host, worker, *_worker_cells(values))
+        if len(info["workers"]) > 1:
+            workers.add_row(host, "(all)", *_worker_cells(info["totals"]), style="bold")
+    yield workers
+
+    yield Text("Per kernel (as _export_new_nki_fe_metrics, fleet-wide)", style="bold")
+
+    kernels = Table()
+    kernels.add_column("kernel")
+    kernels.add_column("call_count", justify="right")
+    kernels.add_column("variants", justify="right")
+    for name, stats in report.per_kernel.items():
+        kernels.add_row(name, f"{stats['call_count']:,}", f"{stats['variants']:,}")
+    yield kernels
+
+    if report.top_variants:
+        yield Text(f"Top {len(report.top_variants)} variants by usage", style="bold")
+        top = Table()
+        for column in ("#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts",
+                       "last use"):  # fmt: skip
+            top.add_column(column, justify="right" if column in ("#", "usage") else "left")
+        for rank, v in enumerate(report.top_variants, 1):
+            dtypes = ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))) or "-"
+            top.add_row(str(rank), v.kernel_name, f"{v.usage:,}", shapes(v.operand_shapes), shapes(v.result_shapes),
+                        dtypes, v.key[:16], ",".join(v.hosts) or "-", when(v.last_use))  # fmt: skip
+        yield top
+
+    if report.timeline:
+        yield Text(f"Hit rate over time ({_width(report.bucket_seconds)} buckets)", style="bold")
+        timeline = Table()
+        for column in ("from", "passes", "kernels", "local hits", "remote hits", "traces", "hit rate", ""):
+            timeline.add_column(column, justify="left" if column in ("from", "") else "right")
+        for bucket in report.timeline:
+            c = bucket.counts
+            rate = hit_rate(c)
+            bar = "#" * round(rate * 30) if c["kernels"] else ""
+            timeline.add_row(when(bucket.start), f"{int(c['passes']):,}", f"{int(c['kernels']):,}",
+                             f"{int(c['cache_hits']):,}", f"{int(c['remote_hits']):,}", f"{int(c['traces']):,}",
+                             f"{rate:.1%}" if c["kernels"] else "-", bar)  # fmt: skip
+        yield timeline
+        window = report.window
+        yield (f"In these buckets: {window['passes']:,} passes, {window['kernels']:,} kernels, "
+               f"hit rate {window['hit_rate']:.1%}")  # fmt: skip
+    else:
+        yield "No passes in the pass log" + (" since then." if report.since is not None else ".")
+
+
+WORKER_COUNTERS = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
+                   "compile_seconds", "saved_seconds")  # fmt: skip
+WORKER_HEADERS = ["passes", "kernels", "local hits", "remote hits", "misses", "traces", "hit rate", "compile s",
+                  "saved s", "tier err/tmo/rej"]  # fmt: skip
+
+
+def _worker_cells(values: dict) -> list[str]:
+    tier = f"{int(values['tier_errors'])}/{int(values['tier_timeouts'])}/{int(values['tier_rejected'])}"
+    return [*(_value(name, values[name]) for name in WORKER_COUNTERS), tier]
+
+
+def _width(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size} {unit}"
+    return f"{seconds} s"
+
+
+# -- Prometheus -------------------------------------------------------------------------------------
+def _metric_families(report: FleetReport) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name in TOTAL_COUNTERS:
+        yield CounterMetricFamily(f"nkicache_{name}", f"Fleet total of {label(name)}.",
+                                  value=report.totals[name])  # fmt: skip
+    yield GaugeMetricFamily("nkicache_hit_ratio", "(cache_hits + remote_hits) / kernels, from summed counts.",
+                            value=report.totals["hit_rate"])  # fmt: skip
+    yield GaugeMetricFamily("nkicache_variants", "Distinct cache keys the fleet used.", value=report.variants)
+    for name in TOTAL_COUNTERS:
+        family = CounterMetricFamily(f"nkicache_worker_{name}", f"Per worker: {label(name)}.",
+                                     labels=["host", "worker"])  # fmt: skip
+        for host, info in report.per_host.items():
+            for worker, values in info["workers"].items():
+                family.add_metric([host, worker], values[name])
+        yield family
+    calls = CounterMetricFamily("nkicache_kernel_calls", "Per kernel name: summed usage (call_count), fleet-wide.",
+                                labels=["kernel"])  # fmt: skip
+    variants = GaugeMetricFamily("nkicache_kernel_variants", "Per kernel name: distinct cache keys (variants).",
+                                 labels=["kernel"])  # fmt: skip
+    for kernel, stats in report.per_kernel.items():
+        calls.add_metric([kernel], stats["call_count"])
+        variants.add_metric([kernel], stats["variants"])
+    yield calls
+    yield variants
+
+
+class FleetCollector:
+    """A prometheus_client collector that builds a fresh report on each scrape; a tier that cannot be read
+    gives nkicache_tier_up 0 instead of a failed scrape."""
+
+    def __init__(self, build: Callable[[], FleetReport]):
+        self.build = build
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        from bridge.errors import NkiCacheError
+
+        started = time.perf_counter()
+        try:
+            report = self.build()
+        except NkiCacheError:
+            yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=0)
+            return
+        yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=1)
+        yield from _metric_families(report)
+        yield GaugeMetricFamily("nkicache_report_seconds", "Seconds it took to read the tier for this scrape.",
+                                value=time.perf_counter() - started)  # fmt: skip
+
+
+def prometheus_registry(build: Callable[[], FleetReport]) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)  # describing would read the tier at registration
+    registry.register(FleetCollector(build))
+    return registry
+
+
+def render_prometheus(report: FleetReport) -> str:
+    """The text exposition format, for node_exporter's textfile collector."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(prometheus_registry(lambda: report)).decode()
+
+
+# -- HTML -------------------------------------------------------------------------------------------
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2em auto; max-width: 1200px;
+       color: #1f2328; padding: 0 1em; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; margin-top: 2em; }
+.sub { color: #59636e; margin-top: 0; }
+.cards { display: flex; flex-wrap: wrap; gap: 1em; margin: 1.5em 0; }
+.card { border: 1px solid #d1d9e0; border-radius: 8px; padding: 0.8em 1.2em; min-width: 10em; }
+.card .v { font-size: 1.6em; font-weight: 600; } .card .k { color: #59636e; font-size: 0.9em; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.92em; }
+th, td { border-bottom: 1px solid #d1d9e0; padding: 0.3em 0.8em; text-align: left; }
+td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
+figure { margin: 1em 0; } figure svg { max-width: 100%; height: auto; }
+figcaption { color: #59636e; font-size: 0.9em; }
+code { font-size: 0.9em; }
+"""
+
+
+def _svg(figure: Any) -> str:
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight")
+    text = buffer.getvalue()
+    return text[text.index("<svg") :]
+
+
+def plot_hit_rate(report: FleetReport) -> str | None:
+    """Hit rate per bucket over time, above the kernels per bucket split into local hits, remote hits and
+    traces-or-other misses."""
+    if not report.timeline:
+        return None
+    from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+    from matplotlib.figure import Figure
+
+    starts = [datetime.fromtimestamp(b.start) for b in report.timeline]
+    width_days = report.bucket_seconds / 86400 * 0.9
+    local = [b.counts["cache_hits"] for b in report.timeline]
+    remote = [b.counts["remote_hits"] for b in report.timeline]
+    missed = [b.counts["kernels"] - b.counts["cache_hits"] - b.counts["remote_hits"] for b in report.timeline]
+    centers = [datetime.fromtimestamp(b.start + report.bucket_seconds / 2) for b in report.timeline]
+    rated = [
+        (c, hit_rate(b.counts) * 100) for c, b in zip(centers, report.timeline, strict=True) if b.counts["kernels"]
+    ]
+
+    figure = Figure(figsize=(10, 5.5), layout="constrained")
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    top.plot([c for c, _ in rated], [r for _, r in rated], marker="o", color="#1a7f37", linewidth=2,
+             label="hit rate per bucket")  # fmt: skip
+    overall = report.window.get("hit_rate", 0.0) * 100
+    top.axhline(overall, color="#59636e", linestyle="--", linewidth=1, label=f"over the period: {overall:.1f}%")
+    top.legend(loc="lower right", fontsize="small")
+    top.set_ylim(0, 105)
+    top.set_ylabel("hit rate (%)")
+    top.set_title("Fleet hit rate over time: (local hits + remote hits) / kernels", loc="left")
+    top.grid(alpha=0.3)
+    bottom.bar(starts, local, width=width_days, align="edge", label="local hits", color="#1a7f37")
+    bottom.bar(starts, remote, width=width_days, align="edge", bottom=local, label="remote hits", color="#54aeff")
+    stacked = [a + b for a, b in zip(local, remote, strict=True)]
+    bottom.bar(starts, missed, width=width_days, align="edge", bottom=stacked, label="misses", color="#fd8c73")
+    bottom.set_ylabel("kernels")
+    bottom.legend(loc="upper left", fontsize="small", ncols=3)
+    bottom.grid(alpha=0.3, axis="y")
+    if len(starts) == 1:  # one bucket: show its whole width, not a few seconds around it
+        bottom.set_xlim(starts[0] - (centers[0] - starts[0]), centers[0] + (centers[0] - starts[0]) * 2)
+    locator = AutoDateLocator()
+    bottom.xaxis.set_major_locator(locator)
+    bottom.xaxis.set_major_formatter(ConciseDateFormatter(locator))
+    return _svg(figure)
+
+
+def plot_kernel_usage(report: FleetReport, limit: int = 25) -> str | None:
+    """call_count per kernel name (most used on top), each bar labelled with its number of variants."""
+    if not report.per_kernel:
+        return None
+    from matplotlib.figure import Figure
+
+    items = list(report.per_kernel.items())[:limit][::-1]
+    names = [name for name, _ in items]
+    calls = [stats["call_count"] for _, stats in items]
+    figure = Figure(figsize=(10, 1.2 + 0.45 * len(items)), layout="constrained")
+    axes = figure.subplots()
+    bars = axes.barh(names, calls, color="#0969da")
+    axes.bar_label(bars, labels=[f"{c:,} calls, {s['variants']:,} variants" for c, (_, s) in zip(calls, items,
+                   strict=True)], padding=4, fontsize="small")  # fmt: skip
+    axes.set_xlabel("call_count (summed usage over all passes)")
+    axes.set_title("Usage per kernel", loc="left")
+    axes.set_xlim(0, max([*calls, 1]) * 1.35)
+    axes.grid(alpha=0.3, axis="x")
+    return _svg(figure)
+
+
+def _cell(tag: str, value: Any, numeric: bool) -> str:
+    return (
+        f'<{tag} class="n">{html.escape(str(value))}</{tag}>'
+        if numeric
+        else f"<{tag}>{html.escape(str(value))}</{tag}>"
+    )
+
+
+def _table(headers: list[str], rows: list[list[Any]], numeric: set[int]) -> str:
+    head = "".join(_cell("th", h, i in numeric) for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(_cell("td", c, i in numeric) for i, c in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(report: FleetReport) -> str:
+    """One self-contained page: summary, the two plots as inline SVG, and the report's tables."""
+    t = report.totals
+    cards = [("hit rate", _value("hit_rate", t["hit_rate"])), ("kernels", _value("kernels", t["kernels"])),
+             ("passes", _value("passes", t["passes"])), ("traces", _value("traces", t["traces"])),
+             ("compile s saved", _value("saved_seconds", t["saved_seconds"])),
+             ("variants", f"{report.variants:,}")]  # fmt: skip
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>nkicache fleet report: {html.escape(report.tier)}</title>",
+        f"<style>{CSS}</style></head><body>",
+        "<h1>nkicache fleet report</h1>",
+        f'<p class="sub">{html.escape(report.tier)}, generated {html.escape(when(report.generated))}'
+        + (f", passes since {html.escape(when(report.since))}" if report.since is not None else "")
+        + "</p>",
+        '<div class="cards">'
+        + "".join(f'<div class="card"><div class="v">{html.escape(v)}</div><div class="k">{html.escape(k)}</div></div>'
+                  for k, v in cards)
+        + "</div>",
+    ]  # fmt: skip
+    hit_plot = plot_hit_rate(report)
+    parts.append("<h2>Hit rate over time</h2>")
+    if hit_plot:
+        parts.append(f'<figure id="plot-hit-rate">{hit_plot}<figcaption>{_width(report.bucket_seconds)} buckets by '
+                     "when each pass finished; misses are kernels neither in the pass's cache nor in the tier."
+                     "</figcaption></figure>")  # fmt: skip
+    else:
+        parts.append("<p>No passes in the pass log.</p>")
+    usage_plot = plot_kernel_usage(report)
+    parts.append("<h2>Usage per kernel</h2>")
+    if usage_plot:
+        parts.append(f'<figure id="plot-kernel-usage">{usage_plot}</figure>')
+    else:
+        parts.append("<p>No kernels recorded.</p>")
+
+    parts.append("<h2>Totals</h2>")
+    parts.append(_table(["counter", "value"], [[label(n), _value(n, t.get(n, 0))] for n in TOTALS_SHOWN], {1}))
+    parts.append("<h2>Per host and worker</h2>")
+    rows = [[host, worker, *_worker_cells(values)] for host, info in report.per_host.items()
+            for worker, values in info["workers"].items()]  # fmt: skip
+    parts.append(_table(["host", "worker", *WORKER_HEADERS], rows, set(range(2, 2 + len(WORKER_HEADERS)))))
+    parts.append("<h2>Per kernel</h2>")
+    parts.append(_table(["kernel", "call_count", "variants"],
+                        [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],
+                        {1, 2}))  # fmt: skip
+    if report.top_variants:
+        parts.append(f"<h2>Top {len(report.top_variants)} variants</h2>")
+        rows = [[i, v.kernel_name, f"{v.usage:,}", shapes(v.operand_shapes), shapes(v.result_shapes),
+                 ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))), v.key[:16],
+                 ",".join(v.hosts), when(v.last_use)] for i, v in enumerate(report.top_variants, 1)]  # fmt: skip
+        parts.append(_table(["#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts",
+                             "last use"], rows, {0, 2}))  # fmt: skip
+    parts.append("</body></html>")
+    return "\n".join(parts)
