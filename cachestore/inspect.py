@@ -1,0 +1,748 @@
+"""Offline inspection of a tier (or a snapshot of one): what is in it, is it intact, why did a kernel miss,
+how big is it, and cleaning it up. Read-only except `import_snapshot` and `collect_garbage`, which write
+entries and never touch the fleet metrics.
+
+Every function streams the entries in batches (`cachestore.readers`); what it keeps across batches is
+small and said in its docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import random
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from bridge.errors import NkiCacheError
+from cachestore.entry import MAX_ENTRY_BYTES, Entry, EntryRejected, SignaturePolicy, decode_entry
+from cachestore.readers import BATCH, RawEntry, TierReader, WriteItem, batched
+
+# For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
+# `verify` is where the configured policy is applied.
+LOOKING = SignaturePolicy(hmac_key=None, require_signed=False, reject_unverifiable=False)
+
+
+class InspectError(NkiCacheError):
+    """An inspection request cannot be answered (unknown key, bad components, ...)."""
+
+
+# -- key components ---------------------------------------------------------------------------------
+def frozen_components(components: Mapping[str, Any]) -> dict[str, Any]:
+    """Key components as the codegen loop built them: msgpack and JSON turn its tuples into lists, and
+    str() of them (which the cache key hashes) tells a list from a tuple."""
+    from bridge.ir import freeze_attr
+
+    frozen: dict[str, Any] = {}
+    for name, value in components.items():
+        if name in ("operands", "results") and isinstance(value, Mapping):
+            frozen[name] = {
+                part: [tuple(s) for s in items] if part == "shapes" else list(items) for part, items in value.items()
+            }
+        elif name == "attrs" and isinstance(value, Mapping):
+            frozen[name] = {attr: freeze_attr(v) for attr, v in value.items()}
+        elif name == "out_shape" and isinstance(value, list | tuple):
+            frozen[name] = tuple(value)
+        else:
+            frozen[name] = value
+    return frozen
+
+
+def cache_key_of(components: Mapping[str, Any]) -> str:
+    """The specification's key: SHA-256 of str(sorted(key_components.items()))."""
+    return hashlib.sha256(str(sorted(frozen_components(components).items())).encode()).hexdigest()
+
+
+def _key_problem(cache_key: str, entry: Entry) -> str | None:
+    try:
+        actual = cache_key_of(entry.key_components)
+    except (TypeError, ValueError):
+        return "key components are malformed"
+    if actual != cache_key:
+        return f"key components hash to {actual[:16]}..., not to the key the entry is stored under"
+    return None
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    return value
+
+
+def describe_components(components: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields reports and listings show, JSON-ready."""
+    operands = components.get("operands") or {}
+    results = components.get("results") or {}
+    return {
+        "kernel_name": components.get("kernel_name", ""),
+        "target": components.get("target", ""),
+        "num_neuroncores": components.get("num_neuroncores"),
+        "operand_shapes": _json_value(operands.get("shapes", [])),
+        "operand_dtypes": _json_value(operands.get("dtypes", [])),
+        "result_shapes": _json_value(results.get("shapes", [])),
+        "result_dtypes": _json_value(results.get("dtypes", [])),
+        "attrs": _json_value(components.get("attrs", {})),
+    }
+
+
+def decode_or_reason(data: bytes, policy: SignaturePolicy = LOOKING, max_bytes: int = MAX_ENTRY_BYTES) -> Entry | str:
+    """The entry, or the reason it cannot be read."""
+    try:
+        return decode_entry(data, policy, max_bytes)
+    except EntryRejected as exc:
+        return exc.reason
+
+
+def _has_signature(data: bytes) -> bool:
+    try:
+        envelope = msgpack.unpackb(data, raw=False)
+    except Exception:  # msgpack raises several unrelated types for bad input
+        return False
+    return isinstance(envelope, dict) and isinstance(envelope.get("sig"), bytes)
+
+
+# -- ls ---------------------------------------------------------------------------------------------
+def list_entries(reader: TierReader, kernel: str | None = None, target: str | None = None) -> Iterator[dict]:
+    """One row per entry (streamed), with what the metrics know about its use. An entry that cannot be
+    decoded is listed with its `error` unless a filter is given."""
+    for batch in batched(reader.scan_entries()):
+        usage = reader.key_records([raw.cache_key for raw in batch])
+        for raw in batch:
+            entry = decode_or_reason(raw.data)
+            if isinstance(entry, str):
+                if kernel is None and target is None:
+                    yield {"key": raw.cache_key, "kernel_name": None, "bytes": len(raw.data), "error": entry}
+                continue
+            info = describe_components(entry.key_components)
+            if kernel not in (None, info["kernel_name"]) or target not in (None, info["target"]):
+                continue
+            record = usage.get(raw.cache_key)
+            yield {
+                "key": raw.cache_key,
+                **info,
+                "format": entry.format,
+                "bytes": len(raw.data),
+                "binary_bytes": len(entry.binary),
+                "ref": entry.ref,
+                "usage": record.usage if record else 0,
+                "last_use": record.last_use if record else None,
+                "producer": f"{entry.producer_host}:{entry.producer_worker}",
+                "created": entry.created,
+                "ttl": raw.ttl,
+                "error": None,
+            }
+
+
+# -- show -------------------------------------------------------------------------------------------
+def resolve_key(reader: TierReader, key_or_prefix: str) -> str:
+    """The one cache key that is, or starts with, `key_or_prefix`."""
+    prefix = key_or_prefix.strip().lower()
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        raise InspectError(f"{key_or_prefix!r} is not a cache key (hex SHA-256) or a prefix of one")
+    if len(prefix) == 64:
+        if reader.get_entries([prefix]):
+            return prefix
+        raise InspectError(f"no entry {prefix} in {reader.description}")
+    found = reader.find_keys(prefix, limit=5)
+    if not found:
+        raise InspectError(f"no entry starts with {prefix} in {reader.description}")
+    if len(found) > 1:
+        raise InspectError(f"{prefix} is ambiguous: {', '.join(k[:16] + '...' for k in found)}")
+    return found[0]
+
+
+def show_entry(reader: TierReader, key_or_prefix: str, policy: SignaturePolicy) -> dict:
+    """Everything about one entry: key components, sizes, producer, usage, hosts, first and last use."""
+    cache_key = resolve_key(reader, key_or_prefix)
+    data = reader.get_entries([cache_key]).get(cache_key)
+    if data is None:
+        raise InspectError(f"entry {cache_key} disappeared while reading it")
+    verified = decode_or_reason(data, policy)
+    entry = decode_or_reason(data)
+    record = reader.key_records([cache_key]).get(cache_key)
+    shown: dict[str, Any] = {
+        "key": cache_key,
+        "bytes": len(data),
+        "signature": "present" if _has_signature(data) else "none",
+        "verified": not isinstance(verified, str),
+        "problem": verified if isinstance(verified, str) else None,
+        "usage": record.usage if record else 0,
+        "first_use": record.first_use if record else None,
+        "last_use": record.last_use if record else None,
+        "hosts": reader.key_hosts([cache_key]).get(cache_key, []),
+    }
+    if isinstance(entry, str):
+        return {**shown, "problem": entry}
+    shown.update(
+        key_components=_json_value(entry.key_components),
+        format=entry.format,
+        version_identifier=entry.version_identifier,
+        input_names=entry.input_names,
+        output_names=entry.output_names,
+        binary_bytes=len(entry.binary),
+        digest=entry.digest,
+        ref=entry.ref,
+        producer_host=entry.producer_host,
+        producer_worker=entry.producer_worker,
+        created=entry.created,
+        compile_seconds=entry.compile_seconds,
+    )
+    if entry.is_reference:
+        data = reader.get_entries([entry.ref]).get(entry.ref)
+        holder = None if data is None else decode_or_reason(data)
+        shown["binary_bytes"] = len(holder.binary) if isinstance(holder, Entry) else None
+        shown["ref_problem"] = _reference_problem(entry, holder)
+    return shown
+
+
+def _reference_problem(entry: Entry, holder: Entry | str | None) -> str | None:
+    if holder is None:
+        return f"references {entry.ref[:16]}..., which is not in the tier"
+    if isinstance(holder, str):
+        return f"references {entry.ref[:16]}..., which is unreadable ({holder})"
+    if holder.is_reference:
+        return f"references {entry.ref[:16]}..., which is itself a reference"
+    if holder.digest != entry.digest:
+        return f"references {entry.ref[:16]}..., which holds another binary"
+    return None
+
+
+# -- du ---------------------------------------------------------------------------------------------
+def disk_usage(reader: TierReader) -> dict:
+    """Storage by kernel: entries, full entries and references, bytes stored, binary bytes held, and what
+    deduplication saves (the binaries references would otherwise hold). Keeps one (digest, size) pair per
+    distinct binary and one count per referenced digest."""
+    kernels: dict[str, Counter] = defaultdict(Counter)
+    sizes: dict[str, int] = {}
+    referenced: dict[str, Counter] = defaultdict(Counter)  # digest -> kernel -> references
+    unreadable = Counter()
+    for raw in reader.scan_entries(with_ttl=False):
+        entry = decode_or_reason(raw.data)
+        if isinstance(entry, str):
+            unreadable["entries"] += 1
+            unreadable["bytes"] += len(raw.data)
+            continue
+        row = kernels[str(entry.key_components.get("kernel_name", ""))]
+        row["entries"] += 1
+        row["bytes"] += len(raw.data)
+        if entry.is_reference:
+            row["references"] += 1
+            referenced[entry.digest][str(entry.key_components.get("kernel_name", ""))] += 1
+        else:
+            row["full"] += 1
+            row["binary_bytes"] += len(entry.binary)
+            sizes[entry.digest] = len(entry.binary)
+    dangling = 0
+    for digest, by_kernel in referenced.items():
+        if digest not in sizes:
+            dangling += sum(by_kernel.values())
+            continue
+        for name, count in by_kernel.items():
+            kernels[name]["dedupe_saved_bytes"] += count * sizes[digest]
+    fields = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
+    rows = {name: {f: int(row[f]) for f in fields} for name, row in sorted(kernels.items())}
+    total = {f: sum(row[f] for row in rows.values()) for f in fields}
+    return {
+        "kernels": rows,
+        "total": total,
+        "distinct_binaries": len(sizes),
+        "dangling_references": dangling,
+        "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
+    }
+
+
+# -- verify -----------------------------------------------------------------------------------------
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    bad: list[dict] = field(default_factory=list)
+    recompiled: int = 0
+    executed: int = 0
+
+    @property
+    def ok(self) -> int:
+        return self.checked - len({item["key"] for item in self.bad})
+
+    def as_json(self) -> dict:
+        return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "recompiled": self.recompiled,
+                "executed": self.executed}  # fmt: skip
+
+
+class _HolderCache:
+    """Recently checked reference targets: key -> (digest, is_reference) or the reason it is unreadable."""
+
+    def __init__(self, limit: int = 4 * BATCH):
+        self.limit = limit
+        self.items: dict[str, tuple[str, bool] | str | None] = {}
+
+    def put(self, key: str, value: tuple[str, bool] | str | None) -> None:
+        self.items[key] = value
+        if len(self.items) > self.limit:
+            del self.items[next(iter(self.items))]
+
+
+def verify_entries(
+    reader: TierReader,
+    policy: SignaturePolicy,
+    *,
+    max_bytes: int = MAX_ENTRY_BYTES,
+    recompile: int = 0,
+    execute: int = 0,
+    seed: int = 0,
+) -> VerifyReport:
+    """Decode every entry with the reader's signature policy (digest, signature, schema), check that its
+    key components hash to its key and that a reference names an entry holding the same binary. Then
+    re-trace `recompile` sampled entries and compare bytes, and run `execute` sampled entries against the
+    numpy references. Keeps a bounded cache of reference targets and the sample."""
+    report = VerifyReport()
+    holders = _HolderCache()
+    sample: list[tuple[str, Entry]] = []
+    wanted = max(recompile, execute)
+    rng = random.Random(seed)
+    seen_ok = 0
+    for batch in batched(reader.scan_entries(with_ttl=False)):
+        decoded: dict[str, Entry] = {}
+        for raw in batch:
+            report.checked += 1
+            entry = decode_or_reason(raw.data, policy, max_bytes)
+            problem = entry if isinstance(entry, str) else _key_problem(raw.cache_key, entry)
+            if problem:
+                report.bad.append({"key": raw.cache_key, "reason": problem})
+                holders.put(raw.cache_key, problem)
+                continue
+            decoded[raw.cache_key] = entry
+            holders.put(raw.cache_key, (entry.digest, entry.is_reference))
+        bad_references = _check_references(reader, policy, max_bytes, decoded, holders, report)
+        for key, entry in decoded.items():
+            if key in bad_references:
+                continue
+            seen_ok += 1
+            if len(sample) < wanted:
+                sample.append((key, entry))
+            elif wanted:
+                slot = rng.randrange(seen_ok)
+                if slot < wanted:
+                    sample[slot] = (key, entry)
+    sample.sort()
+    for key, entry in sample[:recompile]:
+        _record(report, key, _recompile_problem(reader, key, entry))
+        report.recompiled += 1
+    for key, entry in sample[:execute]:
+        _record(report, key, _execute_problem(reader, key, entry, seed))
+        report.executed += 1
+    return report
+
+
+def _record(report: VerifyReport, key: str, problem: str | None) -> None:
+    if problem:
+        report.bad.append({"key": key, "reason": problem})
+
+
+def _check_references(
+    reader: TierReader,
+    policy: SignaturePolicy,
+    max_bytes: int,
+    decoded: dict[str, Entry],
+    holders: _HolderCache,
+    report: VerifyReport,
+) -> set[str]:
+    """Checks the batch's references (appending to `report.bad`); returns the keys found bad."""
+    bad: set[str] = set()
+    references = {key: entry for key, entry in decoded.items() if entry.is_reference}
+    wanted = {entry.ref for entry in references.values()}
+    # Taken out of the cache first: putting what is fetched below may evict what was there.
+    known = {ref: holders.items[ref] for ref in wanted if ref in holders.items}
+    for ref, data in reader.get_entries(sorted(wanted - set(known))).items():
+        holder = decode_or_reason(data, policy, max_bytes)
+        known[ref] = holder if isinstance(holder, str) else (holder.digest, holder.is_reference)
+        holders.put(ref, known[ref])
+    for key, entry in references.items():
+        target = known.get(entry.ref)
+        if target is None:
+            problem = f"references {entry.ref[:16]}..., which is not in the tier"
+        elif isinstance(target, str):
+            problem = f"references {entry.ref[:16]}..., which is unreadable ({target})"
+        elif target[1]:
+            problem = f"references {entry.ref[:16]}..., which is itself a reference"
+        elif target[0] != entry.digest:
+            problem = f"references {entry.ref[:16]}..., which holds another binary"
+        else:
+            continue
+        report.bad.append({"key": key, "reason": problem})
+        bad.add(key)
+    return bad
+
+
+def _with_binary(reader: TierReader, entry: Entry) -> Entry:
+    if not entry.is_reference:
+        return entry
+    holder = decode_or_reason(reader.get_entries([entry.ref]).get(entry.ref, b""))
+    if isinstance(holder, str) or holder.digest != entry.digest:
+        raise InspectError(f"referenced entry {entry.ref[:16]}... is gone or changed")
+    return entry.with_binary(holder.binary)
+
+
+@dataclass
+class RebuiltOp:
+    func_name: str
+    inst: Any  # bridge.ir.InternalNkiKernel
+    target: Any  # bridge.targets.Target
+    attrs: dict
+
+
+def rebuild_op(components: Mapping[str, Any]) -> RebuiltOp:
+    """The InternalNkiKernel op an entry was compiled from, rebuilt from its key components: kernel_name is
+    mapped back to a func_name by asking each registered kernel which kernel it selects for these shapes."""
+    from bridge.ir import InternalNkiKernel, Tensor
+    from bridge.registry import get_internal_kernel_registry
+    from bridge.targets import make_target
+
+    kc = frozen_components(components)
+    try:
+        target = make_target(kc["target"])
+        ops, res = kc["operands"], kc["results"]
+        operands = [Tensor(f"in{i}", s, d) for i, (s, d) in enumerate(zip(ops["shapes"], ops["dtypes"], strict=True))]
+        results = [Tensor(f"out{i}", s, d) for i, (s, d) in enumerate(zip(res["shapes"], res["dtypes"], strict=True))]
+        attrs = dict(kc.get("attrs") or {})
+        kernel_name = kc["kernel_name"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InspectError(f"key components cannot be rebuilt into an op: {type(exc).__name__}: {exc}") from None
+    registry = get_internal_kernel_registry()
+    for func_name in registry.names():
+        try:
+            call = registry.resolve(func_name).marshal(operands, results, attrs)
+        except NkiCacheError:
+            continue
+        if call.kernel_name == kernel_name:
+            return RebuiltOp(func_name, InternalNkiKernel(func_name, kernel_name, operands, results, attrs), target,
+                             attrs)  # fmt: skip
+    raise InspectError(f"no registered kernel compiles {kernel_name!r} for these shapes and attrs")
+
+
+def _recompile_problem(reader: TierReader, key: str, entry: Entry) -> str | None:
+    from bridge.codegen import BirCodeGenLoop
+
+    try:
+        entry = _with_binary(reader, entry)
+        op = rebuild_op(entry.key_components)
+        loop = BirCodeGenLoop(op.target)
+        trace = loop._trace_kernel_beta2 if entry.format == "klir" else loop._trace_kernel_beta3
+        result = trace(op.inst, key)
+    except NkiCacheError as exc:
+        return f"recompile failed: {' '.join(str(exc).split())}"
+    if result["binary"] != entry.binary:
+        return (f"recompiled binary differs: {len(entry.binary)} bytes stored, {len(result['binary'])} bytes "
+                "recompiled")  # fmt: skip
+    if list(result["input_names"]) != entry.input_names or list(result["output_names"]) != entry.output_names:
+        return "recompiled binary names other inputs or outputs"
+    return None
+
+
+def _execute_problem(reader: TierReader, key: str, entry: Entry, seed: int) -> str | None:
+    import numpy as np
+
+    from bridge import dtypes
+    from bridge.graph_runner import RUNNERS, tolerance
+    from bridge.references import reference
+    from bridge.sampling import sample_inputs
+
+    try:
+        entry = _with_binary(reader, entry)
+        op = rebuild_op(entry.key_components)
+        rng = np.random.default_rng([seed, int(key[:8], 16)])
+        inputs = sample_inputs(op.func_name, op.inst.operands, op.attrs, rng)
+        outputs = RUNNERS[entry.format](entry.binary, dict(zip(entry.input_names, inputs, strict=True)))
+        expected = reference(op.func_name, inputs, op.attrs)
+    except (NkiCacheError, ValueError, TypeError, KeyError) as exc:
+        return f"execution failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    rtol, atol = tolerance([t.dtype for t in (*op.inst.operands, *op.inst.results)])
+    for name, result, want in zip(entry.output_names, op.inst.results, expected, strict=False):
+        got = np.asarray(outputs.get(name), dtype=np.float64)
+        want = np.asarray(want).astype(dtypes.to_numpy(result.dtype)).astype(np.float64)
+        if got.shape != want.shape:
+            return f"execution output {name} has shape {list(got.shape)}, the reference {list(want.shape)}"
+        # As `nkicache run --check`: the absolute tolerance scales with the output's largest value.
+        scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+        if not np.allclose(got, want, rtol=rtol, atol=atol * scale):
+            err = float(np.max(np.abs(got - want))) if got.size else math.nan
+            return f"execution differs from the numpy reference: output {name}, max abs err {err:.3g}"
+    return None
+
+
+# -- explain ----------------------------------------------------------------------------------------
+WEIGHTS = {"kernel_name": 100, "target": 10, "num_neuroncores": 10}
+
+
+def components_for(components: Mapping[str, Any], target_name: str | None = None) -> dict[str, Any]:
+    """User-given key components (JSON) completed as the key builder would: target and neuroncore count
+    from `target_name` (else the platform target) when missing."""
+    from bridge.targets import get_platform_target, make_target
+
+    if "kernel_name" not in components:
+        raise InspectError("key components must name the kernel_name")
+    completed = dict(components)
+    if target_name:
+        completed["target"] = target_name
+    completed.setdefault("target", type(get_platform_target()).__name__)
+    if target_name or "num_neuroncores" not in completed:
+        completed["num_neuroncores"] = make_target(str(completed["target"])).num_neuroncores_per_sengine
+    completed.setdefault("attrs", {})
+    return frozen_components(completed)
+
+
+def components_of_graph_op(graph_path: str, op_index: int, target_name: str | None = None) -> dict[str, Any]:
+    """The key components the codegen loop builds for op `op_index` of a graph file."""
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.graph import load_graph
+    from bridge.ir import InternalNkiKernel
+    from bridge.targets import get_platform_target, make_target
+
+    graph = load_graph(graph_path)
+    if not 0 <= op_index < len(graph.ops):
+        raise InspectError(f"{graph_path}: no op {op_index} (the graph has {len(graph.ops)} ops)")
+    inst = graph.ops[op_index]
+    if not isinstance(inst, InternalNkiKernel):
+        raise InspectError(f"{graph_path}: op {op_index} is {type(inst).__name__}, not an InternalNkiKernel")
+    name = target_name or graph.target
+    loop = BirCodeGenLoop(make_target(name) if name else get_platform_target())
+    # As codegenInternalNativeNkiKernel builds them, before it computes the key.
+    components: dict[str, Any] = {
+        "kernel_name": inst.kernel_name,
+        "operands": loop._extract_tensor_info(inst.operands),
+        "results": loop._extract_tensor_info(inst.results),
+        "attrs": inst.get_attrs_dict(),
+    }
+    if inst.func_name == "ResizeNearest":
+        components["out_shape"] = loop._extract_tensor_info(inst.results[:1])["shapes"][0]
+    loop._compute_cache_key_from_components(components)
+    return components
+
+
+def _flatten(components: Mapping[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in components.items():
+        if name in ("operands", "results", "attrs") and isinstance(value, Mapping):
+            flat.update((f"{name}.{part}", _json_value(v)) for part, v in value.items())
+        else:
+            flat[name] = _json_value(value)
+    return flat
+
+
+def differences(wanted: Mapping[str, Any], existing: Mapping[str, Any]) -> list[dict]:
+    a, b = _flatten(wanted), _flatten(existing)
+    return [
+        {"component": name, "wanted": a.get(name), "existing": b.get(name)}
+        for name in sorted(set(a) | set(b))
+        if a.get(name) != b.get(name)
+    ]
+
+
+def explain(reader: TierReader, components: Mapping[str, Any], top: int = 5) -> dict:
+    """Is this variant in the tier, and if not, the `top` nearest variants and the components that differ
+    (a differing kernel name weighs 100, target or neuroncores 10, any other component 1). Keeps `top`."""
+    wanted = frozen_components(components)
+    cache_key = cache_key_of(wanted)
+    nearest: list[tuple[int, int, str, list[dict]]] = []  # a max-heap on distance, by negated values
+    present = False
+    for raw in reader.scan_entries(with_ttl=False):
+        entry = decode_or_reason(raw.data)
+        if isinstance(entry, str):
+            continue
+        if raw.cache_key == cache_key:
+            present = True
+        diff = differences(wanted, frozen_components(entry.key_components))
+        distance = sum(WEIGHTS.get(d["component"], 1) for d in diff)
+        item = (-distance, raw.cache_key, diff)
+        if len(nearest) < top:
+            heapq.heappush(nearest, item)  # type: ignore[arg-type]
+        elif item > nearest[0]:
+            heapq.heapreplace(nearest, item)  # type: ignore[arg-type]
+    ranked = sorted(nearest, key=lambda item: (-item[0], item[1]))
+    usage = reader.key_records([key for _, key, _ in ranked])
+    return {
+        "key": cache_key,
+        "present": present,
+        "components": _json_value(wanted),
+        "nearest": [
+            {"key": key, "distance": -neg, "usage": usage[key].usage if key in usage else 0, "differs": diff}
+            for neg, key, diff in ranked
+        ],
+    }
+
+
+# -- export / import --------------------------------------------------------------------------------
+def import_snapshot(
+    snapshot: Any, tier: TierReader, policy: SignaturePolicy, *, default_ttl: float, max_bytes: int = MAX_ENTRY_BYTES
+) -> dict:
+    """Write a snapshot's entries into a tier, each verified first (decoded with the policy, key components
+    hashing to its key); entries holding a binary go first, then references whose target now holds the
+    same binary. Metrics are not imported. Returns {imported, rejected: [{key, reason}]}."""
+    rejected: list[dict] = []
+    imported = 0
+
+    def ttl_of(raw: RawEntry) -> float:
+        return raw.ttl if raw.ttl is not None and raw.ttl > 0 else default_ttl
+
+    references = 0
+    for batch in batched(snapshot.scan_entries()):
+        items = []
+        for raw in batch:
+            entry = decode_or_reason(raw.data, policy, max_bytes)
+            problem = entry if isinstance(entry, str) else _key_problem(raw.cache_key, entry)
+            if problem:
+                rejected.append({"key": raw.cache_key, "reason": problem})
+            elif entry.is_reference:
+                references += 1
+            else:
+                items.append(WriteItem(raw.cache_key, raw.data, entry.digest, ttl_of(raw)))
+        tier.put_entries(items)
+        imported += len(items)
+    if references:
+        for batch in batched(snapshot.scan_entries()):
+            pending = {}
+            for raw in batch:
+                entry = decode_or_reason(raw.data, policy, max_bytes)
+                if isinstance(entry, Entry) and entry.is_reference and not _key_problem(raw.cache_key, entry):
+                    pending[raw.cache_key] = (raw, entry)
+            targets = tier.get_entries(sorted({entry.ref for _, entry in pending.values()}))
+            items = []
+            for key, (raw, entry) in pending.items():
+                holder = decode_or_reason(targets[entry.ref], policy, max_bytes) if entry.ref in targets else None
+                problem = _reference_problem(entry, holder)
+                if problem:
+                    rejected.append({"key": key, "reason": problem})
+                else:
+                    items.append(WriteItem(key, raw.data, None, ttl_of(raw)))
+            tier.put_entries(items)
+            imported += len(items)
+    return {"imported": imported, "rejected": rejected}
+
+
+# -- gc ---------------------------------------------------------------------------------------------
+@dataclass
+class _Candidate:
+    key: str
+    bytes: int
+    digest: str | None  # for an entry holding a binary
+    ref: str | None
+    usage: int
+    compile_seconds: float
+    last_use: float
+    reason: str | None = None  # why it is evicted
+
+    @property
+    def value(self) -> float:
+        """Compile seconds its reuse saves per stored byte: keep the entries that save the most."""
+        return (self.usage * max(self.compile_seconds, 1e-3)) / max(self.bytes, 1)
+
+
+def collect_garbage(
+    reader: TierReader,
+    policy: SignaturePolicy,
+    *,
+    max_bytes: int | None = None,
+    unused_for: float | None = None,
+    dry_run: bool = False,
+    now: float | None = None,
+) -> dict:
+    """Evict entries (never metrics): unreadable entries and references to nothing; with `unused_for`,
+    entries not used for that many seconds; with `max_bytes`, the least valuable entries (lowest compile
+    seconds saved per stored byte: usage x compile time / size) until the rest fits. An entry holding a
+    binary goes only together with the references to it. Keeps one small record per entry."""
+    now = time.time() if now is None else now
+    candidates: dict[str, _Candidate] = {}
+    for batch in batched(reader.scan_entries(with_ttl=False)):
+        usage = reader.key_records([raw.cache_key for raw in batch])
+        for raw in batch:
+            entry = decode_or_reason(raw.data, policy)
+            record = usage.get(raw.cache_key)
+            if isinstance(entry, str):
+                candidates[raw.cache_key] = _Candidate(raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0,
+                                                       reason="unreadable")  # fmt: skip
+                continue
+            last = max(record.last_use if record else 0.0, entry.created)
+            candidates[raw.cache_key] = _Candidate(
+                raw.cache_key, len(raw.data), None if entry.is_reference else entry.digest, entry.ref,
+                record.usage if record else 0, entry.compile_seconds, last,
+            )  # fmt: skip
+    references: dict[str, list[str]] = defaultdict(list)
+    for c in candidates.values():
+        if c.ref is not None:
+            holder = candidates.get(c.ref)
+            if holder is None or holder.reason == "unreadable" or holder.ref is not None:
+                c.reason = c.reason or "dangling reference"
+            else:
+                references[c.ref].append(c.key)
+
+    def evict(c: _Candidate, reason: str) -> None:
+        if c.reason is None:
+            c.reason = reason
+        for key in references.get(c.key, ()):
+            if candidates[key].reason is None:
+                candidates[key].reason = reason
+
+    if unused_for is not None:
+        cutoff = now - unused_for
+        for c in candidates.values():
+            # A reference goes alone; an entry holding a binary only when its references are unused too.
+            group = [c, *(candidates[k] for k in references.get(c.key, ()))]
+            if all(member.last_use < cutoff for member in group):
+                evict(c, "unused")
+    if max_bytes is not None:
+        _evict_over_budget(candidates, references, max_bytes, evict)
+
+    evicted = [c for c in candidates.values() if c.reason]
+    if not dry_run:
+        for chunk in batched(iter(evicted)):
+            reader.delete_entries([(c.key, c.digest) for c in chunk])
+    expired = (0, 0)
+    if hasattr(reader, "expired_count"):
+        expired = reader.expired_count()
+        if not dry_run and expired[0]:
+            reader.purge_expired()
+    reasons = Counter(c.reason for c in evicted)
+    return {
+        "dry_run": dry_run,
+        "entries": len(candidates),
+        "bytes": sum(c.bytes for c in candidates.values()),
+        "evicted": len(evicted),
+        "evicted_bytes": sum(c.bytes for c in evicted),
+        "reasons": dict(sorted(reasons.items())),
+        "kept": len(candidates) - len(evicted),
+        "kept_bytes": sum(c.bytes for c in candidates.values() if not c.reason),
+        "expired_purged": expired[0],
+        "keys": sorted(c.key for c in evicted),
+    }
+
+
+def _evict_over_budget(
+    candidates: dict[str, _Candidate], references: dict[str, list[str]], max_bytes: int, evict: Any
+) -> None:
+    kept = sum(c.bytes for c in candidates.values() if not c.reason)
+    if kept <= max_bytes:
+        return
+
+    def group_value(c: _Candidate) -> float:
+        if c.ref is not None:
+            return c.value
+        group = [c, *(candidates[k] for k in references.get(c.key, ()) if not candidates[k].reason)]
+        seconds = max(c.compile_seconds, 1e-3) * sum(member.usage for member in group)
+        return seconds / max(1, sum(member.bytes for member in group))
+
+    order = sorted((c for c in candidates.values() if not c.reason), key=lambda c: (group_value(c), c.last_use, c.key))
+    for c in order:
+        if kept <= max_bytes:
+            return
+        if c.reason:
+            continue
+        freed = c.bytes + sum(candidates[k].bytes for k in references.get(c.key, ()) if not candidates[k].reason)
+        evict(c, "over budget")
+        kept -= freed
