@@ -322,8 +322,10 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
 def _register() -> None:
     from workers.fleet_cli import queue_command, submit_command, worker_command
     from workers.quickstart_cli import quickstart_command, workload_command
+    from workers.report_cli import inspect_group, report_command, serve_metrics_command
 
-    for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command):
+    for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
+                    report_command, serve_metrics_command, inspect_group):  # fmt: skip
         main.add_command(command)
 
 

@@ -1,0 +1,511 @@
+"""`nkicache report`, `nkicache serve-metrics` and `nkicache inspect ...`: reading a tier (or a snapshot)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
+
+TIER_HELP = (
+    "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
+    "redis+cluster://host:port[,host:port]; the key namespace comes from $NKICACHE_NAMESPACE or the config file."
+)
+
+
+def _settings(tier: str | None) -> Any:
+    settings = load_cli_settings(tier=tier)
+    if settings.tier == "off":
+        raise click.UsageError("--tier off has nothing to read; name a tier")
+    return settings
+
+
+def _parsed(parse: Callable[[str], Any], flag: str) -> Callable:
+    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint=flag) from None
+
+    return convert
+
+
+def _since(value: str) -> float:
+    from cachestore.report import parse_since
+
+    return parse_since(value)
+
+
+def _duration(value: str) -> float:
+    from cachestore.report import parse_duration
+
+    return parse_duration(value)
+
+
+def _size(value: str) -> int:
+    from cachestore.report import parse_size
+
+    return parse_size(value)
+
+
+# -- report ---------------------------------------------------------------------------------------
+@click.command("report")
+@click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
+@click.option("--since", default=None, metavar="T", callback=_parsed(_since, "--since"),
+              help="Only passes since T in the timeline: 2h / 7d (ago), Unix seconds or 2024-05-01T12:00.")  # fmt: skip
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Top variants listed.")
+@click.option("--bucket", default=None, metavar="D", callback=_parsed(_duration, "--bucket"),
+              help="Timeline bucket width (5m, 1h, 1d). Default: chosen to give at most 48 buckets.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--prometheus", is_flag=True, help="Print the Prometheus text exposition format (textfile collector).")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Write a self-contained HTML page with plots to FILE.")  # fmt: skip
+def report_command(
+    tier: str | None, since: float | None, top: int, bucket: float | None, as_json: bool, prometheus: bool,
+    html_file: str | None,
+) -> None:  # fmt: skip
+    """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
+    kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
+    variants with their shapes, and the hit rate over time from the pass log.
+
+    Hit rates are (cache_hits + remote_hits) / kernels from summed counts. Totals cover every pass;
+    --since limits the timeline.
+
+    --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
+    traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts, tier_rejected,
+    tier_dropped, hit_rate, as `nkicache compile --json`), per_host ({host: {totals, workers: {worker:
+    {...}}}}), per_kernel ({name: {call_count, variants}}), variants, kernel_types, top_variants,
+    bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits, cache_misses, remote_hits, traces,
+    hit_rate}]), window (the timeline's summed counts).
+    """
+    from cachestore.readers import open_reader
+    from cachestore.report import build_report
+    from cachestore.report_render import render_html, render_json, render_prometheus, render_text
+
+    if as_json and prometheus:
+        raise click.UsageError("--json and --prometheus are two different outputs; choose one")
+    reader = open_reader(_settings(tier))
+    try:
+        report = build_report(reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None,
+                              timeline=not prometheus)  # fmt: skip
+    finally:
+        reader.close()
+    if html_file:
+        _write_atomically(Path(html_file), render_html(report))
+    if as_json:
+        click.echo(render_json(report))
+    elif prometheus:
+        click.echo(render_prometheus(report), nl=False)
+    elif html_file:
+        click.echo(f"wrote {html_file}")
+    else:
+        click.echo(render_text(report, width=_terminal_width()), nl=False)
+
+
+def _terminal_width() -> int | None:
+    import shutil
+
+    return max(100, shutil.get_terminal_size((140, 40)).columns) if sys.stdout.isatty() else None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+# -- serve-metrics --------------------------------------------------------------------------------
+@click.command("serve-metrics")
+@click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
+@click.option("--port", type=click.IntRange(0, 65535), required=True, help="Port of the /metrics endpoint.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
+    """Serve the report's Prometheus metrics at http://HOST:PORT/metrics, read from the tier on every
+    scrape (totals, per worker, per kernel). A tier that cannot be read gives nkicache_tier_up 0."""
+    from prometheus_client import start_http_server
+
+    from cachestore.readers import open_reader
+    from cachestore.report import build_report
+    from cachestore.report_render import prometheus_registry
+
+    settings = _settings(tier)
+
+    def build() -> Any:
+        reader = open_reader(settings)  # one per scrape: scrapes run on the server's threads
+        try:
+            return build_report(reader, top=0, timeline=False)
+        finally:
+            reader.close()
+
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=prometheus_registry(build))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    click.echo(f"serving http://{host}:{server.server_port}/metrics for {settings.tier}", err=True)
+    _wait_for_signal()
+    server.shutdown()
+    server.server_close()
+
+
+def _wait_for_signal() -> None:
+    import signal
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    with contextlib.suppress(KeyboardInterrupt):
+        while not stop:
+            time.sleep(0.2)
+
+
+# -- inspect --------------------------------------------------------------------------------------
+def source_options(command: Callable) -> Callable:
+    command = click.option("--snapshot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                           help="Read a snapshot file (from `inspect export`) instead of a tier.")(command)  # fmt: skip
+    return click.option("--tier", default=None, metavar="URL", help=TIER_HELP)(command)
+
+
+@contextlib.contextmanager
+def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable: bool = False) -> Iterator[Any]:
+    """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier."""
+    from cachestore.readers import open_reader
+    from cachestore.snapshot import SnapshotReader
+
+    group = ctx.find_object(dict) or {}
+    tier = tier or group.get("tier")
+    snapshot = snapshot or group.get("snapshot")
+    if tier and snapshot:
+        raise click.UsageError("--tier and --snapshot name two sources; give one")
+    if snapshot:
+        if writable:
+            raise click.UsageError("a snapshot is read-only; name a --tier")
+        reader = SnapshotReader(snapshot)
+    else:
+        reader = open_reader(_settings(tier))
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+def _policy(tier: str | None = None) -> Any:
+    from cachestore.entry import SignaturePolicy
+
+    settings = load_cli_settings(tier=tier)
+    return SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable), settings
+
+
+@click.group("inspect")
+@source_options
+@click.pass_context
+def inspect_group(ctx: click.Context, tier: str | None, snapshot: str | None) -> None:
+    """Look inside a tier, or a snapshot of one: list, show, disk usage, verify, explain a miss, export,
+    import, garbage-collect. Read-only except import and gc (which never touch the metrics).
+
+    --tier/--snapshot may be given here or after the subcommand."""
+    ctx.obj = {"tier": tier, "snapshot": snapshot}
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "-"
+    return " ".join("[" + ",".join(str(d) for d in shape) + "]" for shape in value) or "-"
+
+
+def _when(value: float | None) -> str:
+    from cachestore.report_render import when
+
+    return when(value)
+
+
+@inspect_group.command("ls")
+@click.option("--kernel", default=None, metavar="NAME", help="Only entries of this kernel_name.")
+@click.option("--target", default=None, metavar="T", help="Only entries compiled for this target (Trn1, Trn2).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of entries.")
+@source_options
+@click.pass_context
+def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_json: bool, tier: str | None,
+               snapshot: str | None) -> None:  # fmt: skip
+    """List entries: key, kernel, target, operand and result shapes, stored bytes, usage, last use.
+
+    --json: [{key, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
+    result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, created, ttl, error}].
+    """
+    from cachestore.inspect import list_entries
+
+    with _source(ctx, tier, snapshot) as reader:
+        rows = list_entries(reader, kernel=kernel, target=target)
+        if as_json:
+            click.echo("[", nl=False)
+            for i, row in enumerate(rows):
+                click.echo(("," if i else "") + "\n" + json.dumps(row), nl=False)
+            click.echo("\n]")
+            return
+        count = 0
+        for row in rows:
+            count += 1
+            if row["error"]:
+                click.echo(f"{row['key'][:16]}  UNREADABLE ({row['error']}), {row['bytes']} bytes")
+                continue
+            dtypes = ",".join(sorted(set(row["operand_dtypes"] + row["result_dtypes"])))
+            kind = f"ref {row['ref'][:8]}" if row["ref"] else f"{row['binary_bytes']} B binary"
+            click.echo(f"{row['key'][:16]}  {row['kernel_name']:<32} {row['target']:<5} "
+                       f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
+                       f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}")  # fmt: skip
+        click.echo(f"{count} entries", err=True)
+
+
+@inspect_group.command("show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@source_options
+@click.pass_context
+def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, snapshot: str | None) -> None:
+    """Everything about one entry (KEY or a unique prefix of it): key components, sizes, producer, usage,
+    hosts, first and last use, and whether it verifies with the configured signature policy."""
+    from cachestore.inspect import show_entry
+
+    policy, _ = _policy(tier)
+    with _source(ctx, tier, snapshot) as reader:
+        shown = show_entry(reader, key, policy)
+    if as_json:
+        click.echo(json.dumps(shown, indent=2))
+        return
+    for name, value in shown.items():
+        if name == "key_components":
+            click.echo("key_components:")
+            for part, item in value.items():
+                click.echo(f"  {part}: {json.dumps(item)}")
+        elif name in ("first_use", "last_use", "created"):
+            click.echo(f"{name}: {_when(value)}" + (f" ({value:.3f})" if value else ""))
+        else:
+            click.echo(f"{name}: {value if not isinstance(value, list) else ', '.join(map(str, value)) or '-'}")
+
+
+@inspect_group.command("du")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@source_options
+@click.pass_context
+def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: str | None) -> None:
+    """Storage by kernel: entries (holding a binary / references), bytes stored, binary bytes, and what
+    deduplication saves.
+
+    --json keys: kernels ({name: {entries, full, references, bytes, binary_bytes, dedupe_saved_bytes}}),
+    total (the same summed), distinct_binaries, dangling_references, unreadable ({entries, bytes}).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from cachestore.inspect import disk_usage
+
+    with _source(ctx, tier, snapshot) as reader:
+        usage = disk_usage(reader)
+    if as_json:
+        click.echo(json.dumps(usage, indent=2))
+        return
+    table = Table(title="Storage by kernel", title_justify="left")
+    columns = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
+    table.add_column("kernel")
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="right")
+    for name, row in usage["kernels"].items():
+        table.add_row(name, *(f"{row[c]:,}" for c in columns))
+    table.add_row("(total)", *(f"{usage['total'][c]:,}" for c in columns), style="bold")
+    console = Console(width=140, force_terminal=False, color_system=None)
+    console.print(table)
+    console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
+                  f"references; {usage['unreadable']['entries']:,} unreadable entries "
+                  f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
+
+
+@inspect_group.command("verify")
+@click.option("--recompile", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Also re-trace N sampled entries from their key components and compare the bytes.")  # fmt: skip
+@click.option("--execute", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Also run N sampled entries on random inputs against the numpy references.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample and of the inputs.")
+@click.option("--json", "as_json", is_flag=True, help="Print {checked, ok, bad: [{key, reason}], ...}.")
+@source_options
+@click.pass_context
+def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, as_json: bool, tier: str | None,
+                   snapshot: str | None) -> None:  # fmt: skip
+    """Check every entry: it decodes with the configured signature policy (schema, digest of the binary,
+    HMAC when a key is set), its key components hash to its key, and a reference names an entry holding
+    the same binary. Exit 1 when any entry is bad.
+
+    --json keys: checked, ok, bad ([{key, reason}]), recompiled, executed.
+    """
+    from cachestore.inspect import verify_entries
+
+    policy, settings = _policy(tier)
+    with _source(ctx, tier, snapshot) as reader:
+        report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
+                                execute=execute, seed=seed)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+    else:
+        extra = "".join(f", {n} {what}" for n, what in ((report.recompiled, "recompiled"),
+                                                        (report.executed, "executed")) if n)  # fmt: skip
+        click.echo(f"checked {report.checked} entries{extra}: {report.ok} ok, {len(report.bad)} problems")
+        for item in report.bad:
+            click.echo(f"  {item['key']}: {item['reason']}")
+    if report.bad:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@inspect_group.command("explain")
+@click.argument("components", required=False, metavar="[COMPONENTS]")
+@click.option("--graph", "graph_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Take the key components of an op of this graph file.")  # fmt: skip
+@click.option("--op", "op_index", type=click.IntRange(min=0), default=None, metavar="N", help="With --graph.")
+@click.option("--target", "target_name", type=click.Choice(["Trn1", "Trn2"]), default=None,
+              help="Target to key for. Default: the graph's, the components', else $NKICACHE_TARGET/Trn2.")  # fmt: skip
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Nearest variants shown.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@source_options
+@click.pass_context
+def explain_command(ctx: click.Context, components: str | None, graph_file: str | None, op_index: int | None,
+                    target_name: str | None, top: int, as_json: bool, tier: str | None,
+                    snapshot: str | None) -> None:  # fmt: skip
+    """Why did a kernel miss? Given key components (JSON text, a JSON file, or - for stdin), or an op of a
+    graph file (--graph FILE --op N), say whether the tier holds that variant and list the nearest
+    variants it does hold, with the components that differ.
+
+    COMPONENTS as the codegen loop builds them: {"kernel_name": "softmax", "operands": {"shapes":
+    [[64, 48]], "dtypes": ["float32"]}, "results": {...}, "attrs": {...}}; target and num_neuroncores are
+    filled in from --target when missing.
+
+    --json keys: key, present, components, nearest ([{key, distance, usage, differs: [{component, wanted,
+    existing}]}]).
+    """
+    from cachestore.inspect import components_for, components_of_graph_op, explain
+
+    if (graph_file is None) == (components is None):
+        raise click.UsageError("give either COMPONENTS or --graph FILE --op N")
+    if graph_file is not None:
+        if op_index is None:
+            raise click.UsageError("--graph needs --op N (the op's index in the graph file)")
+        wanted = components_of_graph_op(graph_file, op_index, target_name)
+    else:
+        wanted = components_for(_load_components(components), target_name)
+    with _source(ctx, tier, snapshot) as reader:
+        answer = explain(reader, wanted, top=top)
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    verdict = "the tier holds this variant: a lookup hits" if answer["present"] else "not in the tier: a lookup misses"
+    click.echo(f"key {answer['key']}: {verdict}")
+    if not answer["nearest"]:
+        click.echo("the tier holds no variants")
+    for near in answer["nearest"]:
+        if near["distance"] == 0:
+            continue
+        click.echo(f"  {near['key'][:16]} (usage {near['usage']}, distance {near['distance']}) differs in:")
+        for diff in near["differs"]:
+            click.echo(f"    {diff['component']}: wanted {json.dumps(diff['wanted'])}, "
+                       f"stored {json.dumps(diff['existing'])}")  # fmt: skip
+
+
+def _load_components(text: str) -> dict:
+    source = "COMPONENTS"
+    if text == "-":
+        text, source = sys.stdin.read(), "stdin"
+    elif not text.lstrip().startswith("{"):
+        try:
+            source, text = text, Path(text).read_text()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {text}: {exc.strerror or exc}", param_hint="COMPONENTS") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{source} is not valid JSON: {exc}", param_hint="COMPONENTS") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"{source} must be a JSON object of key components", param_hint="COMPONENTS")
+    return value
+
+
+@inspect_group.command("export")
+@click.argument("file", type=click.Path(dir_okay=False))
+@source_options
+@click.pass_context
+def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: str | None) -> None:
+    """Write every entry (still encoded, signatures kept) and its usage to a msgpack snapshot FILE."""
+    from cachestore.snapshot import write_snapshot
+
+    with _source(ctx, tier, snapshot) as reader:
+        count = write_snapshot(reader, file)
+    click.echo(f"exported {count} entries to {file}")
+
+
+@inspect_group.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print {imported, rejected: [{key, reason}]}.")
+@click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
+@click.pass_context
+def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | None) -> None:
+    """Write a snapshot's entries into the tier, verifying each first (signature policy, digest, key);
+    entries that fail are reported and skipped (exit 1). Metrics are not imported."""
+    from cachestore.inspect import import_snapshot
+    from cachestore.snapshot import SnapshotReader
+
+    policy, settings = _policy(tier)
+    snapshot = SnapshotReader(file)
+    with _source(ctx, tier, None, writable=True) as target:
+        result = import_snapshot(snapshot, target, policy, default_ttl=settings.entry_ttl,
+                                 max_bytes=settings.max_entry_bytes)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"imported {result['imported']} entries, rejected {len(result['rejected'])}")
+        for item in result["rejected"]:
+            click.echo(f"  {item['key']}: {item['reason']}")
+    if result["rejected"]:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@inspect_group.command("gc")
+@click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
+@click.option("--max-bytes", default=None, metavar="B", callback=_parsed(_size, "--max-bytes"),
+              help="Evict the least valuable entries until the rest take at most B bytes (500M, 2GiB).")  # fmt: skip
+@click.option("--unused-for", default=None, metavar="D", callback=_parsed(_duration, "--unused-for"),
+              help="Evict entries not used for D (12h, 30d).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
+@click.pass_context
+def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_for: float | None, as_json: bool,
+               tier: str | None) -> None:  # fmt: skip
+    """Evict entries, never metrics: always the unreadable ones and references to nothing; with
+    --unused-for, those not used for that long; with --max-bytes, the lowest-value entries (usage x
+    compile seconds per stored byte) until the rest fit. An entry holding a binary is evicted only with
+    the references to it.
+
+    --json keys: dry_run, entries, bytes, evicted, evicted_bytes, reasons, kept, kept_bytes,
+    expired_purged, keys.
+    """
+    from cachestore.inspect import collect_garbage
+
+    policy, _ = _policy(tier)
+    with _source(ctx, tier, None, writable=True) as reader:
+        result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    verb = "would evict" if dry_run else "evicted"
+    reasons = ", ".join(f"{n} {reason}" for reason, n in result["reasons"].items()) or "nothing to evict"
+    click.echo(f"{result['entries']} entries ({result['bytes']:,} bytes): {verb} {result['evicted']} "
+               f"({result['evicted_bytes']:,} bytes: {reasons}); {result['kept']} kept "
+               f"({result['kept_bytes']:,} bytes)")  # fmt: skip
+    if result["expired_purged"]:
+        click.echo(f"{'would purge' if dry_run else 'purged'} {result['expired_purged']} expired entries")
