@@ -8,9 +8,11 @@ once; every metrics key shares one hash slot (see `cachestore.keys`) so the scri
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.exceptions as rex
@@ -68,18 +70,32 @@ def connect(url: str, *, connect_timeout: float, op_timeout: float, password: st
         options["password"] = password
     if url.startswith(("redis+cluster://", "rediss+cluster://")):
         scheme, _, rest = url.partition("://")
+        rest, _, query = rest.partition("?")
         credentials, _, hosts = rest.rpartition("@")
         nodes = [_cluster_node(part, url) for part in hosts.split("/")[0].split(",") if part]
         if credentials:
             user, _, secret = credentials.partition(":")
-            options.setdefault("password", secret or None)
-            options["username"] = user or None
+            options.setdefault("password", unquote(secret) or None)
+            options["username"] = unquote(user) or None
+        options.update(_opened(lambda: _query_options(query)))  # ?ssl_ca_certs=/path/ca.pem, as redis:// takes it
         # A cluster client connects to its startup nodes as it is built.
         return _opened(lambda: RedisCluster(
             startup_nodes=nodes, ssl=scheme.startswith("rediss"), require_full_coverage=False,
             cluster_error_retry_attempts=1, **options,
         ))  # fmt: skip
     return _opened(lambda: redis.Redis.from_url(url, **options))
+
+
+def _query_options(query: str) -> dict[str, Any]:
+    """A URL's query options (ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs, ...), typed as
+    redis.from_url types them."""
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    options: dict[str, Any] = {}
+    for name, values in parse_qs(query).items():
+        parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        options[name] = parser(values[0]) if parser else values[0]
+    return options
 
 
 def _opened(open_client: Callable[[], T]) -> T:
@@ -168,13 +184,13 @@ class RedisTier:
         self._pipeline(write)
 
     def scan_entries(self) -> Iterator[tuple[str, bytes]]:
-        batch: list[str] = []
-        for redis_key in self._call(lambda: list(self.client.scan_iter(match=self.keys.entry_pattern(), count=1000))):
-            batch.append(_text(redis_key) or "")
-            if len(batch) == 500:
-                yield from self._values(batch)
-                batch = []
-        yield from self._values(batch)
+        """Streams: SCAN a page of keys, read their values with one pipeline, hand them out, go on."""
+        keys = self.client.scan_iter(match=self.keys.entry_pattern(), count=1000)
+        while True:
+            batch = self._call(lambda: [_text(k) or "" for k in itertools.islice(keys, 500)])
+            if not batch:
+                return
+            yield from self._values(batch)
 
     def _values(self, redis_keys: list[str]) -> Iterator[tuple[str, bytes]]:
         if not redis_keys:
