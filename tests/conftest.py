@@ -23,6 +23,7 @@ import pytest
 import redis
 
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
+REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}
 START_TIMEOUT_SECONDS = 10.0
 
 
@@ -200,3 +201,35 @@ def isolated_default_tier(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
     for name in ("NKICACHE_TIER", "NKICACHE_TIER_MODE", "NKICACHE_CONFIG", "NKICACHE_HMAC_KEY"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[str]:
+    """URL (redis+cluster://...) of a real 3-master Redis Cluster on free loopback ports, shared by the session.
+
+    Tests write under namespaces of their own. Fails instead of skipping under CI=true when it cannot start."""
+    cluster = _start_cluster()
+    try:
+        yield cluster.url
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture
+def private_redis_cluster() -> Iterator[object]:
+    """A 3-master Redis Cluster of this test's own (a `redis_cluster.LocalCluster`), for tests that kill masters."""
+    cluster = _start_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+def _start_cluster() -> object:
+    from redis_cluster import start_cluster
+
+    try:
+        return start_cluster()
+    except RuntimeError as exc:
+        _unavailable(str(exc))
+        raise AssertionError("unreachable") from exc

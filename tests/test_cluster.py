@@ -1,0 +1,303 @@
+"""The Redis tier and the fleet on a real 3-master Redis Cluster (no replicas), started by the fixtures.
+
+The shared backend suite (tests/test_tier_backends.py) runs here once more against the cluster; then the
+hash tags that make the multi-key operations legal, a fleet run (submit + two worker processes), the fleet
+totals it leaves, and one master killed in the middle of a compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import test_tier_backends as shared
+from click.testing import CliRunner
+from helpers_graphs import (
+    TierView,
+    assert_outputs_correct,
+    binary_digests,
+    delete_namespace,
+    mixed_graph,
+    slow_graph,
+    unique_namespace,
+    wait_until,
+    write_graph,
+)
+
+from bridge.codegen import BirCodeGenLoop
+from bridge.graph import load_graph
+from cachestore.keys import KeySpace
+from cachestore.passes import pass_summary
+from cachestore.redis_tier import RedisTier, connect
+from cachestore.settings import Settings
+from cachestore.tier import TOTAL_COUNTERS
+from cachestore.urls import open_tier
+from workers.cli import main as nkicache
+
+# -- the shared backend suite, on the cluster ----------------------------------------------------------
+# Every test_* of the shared suite is collected here too, with `backend` below: a RedisTier on the cluster.
+for _name, _test in vars(shared).items():
+    if _name.startswith("test_") and callable(_test):
+        globals()[_name] = _test
+
+
+def cluster_client(url: str) -> Any:
+    return connect(url, connect_timeout=2.0, op_timeout=5.0)
+
+
+@pytest.fixture
+def backend(redis_cluster: str) -> Iterator[RedisTier]:
+    namespace = unique_namespace()
+    client = cluster_client(redis_cluster)
+    tier = RedisTier(client, KeySpace(namespace), "test cluster")
+    yield tier
+    delete_namespace(client, namespace)
+    tier.close()
+
+
+@pytest.fixture
+def view(backend: RedisTier) -> TierView:
+    return TierView.of(backend)
+
+
+# -- hash tags: what must share a slot does ------------------------------------------------------------
+def test_multi_key_operations_stay_in_one_slot(backend: RedisTier) -> None:
+    client, k = backend.client, backend.keys
+
+    def slot(key: str) -> int:
+        return client.cluster_keyslot(key)  # asked of the server, not computed here
+
+    for cache_key in ("0" * 64, "f" * 64, "a3" * 32):
+        assert slot(k.entry(cache_key)) == slot(k.lease(cache_key))
+    metrics = [k.applied_batch("b1"), k.totals, k.workers, k.worker_metrics("host", "w"), k.kernel_calls,
+               k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
+               k.key_hosts("0" * 64), k.key_hosts("f" * 64)]  # fmt: skip
+    assert len({slot(key) for key in metrics}) == 1
+    jobs = [k.job_stream, k.dead_letter_stream, k.job_results, k.job_failures, k.job_counts, k.worker_heartbeats,
+            k.job_batch("b1"), k.job_artifact("b1-00000")]  # fmt: skip
+    assert len({slot(key) for key in jobs}) == 1
+    # Entries spread over the masters by cache key; the metrics and jobs slots are whatever their tags hash to.
+    assert len({slot(k.entry(f"{i:064x}")) for i in range(50)}) > 40
+
+
+def test_entries_spread_over_every_master_and_scan_finds_them_all(backend: RedisTier) -> None:
+    items = {f"{i:064x}": shared.entry(b"binary-%d" % i, shape=i) for i in range(300)}
+    backend.store([shared.request_for(key, item) for key, item in items.items()], shared.TTL)
+    per_master = {}
+    for node in backend.client.get_primaries():
+        direct = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+        try:
+            per_master[node.port] = sum(1 for _ in direct.scan_iter(match=backend.keys.entry_pattern(), count=1000))
+        finally:
+            direct.close()
+    assert len(per_master) == 3
+    assert all(count > 50 for count in per_master.values()), per_master
+    assert sum(per_master.values()) == len(items)
+    assert dict(backend.scan_entries()).keys() == items.keys()
+
+
+# -- a fleet run: submit and two worker processes --------------------------------------------------------
+def nkicache_argv(*args: str) -> list[str]:
+    script = Path(sys.executable).parent / "nkicache"
+    return [str(script), *args] if script.exists() else [sys.executable, "-m", "workers.cli", *args]
+
+
+def fleet_graphs(directory: Path) -> list[Path]:
+    """Six graphs; pairs share kernel variants, so some are traced by one worker and hit by the other."""
+    directory.mkdir()
+    return [write_graph(directory, mixed_graph(f"fleet-{i}", rows=32 * (1 + i // 2))) for i in range(6)]
+
+
+def read_fleet_totals(url: str, namespace: str) -> dict[str, float]:
+    # TODO(report): read through `nkicache report --json` once it exists; until then the totals hash.
+    client = cluster_client(url)
+    try:
+        raw = client.hgetall(KeySpace(namespace).totals)
+    finally:
+        client.close()
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def live_workers(env: dict[str, str]) -> list[str]:
+    result = CliRunner().invoke(nkicache, ["queue", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    return [worker["name"] for worker in json.loads(result.output)["workers"]]
+
+
+def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
+    namespace = unique_namespace()
+    env = {**os.environ, "NKICACHE_TIER": redis_cluster, "NKICACHE_NAMESPACE": namespace,
+           "NKICACHE_HEARTBEAT_INTERVAL": "0.5"}  # fmt: skip
+    graphs = fleet_graphs(tmp_path / "graphs")
+    workers = [
+        subprocess.Popen(nkicache_argv("worker", "--name", f"cluster-w{i}"), env=env, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    try:
+        assert wait_until(lambda: len(live_workers(env)) == 2, timeout=30, interval=0.2)
+        submit = subprocess.run(
+            nkicache_argv("submit", str(tmp_path / "graphs"), "--wait", "--timeout", "60", "--json",
+                          "--out", str(tmp_path / "out")),
+            env=env, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        assert submit.returncode == 0, submit.stderr
+        report = json.loads(submit.stdout)
+        assert report["submitted"] == report["completed"] == len(graphs)
+        assert report["dead_letter"] == report["unfinished"] == 0
+        assert len(report["artifacts"]) == len(graphs)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        errors = [worker.communicate(timeout=30)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], errors
+
+    checked = CliRunner().invoke(nkicache, ["run", "--check", "--json", str(tmp_path / "out")])
+    assert checked.exit_code == 0, checked.output
+    assert json.loads(checked.output)["ok"] is True
+
+    client = cluster_client(redis_cluster)
+    keys = KeySpace(namespace)
+    try:
+        results = [json.loads(value) for value in client.hgetall(keys.job_results).values()]
+        queue = json.loads(CliRunner().invoke(nkicache, ["queue", "--json"], env=env).output)
+        # The fleet totals ("report run"): what the workers' passes counted, summed, exactly once each.
+        fleet = read_fleet_totals(redis_cluster, namespace)
+        assert {r["worker"] for r in results} == {"cluster-w0", "cluster-w1"}  # both workers took jobs
+        assert queue["completed"] == len(graphs) and queue["pending"] == queue["in_flight"] == 0
+        assert queue["workers"] == []  # both left
+        assert fleet["passes"] == len(graphs)
+        for name in TOTAL_COUNTERS:
+            if name != "passes":
+                expected = sum(r[name] for r in results)
+                assert fleet.get(name, 0) == pytest.approx(expected, abs=1e-6), name
+        assert fleet["remote_hits"] > 0  # variants traced by one worker were hit by the other (or a later job)
+        assert fleet["tier_errors"] == fleet["tier_timeouts"] == 0
+        workers_seen = {member.decode() for member in client.smembers(keys.workers)}
+        assert {member.rsplit(":", 1)[1] for member in workers_seen} == {"cluster-w0", "cluster-w1"}
+    finally:
+        delete_namespace(client, namespace)
+        client.close()
+
+
+def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: str, tmp_path: Path) -> None:
+    """After compiles and a fleet job, every key of the namespace is an entry, a digest index, a lease or one
+    of the two tagged families; and all keys of each family sit on one master."""
+    namespace = unique_namespace()
+    keys = KeySpace(namespace)
+    settings = Settings(tier=redis_cluster, namespace=namespace, host="layout-host", heartbeat_interval=0.5)
+    graph = write_graph(tmp_path, mixed_graph("layout"))
+    from workers import fleet
+
+    client = fleet.fleet_client(settings)
+    try:
+        fleet.submit(client, keys, [str(graph)], settings.entry_ttl)
+        assert fleet.Worker(settings, "layout-worker", max_jobs=1).run() == 1
+        by_family: dict[str, set[int]] = {}
+        for node in client.get_primaries():
+            direct = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+            try:
+                for key in direct.scan_iter(match=f"*{namespace}*", count=1000):
+                    key = key.decode()
+                    family = key_family(key, keys)
+                    by_family.setdefault(family, set()).add(node.port)
+            finally:
+                direct.close()
+        assert set(by_family) == {"entry", "digest", "metrics", "jobs"}, by_family
+        assert len(by_family["metrics"]) == 1 and len(by_family["jobs"]) == 1
+    finally:
+        delete_namespace(client, namespace)
+        client.close()
+
+
+def key_family(key: str, keys: KeySpace) -> str:
+    for family in ("entry", "lease", "digest"):
+        if key.startswith(f"{keys.prefix}:{family}:{{") and key.endswith("}"):
+            return family
+    for family, tag in (("metrics", keys.metrics_tag), ("jobs", keys.jobs_tag)):
+        if key.startswith(tag + ":"):
+            return family
+    raise AssertionError(f"{key} is not in the documented key layout (docs/tiers.md)")
+
+
+# -- one master killed mid-run -------------------------------------------------------------------------------
+def compile_passes(
+    settings: Settings, graphs: list[Any], kill_before_pass: int | None = None, kill: Any = None
+) -> dict:
+    """Compile `graphs` one pass after another with one tier client, as `nkicache compile` does in a process;
+    with `kill_before_pass`, `kill()` runs as that pass (0-based) starts, before it reads the tier."""
+    tier = open_tier(settings)
+    if kill_before_pass is not None:
+        find_many, calls = tier.find_many, []
+
+        def kill_then_find_many(cache_keys: list[str]) -> Any:
+            calls.append(cache_keys)
+            if len(calls) == kill_before_pass + 1:
+                kill()
+            return find_many(cache_keys)
+
+        tier.find_many = kill_then_find_many
+    started = time.monotonic()
+    passes = []
+    for graph in graphs:
+        loop = BirCodeGenLoop(tier=tier)
+        bb = loop.run(graph)
+        passes.append({"digests": binary_digests(bb), "bb": bb, "summary": pass_summary(loop)})
+    seconds = time.monotonic() - started
+    if tier is not None:
+        tier.close()
+    totals = {name: sum(p["summary"][name] for p in passes) for name in ("traces", "remote_hits", "tier_errors")}
+    return {"passes": passes, "seconds": seconds, "totals": totals, "stats": tier.stats.snapshot() if tier else {}}
+
+
+def test_a_master_killed_mid_run_fails_fast_and_counts_while_the_compile_succeeds(
+    private_redis_cluster: Any,
+) -> None:
+    cluster = private_redis_cluster
+    namespace = unique_namespace()
+    documents = [slow_graph(f"kill-{i}", variants=6, base_rows=1024 * (i + 1)) for i in range(3)]
+    graphs = [load_graph(document) for document in documents]
+    settings = Settings(tier=cluster.url, namespace=namespace, host="kill-host")
+
+    untiered = compile_passes(settings.replace(tier="off"), graphs)  # the normal time: every variant traced
+    cold = compile_passes(settings, graphs)
+    assert cold["totals"]["traces"] == 18 and cold["stats"]["tier_errors"] == 0
+    digests = [p["digests"] for p in cold["passes"]]
+
+    client = cluster_client(cluster.url)
+    keys = KeySpace(namespace)
+    stored = [key for key, _ in RedisTier(client, keys).scan_entries()]
+    entry_ports = {key: cluster.port_of_slot(client.keyslot(keys.entry(key))) for key in stored}
+    client.close()
+    assert len(entry_ports) == 18
+    counts = {port: list(entry_ports.values()).count(port) for port in cluster.ports}
+    victim = max(counts, key=counts.get)  # the master holding most entries
+    assert 0 < counts[victim] < 18
+
+    # The first pass reads its six kernels from the tier; the victim dies as the second pass starts.
+    warm = compile_passes(settings, graphs, kill_before_pass=1, kill=cluster.node(victim).kill)
+    assert not cluster.node(victim).running
+    assert [p["digests"] for p in warm["passes"]] == digests  # the compile succeeds, byte for byte
+    for document, result in zip(documents, warm["passes"], strict=True):
+        assert_outputs_correct(document, result["bb"])
+    first, second = (p["summary"] for p in warm["passes"][:2])
+    assert first["remote_hits"] == 6 and first["tier_errors"] == 0
+    assert second["traces"] > 0 and second["tier_errors"] + second["tier_timeouts"] > 0  # counted in the pass
+    assert warm["totals"]["traces"] + warm["totals"]["remote_hits"] == 18
+    # Fail fast: connection refused, then the breaker; the run costs at most a few seconds more than tracing.
+    assert warm["seconds"] < untiered["seconds"] + 3.0, (warm["seconds"], untiered["seconds"])
+
+    # With the breaker closing at once, only the dead master's slots fail: the other masters still hit.
+    again = compile_passes(settings.replace(breaker_cooldown=0.001), graphs)
+    assert [p["digests"] for p in again["passes"]] == digests
+    assert again["totals"]["remote_hits"] > 0 and again["totals"]["tier_errors"] > 0
+    assert again["totals"]["traces"] >= counts[victim]
+    assert again["seconds"] < untiered["seconds"] + 3.0
