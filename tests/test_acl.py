@@ -1,0 +1,365 @@
+"""The shared tier's ACL users against a real redis-server run with deploy/redis/redis.conf and an ACL file made
+from deploy/redis/users.acl (only the password placeholders replaced: the file's command and key lists are
+what is tested), and secrets that never travel on a command line.
+
+- nkicache-worker compiles with a Redis tier (read-through, mirror, metrics, leases) and runs fleet jobs
+  (submit, worker, queue), and can touch nothing outside the namespace nor run a dangerous command;
+- nkicache-reader reads the namespace and cannot write anything;
+- `nkicache` has no option that takes a secret; NKICACHE_REDIS_PASSWORD_FILE and NKICACHE_HMAC_KEY_FILE work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import msgpack
+import pytest
+import redis
+from click.testing import CliRunner
+from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph, wait_until, write_graph
+from redis_cluster import ServerProcess, start_server, unavailable
+
+from cachestore.entry import SignaturePolicy, decode_entry
+from cachestore.keys import KeySpace
+from workers.cli import main as nkicache
+
+pytestmark = pytest.mark.redis
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "redis"
+PLACEHOLDER = "#" + "0" * 64
+PASSWORDS = {"nkicache-worker": "worker-password-for-tests-1", "nkicache-reader": "reader-password-for-tests-2"}
+HMAC_KEY = "fleet-hmac-key-for-the-acl-tests"
+KEYS = KeySpace("nkicache")  # the namespace users.acl is written for
+
+
+def acl_file_text() -> str:
+    """deploy/redis/users.acl with each user's placeholder replaced by the SHA-256 of its test password."""
+    lines = []
+    for line in (DEPLOY / "users.acl").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["user"] and words[1] in PASSWORDS:
+            assert PLACEHOLDER in words, f"users.acl: {words[1]} has no password placeholder"
+            digest = hashlib.sha256(PASSWORDS[words[1]].encode()).hexdigest()
+            line = line.replace(PLACEHOLDER, "#" + digest)
+        lines.append(line)
+    text = "\n".join(lines) + "\n"
+    assert "user default off" in text
+    return text
+
+
+def redis_conf_text(acl_path: Path, directory: Path, source: str | None = None) -> str:
+    """deploy/redis/redis.conf (or `source`) with this test's interface, directory and ACL file (the port is
+    an argument)."""
+    replaced = {"bind": "127.0.0.1", "dir": str(directory), "aclfile": str(acl_path)}
+    lines = []
+    for line in (source or (DEPLOY / "redis.conf").read_text()).splitlines():
+        name = line.split(" ", 1)[0]
+        lines.append(f"{name} {replaced[name]}" if name in replaced else line)
+    return "\n".join(lines) + "\n"
+
+
+def user_client(port: int, user: str, password: str | None = None, **options: Any) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, username=user, password=password or PASSWORDS[user],
+                       socket_timeout=5, **options)  # fmt: skip
+
+
+def _worker_answers(port: int) -> bool:
+    client = user_client(port, "nkicache-worker", socket_connect_timeout=0.2)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def start_acl_server(directory: Path, conf_source: str | None = None) -> ServerProcess:
+    """A redis-server with the deployed config (or `conf_source`) and ACL users; its files in `directory`."""
+    acl_path = directory / "users.acl"
+    acl_path.write_text(acl_file_text())
+    conf_path = directory / "redis.conf"
+    conf_path.write_text(redis_conf_text(acl_path, directory, conf_source))
+    return start_server([str(conf_path), "--port", "{port}"], _worker_answers)
+
+
+@pytest.fixture
+def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """Port of a redis-server of this test's own, with the deployed config and ACL users."""
+    try:
+        server = start_acl_server(tmp_path_factory.mktemp("acl-redis"))
+    except RuntimeError as exc:
+        unavailable(str(exc))
+        raise AssertionError("unreachable") from exc
+    try:
+        yield server.port
+    finally:
+        server.cleanup()
+
+
+def secret_files(tmp_path: Path, user: str = "nkicache-worker", password: str | None = None) -> dict[str, str]:
+    """Environment for a client of `user`: the tier URL names the user; the password and HMAC key are files."""
+    password_file = tmp_path / f"{user}.password"
+    password_file.write_text((password or PASSWORDS[user]) + "\n")  # a trailing newline, as editors leave it
+    hmac_file = tmp_path / "hmac.key"
+    hmac_file.write_text(HMAC_KEY + "\n")
+    return {"NKICACHE_REDIS_PASSWORD_FILE": str(password_file), "NKICACHE_HMAC_KEY_FILE": str(hmac_file)}
+
+
+@pytest.fixture
+def worker_env(acl_server: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    env = {"NKICACHE_TIER": f"redis://nkicache-worker@127.0.0.1:{acl_server}/0", **secret_files(tmp_path)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+def compile_json(*args: str) -> dict:
+    result = CliRunner().invoke(nkicache, ["compile", "--workers", "1", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
+def totals(client: redis.Redis) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in client.hgetall(KEYS.totals).items()}
+
+
+# -- the worker user ------------------------------------------------------------------------------------
+def test_worker_compiles_with_the_redis_tier(acl_server: int, worker_env: dict, tmp_path: Path) -> None:
+    graph = write_graph(tmp_path, mixed_graph("acl-compile"))
+    cold = compile_json(str(graph), "--out", str(tmp_path / "cold"))
+    warm = compile_json(str(graph), "--out", str(tmp_path / "warm"))
+    mirror = compile_json(str(graph), "--out", str(tmp_path / "mirror"), "--tier-mode", "mirror")
+    for run in (cold, warm, mirror):
+        assert run["compiled"] == 1
+        assert run["tier_errors"] == run["tier_timeouts"] == run["tier_rejected"] == run["tier_dropped"] == 0, run
+    assert cold["traces"] == MIXED_DISTINCT_KEYS and cold["remote_hits"] == 0
+    assert warm["remote_hits"] == MIXED_DISTINCT_KEYS and warm["traces"] == 0  # read-through
+    assert mirror["traces"] == MIXED_DISTINCT_KEYS and mirror["remote_hits"] == 0  # mirror: writes, never reads
+    assert (tmp_path / "warm" / "acl-compile.nkibb").read_bytes() == (
+        tmp_path / "cold" / "acl-compile.nkibb"
+    ).read_bytes()
+
+    reader = user_client(acl_server, "nkicache-reader")
+    try:
+        fleet = totals(reader)  # the metrics scripts ran under the worker's ACL
+        assert fleet["passes"] == 3
+        assert fleet["traces"] == 2 * MIXED_DISTINCT_KEYS and fleet["remote_hits"] == MIXED_DISTINCT_KEYS
+        entry_keys = list(reader.scan_iter(match=KEYS.entry_pattern(), count=1000))
+        assert len(entry_keys) == MIXED_DISTINCT_KEYS
+        for key in entry_keys:  # written with the HMAC key from NKICACHE_HMAC_KEY_FILE
+            data = reader.get(key)
+            assert msgpack.unpackb(data)["sig"] is not None
+            decode_entry(data, SignaturePolicy(HMAC_KEY.encode(), require_signed=True))
+        assert list(reader.scan_iter(match=KEYS.lease("*"), count=1000)) == []  # leases taken and released
+    finally:
+        reader.close()
+
+
+def nkicache_argv(*args: str) -> list[str]:
+    script = Path(sys.executable).parent / "nkicache"
+    return [str(script), *args] if script.exists() else [sys.executable, "-m", "workers.cli", *args]
+
+
+def test_worker_runs_fleet_jobs(acl_server: int, worker_env: dict, tmp_path: Path) -> None:
+    graphs = tmp_path / "graphs"
+    graphs.mkdir()
+    for i in range(2):
+        write_graph(graphs, mixed_graph(f"acl-job-{i}", rows=32 + 32 * i))
+    (graphs / "broken.json").write_text("{ not json")  # fails twice, then is dead-lettered
+    env = {"NKICACHE_JOB_MAX_ATTEMPTS": "2", "NKICACHE_HEARTBEAT_INTERVAL": "0.2", "NKICACHE_JOB_CLAIM_IDLE": "30"}
+    worker = subprocess.Popen(
+        nkicache_argv("worker", "--name", "acl-worker", "--max-jobs", "4"),
+        env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        submitted = subprocess.run(
+            nkicache_argv("submit", str(graphs), "--wait", "--timeout", "30", "--json", "--out", str(tmp_path / "out")),
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        report = json.loads(submitted.stdout)
+        assert report["completed"] == 2 and report["dead_letter"] == 1, (
+            report,
+            submitted.stderr,
+            worker.poll() and worker.stderr.read(),
+        )
+        assert len(report["artifacts"]) == 2
+        # Secrets never on a command line: nothing of them shows in the worker's argv (what `ps` prints).
+        if worker.poll() is None:
+            argv = Path(f"/proc/{worker.pid}/cmdline").read_bytes().decode(errors="replace")
+            assert PASSWORDS["nkicache-worker"] not in argv and HMAC_KEY not in argv
+    finally:
+        _, errors = worker.communicate(timeout=60)
+    assert worker.returncode == 0, errors
+    assert "NOPERM" not in errors, errors
+
+    status = CliRunner().invoke(nkicache, ["queue", "--json", "--dead-letters"])
+    assert status.exit_code == 0, status.output
+    queue = json.loads(status.output)
+    assert queue["completed"] == 2 and queue["dead_letter"] == 1 and queue["failed"] == 2
+    assert queue["pending"] == queue["in_flight"] == 0
+    assert [d["job"].rsplit("-", 1)[0] for d in queue["dead_letters"]] == [report["batch"]]
+    # The worker left: its heartbeat is gone, so the liveness probe fails.
+    live = CliRunner().invoke(nkicache, ["queue", "--live-check", "--name", "acl-worker"])
+    assert live.exit_code == 1, live.output
+
+
+def test_worker_heartbeat_passes_the_liveness_probe(acl_server: int, worker_env: dict) -> None:
+    from cachestore.settings import load_settings
+    from workers.fleet import Worker
+
+    worker = Worker(load_settings(), "acl-live")
+    worker._heartbeat()
+    try:
+        live = CliRunner().invoke(nkicache, ["queue", "--live-check", "--name", "acl-live"])
+        assert live.exit_code == 0, live.output
+    finally:
+        worker.client.hdel(KEYS.worker_heartbeats, "acl-live")
+        if worker.tier is not None:
+            worker.tier.close()
+
+
+DANGEROUS = [
+    ("FLUSHALL",), ("FLUSHDB",), ("KEYS", "*"), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "maxmemory", "1"),
+    ("SHUTDOWN", "NOSAVE"), ("MONITOR",), ("ACL", "LIST"), ("ACL", "SETUSER", "x", "on"),
+    ("SAVE",), ("BGSAVE",), ("REPLICAOF", "127.0.0.1", "1"), ("MODULE", "LIST"), ("SCRIPT", "FLUSH"),
+    ("CLIENT", "KILL", "TYPE", "normal"), ("CLIENT", "PAUSE", "10"), ("CLIENT", "LIST"), ("EVAL", "return 1", "0"),
+    ("PUBLISH", "nkicache:channel", "x"), ("SWAPDB", "0", "1"), ("MIGRATE", "127.0.0.1", "1", "", "0", "1"),
+]  # fmt: skip
+OUTSIDE = ["otherns:x", "{otherns:v1:metrics}:totals", "nkicache", "x:nkicache:y"]
+
+
+@pytest.mark.parametrize("command", DANGEROUS, ids=lambda c: " ".join(c[:2]))
+def test_worker_cannot_run_dangerous_commands(acl_server: int, command: tuple[str, ...]) -> None:
+    client = user_client(acl_server, "nkicache-worker")
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command(*command)
+    finally:
+        client.close()
+    assert _worker_answers(acl_server)  # still up
+
+
+def test_worker_cannot_touch_keys_outside_the_namespace(acl_server: int) -> None:
+    client = user_client(acl_server, "nkicache-worker")
+    try:
+        for key in OUTSIDE:
+            for command in (("SET", key, "x"), ("GET", key), ("DEL", key), ("HSET", key, "f", "1"), ("EXISTS", key)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    client.execute_command(*command)
+        # Inside the namespace it may; and a script it loads is held to the same key patterns.
+        assert client.set("nkicache:v1:entry:{probe}", "x") and client.delete("nkicache:v1:entry:{probe}")
+        script = client.register_script("return redis.call('SET', KEYS[1], 'x')")
+        assert script(keys=["nkicache:v1:lease:{probe}"]) == b"OK"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            script(keys=["otherns:x"])
+        flush = client.register_script("return redis.call('FLUSHALL')")
+        with pytest.raises(redis.exceptions.ResponseError, match="can't run this command"):
+            flush(keys=["nkicache:v1:lease:{probe}"])
+    finally:
+        client.close()
+
+
+# -- the reader user ------------------------------------------------------------------------------------
+def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env: dict, tmp_path: Path) -> None:
+    compile_json(str(write_graph(tmp_path, mixed_graph("acl-read"))), "--out", str(tmp_path / "out"))
+    reader = user_client(acl_server, "nkicache-reader")
+    try:
+        entry_key = next(iter(reader.scan_iter(match=KEYS.entry_pattern(), count=1000)))
+        assert reader.get(entry_key) is not None and reader.ttl(entry_key) > 0
+        assert totals(reader)["passes"] == 1
+        assert reader.xrange(KEYS.pass_log)
+        assert reader.hgetall(KEYS.kernel_calls)
+        writes = [
+            ("SET", entry_key, "x"),
+            ("GETEX", entry_key, "EX", "1"),
+            ("DEL", entry_key),
+            ("EXPIRE", entry_key, "1"),
+            ("HSET", KEYS.totals, "passes", "0"),
+            ("HINCRBY", KEYS.totals, "x", "1"),
+            ("XADD", KEYS.pass_log, "*", "pass", "{}"),
+            ("XGROUP", "CREATE", KEYS.job_stream, "g", "0", "MKSTREAM"),
+            ("SCRIPT", "LOAD", "return 1"),
+            ("EVALSHA", "0" * 40, "1", KEYS.totals),
+            ("EVAL", "return 1", "0"),
+            ("FLUSHALL",),
+            ("KEYS", "*"),
+        ]
+        for command in writes:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                reader.execute_command(*command)
+        assert totals(reader)["passes"] == 1
+    finally:
+        reader.close()
+
+
+def test_reader_runs_the_read_only_commands(acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch) -> None:
+    compile_json(str(write_graph(tmp_path, mixed_graph("acl-report"))), "--out", str(tmp_path / "out"))
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    queue = CliRunner().invoke(nkicache, ["queue", "--json"])
+    assert queue.exit_code == 0, queue.output  # `queue` only reads: an operator may run it as the reader
+    ran = 0
+    for command in (["report", "--json"], ["inspect", "ls", "--json"], ["inspect", "verify", "--json"]):
+        if command[0] not in nkicache.commands:
+            continue
+        result = CliRunner().invoke(nkicache, command)
+        assert result.exit_code == 0, (command, result.output)
+        ran += 1
+    if ran == 0:
+        pytest.skip("nkicache report and inspect are not there yet; the reader ran `queue` only")
+
+
+# -- secrets ---------------------------------------------------------------------------------------------
+SECRET_WORDS = ("password", "passwd", "secret", "hmac", "token", "credential")
+
+
+def walk(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Parameter]]:
+    for parameter in command.params:
+        yield path, parameter
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from walk(sub, (*path, name))
+
+
+def test_no_command_line_option_takes_a_secret() -> None:
+    seen = 0
+    for path, parameter in walk(nkicache):
+        seen += 1
+        names = [parameter.name or "", *getattr(parameter, "opts", []), *getattr(parameter, "secondary_opts", [])]
+        for name in names:
+            assert not any(word in name.lower() for word in SECRET_WORDS), f"nkicache {' '.join(path)} {name}"
+    assert seen > 20  # the walk saw the whole tree
+
+
+def test_password_and_hmac_key_files_work_and_a_wrong_password_is_counted(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachestore.settings import load_settings
+
+    settings = load_settings()
+    assert settings.redis_password == PASSWORDS["nkicache-worker"]  # the file's trailing newline stripped
+    assert settings.hmac_key == HMAC_KEY.encode()
+    assert PASSWORDS["nkicache-worker"] not in repr(settings) and HMAC_KEY not in repr(settings)
+
+    graph = write_graph(tmp_path, mixed_graph("acl-secrets"))
+    assert compile_json(str(graph), "--out", str(tmp_path / "a"))["tier_errors"] == 0
+    (tmp_path / "wrong").mkdir()
+    for name, value in secret_files(tmp_path / "wrong", password="not-the-password").items():
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    refused = compile_json(str(graph), "--out", str(tmp_path / "b"))
+    assert refused["compiled"] == 1 and refused["traces"] == MIXED_DISTINCT_KEYS  # compiled without the tier
+    assert refused["tier_errors"] >= 1  # WRONGPASS, counted
+    assert time.monotonic() - started < 10
+    assert wait_until(lambda: _worker_answers(acl_server), timeout=1)

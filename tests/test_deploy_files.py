@@ -1,0 +1,411 @@
+"""Checks for the deployment files that cannot run here (no container engine, no cluster, no systemd as PID 1):
+they parse, carry the fields that matter, agree with each other and name commands that exist. What can run
+here does: the Redis configurations boot a real redis-server, the compose healthcheck runs against one, and
+`nkicache queue --live-check` answers for a worker heartbeat present, stale or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from click.testing import CliRunner
+from helpers_graphs import delete_namespace, unique_namespace
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis_cluster import unavailable
+from test_acl import PASSWORDS, start_acl_server
+
+from cachestore.keys import KeySpace
+from cachestore.settings import load_settings
+from workers.cli import main as nkicache
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+SECRET_WORDS = ("PASSWORD", "HMAC", "SECRET", "TOKEN")
+
+
+# -- reading the files ----------------------------------------------------------------------------------
+def kubernetes_objects() -> dict[tuple[str, str], dict]:
+    objects = {}
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                objects[(document["kind"], document["metadata"]["name"])] = document
+    return objects
+
+
+def redis_conf(text: str) -> dict[str, str]:
+    """A redis.conf as {directive: value} (the last one wins, as in Redis)."""
+    directives = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition(" ")
+            directives[name.lower()] = value.strip().strip('"')
+    return directives
+
+
+def dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuation lines joined), split into stages at each FROM."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        stages[-1].append(line)
+    return stages
+
+
+def dockerfile_user() -> str:
+    users = [line.split(None, 1)[1] for line in dockerfile_stages()[-1] if line.upper().startswith("USER ")]
+    assert users, "the final stage has no USER"
+    return users[-1]
+
+
+def systemd_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    sections: dict[str, list[tuple[str, str]]] = {}
+    section = ""
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            sections[section] = []
+        else:
+            key, _, value = line.partition("=")
+            sections[section].append((key.strip(), value.strip()))
+    return sections
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+# -- Kubernetes ------------------------------------------------------------------------------------------
+def test_kubernetes_yaml_parses_into_the_expected_objects() -> None:
+    assert set(kubernetes_objects()) == {
+        ("ConfigMap", "nkicache-config"), ("Secret", "nkicache-secrets"), ("Deployment", "nkicache-worker"),
+        ("Deployment", "nkicache-metrics"), ("ConfigMap", "nkicache-redis"), ("Service", "nkicache-redis"),
+        ("StatefulSet", "nkicache-redis"),
+    }  # fmt: skip
+
+
+def mounted_file(pod: dict, container: dict, path: str) -> tuple[dict, str]:
+    """(the pod volume holding `path`, the file's name in it), through the container's volume mounts."""
+    for mount in container.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            return volume, path[len(prefix) :]
+    raise AssertionError(f"{path} is in no mounted volume of {container['name']}")
+
+
+@pytest.mark.parametrize("name", ["nkicache-worker", "nkicache-metrics"])
+def test_kubernetes_deployments_run_as_non_root_with_secrets_as_files(name: str) -> None:
+    objects = kubernetes_objects()
+    pod = objects[("Deployment", name)]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert str(pod["securityContext"]["runAsUser"]) == dockerfile_user() != "0"  # the image's own user
+    (container,) = pod["containers"]
+    assert container["image"].startswith("nkicache:")
+    env = env_of(container)
+    secret_keys = set(objects[("Secret", "nkicache-secrets")]["stringData"])
+    config_keys = set(objects[("ConfigMap", "nkicache-config")]["data"])
+    for variable, item in env.items():
+        if any(word in variable for word in SECRET_WORDS):
+            # A secret travels as a file in the Secret's volume, never as a value in the pod spec.
+            assert variable.endswith("_FILE") and "valueFrom" not in item, variable
+            volume, file_name = mounted_file(pod, container, item["value"])
+            assert volume["secret"]["secretName"] == "nkicache-secrets" and file_name in secret_keys, variable
+    assert {"NKICACHE_REDIS_PASSWORD_FILE", "NKICACHE_TIER", "NKICACHE_CONFIG"} <= set(env)
+    volume, file_name = mounted_file(pod, container, env["NKICACHE_CONFIG"]["value"])
+    assert volume["configMap"]["name"] == "nkicache-config" and file_name in config_keys
+    tier = env["NKICACHE_TIER"]["value"]
+    assert re.fullmatch(r"redis://nkicache-(worker|reader)@nkicache-redis:6379/0", tier), tier  # no password
+    assert tier.split("@")[1].split(":")[0] == objects[("Service", "nkicache-redis")]["metadata"]["name"]
+    assert not any(word.lower() in " ".join(container.get("args", [])).lower() for word in SECRET_WORDS)
+
+
+def test_kubernetes_worker_deployment_fits_sigterm_and_probes_heartbeats() -> None:
+    objects = kubernetes_objects()
+    pod = objects[("Deployment", "nkicache-worker")]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 60
+    (container,) = pod["containers"]
+    assert container["args"][0] == "worker" and "worker" in nkicache.commands
+    assert "NKICACHE_HMAC_KEY_FILE" in env_of(container)  # workers sign what they store
+    probe = container["livenessProbe"]
+    assert probe["exec"]["command"] == ["nkicache", "queue", "--live-check"]
+    # The probe looks for the heartbeat of the worker named after the pod.
+    assert env_of(container)["NKICACHE_WORKER"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    settings = tomllib.loads(objects[("ConfigMap", "nkicache-config")]["data"]["config.toml"])
+    # A heartbeat is fresh for 3 intervals; the probe must be allowed to see at least one.
+    assert 3 * settings["heartbeat_interval"] <= probe["periodSeconds"] * probe.get("failureThreshold", 3)
+    assert probe["timeoutSeconds"] >= 2 * settings["connect_timeout"]
+
+
+def test_kubernetes_configmap_keys_are_settings(tmp_path: Path) -> None:
+    text = kubernetes_objects()[("ConfigMap", "nkicache-config")]["data"]["config.toml"]
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    settings = load_settings(environ={"NKICACHE_CONFIG": str(path)})  # unknown or mistyped keys raise
+    for name, value in tomllib.loads(text).items():
+        assert getattr(settings, name) == value, name
+
+
+def test_kubernetes_redis_statefulset_keeps_its_data_on_a_claim() -> None:
+    objects = kubernetes_objects()
+    statefulset = objects[("StatefulSet", "nkicache-redis")]
+    spec = statefulset["spec"]
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+    assert spec["serviceName"] == "nkicache-redis"
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"] == pod_labels
+    assert objects[("Service", "nkicache-redis")]["spec"]["selector"] == pod_labels
+    (container,) = spec["template"]["spec"]["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    conf = redis_conf(objects[("ConfigMap", "nkicache-redis")]["data"]["redis.conf"])
+    assert mounts[conf["dir"]] == claim["metadata"]["name"]  # AOF files on the claim
+    assert conf["appendonly"] == "yes" and conf["maxmemory-policy"] == "volatile-lru"
+    acl_volume = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == mounts[conf["aclfile"]])
+    assert "secret" in acl_volume  # the ACL file holds password hashes: a Secret, not a ConfigMap
+
+
+# -- the Redis configurations boot a real server ----------------------------------------------------------
+@pytest.fixture
+def redis_confs() -> dict[str, str]:
+    return {
+        "deploy/redis/redis.conf": (DEPLOY / "redis" / "redis.conf").read_text(),
+        "kubernetes/redis.yaml": kubernetes_objects()[("ConfigMap", "nkicache-redis")]["data"]["redis.conf"],
+    }
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("source", ["deploy/redis/redis.conf", "kubernetes/redis.yaml"])
+def test_redis_conf_boots_with_the_acl_users(source: str, redis_confs: dict, tmp_path: Path) -> None:
+    text = redis_confs[source]
+    conf = redis_conf(text)
+    assert conf["maxmemory-policy"] == "volatile-lru" and conf["appendonly"] == "yes" and conf["save"] == ""
+    try:
+        server = start_acl_server(tmp_path, text)
+    except RuntimeError as exc:
+        unavailable(str(exc))
+        raise AssertionError("unreachable") from exc
+    try:
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+        with pytest.raises(redis.AuthenticationError):  # `default` is off
+            anonymous.ping()
+        anonymous.close()
+    finally:
+        server.cleanup()
+
+
+# -- compose ---------------------------------------------------------------------------------------------
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def docker_compose_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+
+
+def test_compose_file_is_valid(tmp_path: Path) -> None:
+    document = compose()
+    assert set(document["services"]) == {"redis", "worker", "metrics"}
+    if docker_compose_available():  # the client validates without an engine
+        result = subprocess.run(["docker", "compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "-q"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    # Without the compose plugin (as here), the structure is checked below either way.
+    redis_service = document["services"]["redis"]
+    conf_mount = next(v for v in redis_service["volumes"] if v.startswith("./redis/redis.conf:"))
+    conf_path = conf_mount.split(":")[1]
+    assert redis_service["command"] == ["redis-server", conf_path]
+    conf = redis_conf((DEPLOY / "redis" / "redis.conf").read_text())
+    targets = {v.split(":")[1]: v.split(":")[0] for v in redis_service["volumes"]}
+    assert targets[conf["aclfile"]] == "./redis/users.acl"
+    assert targets[conf["dir"]] in document["volumes"]  # AOF on a named volume
+    assert conf["appendonly"] == "yes"
+    for local in ("./redis/redis.conf", "./redis/users.acl"):
+        assert (DEPLOY / local).is_file()
+
+
+@pytest.mark.parametrize("service", ["worker", "metrics"])
+def test_compose_services_take_secrets_as_files(service: str) -> None:
+    document = compose()
+    spec = document["services"][service]
+    assert spec["image"].startswith("nkicache:")
+    assert spec["command"][0] in nkicache.commands or spec["command"][0] == "serve-metrics"
+    for variable, value in spec["environment"].items():
+        if any(word in variable for word in SECRET_WORDS):
+            assert variable.endswith("_FILE"), variable
+            secret = value.removeprefix("/run/secrets/")
+            assert secret in spec["secrets"] and secret in document["secrets"], variable
+    assert "@" in spec["environment"]["NKICACHE_TIER"] and ":" not in spec["environment"]["NKICACHE_TIER"].split(
+        "@")[0].removeprefix("redis://")  # fmt: skip
+    assert spec["depends_on"]["redis"]["condition"] == "service_healthy"
+    if service == "worker":
+        assert int(spec["stop_grace_period"].rstrip("s")) >= 60
+
+
+def test_compose_healthcheck_keeps_the_password_off_the_command_line() -> None:
+    test = compose()["services"]["redis"]["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL"
+    assert not re.search(r"(--pass|-a)\s", test[1]), test
+
+
+@pytest.mark.redis
+def test_compose_healthcheck_passes_only_with_the_right_password(tmp_path: Path) -> None:
+    """The healthcheck's shell command, run against a real server with the deployed ACL users (the secret file
+    and the port are this test's)."""
+    try:
+        server = start_acl_server(tmp_path)
+    except RuntimeError as exc:
+        unavailable(str(exc))
+        raise AssertionError("unreachable") from exc
+    command = compose()["services"]["redis"]["healthcheck"]["test"][1].replace("$$", "$")
+    secret = tmp_path / "reader_password"
+    command = command.replace("/run/secrets/reader_password", str(secret))
+    command = command.replace("redis-cli ", f"redis-cli -p {server.port} ", 1)
+    try:
+        for password, healthy in ((PASSWORDS["nkicache-reader"], True), ("wrong", False)):
+            secret.write_text(password + "\n")
+            result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30)
+            assert (result.returncode == 0) is healthy, (password, result.stdout, result.stderr)
+    finally:
+        server.cleanup()
+
+
+# -- systemd ---------------------------------------------------------------------------------------------
+UNIT = DEPLOY / "systemd" / "nkicache-worker@.service"
+
+
+def exec_start() -> list[str]:
+    (value,) = [v for k, v in systemd_unit(UNIT)["Service"] if k == "ExecStart"]
+    return shlex.split(value)
+
+
+def test_systemd_unit_starts_a_worker_command_that_exists() -> None:
+    argv = exec_start()
+    assert Path(argv[0]).name == "nkicache" and argv[1] == "worker"
+    result = CliRunner().invoke(nkicache, ["worker", "--help"])
+    assert result.exit_code == 0, result.output
+    worker_options = {opt for p in nkicache.commands["worker"].params for opt in getattr(p, "opts", [])}
+    assert {arg for arg in argv[2:] if arg.startswith("--")} <= worker_options
+    service = dict(systemd_unit(UNIT)["Service"])
+    assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStopSec"]) >= 60
+    assert service["User"] != "root"
+    for key, value in systemd_unit(UNIT)["Service"]:
+        if key == "Environment":
+            assert not any(word in value.split("=")[0] for word in SECRET_WORDS) or "_FILE=" in value, value
+
+
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    executable = Path(sys.executable).parent / "nkicache"
+    if not executable.exists():
+        pytest.skip("the nkicache console script is not next to this Python")
+    # The unit as installed, with ExecStart pointing at this checkout's nkicache (systemd checks it exists).
+    text = UNIT.read_text().replace(exec_start()[0], str(executable))
+    instance = tmp_path / "nkicache-worker@1.service"
+    instance.write_text(text)
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(instance)], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    problems = [line for line in result.stderr.splitlines() if instance.name in line]
+    assert problems == [], problems
+
+
+# -- the Dockerfile ----------------------------------------------------------------------------------------
+def test_dockerfile_final_stage_is_non_root_without_compilers() -> None:
+    stages = dockerfile_stages()
+    assert len(stages) >= 2
+    final = " ".join(stages[-1]).lower()
+    for compiler in ("build-essential", "gcc", "g++", "clang", "make "):
+        assert compiler not in final, compiler
+    assert dockerfile_user() not in ("root", "0")
+    assert "copy --from=build" in final and "pip install --no-cache-dir --no-index" in final
+    assert '["nkicache"]' in final  # ENTRYPOINT
+    assert "build-essential" in " ".join(stages[0]).lower()  # compilers stay in the build stage
+    for line in stages[0]:
+        if line.upper().startswith("COPY ") and "--from" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), source
+
+
+def test_deploy_files_name_nkicache_commands_that_exist() -> None:
+    named = {exec_start()[1], *(c[0] for c in (compose()["services"][s]["command"] for s in ("worker", "metrics")))}
+    for (kind, _), document in kubernetes_objects().items():
+        if kind == "Deployment":
+            named.add(document["spec"]["template"]["spec"]["containers"][0]["args"][0])
+    assert named <= set(nkicache.commands), named - set(nkicache.commands)
+
+
+# -- the liveness probe against a real Redis ----------------------------------------------------------------
+@pytest.fixture
+def fleet_env(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, KeySpace]]:
+    namespace = unique_namespace()
+    monkeypatch.setenv("NKICACHE_TIER", redis_url)
+    monkeypatch.setenv("NKICACHE_NAMESPACE", namespace)
+    monkeypatch.setenv("NKICACHE_WORKER", "nkicache-worker-7d9f-abcde")  # the pod name, as Kubernetes sets it
+    yield redis_url, KeySpace(namespace)
+    client = redis.Redis.from_url(redis_url)
+    delete_namespace(client, namespace)
+    client.close()
+
+
+def probe() -> int:
+    command = kubernetes_objects()[("Deployment", "nkicache-worker")]["spec"]["template"]["spec"]["containers"][0]
+    argv = command["livenessProbe"]["exec"]["command"]
+    return CliRunner().invoke(nkicache, argv[1:]).exit_code
+
+
+def beat(url: str, keys: KeySpace, name: str, age: float) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        record = {"time": time.time() - age, "host": "h", "pid": 1, "job": None, "done": 0}
+        client.hset(keys.worker_heartbeats, name, json.dumps(record))
+    finally:
+        client.close()
+
+
+def test_live_check_follows_the_worker_heartbeat(fleet_env: tuple[str, KeySpace]) -> None:
+    from workers.fleet import Worker
+
+    url, keys = fleet_env
+    assert probe() == 1  # no heartbeat at all
+    worker = Worker(load_settings(), "nkicache-worker-7d9f-abcde")
+    try:
+        worker._heartbeat()  # what a running worker writes
+        assert probe() == 0
+    finally:
+        worker.client.hdel(keys.worker_heartbeats, worker.name)
+        if worker.tier is not None:
+            worker.tier.close()
+    assert probe() == 1  # gone (a worker that exits removes its heartbeat)
+    beat(url, keys, "nkicache-worker-7d9f-abcde", age=60)
+    assert probe() == 1  # stale: the worker hung
+    beat(url, keys, "nkicache-worker-7d9f-abcde-1", age=0)
+    assert probe() == 0  # `worker --concurrency N` names its processes POD-i
+    beat(url, keys, "nkicache-worker-other-pod", age=0)
+    beat(url, keys, "nkicache-worker-7d9f-abcde-1", age=60)
+    assert probe() == 1  # another pod's heartbeat does not keep this one alive
