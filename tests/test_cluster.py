@@ -1,8 +1,8 @@
 """The Redis tier and the fleet on a real 3-master Redis Cluster (no replicas), started by the fixtures.
 
 The shared backend suite (tests/test_tier_backends.py) runs here once more against the cluster; then the
-hash tags that make the multi-key operations legal, a fleet run (submit + two worker processes), the fleet
-totals it leaves, and one master killed in the middle of a compile.
+hash tags that make the multi-key operations legal, a fleet run (submit + two worker processes) and
+`nkicache report` of it, and one master killed in the middle of a compile run.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def fleet_graphs(directory: Path) -> list[Path]:
 
 
 def read_fleet_totals(url: str, namespace: str) -> dict[str, float]:
-    # TODO(report): read through `nkicache report --json` once it exists; until then the totals hash.
+    """The raw totals hash, to check the report against."""
     client = cluster_client(url)
     try:
         raw = client.hgetall(KeySpace(namespace).totals)
@@ -150,10 +150,10 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
             env=env, capture_output=True, text=True, timeout=90,
         )  # fmt: skip
         assert submit.returncode == 0, submit.stderr
-        report = json.loads(submit.stdout)
-        assert report["submitted"] == report["completed"] == len(graphs)
-        assert report["dead_letter"] == report["unfinished"] == 0
-        assert len(report["artifacts"]) == len(graphs)
+        submitted = json.loads(submit.stdout)
+        assert submitted["submitted"] == submitted["completed"] == len(graphs)
+        assert submitted["dead_letter"] == submitted["unfinished"] == 0
+        assert len(submitted["artifacts"]) == len(graphs)
     finally:
         for worker in workers:
             worker.send_signal(signal.SIGTERM)
@@ -169,8 +169,14 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
     try:
         results = [json.loads(value) for value in client.hgetall(keys.job_results).values()]
         queue = json.loads(CliRunner().invoke(nkicache, ["queue", "--json"], env=env).output)
-        # The fleet totals ("report run"): what the workers' passes counted, summed, exactly once each.
-        fleet = read_fleet_totals(redis_cluster, namespace)
+        # The report run: the fleet totals are what the workers' passes counted, summed, each pass once.
+        reported = CliRunner().invoke(nkicache, ["report", "--json"], env=env)
+        assert reported.exit_code == 0, reported.output
+        report = json.loads(reported.output)
+        fleet = report["totals"]
+        assert {name: fleet[name] for name in TOTAL_COUNTERS} == pytest.approx(
+            {name: read_fleet_totals(redis_cluster, namespace).get(name, 0) for name in TOTAL_COUNTERS}
+        )
         assert {r["worker"] for r in results} == {"cluster-w0", "cluster-w1"}  # both workers took jobs
         assert queue["completed"] == len(graphs) and queue["pending"] == queue["in_flight"] == 0
         assert queue["workers"] == []  # both left
@@ -181,6 +187,8 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
                 assert fleet.get(name, 0) == pytest.approx(expected, abs=1e-6), name
         assert fleet["remote_hits"] > 0  # variants traced by one worker were hit by the other (or a later job)
         assert fleet["tier_errors"] == fleet["tier_timeouts"] == 0
+        per_worker = {w for host in report["per_host"].values() for w in host["workers"]}
+        assert per_worker == {"cluster-w0", "cluster-w1"}
         workers_seen = {member.decode() for member in client.smembers(keys.workers)}
         assert {member.rsplit(":", 1)[1] for member in workers_seen} == {"cluster-w0", "cluster-w1"}
     finally:
