@@ -16,7 +16,9 @@ from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.exceptions as rex
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 from cachestore.keys import KeySpace
 from cachestore.tier import MetricsBatch, StoreRequest, TierTimeout, TierUnavailable
@@ -65,7 +67,11 @@ return 0
 
 def connect(url: str, *, connect_timeout: float, op_timeout: float, password: str | None = None) -> Any:
     """A redis-py client for a tier URL; `password` (from the environment) overrides one in the URL."""
-    options: dict[str, Any] = {"socket_connect_timeout": connect_timeout, "socket_timeout": op_timeout}
+    # No retries: a failed operation is counted and trips the breaker at once, instead of multiplying the
+    # operation timeout by redis-py's default retry count.
+    options: dict[str, Any] = {
+        "socket_connect_timeout": connect_timeout, "socket_timeout": op_timeout, "retry": Retry(NoBackoff(), 0),
+    }  # fmt: skip
     if password is not None:
         options["password"] = password
     if url.startswith(("redis+cluster://", "rediss+cluster://")):
@@ -80,8 +86,7 @@ def connect(url: str, *, connect_timeout: float, op_timeout: float, password: st
         options.update(_opened(lambda: _query_options(query)))  # ?ssl_ca_certs=/path/ca.pem, as redis:// takes it
         # A cluster client connects to its startup nodes as it is built.
         return _opened(lambda: RedisCluster(
-            startup_nodes=nodes, ssl=scheme.startswith("rediss"), require_full_coverage=False,
-            cluster_error_retry_attempts=1, **options,
+            startup_nodes=nodes, ssl=scheme.startswith("rediss"), require_full_coverage=False, **options,
         ))  # fmt: skip
     return _opened(lambda: redis.Redis.from_url(url, **options))
 
