@@ -191,3 +191,25 @@ def test_ctrl_c_while_the_pool_starts_is_a_clean_interrupt(tmp_path: Path, monke
     assert all(r.error is None and Path(r.artifact).exists() for r in results)
     assert sorted(p.name for p in out.iterdir()) == sorted(Path(r.artifact).name for r in results)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_ctrl_c_with_one_worker_finishes_the_running_pass_and_stops(tmp_path: Path) -> None:
+    """--workers 1 compiles in the command's own process: Ctrl-C there also lets the running pass finish."""
+    from cachestore.settings import load_settings
+    from workers.pool import compile_paths
+
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 4, seed=2)]
+    seen = []
+
+    def ctrl_c_after_the_first(result) -> None:
+        seen.append(result)
+        if len(seen) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "out"
+    results, interrupted = compile_paths(
+        paths, settings=load_settings({"tier": "off"}), workers=1, out_dir=str(out), on_result=ctrl_c_after_the_first
+    )
+    assert interrupted and len(results) == 1 and results[0].error is None
+    assert [p.name for p in out.iterdir()] == [Path(results[0].artifact).name]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

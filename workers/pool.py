@@ -7,7 +7,6 @@ artifacts are written atomically) and reports what was done.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -16,9 +15,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 from cachestore.settings import Settings
 from cachestore.urls import open_tier
@@ -103,46 +103,53 @@ def _compile_all(
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
     results: dict[int, PassResult] = {}
     context = _pool_context()
-    interrupted = False
     pending: dict[Future, int] = {}
-    try:
-        with _sigint_held():
-            executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
+    with CtrlC() as ctrl_c:
+        executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
+        try:
             for index, path in enumerate(paths):
                 pending[executor.submit(_compile_in_process, path, target_name, out_dir)] = index
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                index = pending[future]
-                results[index] = future.result()
-                del pending[future]
-                on_result(results[index])
-    except KeyboardInterrupt:
-        interrupted = True
-        executor.shutdown(wait=True, cancel_futures=True)
+            while pending and not ctrl_c.pressed:
+                done, _ = wait(pending, timeout=CTRL_C_POLL_SECONDS, return_when=FIRST_COMPLETED)
+                for future in done:
+                    index = pending.pop(future)
+                    results[index] = future.result()
+                    on_result(results[index])
+        finally:
+            # On Ctrl-C: drop the graphs not started, let the running passes finish, keep what they wrote.
+            executor.shutdown(wait=True, cancel_futures=True)
         for future, index in pending.items():
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if not future.cancelled() and future.exception() is None:
                 results[index] = future.result()
-    finally:
-        executor.shutdown(wait=True, cancel_futures=True)
-    return [results[i] for i in sorted(results)], interrupted
+    return [results[i] for i in sorted(results)], ctrl_c.pressed
 
 
-@contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C while the pool starts and takes the graphs, then raise it: an executor interrupted inside
-    its first submit has no manager thread yet and cannot be shut down."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt
+CTRL_C_POLL_SECONDS = 0.1
+
+
+class CtrlC:
+    """Ctrl-C as a flag the compile loop polls: the first one stops handing out graphs (running passes finish),
+    a second one raises KeyboardInterrupt. A KeyboardInterrupt raised at an arbitrary point of the main thread
+    can land inside concurrent.futures while it holds a future's lock (its `wait` takes them one by one) and
+    hang the pool's shutdown, or inside the first submit, before the executor can be shut down at all."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
@@ -174,15 +181,15 @@ def _compile_serially(
 ) -> tuple[list[PassResult], bool]:
     tier = open_tier(settings)
     results: list[PassResult] = []
-    interrupted = False
     try:
-        for path in paths:
-            result, _ = compile_graph(path, tier=tier, target_name=target_name, out_dir=out_dir)
-            results.append(result)
-            on_result(result)
-    except KeyboardInterrupt:
-        interrupted = True
+        with CtrlC() as ctrl_c:
+            for path in paths:
+                if ctrl_c.pressed:
+                    break
+                result, _ = compile_graph(path, tier=tier, target_name=target_name, out_dir=out_dir)
+                results.append(result)
+                on_result(result)
     finally:
         if tier is not None:
             tier.close()
-    return results, interrupted
+    return results, ctrl_c.pressed
