@@ -24,6 +24,7 @@ from workers.workload import GraphBuilder, generate_workload, unet_block
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
 COUNTS = ("kernels", "cache_hits", "cache_misses", "remote_hits", "traces")
 WAIT = 60  # seconds: the bound of every wait below; none should come close
+BEAT = 1.0  # seconds between heartbeats; a worker is live while its last one is at most 3 BEATs old
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = WAIT, interval: float = 0.05) -> object:
@@ -45,7 +46,7 @@ class Fleet:
         self.namespace = f"fleettest{uuid.uuid4().hex[:12]}"
         self.keys = KeySpace(self.namespace)
         self.redis = redis.Redis.from_url(url)
-        self.env = {**os.environ, "NKICACHE_NAMESPACE": self.namespace, "NKICACHE_HEARTBEAT_INTERVAL": "0.5"}
+        self.env = {**os.environ, "NKICACHE_NAMESPACE": self.namespace, "NKICACHE_HEARTBEAT_INTERVAL": str(BEAT)}
         self.env.update({f"NKICACHE_{name.upper()}": str(value) for name, value in settings.items()})
         self.workers: dict[str, subprocess.Popen] = {}
 
@@ -189,14 +190,14 @@ def test_two_workers_complete_a_workload_whose_artifacts_run(fleet, tmp_path: Pa
     )  # fmt: skip
     assert [w["name"] for w in status["workers"]] == ["w1", "w2"]
     assert sum(w["done"] for w in status["workers"]) == 4
-    assert all(w["job"] is None and time.time() - w["time"] < 3 * 0.5 + 1 for w in status["workers"])
+    assert all(w["job"] is None and time.time() - w["time"] < 3 * BEAT + 2 for w in status["workers"])
     results = f.results()
     assert set(results) == set(report["jobs"]) and {r["worker"] for r in results.values()} <= {"w1", "w2"}
 
     # SIGTERM on idle workers: both exit 0 promptly and leave the live list.
     for name in ("w1", "w2"):
         code, seconds = f.stop(name)
-        assert code == 0 and seconds < 5, (name, code, seconds, f.log(name))
+        assert code == 0 and seconds < 10, (name, code, seconds, f.log(name))
         assert f"worker {name}: " in f.log(name) and "Traceback" not in f.log(name)
     assert f.queue()["workers"] == []
     # Workers flushed their metrics before exiting: the fleet's totals are the sum of the passes' counts.
@@ -233,9 +234,9 @@ def test_a_worker_killed_mid_job_loses_nothing_and_completes_nothing_twice(fleet
 
     # SIGTERM on a busy worker: it finishes its job, records it, then exits 0.
     extra = f.submit(*slow_graphs(tmp_path / "more", [128]), wait=False)
-    busy = wait_until(lambda: f.busy_job("w2"), interval=0.01)
-    assert busy == f"{extra['batch']}-00000"
-    seen = queue_status(f.redis, f.keys, heartbeat_interval=0.5)  # what `nkicache queue` shows
+    busy = f"{extra['batch']}-00000"
+    wait_until(lambda: f.busy_job("w2") == busy, interval=0.01)
+    seen = queue_status(f.redis, f.keys, heartbeat_interval=BEAT)  # what `nkicache queue` shows
     assert next(w for w in seen["workers"] if w["name"] == "w2")["job"] == busy and seen["in_flight"] == 1
     code, seconds = f.stop("w2")
     assert code == 0, f.log("w2")
