@@ -334,3 +334,24 @@ def test_sigterm_to_a_concurrency_worker_stops_every_process(fleet, tmp_path: Pa
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert f.log("multi").count("jobs, exiting") == 2
+
+
+def test_a_worker_rides_out_a_redis_outage(private_redis_server, tmp_path: Path) -> None:
+    """The queue's Redis goes away and comes back empty (no persistence): the worker waits and retries
+    instead of dying, recreates its consumer group, and takes the jobs submitted afterwards."""
+    server = private_redis_server()
+    f = Fleet(server.url, tmp_path)
+    try:
+        f.start_worker("w1")
+        f.wait_live("w1")
+        server.stop()
+        wait_until(lambda: "the queue failed" in f.log("w1"))
+        assert f.workers["w1"].poll() is None, f.log("w1")
+        server.start()
+        f.redis = redis.Redis.from_url(server.url)
+        graphs = generate_workload(tmp_path / "graphs", 2, seed=5)
+        report = f.submit(*graphs)
+        assert report["completed"] == 2, (report, f.log("w1"))
+        assert f.stop("w1")[0] == 0
+    finally:
+        f.close()

@@ -14,6 +14,7 @@ DIR` downloads them so `nkicache run` can load them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -214,6 +215,7 @@ class Worker:
         self.current: str | None = None
         self._current_message: str | None = None
         self.done = 0
+        self.queue_errors = 0  # failed operations on the job queue (the worker waits and retries)
         self._last_claim = 0.0
         self._beats_stop = threading.Event()
 
@@ -229,15 +231,30 @@ class Worker:
         self._heartbeat()
         beats = threading.Thread(target=self._beat_until_stopped, name="nkicache-heartbeat", daemon=True)
         beats.start()
+        outage = 0
         try:
             while not self.stopping and (self.max_jobs is None or self.done < self.max_jobs):
-                message = self._next_message()
-                if message is not None:
-                    self._process(*message)
+                try:
+                    message = self._next_message()
+                    if message is not None:
+                        self._process(*message)
+                    outage = 0
+                except rex.RedisError as exc:
+                    # The queue's Redis is down or refusing: the job (if any) stays pending and will be
+                    # delivered again or reclaimed; wait, with a growing pause, and try again.
+                    outage += 1
+                    self.queue_errors += 1
+                    pause = min(5.0, 0.1 * 2**outage)
+                    logger.warning("worker %s: the queue failed (%s); retrying in %.1f s", self.name, exc, pause)
+                    self._beats_stop.wait(pause)
+                    if "NOGROUP" in str(exc):  # a Redis restarted without persistence lost the group
+                        with contextlib.suppress(rex.RedisError):
+                            ensure_group(self.client, self.keys)
         finally:
             self._beats_stop.set()
             beats.join()
-            self._leave()
+            with contextlib.suppress(rex.RedisError):
+                self._leave()
             if self.tier is not None:
                 self.tier.close()
         return self.done
