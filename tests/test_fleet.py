@@ -355,3 +355,46 @@ def test_a_worker_rides_out_a_redis_outage(private_redis_server, tmp_path: Path)
         assert f.stop("w1")[0] == 0
     finally:
         f.close()
+
+
+def test_a_job_whose_result_cannot_be_recorded_is_compiled_again_not_held(private_redis_server, tmp_path: Path) -> None:
+    """Redis fails as the worker records a finished job: the worker must stop keeping that job claimed, so it
+    turns idle and is reclaimed (here by the same worker) and completed, instead of being refreshed forever."""
+    import threading
+
+    from cachestore.settings import load_settings
+    from workers import fleet as fleet_module
+
+    server = private_redis_server()
+    namespace = f"fleettest{uuid.uuid4().hex[:12]}"
+    settings = load_settings(
+        {"tier": server.url, "namespace": namespace, "job_claim_idle": 1.0, "heartbeat_interval": 0.2}
+    )
+    client = redis.Redis.from_url(server.url)
+    keys = KeySpace(namespace)
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=6)
+    [job] = fleet_module.submit(client, keys, [graph], settings.entry_ttl).job_ids
+
+    worker = fleet_module.Worker(settings, "w1", max_jobs=1)
+    record = worker._complete
+    attempts = []
+
+    def fails_once(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise redis.ConnectionError("connection lost while recording")
+        return record(*args, **kwargs)
+
+    worker._complete = fails_once
+    runner = threading.Thread(target=worker.run, daemon=True)
+    runner.start()
+    runner.join(timeout=WAIT)
+    if runner.is_alive():
+        worker.stopping = True
+        runner.join(timeout=10)
+        pytest.fail(f"the job was never completed: {len(attempts)} attempt(s) to record it")
+    assert len(attempts) == 2 and worker.queue_errors == 1
+    result = fleet_module.results_of(client, keys, [job])[job]
+    assert result["status"] == "completed" and result["worker"] == "w1"
+    assert client.xpending(keys.job_stream, fleet_module.GROUP)["pending"] == 0
+    client.close()

@@ -278,7 +278,17 @@ class Worker:
     def _process(self, message_id: str, fields: dict) -> None:
         job = json.loads(fields.get(b"job") or fields.get("job"))
         self.current, self._current_message = job["id"], message_id
+        try:
+            self._heartbeat()
+            self._compile_and_record(job, message_id)
+        finally:
+            # Stop keeping the job claimed even when recording it failed (Redis outage): it must become
+            # idle, so that it is reclaimed and compiled again instead of held by this worker forever.
+            self.current, self._current_message = None, None
+        self.done += 1
         self._heartbeat()
+
+    def _compile_and_record(self, job: dict, message_id: str) -> None:
         try:
             graph = json.loads(job["graph"])
         except json.JSONDecodeError as exc:
@@ -303,9 +313,6 @@ class Worker:
             retry = {**job, "attempt": job.get("attempt", 1) + 1}
             self._fail(keys=keys, args=[job["id"], message_id, result.error or "no artifact",
                                         self.settings.job_max_attempts, json.dumps(retry), self.name])  # fmt: skip
-        self.done += 1
-        self.current, self._current_message = None, None
-        self._heartbeat()
 
     def _beat_until_stopped(self) -> None:
         # Often enough that the current job never looks idle for job_claim_idle to the other workers.
