@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-startup", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="Print one JSON object (for nkicache bench).")
     args = parser.parse_args()
     if args.probe_startup:
         probe_startup()
@@ -193,8 +194,9 @@ def main() -> None:
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg")}  # never the user's own tier
         env.pop("NKICACHE_TIER", None)
         env.pop("NKICACHE_TIER_MODE", None)
-        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
-              f"{args.repeats} repetitions, medians; workload seed {args.seed}")  # fmt: skip
+        say = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
+        say(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
+            f"{args.repeats} repetitions, medians; workload seed {args.seed}")  # fmt: skip
         start = startup(max(args.repeats, 5), env)
         rows, warm_rows = [], []
         for models in args.models:
@@ -203,7 +205,22 @@ def main() -> None:
             rows.append((models, throughput(graphs, tmp, args.repeats, env)))
             warm_rows.append((models, warm_cold(graphs, tmp, args.repeats, env)))
         first_traces = warm_up(tmp / f"workload-{args.models[0]}", env)
-        print(f"load average {os.getloadavg()[0]:.2f} at the end")
+        say(f"load average {os.getloadavg()[0]:.2f} at the end")
+        if args.json:
+            models, largest = rows[-1]
+            print(
+                json.dumps(
+                    {
+                        "pool_scaling": largest["ratio"],
+                        "models": models,
+                        "cpu_control": largest["control"],
+                        "startup_seconds": start["up"],
+                        "rows": dict(rows),
+                        "warm_cold": dict(warm_rows),
+                    }
+                )
+            )
+            return
         print_tables(start, first_traces, rows, warm_rows, args.models[0])
 
 

@@ -25,11 +25,8 @@ import json
 import os
 import platform
 import resource
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,35 +40,6 @@ KERNELS = (
 )  # fmt: skip
 KEYS_PER_PASS = 200
 REFERENCE_SHARE = 0.10
-
-
-# -- a private redis-server -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_redis() -> tuple[subprocess.Popen, str, str]:
-    if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server is not installed")
-    port, directory = free_port(), tempfile.mkdtemp(prefix="nkicache-bench-redis-")
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", directory],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    import redis
-
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            return process, url, directory
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    process.kill()
-    raise SystemExit("the private redis-server did not start")
 
 
 # -- synthetic entries and metrics --------------------------------------------------------------------
@@ -196,12 +164,16 @@ def main() -> None:
     parser.add_argument("--measure", choices=["report", "verify", "du"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="Print one JSON object (for nkicache bench).")
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.url, args.measure, args.traced)))
         return
 
-    process, url, directory = start_redis()
+    from cachestore.redis_server import start_private_server
+
+    server = start_private_server()  # never the machine's shared Redis
+    url = server.url
     rows = []
     try:
         for size in args.sizes:
@@ -218,10 +190,20 @@ def main() -> None:
                       f"peak RSS {mib(timed['rss_peak_bytes'])} MiB (after imports "
                       f"{mib(timed['rss_before_bytes'])}) {counts}", file=sys.stderr)  # fmt: skip
     finally:
-        process.terminate()
-        process.wait(timeout=10)
-        shutil.rmtree(directory, ignore_errors=True)
+        server.cleanup()
 
+    if args.json:
+        largest = max(args.sizes)
+        by_command = {what: (timed, traced) for size, what, timed, traced, _ in rows if size == largest}
+        suffix = f"{largest // 1000}k"
+        print(json.dumps({
+            f"report_seconds_{suffix}": by_command["report"][0]["seconds"],
+            f"verify_seconds_{suffix}": by_command["verify"][0]["seconds"],
+            f"du_seconds_{suffix}": by_command["du"][0]["seconds"],
+            "peak_traced_mib": max(traced["traced_peak_bytes"] for _, traced in by_command.values()) / 1024**2,
+            "peak_rss_mib": max(timed["rss_peak_bytes"] for timed, _ in by_command.values()) / 1024**2,
+        }))  # fmt: skip
+        return
     smallest = {what: timed["seconds"] for size, what, timed, _, _ in rows if size == args.sizes[0]}
     print(f"Machine: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python "
           f"{platform.python_version()}; private redis-server on loopback.\n")  # fmt: skip

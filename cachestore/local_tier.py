@@ -39,6 +39,9 @@ CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts RE
 """
 
 
+TTL_REFRESH_FRACTION = 0.9  # refresh an entry's expiry on use once less than 90% of its TTL is left
+
+
 class LocalTier:
     """A tier in one SQLite file."""
 
@@ -109,18 +112,23 @@ class LocalTier:
     def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
         now = time.time()
         found: dict[str, bytes] = {}
+        stale: list[str] = []
         for start in range(0, len(cache_keys), 500):
             chunk = list(cache_keys[start : start + 500])
             marks = ",".join("?" * len(chunk))
             rows = self._read(
-                f"SELECT cache_key, data FROM entries WHERE cache_key IN ({marks}) AND expires > ?", (*chunk, now)
+                f"SELECT cache_key, data, expires FROM entries WHERE cache_key IN ({marks}) AND expires > ?",
+                (*chunk, now),
             )
-            found.update((key, bytes(data)) for key, data in rows)
-        if found:
+            for key, data, expires in rows:
+                found[key] = bytes(data)
+                if expires < now + ttl * TTL_REFRESH_FRACTION:
+                    stale.append(key)
+        if stale:
+            # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
+            # TTL: reads by several processes stay reads.
             with self._write() as db:
-                db.executemany(
-                    "UPDATE entries SET expires = ? WHERE cache_key = ?", [(now + ttl, key) for key in found]
-                )
+                db.executemany("UPDATE entries SET expires = ? WHERE cache_key = ?", [(now + ttl, k) for k in stale])
         return found
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:

@@ -246,6 +246,34 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
     }
 
 
+# -- 6. pool_scaling and 7. report_seconds_100k: scripts in bench/, each run as its own process -------------
+def bench_script(name: str, *args: str) -> dict:
+    """Run bench/NAME.py --json from the source checkout and return what it printed."""
+    import json
+    import subprocess
+    import sys
+
+    from bridge.errors import NkiCacheError
+
+    script = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    if not script.is_file():
+        raise NkiCacheError(f"{script} is missing: nkicache bench runs from a source checkout (pip install -e .)")
+    done = subprocess.run([sys.executable, str(script), *args, "--json"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise NkiCacheError(f"{script.name} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def pool_scaling(config: BenchConfig) -> dict:
+    models = ["24"] if config.quick else ["12", "40"]
+    return bench_script("pool_scaling", "--models", *models, "--repeats", "1" if config.quick else "3",
+                        "--seed", str(config.seed))  # fmt: skip
+
+
+def report_scale(config: BenchConfig) -> dict:
+    return bench_script("report_scale", "--sizes", "100000")
+
+
 def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
     with tempfile.TemporaryDirectory(prefix="nkibench-") as tmp:
         work = Path(tmp)
@@ -258,6 +286,8 @@ def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str]
             ("local_hit_us", lambda: local_hit_cost(graphs, config)),
             ("key_throughput_ratio", lambda: key_throughput(graphs, config)),
             ("storage_ratio", lambda: storage_ratio(graphs, redis_url)),
+            ("pool_scaling", lambda: pool_scaling(config)),
+            ("report_seconds_100k", lambda: report_scale(config)),
         ]
         for name, step in steps:
             progress(name)

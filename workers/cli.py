@@ -320,12 +320,13 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
 
 
 def _register() -> None:
+    from workers.bench_cli import bench_command
     from workers.fleet_cli import queue_command, submit_command, worker_command
     from workers.quickstart_cli import quickstart_command, workload_command
     from workers.report_cli import inspect_group, report_command, serve_metrics_command
 
     for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
-                    report_command, serve_metrics_command, inspect_group):  # fmt: skip
+                    report_command, serve_metrics_command, inspect_group, bench_command):  # fmt: skip
         main.add_command(command)
 
 

@@ -1,0 +1,58 @@
+"""`nkicache bench`: the performance goals, measured as ratios in one run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="A smaller workload and fewer repetitions (under 5 minutes).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
+@click.option("--redis-url", default=None, metavar="URL",
+              help="Measure against this Redis instead of a private redis-server on a free loopback port.")  # fmt: skip
+def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
+    """Measure nkicache against its goals, each figure a median of several runs and each goal a ratio of
+    two things measured side by side in this run (a noisy machine moves both):
+
+    \b
+      warm_speedup           no tier / warm local tier, compiling a generated workload   goal >= 20
+      mirror_overhead        cold compile mirroring to Redis / tier off                   goal <= 1.03
+      remote_hit_vs_raw_get  one remote hit (fetch, verify, decode, store) / raw GET      goal <= 1.5
+      local_hit_us           one local hit in the orchestrator, in microseconds
+      key_throughput_ratio   keys/s through _compute_cache_key_from_components / hashlib
+      pool_scaling           graphs/s with 2 workers / 1 worker                           goal >= 1.6
+      report_seconds_100k    report and verify over 100k entries, and peak memory
+      storage_ratio          Redis bytes per entry / binary bytes; dedupe saving
+
+    Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
+    """
+    from cachestore.redis_server import start_private_server
+    from workers.benchmarks import GOALS, BenchConfig, run_benchmarks
+
+    config = BenchConfig.for_mode(quick)
+    server = None if redis_url else start_private_server()
+    try:
+        results = run_benchmarks(
+            config, redis_url or server.url, lambda name: click.echo(f"measuring {name}", err=True)
+        )
+    finally:
+        if server is not None:
+            server.cleanup()
+    if as_json:
+        click.echo(json.dumps(results))
+        return
+    for name, value in results.items():
+        if name.endswith("_detail") or name == "config":
+            continue
+        goal = GOALS.get(name)
+        verdict = ""
+        if goal is not None and isinstance(value, int | float):
+            kind, bound = goal
+            met = value >= bound if kind == "min" else value <= bound
+            verdict = f"  goal {'>=' if kind == 'min' else '<='} {bound}: {'met' if met else 'NOT MET'}"
+        shown = f"{value:.3f}" if isinstance(value, float) else json.dumps(value)
+        click.echo(f"{name:24} {shown}{verdict}")
+    sys.stdout.flush()
