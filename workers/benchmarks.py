@@ -271,7 +271,7 @@ def pool_scaling(config: BenchConfig) -> dict:
 
 
 def report_scale(config: BenchConfig) -> dict:
-    return bench_script("report_scale", "--sizes", "100000")
+    return bench_script("report_scale", "--sizes", "100000", *(["--quick"] if config.quick else []))
 
 
 def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
