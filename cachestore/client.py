@@ -71,6 +71,7 @@ class TierClient:
         self._outbox_lock = threading.Condition()
         self._flusher: threading.Thread | None = None
         self._closing = False
+        self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
 
     def __repr__(self) -> str:
@@ -237,6 +238,12 @@ class TierClient:
                     # The breaker is open: sleep until it closes (or new work arrives), never spin.
                     self._outbox_lock.wait(min(cooling, self.settings.flush_interval * 5))
                     continue
+                # Let writes gather for up to flush_interval (a pass traces several kernels in that time), so
+                # they go out in one pipeline: each round trip costs the compiling process a system call and
+                # a wake-up, far more than the bytes. A waiting flush() or close() ends the gathering at once.
+                self._outbox_lock.wait_for(
+                    lambda: self._closing or self._flush_waiters > 0, self.settings.flush_interval
+                )
             if not self._drain_once() and self._closing:
                 return
 
@@ -275,13 +282,17 @@ class TierClient:
         unless `through_outage` and the breaker closes (so the flusher retries) before the deadline."""
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         with self._outbox_lock:
+            self._flush_waiters += 1
             self._outbox_lock.notify_all()
-            while self._outbox:
-                remaining = deadline - time.monotonic()
-                retries_in_time = through_outage and self._open_until < deadline
-                if remaining <= 0 or not (self._available() or retries_in_time):
-                    return False
-                self._outbox_lock.wait(min(remaining, 0.05))
+            try:
+                while self._outbox:
+                    remaining = deadline - time.monotonic()
+                    retries_in_time = through_outage and self._open_until < deadline
+                    if remaining <= 0 or not (self._available() or retries_in_time):
+                        return False
+                    self._outbox_lock.wait(min(remaining, 0.05))
+            finally:
+                self._flush_waiters -= 1
         return True
 
     def pending(self) -> int:

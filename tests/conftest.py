@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+
+from cachestore.redis_server import RedisServer, answers_ping, start_private_server
 
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
 REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}
@@ -33,103 +30,15 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _answers_ping(url: str, timeout: float = 1.0) -> bool:
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server process of our own on a loopback port, without persistence.
-
-    `stop()` shuts it down gracefully, `kill()` sends SIGKILL, `start()` (re)starts it on the same port.
-    """
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or _free_loopback_port()
-        self.dir = tempfile.mkdtemp(prefix="nkicache-redis-")
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def start(self) -> RedisServer:
-        if self.running:
-            return self
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} exited with {self.process.returncode}")
-            if _answers_ping(self.url, timeout=0.2):
-                return self
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING in {START_TIMEOUT_SECONDS} s")
-
-    def stop(self) -> None:
-        if self.running:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=START_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def kill(self) -> None:
-        if self.running:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _start_private_server(attempts: int = 3) -> RedisServer:
-    """Start a server on a free port; retry when another process grabs the port before redis binds it."""
+def _start_private_server() -> RedisServer:
+    """A private server on a free port (the launcher retries when another process grabs the port)."""
     if shutil.which("redis-server") is None:
         _unavailable("redis-server is not installed and REDIS_URL is not set")
-    last_error: Exception | None = None
-    for _ in range(attempts):
-        server = RedisServer()
-        try:
-            return server.start()
-        except RuntimeError as exc:
-            server.cleanup()
-            last_error = exc
-    _unavailable(f"could not start a private redis-server: {last_error}")
-    raise AssertionError("unreachable")
+    try:
+        return start_private_server()
+    except RuntimeError as exc:
+        _unavailable(str(exc))
+        raise AssertionError("unreachable") from None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -144,7 +53,7 @@ def redis_url() -> Iterator[str]:
     """URL of a Redis that answers: REDIS_URL when set, else a private server for this session."""
     url = os.environ.get("REDIS_URL")
     if url:
-        if not _answers_ping(url):
+        if not answers_ping(url):
             _unavailable(f"REDIS_URL={url} does not answer PING")
         yield url
         return
