@@ -197,7 +197,7 @@ def main() -> None:
     if args.json:
         largest = max(args.sizes)
         by_command = {what: (timed, traced) for size, what, timed, traced, _ in rows if size == largest}
-        suffix = f"{largest // 1000}k"
+        suffix = f"{largest // 1000}k" if largest >= 1000 else str(largest)
         print(json.dumps({
             f"report_seconds_{suffix}": by_command["report"][0]["seconds"],
             f"verify_seconds_{suffix}": by_command["verify"][0]["seconds"],

@@ -1,0 +1,47 @@
+"""The benchmark measurements run and produce the figures `nkicache bench` reports (tiny workload; the
+figures themselves are recorded in bench/RESULTS.md, not asserted here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from workers import benchmarks as bench
+from workers.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[bench.BenchConfig, list]:
+    config = bench.BenchConfig(models=2, seed=3, repeats=1, quick=True)
+    return config, bench.workload_graphs(tmp_path_factory.mktemp("graphs"), config)
+
+
+def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> None:
+    config, graphs = tiny
+    url = private_redis_server().url
+    warm = bench.warm_speedup(graphs, config, tmp_path)
+    assert warm["warm_traces"] == 0 and warm["warm_speedup"] > 1
+    mirror = bench.mirror_overhead(graphs, config, url)
+    assert mirror["mirror_overhead"] > 0 and 1 <= mirror["mirror_overhead_direct"] < 2
+    hits = bench.remote_hit_vs_raw_get(graphs, config, url)
+    assert hits["entries"] > 0 and hits["remote_hit_us"] > 0 and hits["batched_hit_us"] > 0
+    assert bench.local_hit_cost(graphs, config)["local_hit_us"] > 0
+    assert 0 < bench.key_throughput(graphs, config)["key_throughput_ratio"] < 1  # hashing alone is cheaper
+    storage = bench.storage_ratio(graphs, url)
+    assert storage["storage_ratio"] > 1 and storage["entries"] == storage["unique_binaries"]
+
+
+def test_bench_scripts_answer_json() -> None:
+    """The scripts behind `nkicache bench` print one JSON object with their keys."""
+    report = bench.bench_script("report_scale", "--sizes", "300", "--quick")
+    assert {"report_seconds_300", "verify_seconds_300", "peak_rss_mib"} <= set(report)
+
+
+def test_bench_help_names_every_goal() -> None:
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0
+    for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
+                "pool_scaling", "report_seconds_100k", "storage_ratio"):  # fmt: skip
+        assert key in result.output
