@@ -63,6 +63,7 @@ class BirCodeGenLoop:
         self._prefetched: dict[str, Any] = {}
         self._prefetch_stored: set[str] = set()  # keys the tier held something under, rejected or not
         self._tier_stats_at_start = tier.stats.snapshot() if tier is not None else {}
+        self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:

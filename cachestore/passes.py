@@ -40,7 +40,9 @@ def pass_metrics(loop: BirCodeGenLoop, graph_name: str, started: float, finished
         first, last = loop.key_use_times.get(cache_key, (started, finished))
         keys[cache_key] = KeyUsage(kernel_name, usage, first, last)
     totals = pass_summary(loop)
-    pass_id = uuid.uuid4().hex
+    # A pass's id is its batch id: applied once. The fleet names a pass after its job, so a job compiled to
+    # the end twice (reclaimed from a worker that was slow, not dead) still counts once.
+    pass_id = loop.pass_id or uuid.uuid4().hex
     record = {"pass_id": pass_id, "graph": graph_name, "host": settings.host, "worker": settings.worker,
               "started": started, "finished": finished, **totals}  # fmt: skip
     return MetricsBatch(pass_id, settings.host, settings.worker, totals, dict(kernel_calls), keys, record)

@@ -355,3 +355,17 @@ def test_an_entry_published_between_lookup_and_lease_is_used_not_retraced(tier: 
     assert (loop.traces, loop.remote_hits) == (0, MIXED_DISTINCT_KEYS)
     assert binary_digests(bb) == binary_digests(reference_bb)
     assert all(tier.backend.lease_holder(cache_key) is None for cache_key in entries)  # leases given back
+
+
+def test_two_passes_with_one_pass_id_count_once_in_the_fleet(tmp_path: Path) -> None:
+    """A fleet job compiled to the end twice (reclaimed from a slow worker) is one pass in the metrics."""
+    from workers.passes import compile_graph
+
+    backend = LocalTier(tmp_path / "tier.sqlite")
+    client = TierClient(lambda: backend, Settings(tier="test", flush_interval=0.05), "test")
+    for _ in range(2):
+        result, _ = compile_graph(mixed_graph(), tier=client, pass_id="job-abc-00001")
+        assert result.error is None
+    client.close()
+    totals = dict(backend._read("SELECT name, value FROM totals"))
+    assert totals["passes"] == 1 and totals["kernels"] == MIXED_KERNEL_OPS

@@ -294,7 +294,9 @@ class Worker:
         except json.JSONDecodeError as exc:
             result, artifact = PassResult(job["file"], error=f"{job['file']}: not valid JSON: {exc}"), None
         else:
-            result, artifact = compile_graph(graph, tier=self.tier, label=job["file"], out_dir=self.out_dir)
+            result, artifact = compile_graph(
+                graph, tier=self.tier, label=job["file"], out_dir=self.out_dir, pass_id=f"job-{job['id']}"
+            )
         if result.error is None and artifact is not None:
             record = {"status": "completed", "worker": self.name, "host": self.settings.host,
                       "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip

@@ -47,11 +47,13 @@ def compile_graph(
     target_name: str | None = None,
     out_dir: str | Path | None = None,
     label: str | None = None,
+    pass_id: str | None = None,
 ) -> tuple[PassResult, bytes | None]:
     """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
 
     With `out_dir` the artifact is written there atomically and its path recorded; the encoded artifact is
-    returned either way, for callers that ship it elsewhere (the fleet)."""
+    returned either way, for callers that ship it elsewhere (the fleet). `pass_id` names the pass's metrics
+    batch: two passes with one id count once in the fleet metrics."""
     result = PassResult(label or (str(source) if not isinstance(source, Mapping) else "<graph>"))
     started = time.perf_counter()
     loop = None
@@ -64,6 +66,7 @@ def compile_graph(
         target = make_target(name) if name else get_platform_target()
         result.target = type(target).__name__
         loop = BirCodeGenLoop(target, tier=tier)
+        loop.pass_id = pass_id
         bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)
         encoded = encode_artifact(artifact)
