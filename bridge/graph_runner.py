@@ -19,8 +19,9 @@ import numpy as np
 from bridge import dtypes
 from bridge.artifact import Artifact, ElementwiseInstruction, KernelInstruction
 from bridge.errors import KernelRuntimeError
+from bridge.ir import view_shape
 from bridge.references import reference
-from bridge.sampling import sample_graph_inputs, view_shape
+from bridge.sampling import sample_graph_inputs
 from bridge.toolchain import run_bir, run_klir
 
 # (rtol, atol) of the reference check, by the lowest-precision dtype an instruction touches.

@@ -27,6 +27,15 @@ class Tensor:
         return f"Tensor({self.name!r}, {list(self.shape)}, {self.dtype!r}{extra})"
 
 
+def view_shape(tensor: Any) -> tuple[int, ...]:
+    """The shape a kernel sees: access_shape when the tensor has one, else shape (the key builder's
+    preference; codegen spells it out inline, as the specification does)."""
+    try:
+        return tuple(tensor.access_shape)
+    except AttributeError:
+        return tuple(tensor.shape)
+
+
 def freeze_attr(value: Any) -> Any:
     """Lists become tuples and mappings are ordered by key, so an attr reads the same whether it came from
     JSON or from Python, in whatever order it was written; the cache key stringifies attrs (the spec sorts

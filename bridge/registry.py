@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from bridge import dtypes
 from bridge.errors import KernelCompileError, UnknownKernelError
+from bridge.ir import view_shape
 
 
 class TensorLike(Protocol):
@@ -90,11 +91,7 @@ def _parameters(func: Callable) -> tuple[list[str], list[str]]:
 
 
 def _spec(tensor: TensorLike, func_name: str, role: str, index: int) -> TensorSpec:
-    try:
-        shape = tensor.access_shape  # type: ignore[attr-defined]
-    except AttributeError:
-        shape = tensor.shape
-    shape = tuple(shape)
+    shape = view_shape(tensor)
     if not shape or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in shape):
         raise KernelCompileError(f"{func_name} {role} {index} ({tensor.name}) has invalid shape {list(shape)}")
     try:

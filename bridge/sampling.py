@@ -15,6 +15,7 @@ import numpy as np
 
 from bridge import dtypes
 from bridge.errors import NkiCacheError
+from bridge.ir import view_shape
 
 
 class TensorLike(Protocol):
@@ -28,14 +29,6 @@ _SAMPLERS: dict[str, Sampler] = {}
 
 # Integers a generic int32 operand gets: small and non-negative, so they are valid indices more often than not.
 DEFAULT_INT_HIGH = 4
-
-
-def view_shape(tensor: TensorLike) -> tuple[int, ...]:
-    """The shape a kernel sees: access_shape when the tensor has one, else shape (as the bridge keys it)."""
-    try:
-        return tuple(tensor.access_shape)  # type: ignore[attr-defined]
-    except AttributeError:
-        return tuple(tensor.shape)
 
 
 def sampler_for(func_name: str) -> Callable[[Sampler], Sampler]:

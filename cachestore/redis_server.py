@@ -22,14 +22,19 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def answers_ping(url: str, timeout: float = 1.0) -> bool:
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+def pings(client: redis.Redis, *, close: bool = True) -> bool:
+    """Whether `client`'s server answers PING (any Redis error is a no); closes the client unless told not to."""
     try:
         return bool(client.ping())
     except redis.RedisError:
         return False
     finally:
-        client.close()
+        if close:
+            client.close()
+
+
+def answers_ping(url: str, timeout: float = 1.0) -> bool:
+    return pings(redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout))
 
 
 class RedisServer:

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from cachestore.redis_server import pings
+
 START_TIMEOUT_SECONDS = 15.0
 MASTERS = 3
 # Failure detection: a killed master is marked FAIL by the others after this many milliseconds. With
@@ -116,13 +118,7 @@ def _client(port: int, timeout: float = 0.5, ca_file: str | None = None) -> redi
 
 
 def _answers(port: int, ca_file: str | None = None) -> bool:
-    client = _client(port, 0.2, ca_file)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
+    return pings(_client(port, 0.2, ca_file))
 
 
 class LocalCluster:

@@ -30,6 +30,7 @@ from redis_cluster import ServerProcess, start_server, unavailable
 
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.keys import KeySpace
+from cachestore.redis_server import pings
 from workers.cli import main as nkicache
 
 pytestmark = pytest.mark.redis
@@ -73,13 +74,7 @@ def user_client(port: int, user: str, password: str | None = None, **options: An
 
 
 def _worker_answers(port: int) -> bool:
-    client = user_client(port, "nkicache-worker", socket_connect_timeout=0.2)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
+    return pings(user_client(port, "nkicache-worker", socket_connect_timeout=0.2))
 
 
 def start_acl_server(directory: Path, conf_source: str | None = None) -> ServerProcess:

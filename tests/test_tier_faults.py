@@ -26,6 +26,7 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.client import TierClient
 from cachestore.keys import KeySpace
+from cachestore.redis_server import pings
 from cachestore.settings import Settings
 from cachestore.tier import TOTAL_COUNTERS
 from cachestore.urls import open_tier
@@ -56,16 +57,9 @@ def start_durable(server: Any) -> None:
     )  # fmt: skip
     probe = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
     try:
-        assert wait_until(lambda: _answers(probe), timeout=10), "durable redis-server did not start"
+        assert wait_until(lambda: pings(probe, close=False), timeout=10), "durable redis-server did not start"
     finally:
         probe.close()
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 def settings_for(server: Any, namespace: str, **changes: Any) -> Settings:

@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_cluster import start_cluster, start_server, unavailable
 
+from cachestore.redis_server import pings
 from cachestore.redis_tier import connect
 from workers.cli import main as nkicache
 
@@ -57,14 +58,8 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
     files = make_certificates(directory)
 
     def answers(port: int) -> bool:
-        client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(files["ca_crt"]),
-                             socket_timeout=0.5, socket_connect_timeout=0.5)  # fmt: skip
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
+        return pings(redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(files["ca_crt"]),
+                                 socket_timeout=0.5, socket_connect_timeout=0.5))  # fmt: skip
 
     args = ["--port", "0", "--tls-port", "{port}", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--tls-cert-file", str(files["server_crt"]), "--tls-key-file", str(files["server_key"]),
