@@ -116,13 +116,8 @@ class TierClient:
 
     def find(self, cache_key: str) -> tuple[Entry | None, bool]:
         """(the verified entry or None, whether the tier held anything under the key, rejected or not)."""
-        ok, found = self._guarded(lambda b: b.fetch([cache_key], self.settings.entry_ttl), "lookup")
-        if not ok or cache_key not in found:
-            return None, False
-        entry = self._decode(cache_key, found[cache_key])
-        if entry is None or not entry.is_reference:
-            return entry, True
-        return self._follow_reference(cache_key, entry), True
+        entries, stored = self.find_many([cache_key])
+        return entries.get(cache_key), cache_key in stored
 
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
         """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
