@@ -47,17 +47,17 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
     import numpy as np
     import redis
 
+    from bridge.codegen import cache_key_of_stored as cache_key_of
+    from cachestore.api import KeyUsage, MetricsBatch
+    from cachestore.backends.redis import RedisBackend
     from cachestore.entry import Entry, encode_entry
-    from cachestore.inspect import cache_key_of
     from cachestore.keys import KeySpace
-    from cachestore.redis_tier import RedisTier
-    from cachestore.tier import KeyUsage, MetricsBatch
 
     rng = np.random.default_rng(seed)
     client = redis.Redis.from_url(url)
     client.flushall()  # our own server
     keys = KeySpace(NAMESPACE)
-    tier = RedisTier(client, keys)
+    tier = RedisBackend(client, keys)
     started = time.perf_counter()
     holders: list[tuple[str, Entry]] = []
     pipe = client.pipeline(transaction=False)
@@ -117,15 +117,16 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
 def measure(url: str, what: str, traced: bool) -> dict:
     import tracemalloc
 
+    from cachestore.api import open_backend
     from cachestore.entry import SignaturePolicy
-    from cachestore.inspect import disk_usage, verify_entries
-    from cachestore.readers import open_reader
+    from cachestore.inspect import disk_usage
     from cachestore.report import build_report
     from cachestore.report_render import render_json
     from cachestore.settings import Settings
+    from workers.verify import verify_entries
 
     settings = Settings(tier=url, namespace=NAMESPACE)
-    reader = open_reader(settings)
+    reader = open_backend(settings, reading=True)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if traced:
         tracemalloc.start()

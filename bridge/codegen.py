@@ -13,18 +13,27 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from bridge.errors import KernelCompileError, NkiCacheError
 from bridge.frontends.beta2 import TraceKernel
 from bridge.frontends.beta3 import trace_beta3
 from bridge.graph import Graph
-from bridge.ir import ORDINARY_OPS, BasicBlock, BirElementwise, InternalNkiKernel, MacroOp, NKIKLIRKernel
-from bridge.klir import KLIR_VERSION_IDENTIFIER
+from bridge.ir import (
+    ORDINARY_OPS,
+    BasicBlock,
+    BirElementwise,
+    InternalNkiKernel,
+    MacroOp,
+    NKIKLIRKernel,
+    freeze_key_components,
+)
+from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
-from bridge.program import BIR_VERSION_IDENTIFIER
+from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, VariantUse
 from bridge.registry import InternalKernelConfig, KernelCall, get_internal_kernel_registry
-from bridge.targets import Target, get_platform_target
+from bridge.targets import Target, get_platform_target, make_target
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +43,11 @@ NKI_FRONTEND_ENV_DEFAULT = "beta2"
 CACHE_KEY_LOG_PREFIX = 16
 BANNER = "=" * 80
 
-VERSION_IDENTIFIERS = {"bir": BIR_VERSION_IDENTIFIER, "klir": KLIR_VERSION_IDENTIFIER}
-
 
 class BirCodeGenLoop:
     """One compilation pass. Construct a fresh one per pass: its cache is per-compilation."""
 
-    def __init__(self, target: Target | None = None, tier: Any = None):
+    def __init__(self, target: Target | None = None, tier: KernelStore | None = None):
         self.target = target if target is not None else get_platform_target()
         self.tier = tier
         self._new_nki_frontend_kernel_cache: dict[str, dict] = {}
@@ -52,17 +59,17 @@ class BirCodeGenLoop:
         self.traces = 0
         self.trace_seconds = 0.0
         self.nki_frontend_setting: str | None = None
-        # The persistent tier (cachestore.client.TierClient): read-through before tracing, mirror after.
+        # The persistent tier (a bridge.port.KernelStore): read-through before tracing, mirror after.
         self.remote_hits = 0
         self.lease_waits = 0
         self.saved_seconds = 0.0
         self.key_use_times: dict[str, tuple[float, float]] = {}
         self._compile_seconds: dict[str, float] = {}
         self._leases: set[str] = set()
-        # The tier's answers for a whole graph, fetched at once: key -> verified entry or None (a miss).
-        self._prefetched: dict[str, Any] = {}
+        # The tier's answers for a whole graph, fetched at once: key -> verified trace or None (a miss).
+        self._prefetched: dict[str, StoredTrace | None] = {}
         self._prefetch_stored: set[str] = set()  # keys the tier held something under, rejected or not
-        self._tier_stats_at_start = tier.stats.snapshot() if tier is not None else {}
+        self._tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
 
     # -- the orchestrator -------------------------------------------------------------------------
@@ -119,8 +126,8 @@ class BirCodeGenLoop:
         """Compute a cache key from key components."""
         key_components["target"] = self.target.__class__.__name__
         key_components["num_neuroncores"] = self.target.num_neuroncores_per_sengine
-        key_str = str(sorted(key_components.items()))
-        return hashlib.sha256(key_str.encode()).hexdigest()
+        # The one place the key rule is written: str() of the sorted (name, value) items, hashed.
+        return hashlib.sha256(str(sorted(key_components.items())).encode()).hexdigest()
 
     # -- the three maps ---------------------------------------------------------------------------
     def _get_cached_new_nki_frontend_binary(self, cache_key: str) -> dict | None:
@@ -191,7 +198,7 @@ class BirCodeGenLoop:
 
     # -- the persistent tier (beyond the specification) --------------------------------------------
     def _tier_reads(self) -> bool:
-        return self.tier is not None and self.tier.mode == "read-through"
+        return self.tier is not None and self.tier.reads
 
     def _read_through_tier(self, inst: InternalNkiKernel, cache_key: str) -> dict | None:
         """On a local miss, the tier's verified entry (counted in remote_hits), else None: trace it."""
@@ -201,27 +208,31 @@ class BirCodeGenLoop:
         # or a kernel_name the registry would not select fails as it would without a tier.
         self._resolve_kernel_config(inst)
         if cache_key in self._prefetched:
-            entry, stored = self._prefetched.pop(cache_key), cache_key in self._prefetch_stored
+            stored, held = self._prefetched.pop(cache_key), cache_key in self._prefetch_stored
         else:
-            entry, stored = self.tier.find(cache_key)
-        if entry is None and self.tier.settings.single_flight:
+            stored, held = self._find_trace(cache_key)
+        if stored is None and self.tier.single_flight:
             if self.tier.acquire_lease(cache_key):
                 # On a plain miss, the previous holder may have published and released between our lookup and
                 # our lease: look once more (an entry just rejected is not read, nor counted, twice).
-                entry = None if stored else self.tier.lookup(cache_key)
-                if entry is None:
+                stored = None if held else self._find_trace(cache_key)[0]
+                if stored is None:
                     self._leases.add(cache_key)
                     return None
                 self.tier.release_lease(cache_key)
             else:
                 self.lease_waits += 1
-                entry = self.tier.wait_for_entry(cache_key)
-        if entry is None:
+                stored = self.tier.wait_for_trace(cache_key)
+        if stored is None:
             return None
         self.remote_hits += 1
-        self.saved_seconds += entry.compile_seconds
-        self._compile_seconds[cache_key] = entry.compile_seconds
-        return entry.trace_result()
+        self.saved_seconds += stored.compile_seconds
+        self._compile_seconds[cache_key] = stored.compile_seconds
+        return dict(stored.result)
+
+    def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
+        traces, held = self.tier.find_traces([cache_key])
+        return traces.get(cache_key), cache_key in held
 
     def _prefetch_from_tier(self, graph: Graph) -> None:
         """Ask the tier for every kernel variant of the graph in one round trip, instead of one per miss.
@@ -233,8 +244,8 @@ class BirCodeGenLoop:
             for op in graph.ops
             if isinstance(op, InternalNkiKernel)
         }
-        entries, self._prefetch_stored = self.tier.find_many(sorted(keys))
-        self._prefetched = {key: entries.get(key) for key in keys}
+        traces, self._prefetch_stored = self.tier.find_traces(sorted(keys))
+        self._prefetched = {key: traces.get(key) for key in keys}
 
     def _key_components(self, inst: InternalNkiKernel) -> dict[str, Any]:
         """The key components the orchestrator builds for `inst` (before target and neuroncores are folded)."""
@@ -257,26 +268,10 @@ class BirCodeGenLoop:
             if holds_lease:
                 self.tier.release_lease(cache_key)
             raise
-        self._compile_seconds[cache_key] = time.perf_counter() - started
+        seconds = self._compile_seconds[cache_key] = time.perf_counter() - started
         if self.tier is not None:
-            self.tier.publish(cache_key, self._entry_for(result, key_components, cache_key), release_lease=holds_lease)
+            self.tier.publish_trace(cache_key, result, key_components, seconds, release_lease=holds_lease)
         return result
-
-    def _entry_for(self, result: dict, key_components: dict, cache_key: str) -> Any:
-        from cachestore.entry import Entry
-
-        return Entry(
-            binary=result["binary"],
-            input_names=list(result["input_names"]),
-            output_names=list(result["output_names"]),
-            format=result["format"],
-            version_identifier=VERSION_IDENTIFIERS[result["format"]],
-            key_components=key_components,
-            producer_host=self.tier.settings.host,
-            producer_worker=self.tier.settings.worker,
-            created=time.time(),
-            compile_seconds=self._compile_seconds[cache_key],
-        )
 
     def _note_use(self, cache_key: str, saved: float) -> None:
         now = time.time()
@@ -286,19 +281,41 @@ class BirCodeGenLoop:
 
     def tier_counts(self) -> dict[str, int]:
         """Tier errors, timeouts, rejections and drops during this pass."""
-        names = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")
         if self.tier is None:
-            return dict.fromkeys(names, 0)
-        now = self.tier.stats.snapshot()
-        return {name: now[name] - self._tier_stats_at_start.get(name, 0) for name in names}
+            return dict.fromkeys(TIER_COUNTERS, 0)
+        now = self.tier.counts()
+        return {name: now.get(name, 0) - self._tier_counts_at_start.get(name, 0) for name in TIER_COUNTERS}
+
+    def pass_summary(self) -> dict[str, float]:
+        """This pass's counters (bridge.port.PASS_COUNTERS), as `nkicache compile --json` and the reports
+        name them."""
+        return {
+            "passes": 1,
+            "kernels": self.cache_hits + self.cache_misses,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "remote_hits": self.remote_hits,
+            "traces": self.traces,
+            "compile_seconds": round(self.trace_seconds, 6),
+            "saved_seconds": round(self.saved_seconds, 6),
+            "lease_waits": self.lease_waits,
+            **self.tier_counts(),
+        }
+
+    def pass_record(self, graph_name: str, started: float, finished: float) -> PassRecord:
+        """What this pass tells the store: its counts and how it used each kernel variant."""
+        variants = {}
+        for cache_key, components in self._cache_key_components.items():
+            first, last = self.key_use_times.get(cache_key, (started, finished))
+            usage = self._cache_usage_counts.get(cache_key, 0)
+            variants[cache_key] = VariantUse(components["kernel_name"], usage, first, last)
+        return PassRecord(graph_name, self.pass_id, started, finished, self.pass_summary(), variants)
 
     def finish_pass(self, graph_name: str, started: float) -> None:
         """Hand this pass's metrics to the tier and wait (bounded) for the mirror to drain."""
         if self.tier is None:
             return
-        from cachestore.passes import pass_metrics
-
-        self.tier.record(pass_metrics(self, graph_name, started, time.time()))
+        self.tier.record_pass(self.pass_record(graph_name, started, time.time()))
         self.tier.flush()
 
     # -- statistics and metrics -------------------------------------------------------------------
@@ -390,3 +407,21 @@ class OpCodegenError(NkiCacheError):
         self.source, self.index, self.cause = source, index, cause
         label = getattr(op, "func_name", type(op).__name__)
         super().__init__(f"{source}: op {index} ({label}): {cause}")
+
+
+def cache_key_of_stored(key_components: Mapping[str, Any]) -> str:
+    """The cache key that stored key components (as an entry or a snapshot keeps them, or as a user types
+    them) hash to, through the loop's own `_compute_cache_key_from_components` for the target they name.
+    Raises ValueError for components the loop cannot have built (no target, an unknown one, or a
+    neuroncore count that is not the target's), TypeError for malformed ones."""
+    components = freeze_key_components(key_components)
+    if "target" not in components:
+        raise ValueError("key components name no target")
+    try:
+        target = make_target(str(components["target"]))
+    except NkiCacheError as exc:
+        raise ValueError(str(exc)) from None
+    stated_cores = components.get("num_neuroncores", target.num_neuroncores_per_sengine)
+    if stated_cores != target.num_neuroncores_per_sengine:
+        raise ValueError(f"num_neuroncores {stated_cores!r} is not {components['target']}'s")
+    return BirCodeGenLoop(target)._compute_cache_key_from_components(components)

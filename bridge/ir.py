@@ -47,6 +47,24 @@ def freeze_attr(value: Any) -> Any:
     return value
 
 
+def freeze_key_components(key_components: Mapping[str, Any]) -> dict[str, Any]:
+    """Key components as the loop builds them, from a stored copy: msgpack and JSON bring its tuples back
+    as lists, and str() of the components, which the key hashes, tells a list from a tuple."""
+    frozen: dict[str, Any] = {}
+    for name, value in key_components.items():
+        if name in ("operands", "results") and isinstance(value, Mapping):
+            frozen[name] = {
+                part: [tuple(s) for s in items] if part == "shapes" else list(items) for part, items in value.items()
+            }
+        elif name == "attrs" and isinstance(value, Mapping):
+            frozen[name] = {attr: freeze_attr(v) for attr, v in value.items()}
+        elif name == "out_shape" and isinstance(value, list | tuple):
+            frozen[name] = tuple(value)
+        else:
+            frozen[name] = value
+    return frozen
+
+
 class InternalNkiKernel:
     """A macro op implemented by an internal NKI kernel that codegen re-traces."""
 

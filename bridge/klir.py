@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 
 from bridge.errors import BinaryFormatError
-from bridge.program import MAX_BINARY_BYTES, MAX_INSTRUCTIONS, Program, program_from_fields
+from bridge.program import BIR_VERSION_IDENTIFIER, MAX_BINARY_BYTES, MAX_INSTRUCTIONS, Program, program_from_fields
 
 KLIR_MAGIC = b"KLIR\n"
 KLIR_VERSION = 1
 KLIR_VERSION_IDENTIFIER = f"nkicache-klir-v{KLIR_VERSION}"
+# A binary's format ('bir' or 'klir', as a trace result names it) -> its NKIKLIRKernel version identifier.
+VERSION_IDENTIFIERS = {"bir": BIR_VERSION_IDENTIFIER, "klir": KLIR_VERSION_IDENTIFIER}
 
 
 def encode_klir(program: Program) -> bytes:

@@ -1,5 +1,8 @@
-"""The tier as the codegen loop sees it: verified reads, write-behind mirroring, single flight, and fault
-handling that never lets the tier fail or stall a compile.
+"""The tier as the codegen loop sees it (it implements `bridge.port.KernelStore`): verified reads,
+write-behind mirroring, single flight, and fault handling that never lets the tier fail or stall a compile.
+
+The client turns what the loop hands it (trace results, key components, pass records) into entries and
+metrics batches; backends (`cachestore.backends`) only move the encoded bytes.
 
 Reads happen on the compiling thread, bounded by the operation timeout. Writes (entries, lease releases,
 metrics batches) go to an outbox that a background thread drains with pipelines. Any tier failure opens a
@@ -16,12 +19,27 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
+from bridge.klir import VERSION_IDENTIFIERS
+from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
+from cachestore.api import (
+    REDIS_SCHEMES,
+    Backend,
+    KeyUsage,
+    MetricsBatch,
+    StoreRequest,
+    TierError,
+    TierTimeout,
+    open_backend,
+    redact_url,
+)
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry, encode_entry
 from cachestore.settings import Settings
-from cachestore.tier import Backend, MetricsBatch, StoreRequest, TierError, TierTimeout
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -36,10 +54,8 @@ class LeaseRelease:
 class TierStats:
     """Thread-safe counters of what the tier did for this process."""
 
-    NAMES = (
-        "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped", "tier_skipped",
-        "metrics_applied",
-    )  # fmt: skip
+    # What a pass reports (TIER_COUNTERS), and lookups skipped while the breaker was open and batches applied.
+    NAMES = (*TIER_COUNTERS, "tier_skipped", "metrics_applied")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -77,6 +93,17 @@ class TierClient:
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
 
+    @property
+    def reads(self) -> bool:
+        return self.mode == "read-through"
+
+    @property
+    def single_flight(self) -> bool:
+        return self.settings.single_flight
+
+    def counts(self) -> dict[str, int]:
+        return self.stats.snapshot()
+
     # -- fault handling ---------------------------------------------------------------------------
     def _available(self) -> bool:
         return time.monotonic() >= self._open_until
@@ -112,12 +139,12 @@ class TierClient:
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, cache_key: str) -> Entry | None:
         """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable)."""
-        return self.find(cache_key)[0]
+        return self.find_many([cache_key])[0].get(cache_key)
 
-    def find(self, cache_key: str) -> tuple[Entry | None, bool]:
-        """(the verified entry or None, whether the tier held anything under the key, rejected or not)."""
-        entries, stored = self.find_many([cache_key])
-        return entries.get(cache_key), cache_key in stored
+    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
+        """The port's read: `find_many`, each entry as the trace the loop takes from it."""
+        entries, held = self.find_many(list(cache_keys))
+        return {key: _stored_trace(entry) for key, entry in entries.items()}, held
 
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
         """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
@@ -172,9 +199,9 @@ class TierClient:
         deadline = time.monotonic() + self.settings.lease_wait
         holder = None
         while time.monotonic() < deadline and self._available():
-            entry, stored = self.find(cache_key)
-            if entry is not None or stored:
-                return entry  # an entry there but rejected will not get better by waiting: trace it
+            entries, held = self.find_many([cache_key])
+            if entries or held:
+                return entries.get(cache_key)  # an entry there but rejected will not get better by waiting
             ok, holder = self._guarded(lambda b: b.lease_holder(cache_key), "lease")
             if ok and holder is None:
                 # The holder finished without publishing (failed) or died: look once more, then trace.
@@ -185,6 +212,10 @@ class TierClient:
         if holder is not None:
             self._silent_holders.add(holder)
         return None
+
+    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
+        entry = self.wait_for_entry(cache_key)
+        return None if entry is None else _stored_trace(entry)
 
     # -- writes (write-behind) --------------------------------------------------------------------
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
@@ -197,6 +228,29 @@ class TierClient:
         if release_lease:
             self.release_lease(cache_key)
 
+    def publish_trace(
+        self,
+        cache_key: str,
+        result: dict,
+        key_components: Mapping[str, Any],
+        compile_seconds: float,
+        release_lease: bool = False,
+    ) -> None:
+        """The port's write: the entry for a kernel the loop traced, produced by this host and worker."""
+        entry = Entry(
+            binary=result["binary"],
+            input_names=list(result["input_names"]),
+            output_names=list(result["output_names"]),
+            format=result["format"],
+            version_identifier=VERSION_IDENTIFIERS[result["format"]],
+            key_components=dict(key_components),
+            producer_host=self.settings.host,
+            producer_worker=self.settings.worker,
+            created=time.time(),
+            compile_seconds=compile_seconds,
+        )
+        self.publish(cache_key, entry, release_lease=release_lease)
+
     def _reference_encoder(self, entry: Entry) -> Callable[[str], bytes]:
         return lambda holder: encode_entry(entry.as_reference_to(holder), self.settings.hmac_key)
 
@@ -205,6 +259,10 @@ class TierClient:
 
     def record(self, batch: MetricsBatch) -> None:
         self._enqueue(batch)
+
+    def record_pass(self, record: PassRecord) -> None:
+        """The port's pass record, as one metrics batch applied once by the pass's id."""
+        self.record(metrics_batch(record, self.settings.host, self.settings.worker))
 
     def _enqueue(self, item: object) -> None:
         with self._outbox_lock:
@@ -322,3 +380,32 @@ def _leading_group(items: list) -> list:
             break
         group.append(item)
     return group
+
+
+def _stored_trace(entry: Entry) -> StoredTrace:
+    return StoredTrace(entry.trace_result(), entry.compile_seconds, entry.key_components)
+
+
+def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
+    """One batch per pass. Its id is the pass's id (a fresh one unless the caller named the pass): applying
+    it twice (a retried flush) counts once, and the fleet names a pass after its job, so a job compiled to
+    the end twice (reclaimed from a worker that was slow, not dead) still counts once."""
+    kernel_calls: dict[str, int] = defaultdict(int)
+    keys = {}
+    for cache_key, use in record.variants.items():
+        kernel_calls[use.kernel_name] += use.usage
+        keys[cache_key] = KeyUsage(use.kernel_name, use.usage, use.first_use, use.last_use)
+    pass_id = record.pass_id or uuid.uuid4().hex
+    log_record = {"pass_id": pass_id, "graph": record.graph_name, "host": host, "worker": worker,
+                  "started": record.started, "finished": record.finished, **record.counts}  # fmt: skip
+    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record)
+
+
+def open_tier(settings: Settings) -> TierClient | None:
+    """The tier client for these settings, or None for `off`. Nothing connects until first used, so an
+    unreachable tier costs a compile only counted errors."""
+    if settings.tier == "off" or settings.tier_mode == "off":
+        return None
+    if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
+        open_backend(settings)  # raises the clear error for an unknown scheme
+    return TierClient(partial(open_backend, settings), settings, redact_url(settings.tier))

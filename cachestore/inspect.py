@@ -1,28 +1,27 @@
-"""Offline inspection of a tier (or a snapshot of one): what is in it, is it intact, why did a kernel miss,
-how big is it, and cleaning it up. Read-only except `import_snapshot` and `collect_garbage`, which write
-entries and never touch the fleet metrics.
+"""Offline inspection of a tier (or a snapshot of one): what is in it, why did a kernel miss, how big is
+it, and cleaning it up. Read-only except `import_snapshot` and `collect_garbage`, which write entries and
+never touch the fleet metrics. Nothing here needs the compiler; verification that recompiles or executes
+entries is `workers.verify`.
 
-Every function streams the entries in batches (`cachestore.readers`); what it keeps across batches is
+Every function streams the entries in batches (`cachestore.api.Reader`); what it keeps across batches is
 small and said in its docstring.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import math
-import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from bridge.errors import NkiCacheError
+from bridge.ir import freeze_key_components
+from cachestore.api import RawEntry, Reader, WriteItem, batched
 from cachestore.entry import MAX_ENTRY_BYTES, Entry, EntryRejected, SignaturePolicy, decode_entry
-from cachestore.readers import BATCH, RawEntry, TierReader, WriteItem, batched
 
 # For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
 # `verify` is where the configured policy is applied.
@@ -34,35 +33,16 @@ class InspectError(NkiCacheError):
 
 
 # -- key components ---------------------------------------------------------------------------------
-def frozen_components(components: Mapping[str, Any]) -> dict[str, Any]:
-    """Key components as the codegen loop built them: msgpack and JSON turn its tuples into lists, and
-    str() of them (which the cache key hashes) tells a list from a tuple."""
-    from bridge.ir import freeze_attr
-
-    frozen: dict[str, Any] = {}
-    for name, value in components.items():
-        if name in ("operands", "results") and isinstance(value, Mapping):
-            frozen[name] = {
-                part: [tuple(s) for s in items] if part == "shapes" else list(items) for part, items in value.items()
-            }
-        elif name == "attrs" and isinstance(value, Mapping):
-            frozen[name] = {attr: freeze_attr(v) for attr, v in value.items()}
-        elif name == "out_shape" and isinstance(value, list | tuple):
-            frozen[name] = tuple(value)
-        else:
-            frozen[name] = value
-    return frozen
+# The key rule is the codegen loop's own (bridge.codegen), which this package does not import: functions
+# that check an entry against its key take the loop's key function, `KeyOf`, from their caller.
+KeyOf = Callable[[Mapping[str, Any]], str]
 
 
-def cache_key_of(components: Mapping[str, Any]) -> str:
-    """The specification's key: SHA-256 of str(sorted(key_components.items()))."""
-    return hashlib.sha256(str(sorted(frozen_components(components).items())).encode()).hexdigest()
-
-
-def _key_problem(cache_key: str, entry: Entry) -> str | None:
+def key_problem(cache_key: str, entry: Entry, key_of: KeyOf) -> str | None:
+    """Why `entry` does not belong under `cache_key` (its key components hash elsewhere), or None."""
     try:
-        actual = cache_key_of(entry.key_components)
-    except (TypeError, ValueError):
+        actual = key_of(entry.key_components)
+    except (TypeError, ValueError, KeyError, AttributeError):
         return "key components are malformed"
     if actual != cache_key:
         return f"key components hash to {actual[:16]}..., not to the key the entry is stored under"
@@ -110,7 +90,7 @@ def _has_signature(data: bytes) -> bool:
 
 
 # -- ls ---------------------------------------------------------------------------------------------
-def list_entries(reader: TierReader, kernel: str | None = None, target: str | None = None) -> Iterator[dict]:
+def list_entries(reader: Reader, kernel: str | None = None, target: str | None = None) -> Iterator[dict]:
     """One row per entry (streamed), with what the metrics know about its use. An entry that cannot be
     decoded is listed with its `error` unless a filter is given."""
     for batch in batched(reader.scan_entries()):
@@ -142,7 +122,7 @@ def list_entries(reader: TierReader, kernel: str | None = None, target: str | No
 
 
 # -- show -------------------------------------------------------------------------------------------
-def resolve_key(reader: TierReader, key_or_prefix: str) -> str:
+def resolve_key(reader: Reader, key_or_prefix: str) -> str:
     """The one cache key that is, or starts with, `key_or_prefix`."""
     prefix = key_or_prefix.strip().lower()
     if not prefix or any(c not in "0123456789abcdef" for c in prefix):
@@ -159,7 +139,7 @@ def resolve_key(reader: TierReader, key_or_prefix: str) -> str:
     return found[0]
 
 
-def show_entry(reader: TierReader, key_or_prefix: str, policy: SignaturePolicy) -> dict:
+def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> dict:
     """Everything about one entry: key components, sizes, producer, usage, hosts, first and last use."""
     cache_key = resolve_key(reader, key_or_prefix)
     data = reader.get_entries([cache_key]).get(cache_key)
@@ -216,7 +196,7 @@ def _reference_problem(entry: Entry, holder: Entry | str | None) -> str | None:
 
 
 # -- du ---------------------------------------------------------------------------------------------
-def disk_usage(reader: TierReader) -> dict:
+def disk_usage(reader: Reader) -> dict:
     """Storage by kernel: entries, full entries and references, bytes stored, binary bytes held, and what
     deduplication saves (the binaries references would otherwise hold). Keeps one (digest, size) pair per
     distinct binary and one count per referenced digest."""
@@ -259,271 +239,8 @@ def disk_usage(reader: TierReader) -> dict:
     }
 
 
-# -- verify -----------------------------------------------------------------------------------------
-@dataclass
-class VerifyReport:
-    checked: int = 0
-    bad: list[dict] = field(default_factory=list)
-    recompiled: int = 0
-    executed: int = 0
-
-    @property
-    def ok(self) -> int:
-        return self.checked - len({item["key"] for item in self.bad})
-
-    def as_json(self) -> dict:
-        return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "recompiled": self.recompiled,
-                "executed": self.executed}  # fmt: skip
-
-
-class _HolderCache:
-    """Recently checked reference targets: key -> (digest, is_reference) or the reason it is unreadable."""
-
-    def __init__(self, limit: int = 4 * BATCH):
-        self.limit = limit
-        self.items: dict[str, tuple[str, bool] | str | None] = {}
-
-    def put(self, key: str, value: tuple[str, bool] | str | None) -> None:
-        self.items[key] = value
-        if len(self.items) > self.limit:
-            del self.items[next(iter(self.items))]
-
-
-def verify_entries(
-    reader: TierReader,
-    policy: SignaturePolicy,
-    *,
-    max_bytes: int = MAX_ENTRY_BYTES,
-    recompile: int = 0,
-    execute: int = 0,
-    seed: int = 0,
-) -> VerifyReport:
-    """Decode every entry with the reader's signature policy (digest, signature, schema), check that its
-    key components hash to its key and that a reference names an entry holding the same binary. Then
-    re-trace `recompile` sampled entries and compare bytes, and run `execute` sampled entries against the
-    numpy references. Keeps a bounded cache of reference targets and the sample."""
-    report = VerifyReport()
-    holders = _HolderCache()
-    sample: list[tuple[str, Entry]] = []
-    wanted = max(recompile, execute)
-    rng = random.Random(seed)
-    seen_ok = 0
-    for batch in batched(reader.scan_entries(with_ttl=False)):
-        decoded: dict[str, Entry] = {}
-        for raw in batch:
-            report.checked += 1
-            entry = decode_or_reason(raw.data, policy, max_bytes)
-            problem = entry if isinstance(entry, str) else _key_problem(raw.cache_key, entry)
-            if problem:
-                report.bad.append({"key": raw.cache_key, "reason": problem})
-                holders.put(raw.cache_key, problem)
-                continue
-            decoded[raw.cache_key] = entry
-            holders.put(raw.cache_key, (entry.digest, entry.is_reference))
-        bad_references = _check_references(reader, policy, max_bytes, decoded, holders, report)
-        for key, entry in decoded.items():
-            if key in bad_references:
-                continue
-            seen_ok += 1
-            if len(sample) < wanted:
-                sample.append((key, entry))
-            elif wanted:
-                slot = rng.randrange(seen_ok)
-                if slot < wanted:
-                    sample[slot] = (key, entry)
-    sample.sort()
-    for key, entry in sample[:recompile]:
-        _record(report, key, _recompile_problem(reader, key, entry))
-        report.recompiled += 1
-    for key, entry in sample[:execute]:
-        _record(report, key, _execute_problem(reader, key, entry, seed))
-        report.executed += 1
-    return report
-
-
-def _record(report: VerifyReport, key: str, problem: str | None) -> None:
-    if problem:
-        report.bad.append({"key": key, "reason": problem})
-
-
-def _check_references(
-    reader: TierReader,
-    policy: SignaturePolicy,
-    max_bytes: int,
-    decoded: dict[str, Entry],
-    holders: _HolderCache,
-    report: VerifyReport,
-) -> set[str]:
-    """Checks the batch's references (appending to `report.bad`); returns the keys found bad."""
-    bad: set[str] = set()
-    references = {key: entry for key, entry in decoded.items() if entry.is_reference}
-    wanted = {entry.ref for entry in references.values()}
-    # Taken out of the cache first: putting what is fetched below may evict what was there.
-    known = {ref: holders.items[ref] for ref in wanted if ref in holders.items}
-    for ref, data in reader.get_entries(sorted(wanted - set(known))).items():
-        holder = decode_or_reason(data, policy, max_bytes)
-        known[ref] = holder if isinstance(holder, str) else (holder.digest, holder.is_reference)
-        holders.put(ref, known[ref])
-    for key, entry in references.items():
-        target = known.get(entry.ref)
-        if target is None:
-            problem = f"references {entry.ref[:16]}..., which is not in the tier"
-        elif isinstance(target, str):
-            problem = f"references {entry.ref[:16]}..., which is unreadable ({target})"
-        elif target[1]:
-            problem = f"references {entry.ref[:16]}..., which is itself a reference"
-        elif target[0] != entry.digest:
-            problem = f"references {entry.ref[:16]}..., which holds another binary"
-        else:
-            continue
-        report.bad.append({"key": key, "reason": problem})
-        bad.add(key)
-    return bad
-
-
-def _with_binary(reader: TierReader, entry: Entry) -> Entry:
-    if not entry.is_reference:
-        return entry
-    holder = decode_or_reason(reader.get_entries([entry.ref]).get(entry.ref, b""))
-    if isinstance(holder, str) or holder.digest != entry.digest:
-        raise InspectError(f"referenced entry {entry.ref[:16]}... is gone or changed")
-    return entry.with_binary(holder.binary)
-
-
-@dataclass
-class RebuiltOp:
-    func_name: str
-    inst: Any  # bridge.ir.InternalNkiKernel
-    target: Any  # bridge.targets.Target
-    attrs: dict
-
-
-def rebuild_op(components: Mapping[str, Any]) -> RebuiltOp:
-    """The InternalNkiKernel op an entry was compiled from, rebuilt from its key components: kernel_name is
-    mapped back to a func_name by asking each registered kernel which kernel it selects for these shapes."""
-    from bridge.ir import InternalNkiKernel, Tensor
-    from bridge.registry import get_internal_kernel_registry
-    from bridge.targets import make_target
-
-    kc = frozen_components(components)
-    try:
-        target = make_target(kc["target"])
-        ops, res = kc["operands"], kc["results"]
-        operands = [Tensor(f"in{i}", s, d) for i, (s, d) in enumerate(zip(ops["shapes"], ops["dtypes"], strict=True))]
-        results = [Tensor(f"out{i}", s, d) for i, (s, d) in enumerate(zip(res["shapes"], res["dtypes"], strict=True))]
-        attrs = dict(kc.get("attrs") or {})
-        kernel_name = kc["kernel_name"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InspectError(f"key components cannot be rebuilt into an op: {type(exc).__name__}: {exc}") from None
-    registry = get_internal_kernel_registry()
-    for func_name in registry.names():
-        try:
-            call = registry.resolve(func_name).marshal(operands, results, attrs)
-        except NkiCacheError:
-            continue
-        if call.kernel_name == kernel_name:
-            return RebuiltOp(func_name, InternalNkiKernel(func_name, kernel_name, operands, results, attrs), target,
-                             attrs)  # fmt: skip
-    raise InspectError(f"no registered kernel compiles {kernel_name!r} for these shapes and attrs")
-
-
-def _recompile_problem(reader: TierReader, key: str, entry: Entry) -> str | None:
-    from bridge.codegen import BirCodeGenLoop
-
-    try:
-        entry = _with_binary(reader, entry)
-        op = rebuild_op(entry.key_components)
-        loop = BirCodeGenLoop(op.target)
-        trace = loop._trace_kernel_beta2 if entry.format == "klir" else loop._trace_kernel_beta3
-        result = trace(op.inst, key)
-    except NkiCacheError as exc:
-        return f"recompile failed: {' '.join(str(exc).split())}"
-    if result["binary"] != entry.binary:
-        return (f"recompiled binary differs: {len(entry.binary)} bytes stored, {len(result['binary'])} bytes "
-                "recompiled")  # fmt: skip
-    if list(result["input_names"]) != entry.input_names or list(result["output_names"]) != entry.output_names:
-        return "recompiled binary names other inputs or outputs"
-    return None
-
-
-def _execute_problem(reader: TierReader, key: str, entry: Entry, seed: int) -> str | None:
-    import numpy as np
-
-    from bridge import dtypes
-    from bridge.graph_runner import RUNNERS, tolerance
-    from bridge.references import reference
-    from bridge.sampling import sample_inputs
-
-    try:
-        entry = _with_binary(reader, entry)
-        op = rebuild_op(entry.key_components)
-        rng = np.random.default_rng([seed, int(key[:8], 16)])
-        inputs = sample_inputs(op.func_name, op.inst.operands, op.attrs, rng)
-        outputs = RUNNERS[entry.format](entry.binary, dict(zip(entry.input_names, inputs, strict=True)))
-        expected = reference(op.func_name, inputs, op.attrs)
-    except (NkiCacheError, ValueError, TypeError, KeyError) as exc:
-        return f"execution failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
-    rtol, atol = tolerance([t.dtype for t in (*op.inst.operands, *op.inst.results)])
-    for name, result, want in zip(entry.output_names, op.inst.results, expected, strict=False):
-        got = np.asarray(outputs.get(name), dtype=np.float64)
-        want = np.asarray(want).astype(dtypes.to_numpy(result.dtype)).astype(np.float64)
-        if got.shape != want.shape:
-            return f"execution output {name} has shape {list(got.shape)}, the reference {list(want.shape)}"
-        # As `nkicache run --check`: the absolute tolerance scales with the output's largest value.
-        scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-        if not np.allclose(got, want, rtol=rtol, atol=atol * scale):
-            err = float(np.max(np.abs(got - want))) if got.size else math.nan
-            return f"execution differs from the numpy reference: output {name}, max abs err {err:.3g}"
-    return None
-
-
 # -- explain ----------------------------------------------------------------------------------------
 WEIGHTS = {"kernel_name": 100, "target": 10, "num_neuroncores": 10}
-
-
-def components_for(components: Mapping[str, Any], target_name: str | None = None) -> dict[str, Any]:
-    """User-given key components (JSON) completed as the key builder would: target and neuroncore count
-    from `target_name` (else the platform target) when missing."""
-    from bridge.targets import get_platform_target, make_target
-
-    if "kernel_name" not in components:
-        raise InspectError("key components must name the kernel_name")
-    completed = dict(components)
-    if target_name:
-        completed["target"] = target_name
-    completed.setdefault("target", type(get_platform_target()).__name__)
-    if target_name or "num_neuroncores" not in completed:
-        completed["num_neuroncores"] = make_target(str(completed["target"])).num_neuroncores_per_sengine
-    completed.setdefault("attrs", {})
-    return frozen_components(completed)
-
-
-def components_of_graph_op(graph_path: str, op_index: int, target_name: str | None = None) -> dict[str, Any]:
-    """The key components the codegen loop builds for op `op_index` of a graph file."""
-    from bridge.codegen import BirCodeGenLoop
-    from bridge.graph import load_graph
-    from bridge.ir import InternalNkiKernel
-    from bridge.targets import get_platform_target, make_target
-
-    graph = load_graph(graph_path)
-    if not 0 <= op_index < len(graph.ops):
-        raise InspectError(f"{graph_path}: no op {op_index} (the graph has {len(graph.ops)} ops)")
-    inst = graph.ops[op_index]
-    if not isinstance(inst, InternalNkiKernel):
-        raise InspectError(f"{graph_path}: op {op_index} is {type(inst).__name__}, not an InternalNkiKernel")
-    name = target_name or graph.target
-    loop = BirCodeGenLoop(make_target(name) if name else get_platform_target())
-    # As codegenInternalNativeNkiKernel builds them, before it computes the key.
-    components: dict[str, Any] = {
-        "kernel_name": inst.kernel_name,
-        "operands": loop._extract_tensor_info(inst.operands),
-        "results": loop._extract_tensor_info(inst.results),
-        "attrs": inst.get_attrs_dict(),
-    }
-    if inst.func_name == "ResizeNearest":
-        components["out_shape"] = loop._extract_tensor_info(inst.results[:1])["shapes"][0]
-    loop._compute_cache_key_from_components(components)
-    return components
 
 
 def _flatten(components: Mapping[str, Any]) -> dict[str, Any]:
@@ -545,11 +262,11 @@ def differences(wanted: Mapping[str, Any], existing: Mapping[str, Any]) -> list[
     ]
 
 
-def explain(reader: TierReader, components: Mapping[str, Any], top: int = 5) -> dict:
+def explain(reader: Reader, components: Mapping[str, Any], key_of: KeyOf, top: int = 5) -> dict:
     """Is this variant in the tier, and if not, the `top` nearest variants and the components that differ
     (a differing kernel name weighs 100, target or neuroncores 10, any other component 1). Keeps `top`."""
-    wanted = frozen_components(components)
-    cache_key = cache_key_of(wanted)
+    wanted = freeze_key_components(components)
+    cache_key = key_of(wanted)
     nearest: list[tuple[int, int, str, list[dict]]] = []  # a max-heap on distance, by negated values
     present = False
     for raw in reader.scan_entries(with_ttl=False):
@@ -558,7 +275,7 @@ def explain(reader: TierReader, components: Mapping[str, Any], top: int = 5) -> 
             continue
         if raw.cache_key == cache_key:
             present = True
-        diff = differences(wanted, frozen_components(entry.key_components))
+        diff = differences(wanted, freeze_key_components(entry.key_components))
         distance = sum(WEIGHTS.get(d["component"], 1) for d in diff)
         item = (-distance, raw.cache_key, diff)
         if len(nearest) < top:
@@ -580,7 +297,13 @@ def explain(reader: TierReader, components: Mapping[str, Any], top: int = 5) -> 
 
 # -- export / import --------------------------------------------------------------------------------
 def import_snapshot(
-    snapshot: Any, tier: TierReader, policy: SignaturePolicy, *, default_ttl: float, max_bytes: int = MAX_ENTRY_BYTES
+    snapshot: Reader,
+    tier: Reader,
+    policy: SignaturePolicy,
+    key_of: KeyOf,
+    *,
+    default_ttl: float,
+    max_bytes: int = MAX_ENTRY_BYTES,
 ) -> dict:
     """Write a snapshot's entries into a tier, each verified first (decoded with the policy, key components
     hashing to its key); entries holding a binary go first, then references whose target now holds the
@@ -596,7 +319,7 @@ def import_snapshot(
         items = []
         for raw in batch:
             entry = decode_or_reason(raw.data, policy, max_bytes)
-            problem = entry if isinstance(entry, str) else _key_problem(raw.cache_key, entry)
+            problem = entry if isinstance(entry, str) else key_problem(raw.cache_key, entry, key_of)
             if problem:
                 rejected.append({"key": raw.cache_key, "reason": problem})
             elif entry.is_reference:
@@ -610,7 +333,7 @@ def import_snapshot(
             pending = {}
             for raw in batch:
                 entry = decode_or_reason(raw.data, policy, max_bytes)
-                if isinstance(entry, Entry) and entry.is_reference and not _key_problem(raw.cache_key, entry):
+                if isinstance(entry, Entry) and entry.is_reference and not key_problem(raw.cache_key, entry, key_of):
                     pending[raw.cache_key] = (raw, entry)
             targets = tier.get_entries(sorted({entry.ref for _, entry in pending.values()}))
             items = []
@@ -645,7 +368,7 @@ class _Candidate:
 
 
 def collect_garbage(
-    reader: TierReader,
+    reader: Reader,
     policy: SignaturePolicy,
     *,
     max_bytes: int | None = None,
@@ -703,11 +426,9 @@ def collect_garbage(
     if not dry_run:
         for chunk in batched(iter(evicted)):
             reader.delete_entries([(c.key, c.digest) for c in chunk])
-    expired = (0, 0)
-    if hasattr(reader, "expired_count"):
-        expired = reader.expired_count()
-        if not dry_run and expired[0]:
-            reader.purge_expired()
+    expired = reader.expired_count() if reader.keeps_expired else (0, 0)
+    if not dry_run and expired[0]:
+        reader.purge_expired()
     reasons = Counter(c.reason for c in evicted)
     return {
         "dry_run": dry_run,

@@ -1,7 +1,7 @@
 """The fleet report: what every pass on every machine told the tier, read back and summed.
 
-Totals and the per-worker counters are the fleet metrics' sums (`cachestore.passes` applies one batch per
-pass, exactly once). The hit rate is computed from summed counts, (cache_hits + remote_hits) / kernels,
+Totals and the per-worker counters are the fleet metrics' sums (`cachestore.client` applies one batch
+per pass, exactly once). The hit rate is computed from summed counts, (cache_hits + remote_hits) / kernels,
 never averaged from rates. Per kernel name, `call_count` and `variants` are what the specification's
 `_export_new_nki_fe_metrics` records, fleet-wide. The top variants carry their operand and result shapes
 from the stored entries, like the specification's statistics report. The timeline buckets the pass log.
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from cachestore.readers import TierReader
-from cachestore.tier import TOTAL_COUNTERS
+from bridge.port import hit_rate
+from cachestore.api import TOTAL_COUNTERS, Reader
 
 SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
 TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces")
@@ -27,12 +27,6 @@ TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "remote_
 BUCKET_WIDTHS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)
 MAX_BUCKETS = 48
 TOP_VARIANTS = 10
-
-
-def hit_rate(counts: dict[str, float]) -> float:
-    """Local and remote hits over kernels, from summed counts."""
-    kernels = counts.get("kernels", 0)
-    return (counts.get("cache_hits", 0) + counts.get("remote_hits", 0)) / kernels if kernels else 0.0
 
 
 def counters(values: dict[str, float]) -> dict[str, float]:
@@ -103,7 +97,7 @@ class FleetReport:
 
 
 def build_report(
-    reader: TierReader,
+    reader: Reader,
     *,
     since: float | None = None,
     top: int = TOP_VARIANTS,
@@ -128,7 +122,7 @@ def build_report(
     return report
 
 
-def per_host(reader: TierReader) -> dict[str, dict]:
+def per_host(reader: Reader) -> dict[str, dict]:
     hosts: dict[str, dict] = {}
     for host, worker, values in reader.workers():
         hosts.setdefault(host, {"workers": {}})["workers"][worker] = counters(values)
@@ -142,7 +136,7 @@ def per_host(reader: TierReader) -> dict[str, dict]:
     return {host: {"totals": info["totals"], "workers": info["workers"]} for host, info in sorted(hosts.items())}
 
 
-def top_variants(reader: TierReader, top: int) -> list[Variant]:
+def top_variants(reader: Reader, top: int) -> list[Variant]:
     """The `top` most used cache keys, with their shapes from the stored entries."""
     from cachestore.inspect import LOOKING, decode_or_reason, describe_components
 
@@ -174,7 +168,7 @@ def choose_bucket(span: float) -> int:
 
 
 def pass_timeline(
-    reader: TierReader, since: float | None, bucket_seconds: int | None = None
+    reader: Reader, since: float | None, bucket_seconds: int | None = None
 ) -> tuple[int, list[Bucket], dict[str, float]]:
     """(bucket width, buckets from the first to the last pass, the window's summed counts): passes are
     placed by when they finished; empty buckets are kept, so the time axis is even."""

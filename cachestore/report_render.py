@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
-from cachestore.report import FleetReport, hit_rate
-from cachestore.tier import TOTAL_COUNTERS
+from bridge.port import hit_rate
+from cachestore.api import TOTAL_COUNTERS
+from cachestore.report import FleetReport
 
 TOTALS_SHOWN_FIRST = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
                       "compile_seconds", "saved_seconds")  # fmt: skip

@@ -119,6 +119,11 @@ def assert_outputs_correct(graph: dict, bb: Any, seed: int = 0) -> None:
 
 
 # -- looking inside a tier --------------------------------------------------------------------------
+def stored_entries(backend: Any) -> dict[str, bytes]:
+    """Every live entry of a backend, {cache key: encoded entry}, read through its own scan."""
+    return {raw.cache_key: raw.data for raw in backend.scan_entries()}
+
+
 class TierView:
     """Reads (and for fault injection, writes) a backend's storage directly, the same way for every backend."""
 
@@ -127,9 +132,9 @@ class TierView:
 
     @staticmethod
     def of(backend: Any) -> TierView:
-        from cachestore.local_tier import LocalTier
+        from cachestore.backends.sqlite import SqliteBackend
 
-        return LocalView(backend) if isinstance(backend, LocalTier) else RedisView(backend)
+        return LocalView(backend) if isinstance(backend, SqliteBackend) else RedisView(backend)
 
 
 class LocalView(TierView):
@@ -300,9 +305,8 @@ def _wait_at_barrier(directory: Path, name: str, parties: int) -> None:
 def main(argv: list[str]) -> None:
     from bridge.codegen import BirCodeGenLoop
     from bridge.graph import load_graph
-    from cachestore.passes import pass_summary
+    from cachestore.client import open_tier
     from cachestore.settings import Settings
-    from cachestore.urls import open_tier
 
     graph = load_graph(argv[0])
     fields = json.loads(Path(argv[1]).read_text())
@@ -322,7 +326,7 @@ def main(argv: list[str]) -> None:
     if tier is not None:
         tier.close(timeout=10)
     report = {
-        "summary": pass_summary(loop),
+        "summary": loop.pass_summary(),
         "batches": batches,
         "digests": binary_digests(bb),
         "stats": tier.stats.snapshot() if tier is not None else {},

@@ -15,11 +15,11 @@ from helpers_graphs import delete_namespace, mixed_graph, unique_namespace
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
+from cachestore.backends.redis import RedisBackend
+from cachestore.backends.sqlite import SqliteBackend
+from cachestore.client import open_tier
 from cachestore.keys import KeySpace
-from cachestore.local_tier import LocalTier
-from cachestore.redis_tier import RedisTier
 from cachestore.settings import Settings
-from cachestore.urls import open_tier
 
 # Three passes of the mixed graph (8 kernel ops, 6 distinct keys, 2 local hits per pass), one at a time:
 #   hostA/w1 rows=64: all 6 keys traced;  hostB/w2 rows=64: all 6 from the tier;
@@ -66,14 +66,14 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     namespace = unique_namespace()
     if request.param == "local":
         path = tmp_path / "tier.sqlite"
-        backend = LocalTier(path)
+        backend = SqliteBackend(path)
         yield Tier("local", f"local:{path}", namespace, backend)
         backend.close()
         return
     url = request.getfixturevalue("redis_url")
     client = redis.Redis.from_url(url, socket_timeout=10)
     try:
-        yield Tier("redis", url, namespace, RedisTier(client, KeySpace(namespace)), client)
+        yield Tier("redis", url, namespace, RedisBackend(client, KeySpace(namespace)), client)
     finally:
         delete_namespace(client, namespace)
         client.close()

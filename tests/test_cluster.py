@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+import test_readers as reader_suite
 import test_tier_backends as shared
 from click.testing import CliRunner
 from helpers_graphs import (
@@ -28,6 +29,7 @@ from helpers_graphs import (
     delete_namespace,
     mixed_graph,
     slow_graph,
+    stored_entries,
     unique_namespace,
     wait_until,
     write_graph,
@@ -35,19 +37,20 @@ from helpers_graphs import (
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
+from cachestore.api import TOTAL_COUNTERS
+from cachestore.backends.redis import RedisBackend, connect
+from cachestore.client import open_tier
 from cachestore.keys import KeySpace
-from cachestore.passes import pass_summary
-from cachestore.redis_tier import RedisTier, connect
 from cachestore.settings import Settings
-from cachestore.tier import TOTAL_COUNTERS
-from cachestore.urls import open_tier
 from workers.cli import main as nkicache
 
-# -- the shared backend suite, on the cluster ----------------------------------------------------------
-# Every test_* of the shared suite is collected here too, with `backend` below: a RedisTier on the cluster.
-for _name, _test in vars(shared).items():
-    if _name.startswith("test_") and callable(_test):
-        globals()[_name] = _test
+# -- the shared backend and reader suites, on the cluster ----------------------------------------------
+# Every test_* of both suites is collected here too, with `backend` and `reader` below: a RedisBackend on the
+# cluster (the reader holding the reader suite's data set).
+for _suite in (shared, reader_suite):
+    for _name, _test in vars(_suite).items():
+        if _name.startswith("test_") and callable(_test):
+            globals()[_name] = _test
 
 
 def cluster_client(url: str) -> Any:
@@ -55,22 +58,28 @@ def cluster_client(url: str) -> Any:
 
 
 @pytest.fixture
-def backend(redis_cluster: str) -> Iterator[RedisTier]:
+def backend(redis_cluster: str) -> Iterator[RedisBackend]:
     namespace = unique_namespace()
     client = cluster_client(redis_cluster)
-    tier = RedisTier(client, KeySpace(namespace), "test cluster")
+    tier = RedisBackend(client, KeySpace(namespace), "test cluster")
     yield tier
     delete_namespace(client, namespace)
     tier.close()
 
 
 @pytest.fixture
-def view(backend: RedisTier) -> TierView:
+def view(backend: RedisBackend) -> TierView:
     return TierView.of(backend)
 
 
+@pytest.fixture
+def reader(backend: RedisBackend) -> RedisBackend:
+    reader_suite.populate(backend)
+    return backend
+
+
 # -- hash tags: what must share a slot does ------------------------------------------------------------
-def test_multi_key_operations_stay_in_one_slot(backend: RedisTier) -> None:
+def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
     client, k = backend.client, backend.keys
 
     def slot(key: str) -> int:
@@ -89,7 +98,7 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisTier) -> None:
     assert len({slot(k.entry(f"{i:064x}")) for i in range(50)}) > 40
 
 
-def test_entries_spread_over_every_master_and_scan_finds_them_all(backend: RedisTier) -> None:
+def test_entries_spread_over_every_master_and_scan_finds_them_all(backend: RedisBackend) -> None:
     items = {f"{i:064x}": shared.entry(b"binary-%d" % i, shape=i) for i in range(300)}
     backend.store([shared.request_for(key, item) for key, item in items.items()], shared.TTL)
     per_master = {}
@@ -102,7 +111,7 @@ def test_entries_spread_over_every_master_and_scan_finds_them_all(backend: Redis
     assert len(per_master) == 3
     assert all(count > 50 for count in per_master.values()), per_master
     assert sum(per_master.values()) == len(items)
-    assert dict(backend.scan_entries()).keys() == items.keys()
+    assert stored_entries(backend).keys() == items.keys()
 
 
 # -- a fleet run: submit and two worker processes --------------------------------------------------------
@@ -258,7 +267,7 @@ def compile_passes(
     for graph in graphs:
         loop = BirCodeGenLoop(tier=tier)
         bb = loop.run(graph)
-        passes.append({"digests": binary_digests(bb), "bb": bb, "summary": pass_summary(loop)})
+        passes.append({"digests": binary_digests(bb), "bb": bb, "summary": loop.pass_summary()})
     seconds = time.monotonic() - started
     if tier is not None:
         tier.close()
@@ -282,7 +291,7 @@ def test_a_master_killed_mid_run_fails_fast_and_counts_while_the_compile_succeed
 
     client = cluster_client(cluster.url)
     keys = KeySpace(namespace)
-    stored = [key for key, _ in RedisTier(client, keys).scan_entries()]
+    stored = [raw.cache_key for raw in RedisBackend(client, keys).scan_entries()]
     entry_ports = {key: cluster.port_of_slot(client.keyslot(keys.entry(key))) for key in stored}
     client.close()
     assert len(entry_ports) == 18

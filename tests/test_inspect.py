@@ -21,11 +21,13 @@ from helpers_report import (
     run_known_fleet,
 )
 
+from bridge.codegen import cache_key_of_stored as cache_key_of
+from cachestore.api import open_backend
+from cachestore.backends.sqlite import SqliteBackend
+from cachestore.client import open_tier
 from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
-from cachestore.inspect import cache_key_of, collect_garbage, rebuild_op
-from cachestore.local_tier import LocalTier
-from cachestore.readers import open_reader
-from cachestore.urls import open_tier
+from cachestore.inspect import collect_garbage
+from workers.verify import rebuild_op
 
 KEY = b"fleet-signing-key-for-tests-0001"
 OTHER_KEY = b"someone-elses-signing-key-00002"
@@ -50,7 +52,7 @@ def cli_json(tier: Tier, *args: str, code: int = 0, env: dict | None = None) -> 
 
 
 def entries(tier: Tier) -> dict[str, Entry]:
-    reader = open_reader(tier.settings())
+    reader = open_backend(tier.settings(), reading=True)
     try:
         return {raw.cache_key: decode_entry(raw.data, ANY) for raw in reader.scan_entries()}
     finally:
@@ -58,7 +60,7 @@ def entries(tier: Tier) -> dict[str, Entry]:
 
 
 def raw_values(tier: Tier) -> dict[str, bytes]:
-    reader = open_reader(tier.settings())
+    reader = open_backend(tier.settings(), reading=True)
     try:
         return {raw.cache_key: raw.data for raw in reader.scan_entries()}
     finally:
@@ -301,7 +303,7 @@ def flush(tier: Tier) -> None:
         tier.backend.path.unlink()
         for suffix in ("-wal", "-shm"):
             Path(str(tier.backend.path) + suffix).unlink(missing_ok=True)
-        tier.backend = LocalTier(tier.backend.path)
+        tier.backend = SqliteBackend(tier.backend.path)
 
 
 def test_import_verifies_each_entry_before_writing(fleet: Tier, tmp_path: Path) -> None:
@@ -314,14 +316,14 @@ def test_import_verifies_each_entry_before_writing(fleet: Tier, tmp_path: Path) 
     assert nkicache(fleet, "inspect", "export", str(snapshot)).exit_code == 0
 
     into = tmp_path / "fresh.sqlite"
-    LocalTier(into).close()
+    SqliteBackend(into).close()
     env = {"NKICACHE_HMAC_KEY": KEY.decode(), "NKICACHE_REQUIRE_SIGNED": "false"}
     result = nkicache(None, "inspect", "import", str(snapshot), "--tier", f"local:{into}", "--json", env=env)
     assert result.exit_code == 1
     answer = json.loads(result.stdout)
     assert answer["imported"] == EXPECTED_VARIANTS - 2
     assert {item["key"] for item in answer["rejected"]} == {keys[0], keys[1]}
-    fresh = open_reader(fleet.settings().replace(tier=f"local:{into}"))
+    fresh = open_backend(fleet.settings().replace(tier=f"local:{into}"), reading=True)
     assert {raw.cache_key for raw in fresh.scan_entries()} == set(keys[2:])
     fresh.close()
 
@@ -367,7 +369,7 @@ def test_gc_takes_references_along_with_the_entry_they_point_at(fleet: Tier) -> 
     source = key_of(fleet, "softmax", [[32, 48]])
     duplicate = add_duplicate(fleet, source)
     before = raw_values(fleet)
-    reader = open_reader(fleet.settings())
+    reader = open_backend(fleet.settings(), reading=True)
     try:
         # A budget of every byte but one: the unused reference goes first, alone.
         first = collect_garbage(reader, ANY, max_bytes=sum(len(v) for v in before.values()) - 1, dry_run=True)
@@ -390,7 +392,7 @@ def test_gc_evicts_unused_unreadable_and_dangling_entries(fleet: Tier) -> None:
     keys = sorted(k for k in raw_values(fleet) if k not in (source, duplicate))
     garbled = entries(fleet)[keys[0]].digest
     view.put_raw(keys[0], b"garbage")
-    reader = open_reader(fleet.settings())
+    reader = open_backend(fleet.settings(), reading=True)
     try:
         kept = collect_garbage(reader, ANY, unused_for=3600, dry_run=True)
         assert kept["reasons"] == {"unreadable": 1}
@@ -429,7 +431,7 @@ def test_gc_purges_expired_local_entries(tmp_path: Path) -> None:
     from helpers_graphs import unique_namespace
 
     path = tmp_path / "tier.sqlite"
-    tier = Tier("local", f"local:{path}", unique_namespace(), LocalTier(path))
+    tier = Tier("local", f"local:{path}", unique_namespace(), SqliteBackend(path))
     run_known_fleet(tier)
     view = TierView.of(tier.backend)
     view.set_ttl(sorted(raw_values(tier))[0], -10)
@@ -447,12 +449,12 @@ def test_gc_refuses_a_snapshot(tmp_path: Path) -> None:
 
 def test_verify_resolves_references_however_small_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many references to many holders, checked with a cache of two: every reference still resolves."""
-    from cachestore import inspect as inspect_module
-    from cachestore.readers import LocalReader, WriteItem
+    from cachestore.api import WriteItem
+    from workers import verify as verify_module
 
     path = tmp_path / "tier.sqlite"
-    LocalTier(path).close()
-    reader = LocalReader(path)
+    SqliteBackend(path).close()
+    reader = SqliteBackend(path, create=False)
     items, holders = [], []
     for i in range(60):
         components = {"kernel_name": "softmax", "operands": {"shapes": [[i + 1, 8]], "dtypes": ["float32"]},
@@ -469,8 +471,8 @@ def test_verify_resolves_references_however_small_its_cache(tmp_path: Path, monk
             holders.append((key, entry))
             items.append(WriteItem(key, encode_entry(entry), entry.digest, 3600))
     reader.put_entries(items)
-    original = inspect_module._HolderCache.__init__
-    monkeypatch.setattr(inspect_module._HolderCache, "__init__", lambda self, limit=2: original(self, limit))
-    report = inspect_module.verify_entries(reader, ANY)
+    original = verify_module._HolderCache.__init__
+    monkeypatch.setattr(verify_module._HolderCache, "__init__", lambda self, limit=2: original(self, limit))
+    report = verify_module.verify_entries(reader, ANY)
     assert (report.checked, report.bad) == (60, [])
     reader.close()

@@ -8,12 +8,12 @@ from helpers_graphs import MIXED_DISTINCT_KEYS, MIXED_KERNEL_OPS, binary_digests
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
+from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
-from cachestore.local_tier import LocalTier
 from cachestore.settings import Settings
 
 
-class CountingTier(LocalTier):
+class CountingTier(SqliteBackend):
     def __init__(self, path: Path):
         super().__init__(path)
         self.fetches: list[int] = []
@@ -23,7 +23,7 @@ class CountingTier(LocalTier):
         return super().fetch(cache_keys, ttl)
 
 
-def _client(backend: LocalTier, **changes) -> TierClient:
+def _client(backend: SqliteBackend, **changes) -> TierClient:
     return TierClient(lambda: backend, Settings(tier="test", flush_interval=0.05, **changes), "test")
 
 

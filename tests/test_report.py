@@ -30,11 +30,11 @@ from helpers_report import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.errors import NkiCacheError
+from cachestore.api import TOTAL_COUNTERS, MetricsBatch
+from cachestore.backends.redis import RedisBackend
 from cachestore.keys import KeySpace
-from cachestore.readers import RedisReader
 from cachestore.report import build_report, parse_duration, parse_since, parse_size
 from cachestore.report_render import FleetCollector
-from cachestore.tier import TOTAL_COUNTERS, MetricsBatch
 from workers.passes import COUNT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,7 +271,8 @@ def test_redis_reads_stream_with_scan_never_keys(redis_url: str) -> None:
     from helpers_graphs import delete_namespace, unique_namespace
 
     from cachestore.entry import SignaturePolicy
-    from cachestore.inspect import disk_usage, list_entries, verify_entries
+    from cachestore.inspect import disk_usage, list_entries
+    from workers.verify import verify_entries
 
     namespace = unique_namespace()
     client = redis.Redis.from_url(redis_url)
@@ -289,7 +290,7 @@ def test_redis_reads_stream_with_scan_never_keys(redis_url: str) -> None:
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.inner, name)
 
-        reader = RedisReader(NoKeys(client), KeySpace(namespace))
+        reader = RedisBackend(NoKeys(client), KeySpace(namespace))
         assert build_report(reader).totals["kernels"] == 24
         assert len(list(list_entries(reader))) == 8
         assert disk_usage(reader)["total"]["entries"] == 8

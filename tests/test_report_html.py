@@ -19,8 +19,8 @@ import pytest
 from helpers_graphs import unique_namespace
 from helpers_report import Tier, nkicache, run_known_fleet
 
-from cachestore.local_tier import LocalTier
-from cachestore.tier import MetricsBatch
+from cachestore.api import MetricsBatch
+from cachestore.backends.sqlite import SqliteBackend
 
 CHROMIUM = "/usr/bin/chromium"
 HISTORY_CALLS = {"blockwise_mm": 20, "conv2d_pbp_kxk": 12, "resize_nearest_fixed_dma_kernel": 8}
@@ -42,7 +42,7 @@ def chromium() -> str:
 @pytest.fixture
 def tier(tmp_path: Path) -> Iterator[Tier]:
     path = tmp_path / "tier.sqlite"
-    backend = LocalTier(path)
+    backend = SqliteBackend(path)
     yield Tier("local", f"local:{path}", unique_namespace(), backend)
     backend.close()
 

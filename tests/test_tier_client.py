@@ -15,13 +15,13 @@ import msgpack
 import pytest
 from helpers_graphs import TierView, wait_until
 
+from cachestore.api import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable
+from cachestore.backends.redis import RedisBackend
+from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
 from cachestore.entry import Entry, encode_entry
 from cachestore.keys import KeySpace
-from cachestore.local_tier import LocalTier
-from cachestore.redis_tier import RedisTier
 from cachestore.settings import Settings
-from cachestore.tier import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable
 
 KEY = b"fleet-key-0123456789abcdef"
 OTHER_KEY = b"another-key-0123456789abcd"
@@ -29,11 +29,11 @@ BINARY = b"\x00BIR" + bytes(range(200)) + b"MARKER-IN-THE-BINARY" + bytes(50)
 
 
 @pytest.fixture(params=["local", "fakeredis"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalTier | RedisTier]:
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqliteBackend | RedisBackend]:
     if request.param == "local":
-        tier = LocalTier(tmp_path / "tier.sqlite")
+        tier = SqliteBackend(tmp_path / "tier.sqlite")
     else:
-        tier = RedisTier(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"t{uuid.uuid4().hex}"))
+        tier = RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"t{uuid.uuid4().hex}"))
     yield tier
     tier.close()
 
@@ -42,7 +42,7 @@ class FlakyBackend:
     """A backend that fails on demand: while `down`, for the next `fail[method]` calls, or (for metrics)
     after applying a batch but before answering, as when a reply is lost."""
 
-    def __init__(self, inner: LocalTier | RedisTier):
+    def __init__(self, inner: SqliteBackend | RedisBackend):
         self.inner = inner
         self.down = False
         self.error: type[Exception] = TierUnavailable
@@ -406,6 +406,6 @@ def test_a_holder_that_let_a_wait_run_out_is_not_waited_on_again(backend) -> Non
 
 
 def _raw_request(cache_key: str, data: bytes):
-    from cachestore.tier import StoreRequest
+    from cachestore.api import StoreRequest
 
     return StoreRequest(cache_key, "d" * 64, data, lambda holder: data, "matmul_tiled")

@@ -26,6 +26,7 @@ from helpers_graphs import (
     mixed_graph,
     slow_graph,
     start_compile_process,
+    stored_entries,
     unique_namespace,
     wait_until,
     write_graph,
@@ -33,14 +34,13 @@ from helpers_graphs import (
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
-from cachestore.client import TierClient
+from cachestore.api import TOTAL_COUNTERS
+from cachestore.backends.redis import RedisBackend
+from cachestore.backends.sqlite import SqliteBackend
+from cachestore.client import TierClient, open_tier
 from cachestore.entry import SignaturePolicy, decode_entry, encode_entry
 from cachestore.keys import KeySpace
-from cachestore.local_tier import LocalTier
-from cachestore.redis_tier import RedisTier
 from cachestore.settings import Settings
-from cachestore.tier import TOTAL_COUNTERS
-from cachestore.urls import open_tier
 
 HOST = "test-host"
 KEY = b"fleet-signing-key-for-tests-0001"
@@ -69,13 +69,13 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     namespace = unique_namespace()
     if request.param == "local":
         path = tmp_path / "tier.sqlite"
-        backend = LocalTier(path)  # created up front, as a tier that persists between runs would be
+        backend = SqliteBackend(path)  # created up front, as a tier that persists between runs would be
         yield Tier(f"local:{path}", namespace, backend)
         backend.close()
         return
     url = request.getfixturevalue("redis_url")
     client = redis.Redis.from_url(url, socket_timeout=5)
-    backend = RedisTier(client, KeySpace(namespace))
+    backend = RedisBackend(client, KeySpace(namespace))
     try:
         yield Tier(url, namespace, backend)
     finally:
@@ -177,7 +177,7 @@ def test_bad_entries_are_rejected_counted_and_retraced(tier: Tier, hmac_key: byt
     first, first_bb = compile_in_process(graph, client)
     client.close(timeout=10)
     assert first.traces == MIXED_DISTINCT_KEYS
-    stored = dict(tier.backend.scan_entries())
+    stored = stored_entries(tier.backend)
     assert len(stored) == MIXED_DISTINCT_KEYS
     assert all(not decode_entry(data, policy).is_reference for data in stored.values())
 
@@ -209,7 +209,7 @@ def test_garbage_under_every_key_still_compiles_correctly(tier: Tier) -> None:
     client = open_tier(tier.settings(worker="w1"))
     _, first_bb = compile_in_process(graph, client)
     client.close(timeout=10)
-    for cache_key in list(dict(tier.backend.scan_entries())):
+    for cache_key in list(stored_entries(tier.backend)):
         tier.view.put_raw(cache_key, hashlib.sha256(cache_key.encode()).digest() * 3)
     client = open_tier(tier.settings(worker="w2"))
     second, second_bb = compile_in_process(graph, client)
@@ -258,7 +258,7 @@ def test_single_flight_waits_for_the_lease_holder(tier: Tier) -> None:
     producer = open_tier(tier.settings(worker="producer"))
     _, reference_bb = compile_in_process(graph, producer)
     producer.close(timeout=10)
-    entries = dict(tier.backend.scan_entries())
+    entries = stored_entries(tier.backend)
     busy_key = sorted(entries)[0]
     tier.view.delete(busy_key)
     assert tier.backend.acquire_lease(busy_key, "other-worker", 30)  # tracing it, not yet published
@@ -286,7 +286,7 @@ def test_a_dead_lease_holder_is_not_waited_for_beyond_lease_wait(tier: Tier) -> 
     client = open_tier(tier.settings(worker="w1"))
     _, reference_bb = compile_in_process(graph, client)
     client.close(timeout=10)
-    keys = sorted(dict(tier.backend.scan_entries()))
+    keys = sorted(stored_entries(tier.backend))
     for cache_key in keys:
         tier.view.delete(cache_key)
     assert tier.backend.acquire_lease(keys[0], "dead-worker", 60)  # it will never publish
@@ -311,7 +311,7 @@ def test_mirror_mode_writes_but_never_reads(tier: Tier) -> None:
         loops.append(loop)
     for loop in loops:
         assert (loop.traces, loop.remote_hits, loop.lease_waits) == (MIXED_DISTINCT_KEYS, 0, 0)
-    assert len(dict(tier.backend.scan_entries())) == MIXED_DISTINCT_KEYS
+    assert len(stored_entries(tier.backend)) == MIXED_DISTINCT_KEYS
     assert tier.view.totals()["passes"] == 2 and tier.view.totals()["traces"] == 2 * MIXED_DISTINCT_KEYS
 
 
@@ -345,7 +345,7 @@ def test_an_entry_published_between_lookup_and_lease_is_used_not_retraced(tier: 
     producer = open_tier(tier.settings(worker="producer"))
     _, reference_bb = compile_in_process(graph, producer)
     producer.close(timeout=10)
-    entries = dict(tier.backend.scan_entries())
+    entries = stored_entries(tier.backend)
     for cache_key in entries:
         tier.view.delete(cache_key)
 
@@ -361,7 +361,7 @@ def test_two_passes_with_one_pass_id_count_once_in_the_fleet(tmp_path: Path) -> 
     """A fleet job compiled to the end twice (reclaimed from a slow worker) is one pass in the metrics."""
     from workers.passes import compile_graph
 
-    backend = LocalTier(tmp_path / "tier.sqlite")
+    backend = SqliteBackend(tmp_path / "tier.sqlite")
     client = TierClient(lambda: backend, Settings(tier="test", flush_interval=0.05), "test")
     for _ in range(2):
         result, _ = compile_graph(mixed_graph(), tier=client, pass_id="job-abc-00001")

@@ -21,8 +21,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_cluster import start_cluster, start_server, unavailable
 
+from cachestore.backends.redis import connect
 from cachestore.redis_server import pings
-from cachestore.redis_tier import connect
 from workers.cli import main as nkicache
 
 pytestmark = pytest.mark.redis

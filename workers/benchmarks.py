@@ -20,9 +20,9 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import Graph, load_graph
 from bridge.ir import BasicBlock, InternalNkiKernel
 from bridge.targets import make_target
+from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
-from cachestore.urls import open_tier
 
 GOALS = {
     "warm_speedup": ("min", 20.0),
@@ -145,7 +145,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
     try:
         compile_all(graphs, tier)
         tier.flush(30)
-        keys = [key for key, _ in tier._backend.scan_entries()]  # every stored cache key
+        keys = [raw.cache_key for raw in tier._backend.scan_entries()]  # every stored cache key
         full = [k for k in keys if not _is_reference(tier, k)]
         loop = BirCodeGenLoop(make_target("Trn2"))
         rounds = max(1, 2000 // max(1, len(full)))
@@ -266,8 +266,8 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
         digest_keys = list(raw.scan_iter(match=f"{space.prefix}:digest:*", count=1000))
         used = sum(raw.memory_usage(k, samples=0) or 0 for k in entry_keys + digest_keys)
         per_key_binary = 0
-        for key, _ in tier._backend.scan_entries():
-            entry = tier.lookup(key)
+        for stored in tier._backend.scan_entries():
+            entry = tier.lookup(stored.cache_key)
             per_key_binary += len(entry.binary)
         unique_binary = sum(binaries.values())
     finally:

@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from bridge.port import hit_rate
+
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
 # one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
 # by Ctrl-C (what finished is kept and reported).
@@ -56,12 +58,6 @@ def expand(paths: tuple[str, ...], suffix: str) -> list[str]:
 def plural(count: float, word: str) -> str:
     count = int(count)
     return f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"
-
-
-def hit_rate(totals: dict) -> float:
-    """Local and remote hits over kernels, from summed counts (never an average of rates)."""
-    kernels = totals.get("kernels", 0)
-    return (totals.get("cache_hits", 0) + totals.get("remote_hits", 0)) / kernels if kernels else 0.0
 
 
 def summary_line(passes: int, failed: int, totals: dict, seconds: float) -> str:

@@ -30,10 +30,11 @@ from typing import Any
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
+from cachestore.api import REDIS_SCHEMES
+from cachestore.backends.redis import connect, text
+from cachestore.client import open_tier
 from cachestore.keys import KeySpace
-from cachestore.redis_tier import connect
 from cachestore.settings import Settings
-from cachestore.urls import REDIS_SCHEMES, open_tier
 from workers.passes import PassResult, compile_graph
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,10 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submi
     ensure_group(client, keys)
     submission = Submission(uuid.uuid4().hex[:12])
     for path in paths:
-        data = Path(path).read_bytes()
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
         if len(data) > MAX_GRAPH_BYTES:
             raise FleetError(f"{path}: graph file of {len(data)} bytes exceeds {MAX_GRAPH_BYTES}")
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
@@ -174,14 +178,14 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
         if "no such key" not in str(exc).lower():
             raise
         groups = []
-    group = next((g for g in groups if _text(g["name"]) == GROUP), {})
-    counts = {_text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
+    group = next((g for g in groups if text(g["name"]) == GROUP), {})
+    counts = {text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
     now = time.time()
     workers = []
     for name, beat in client.hgetall(keys.worker_heartbeats).items():
         info = json.loads(beat)
         if now - info["time"] <= 3 * heartbeat_interval:
-            workers.append({"name": _text(name), **info})
+            workers.append({"name": text(name), **info})
     return {
         "pending": int(group.get("lag") or 0),
         "in_flight": int(group.get("pending", 0)),
@@ -268,11 +272,11 @@ class Worker:
             messages = claimed[1] if claimed else []
             for message_id, fields in messages:
                 if fields:  # a deleted entry comes back without fields
-                    return _text(message_id), fields
+                    return text(message_id), fields
         reply = self.client.xreadgroup(GROUP, self.name, {self.keys.job_stream: ">"}, count=1, block=BLOCK_MS)
         for _stream, messages in reply or []:
             for message_id, fields in messages:
-                return _text(message_id), fields
+                return text(message_id), fields
         return None
 
     def _process(self, message_id: str, fields: dict) -> None:
@@ -339,8 +343,4 @@ class Worker:
 
 def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
     for message_id, fields in client.xrange(keys.dead_letter_stream):
-        yield {"id": _text(message_id), **{_text(k): _text(v) for k, v in fields.items() if _text(k) != "payload"}}
-
-
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
+        yield {"id": text(message_id), **{text(k): text(v) for k, v in fields.items() if text(k) != "payload"}}

@@ -28,14 +28,10 @@ def _redis_errors(function):
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        import redis.exceptions as rex
+        from cachestore.backends.redis import redis_errors
 
-        from workers.fleet import FleetError
-
-        try:
+        with redis_errors("the fleet's Redis"):
             return function(*args, **kwargs)
-        except rex.RedisError as exc:
-            raise FleetError(f"the fleet's Redis failed: {type(exc).__name__}: {exc}") from None
 
     return wrapper
 

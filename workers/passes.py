@@ -17,13 +17,10 @@ from bridge.artifact import build_artifact, encode_artifact, write_artifact
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
+from bridge.port import PASS_COUNTERS, KernelStore
 from bridge.targets import get_platform_target, make_target
-from cachestore.passes import pass_summary
 
-COUNT_KEYS = (
-    "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds", "saved_seconds",
-    "lease_waits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped",
-)  # fmt: skip
+COUNT_KEYS = tuple(name for name in PASS_COUNTERS if name != "passes")  # a pass's own counts
 
 
 @dataclass
@@ -43,7 +40,7 @@ class PassResult:
 def compile_graph(
     source: str | Path | Mapping,
     *,
-    tier: Any = None,
+    tier: KernelStore | None = None,
     target_name: str | None = None,
     out_dir: str | Path | None = None,
     label: str | None = None,
@@ -82,7 +79,7 @@ def compile_graph(
         encoded = None
     finally:
         if loop is not None:
-            summary = pass_summary(loop)
+            summary = loop.pass_summary()
             result.counts = {key: summary[key] for key in COUNT_KEYS}
         result.seconds = time.perf_counter() - started
     return result, encoded

@@ -20,8 +20,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from pathlib import Path
 from typing import Any
 
+from cachestore.client import open_tier
 from cachestore.settings import Settings
-from cachestore.urls import open_tier
 from workers.passes import PassResult, compile_graph
 
 _process_tier = None  # the tier client of a pool process, opened by _init_process

@@ -87,13 +87,13 @@ def report_command(
     bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits, cache_misses, remote_hits, traces,
     hit_rate}]), window (the timeline's summed counts).
     """
-    from cachestore.readers import open_reader
+    from cachestore.api import open_backend
     from cachestore.report import build_report
     from cachestore.report_render import render_html, render_json, render_prometheus, render_text
 
     if as_json and prometheus:
         raise click.UsageError("--json and --prometheus are two different outputs; choose one")
-    reader = open_reader(_settings(tier))
+    reader = open_backend(_settings(tier), reading=True)
     try:
         report = build_report(reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None,
                               timeline=not prometheus)  # fmt: skip
@@ -137,14 +137,14 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     scrape (totals, per worker, per kernel). A tier that cannot be read gives nkicache_tier_up 0."""
     from prometheus_client import start_http_server
 
-    from cachestore.readers import open_reader
+    from cachestore.api import open_backend
     from cachestore.report import build_report
     from cachestore.report_render import prometheus_registry
 
     settings = _settings(tier)
 
     def build() -> Any:
-        reader = open_reader(settings)  # one per scrape: scrapes run on the server's threads
+        reader = open_backend(settings, reading=True)  # one per scrape: scrapes run on the server's threads
         try:
             return build_report(reader, top=0, timeline=False)
         finally:
@@ -180,8 +180,8 @@ def source_options(command: Callable) -> Callable:
 @contextlib.contextmanager
 def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable: bool = False) -> Iterator[Any]:
     """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier."""
-    from cachestore.readers import open_reader
-    from cachestore.snapshot import SnapshotReader
+    from cachestore.api import open_backend
+    from cachestore.backends.snapshot import SnapshotReader
 
     group = ctx.find_object(dict) or {}
     tier = tier or group.get("tier")
@@ -193,7 +193,7 @@ def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable
             raise click.UsageError("a snapshot is read-only; name a --tier")
         reader = SnapshotReader(snapshot)
     else:
-        reader = open_reader(_settings(tier))
+        reader = open_backend(_settings(tier), reading=True)
     try:
         yield reader
     finally:
@@ -347,7 +347,7 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
 
     --json keys: checked, ok, bad ([{key, reason}]), recompiled, executed.
     """
-    from cachestore.inspect import verify_entries
+    from workers.verify import verify_entries
 
     policy, settings = _policy(tier)
     with _source(ctx, tier, snapshot) as reader:
@@ -390,7 +390,9 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
     --json keys: key, present, components, nearest ([{key, distance, usage, differs: [{component, wanted,
     existing}]}]).
     """
-    from cachestore.inspect import components_for, components_of_graph_op, explain
+    from bridge.codegen import cache_key_of_stored
+    from cachestore.inspect import explain
+    from workers.verify import components_for, components_of_graph_op
 
     if (graph_file is None) == (components is None):
         raise click.UsageError("give either COMPONENTS or --graph FILE --op N")
@@ -401,7 +403,7 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
     else:
         wanted = components_for(_load_components(components), target_name)
     with _source(ctx, tier, snapshot) as reader:
-        answer = explain(reader, wanted, top=top)
+        answer = explain(reader, wanted, cache_key_of_stored, top=top)
     if as_json:
         click.echo(json.dumps(answer, indent=2))
         return
@@ -442,7 +444,7 @@ def _load_components(text: str) -> dict:
 @click.pass_context
 def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: str | None) -> None:
     """Write every entry (still encoded, signatures kept) and its usage to a msgpack snapshot FILE."""
-    from cachestore.snapshot import write_snapshot
+    from cachestore.backends.snapshot import write_snapshot
 
     with _source(ctx, tier, snapshot) as reader:
         count = write_snapshot(reader, file)
@@ -457,13 +459,14 @@ def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: st
 def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | None) -> None:
     """Write a snapshot's entries into the tier, verifying each first (signature policy, digest, key);
     entries that fail are reported and skipped (exit 1). Metrics are not imported."""
+    from bridge.codegen import cache_key_of_stored
+    from cachestore.backends.snapshot import SnapshotReader
     from cachestore.inspect import import_snapshot
-    from cachestore.snapshot import SnapshotReader
 
     policy, settings = _policy(tier)
     snapshot = SnapshotReader(file)
     with _source(ctx, tier, None, writable=True) as target:
-        result = import_snapshot(snapshot, target, policy, default_ttl=settings.entry_ttl,
+        result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
                                  max_bytes=settings.max_entry_bytes)  # fmt: skip
     if as_json:
         click.echo(json.dumps(result))

@@ -1,8 +1,10 @@
-"""The embedded persistent tier: one SQLite file in WAL mode (`local:PATH`, the default).
+"""The embedded persistent tier: one SQLite file in WAL mode (`local:PATH`, the default). The compile
+path and the reader side (reports, inspection) of it, and its schema, written once.
 
 Several processes on one machine may share the file: writes take SQLite's write lock (BEGIN IMMEDIATE)
 and readers never block writers in WAL mode. Each thread gets its own connection, since the mirror's
-background flusher writes while the compiling thread reads.
+background flusher writes while the compiling thread reads. The reader side streams in keyset pages of
+BATCH rows, so memory stays bounded by the page, not by the size of the cache.
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from cachestore.api import (
+    BATCH,
+    KeyRecord,
+    KeyUsage,
+    MetricsBatch,
+    RawEntry,
+    StoreRequest,
+    TierTimeout,
+    TierUnavailable,
+    WriteItem,
+)
 from cachestore.entry import SCHEMA_VERSION
-from cachestore.tier import MetricsBatch, StoreRequest, TierTimeout, TierUnavailable
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -42,15 +54,29 @@ CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts RE
 TTL_REFRESH_FRACTION = 0.9  # refresh an entry's expiry on use once less than 90% of its TTL is left
 
 
-class LocalTier:
-    """A tier in one SQLite file."""
+class SqliteBackend:
+    """A tier in one SQLite file: the compile path and the reader side."""
 
-    def __init__(self, path: str | Path, op_timeout: float = 1.0):
+    read_only = False
+    keeps_expired = True  # nothing deletes an expired row but `purge_expired` (inspect gc)
+
+    def __init__(self, path: str | Path, timeout: float = 1.0, *, create: bool = True):
+        """`timeout`: seconds to wait for SQLite's lock. `create=False` (reports, inspection): a missing
+        file is an error, not a new empty tier."""
         self.path = Path(path).expanduser()
-        self.op_timeout = op_timeout
+        self.description = f"local:{self.path}"
+        self.timeout = timeout
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        if create:
+            self._create()
+        elif not self.path.is_file():
+            raise TierUnavailable(f"no local tier at {self.path}")
+        else:
+            self._read("SELECT 1 FROM entries LIMIT 1")  # another SQLite file, or not one at all: say so now
+
+    def _create(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -67,14 +93,14 @@ class LocalTier:
                 raise TierUnavailable(f"local tier {self.path} has schema v{row[0]}; this build uses v{SCHEMA_VERSION}")
 
     def __repr__(self) -> str:
-        return f"LocalTier({str(self.path)!r})"
+        return f"SqliteBackend({str(self.path)!r})"
 
     # -- connections ------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
             try:
-                db = sqlite3.connect(self.path, timeout=self.op_timeout, isolation_level=None, check_same_thread=False)
+                db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
             except sqlite3.Error as exc:
@@ -150,19 +176,6 @@ class LocalTier:
                     (request.cache_key, data, request.digest, now + ttl),
                 )
 
-    def scan_entries(self) -> Iterator[tuple[str, bytes]]:
-        last = ""
-        while True:
-            rows = self._read(
-                "SELECT cache_key, data FROM entries WHERE cache_key > ? AND expires > ? ORDER BY cache_key LIMIT 500",
-                (last, time.time()),
-            )
-            if not rows:
-                return
-            for key, data in rows:
-                yield key, bytes(data)
-            last = rows[-1][0]
-
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         now = time.time()
@@ -215,7 +228,7 @@ class LocalTier:
         return True
 
     @staticmethod
-    def _apply_key(db: sqlite3.Connection, host: str, key: str, usage) -> None:
+    def _apply_key(db: sqlite3.Connection, host: str, key: str, usage: KeyUsage) -> None:
         new = db.execute(
             "INSERT OR IGNORE INTO key_usage VALUES (?, ?, 0, ?, ?)",
             (key, usage.kernel_name, usage.first_use, usage.last_use),
@@ -232,8 +245,162 @@ class LocalTier:
                 (usage.kernel_name,),
             )
 
-    def ping(self) -> None:
-        self._read("SELECT 1")
+    # -- fleet metrics ------------------------------------------------------------------------------
+    def totals(self) -> dict[str, float]:
+        return dict(self._read("SELECT name, value FROM totals"))
+
+    def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
+        current: tuple[str, str] | None = None
+        values: dict[str, float] = {}
+        for host, worker, name, value in self._read(
+            "SELECT host, worker, name, value FROM worker_totals ORDER BY host, worker"
+        ):
+            if (host, worker) != current:
+                if current is not None:
+                    yield *current, values
+                current, values = (host, worker), {}
+            values[name] = value
+        if current is not None:
+            yield *current, values
+
+    def kernels(self) -> dict[str, dict[str, int]]:
+        rows = self._read("SELECT kernel_name, call_count, variants FROM kernels ORDER BY kernel_name")
+        return {name: {"call_count": int(calls), "variants": int(variants)} for name, calls, variants in rows}
+
+    def key_usage(self) -> Iterator[tuple[str, int]]:
+        last = ""
+        while True:
+            rows = self._read(
+                "SELECT cache_key, usage FROM key_usage WHERE cache_key > ? ORDER BY cache_key LIMIT ?", (last, BATCH)
+            )
+            yield from ((key, int(usage)) for key, usage in rows)
+            if len(rows) < BATCH:
+                return
+            last = rows[-1][0]
+
+    def key_count(self) -> int:
+        return int(self._read("SELECT count(*) FROM key_usage")[0][0])
+
+    def key_records(self, cache_keys: Sequence[str]) -> dict[str, KeyRecord]:
+        found: dict[str, KeyRecord] = {}
+        for start in range(0, len(cache_keys), BATCH):
+            chunk = list(cache_keys[start : start + BATCH])
+            rows = self._read(
+                "SELECT cache_key, kernel_name, usage, first_use, last_use FROM key_usage "
+                f"WHERE cache_key IN ({','.join('?' * len(chunk))})",
+                chunk,
+            )
+            found.update((row[0], KeyRecord(row[0], row[1], int(row[2]), row[3], row[4])) for row in rows)
+        return found
+
+    def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for start in range(0, len(cache_keys), BATCH):
+            chunk = list(cache_keys[start : start + BATCH])
+            rows = self._read(
+                f"SELECT cache_key, host FROM key_hosts WHERE cache_key IN ({','.join('?' * len(chunk))}) "
+                "ORDER BY cache_key, host",
+                chunk,
+            )
+            for key, host in rows:
+                found.setdefault(key, []).append(host)
+        return found
+
+    def pass_log_span(self, since: float | None) -> tuple[float, float] | None:
+        first = self.pass_log(since)
+        try:
+            start = next(first)[0]
+        except StopIteration:
+            return None
+        first.close()
+        (last_record,) = self._read("SELECT ts, record FROM pass_log ORDER BY id DESC LIMIT 1")
+        return start, _local_record_time(*last_record)[0]
+
+    def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
+        last_id = 0
+        while True:
+            rows = self._read(
+                "SELECT id, ts, record FROM pass_log WHERE id > ? AND ts >= ? ORDER BY id LIMIT 1000",
+                (last_id, since if since is not None else float("-inf")),
+            )
+            for _, ts, raw in rows:
+                when, record = _local_record_time(ts, raw)
+                if record is not None:
+                    yield when, record
+            if len(rows) < 1000:
+                return
+            last_id = rows[-1][0]
+
+    # -- entries ------------------------------------------------------------------------------------
+    def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
+        last = ""
+        while True:
+            now = time.time()
+            rows = self._read(
+                "SELECT cache_key, data, expires FROM entries WHERE cache_key > ? AND expires > ? "
+                "ORDER BY cache_key LIMIT ?",
+                (last, now, BATCH),
+            )
+            for key, data, expires in rows:
+                yield RawEntry(key, bytes(data), expires - now)
+            if len(rows) < BATCH:
+                return
+            last = rows[-1][0]
+
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
+        found: dict[str, bytes] = {}
+        for start in range(0, len(cache_keys), BATCH):
+            chunk = list(cache_keys[start : start + BATCH])
+            rows = self._read(
+                f"SELECT cache_key, data FROM entries WHERE cache_key IN ({','.join('?' * len(chunk))}) "
+                "AND expires > ?",
+                (*chunk, time.time()),
+            )
+            found.update((key, bytes(data)) for key, data in rows)
+        return found
+
+    def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
+        rows = self._read(
+            "SELECT cache_key FROM entries WHERE substr(cache_key, 1, ?) = ? AND expires > ? ORDER BY cache_key "
+            "LIMIT ?",
+            (len(prefix), prefix, time.time(), limit),
+        )
+        return [key for (key,) in rows]
+
+    def expired_count(self) -> tuple[int, int]:
+        """(entries past their expiry that are still stored, their bytes): the local tier never purges them."""
+        (row,) = self._read("SELECT count(*), coalesce(sum(length(data)), 0) FROM entries WHERE expires <= ?",
+                            (time.time(),))  # fmt: skip
+        return int(row[0]), int(row[1])
+
+    def purge_expired(self) -> None:
+        now = time.time()
+        with self._write() as db:
+            db.execute("DELETE FROM digests WHERE cache_key IN (SELECT cache_key FROM entries WHERE expires <= ?)",
+                       (now,))  # fmt: skip
+            db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
+
+    def put_entries(self, items: Sequence[WriteItem]) -> None:
+        if not items:
+            return
+        now = time.time()
+        with self._write() as db:
+            for item in items:
+                db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)",
+                           (item.cache_key, item.data, item.digest or "", now + item.ttl))  # fmt: skip
+                if item.digest:
+                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?)", (item.digest, item.cache_key))
+
+    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
+        if not items:
+            return
+        with self._write() as db:
+            for key, digest in items:
+                db.execute("DELETE FROM entries WHERE cache_key = ?", (key,))
+                if digest:
+                    db.execute("DELETE FROM digests WHERE digest = ? AND cache_key = ?", (digest, key))
+                else:  # an unreadable entry: its digest is unknown (a scan, but such entries are rare)
+                    db.execute("DELETE FROM digests WHERE cache_key = ?", (key,))
 
     def close(self) -> None:
         with self._lock:
@@ -242,3 +409,14 @@ class LocalTier:
                     db.close()
             self._connections.clear()
         self._local = threading.local()
+
+
+def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return ts, None
+    if not isinstance(record, dict):
+        return ts, None
+    finished = record.get("finished")
+    return (float(finished) if isinstance(finished, int | float) else ts), record

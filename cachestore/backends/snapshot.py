@@ -24,8 +24,8 @@ from typing import IO, Any
 import msgpack
 
 from bridge.errors import NkiCacheError
+from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched
 from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION
-from cachestore.readers import BATCH, KeyRecord, RawEntry, TierReader, WriteItem, batched
 
 SNAPSHOT_VERSION = 1
 HEADER_KEY = "nkicache_snapshot"
@@ -79,7 +79,11 @@ class SnapshotWriter:
 
 
 class SnapshotReader:
-    """A snapshot file as a read-only `TierReader` (entries and per-key usage; no fleet totals)."""
+    """A snapshot file as a read-only `Reader`: entries and per-key usage; it holds no fleet totals,
+    workers, kernel counts or pass log, so those read as empty."""
+
+    read_only = True
+    keeps_expired = False  # a snapshot keeps what was live when it was written
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -141,7 +145,31 @@ class SnapshotReader:
             self._index = {record["key"]: offset for offset, record in self.records()}
         return self._index
 
-    # -- TierReader: entries ------------------------------------------------------------------------
+    # -- Reader: fleet metrics (a snapshot keeps only per-key usage) --------------------------------
+    def totals(self) -> dict[str, float]:
+        return {}
+
+    def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
+        return iter(())
+
+    def kernels(self) -> dict[str, dict[str, int]]:
+        return {}
+
+    def key_usage(self) -> Iterator[tuple[str, int]]:
+        for _, record in self.records():
+            if record.get("usage"):
+                yield record["key"], record["usage"]["usage"]
+
+    def key_count(self) -> int:
+        return sum(1 for _ in self.key_usage())
+
+    def pass_log_span(self, since: float | None) -> tuple[float, float] | None:
+        return None
+
+    def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
+        return iter(())
+
+    # -- Reader: entries ------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         for _, record in self.records():
             # Callers ask for the usage of what they just scanned: keep the latest records' at hand.
@@ -185,6 +213,12 @@ class SnapshotReader:
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         raise SnapshotError(f"{self.path}: a snapshot is read-only")
 
+    def expired_count(self) -> tuple[int, int]:
+        return 0, 0
+
+    def purge_expired(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -203,7 +237,7 @@ def _is_usage(usage: object) -> bool:
     return isinstance(usage, dict) and {"kernel_name", "usage", "first_use", "last_use", "hosts"} <= set(usage)
 
 
-def write_snapshot(reader: TierReader, path: str | Path) -> int:
+def write_snapshot(reader: Reader, path: str | Path) -> int:
     """Every entry of `reader` with its usage, into a snapshot file; returns the number of entries."""
     writer = SnapshotWriter(path, reader.description)
     try:

@@ -1,0 +1,104 @@
+"""The port between the compiler and a persistent kernel store: what the codegen loop asks of a tier.
+
+The loop (bridge.codegen) knows nothing of storage: it hands a store the keys it is about to need, the
+kernels it traced and, once per pass, what the pass did. `cachestore.client.TierClient` implements this
+port over Redis, Redis Cluster or the embedded SQLite tier; anything else that implements it (a test
+double, another store) plugs into the loop the same way.
+
+The counter names every report, JSON output and metrics batch uses are listed here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# What one pass counts, in the order reports show them. `kernels` = cache_hits + cache_misses (the
+# specification's counters); `traces` are the misses that neither the in-pass cache nor the tier answered.
+PASS_COUNTERS = (
+    "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds",
+    "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
+)  # fmt: skip
+# The store's own share of those counts: faults and refusals, counted apart from misses.
+TIER_COUNTERS = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")
+
+
+def hit_rate(counts: Mapping[str, float]) -> float:
+    """Share of kernel lookups answered without a trace (in-pass hits and tier hits), from summed counts:
+    a fleet's hit rate is computed from its totals, never averaged over passes."""
+    kernels = counts.get("kernels", 0)
+    if not kernels:
+        return 0.0
+    return (counts.get("cache_hits", 0) + counts.get("remote_hits", 0)) / kernels
+
+
+@dataclass(frozen=True)
+class StoredTrace:
+    """A verified kernel trace the store holds: the specification's trace-result dict
+    ({'binary', 'input_names', 'output_names', 'format'}), what tracing it cost, and the key components
+    it was stored with."""
+
+    result: dict
+    compile_seconds: float
+    key_components: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class VariantUse:
+    """How one pass used one kernel variant (a cache key)."""
+
+    kernel_name: str
+    usage: int
+    first_use: float
+    last_use: float
+
+
+@dataclass
+class PassRecord:
+    """What one compilation pass tells the store when it ends."""
+
+    graph_name: str
+    pass_id: str | None  # None: the store names the pass (a fresh id); the fleet passes the job id
+    started: float
+    finished: float
+    counts: dict[str, float]  # PASS_COUNTERS
+    variants: dict[str, VariantUse] = field(default_factory=dict)  # cache key -> use
+
+
+class KernelStore(Protocol):
+    """A persistent store of traced kernels, as the codegen loop uses it. Every method returns rather than
+    raises when the store is down or slow: a store never makes a compile fail."""
+
+    reads: bool  # False: mirror only (publish, never look up)
+    single_flight: bool  # take a lease before tracing, so a variant is traced once across processes
+
+    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
+        """(verified traces, the keys the store held anything under, rejected or not), in one round trip."""
+
+    def acquire_lease(self, cache_key: str) -> bool:
+        """True when this process should trace `cache_key` (it holds the lease, or the store cannot say)."""
+
+    def release_lease(self, cache_key: str) -> None: ...
+
+    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
+        """Wait (bounded) for the lease holder's trace; None when it does not come."""
+
+    def publish_trace(
+        self,
+        cache_key: str,
+        result: dict,
+        key_components: Mapping[str, Any],
+        compile_seconds: float,
+        release_lease: bool = False,
+    ) -> None:
+        """Store a kernel this process traced (write-behind), releasing its lease when it held one."""
+
+    def record_pass(self, record: PassRecord) -> None:
+        """Hand over what a pass did, to be applied to the fleet metrics exactly once."""
+
+    def flush(self) -> bool:
+        """Wait (bounded) until what was handed over is stored; False when it is not (yet)."""
+
+    def counts(self) -> dict[str, int]:
+        """This process's TIER_COUNTERS so far (the loop reports the difference over its pass)."""

@@ -1,0 +1,229 @@
+"""The storage contract, whole: what a tier backend does, what it raises, the data it moves, and the one
+way every command opens one.
+
+A backend moves encoded entries, leases and metrics batches. It raises `TierUnavailable` or `TierTimeout`
+when the store cannot answer, and never decides whether an entry is trustworthy: that is
+`cachestore.entry`'s job, done by the client (compile path) and by inspection (read path) alike.
+
+Two protocols, implemented by one class per backend (`cachestore/backends/`):
+
+- `Backend`: the compile path, used by `cachestore.client.TierClient` (batched reads that refresh TTLs,
+  deduplicating writes, single-flight leases, metrics batches applied exactly once);
+- `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
+  reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
+
+Optional abilities are declared as class attributes (`read_only`, `keeps_expired`), never probed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from bridge.errors import NkiCacheError
+from bridge.port import PASS_COUNTERS
+
+if TYPE_CHECKING:
+    from cachestore.settings import Settings
+
+TOTAL_COUNTERS = PASS_COUNTERS  # what the fleet metrics sum, per fleet and per worker
+BATCH = 500  # keys per pipeline / page when streaming
+READ_TIMEOUT = 30.0  # seconds for one batch of a report or an inspection: they are not on the compile path
+READ_CONNECT_TIMEOUT = 2.0
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+class TierError(NkiCacheError):
+    """The tier could not do what was asked."""
+
+
+class TierUnavailable(TierError):
+    """The tier is down, unreachable, refusing, or out of memory."""
+
+
+class TierTimeout(TierError):
+    """The tier did not answer within the operation timeout."""
+
+
+# -- what moves through a backend ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoreRequest:
+    cache_key: str
+    digest: str
+    full: bytes  # the encoded entry holding the binary
+    # The same entry encoded as a reference to the cache key (the argument) whose entry already holds this
+    # digest: only the backend learns which key that is, and only the client can sign the encoding.
+    reference: Callable[[str], bytes]
+    kernel_name: str
+
+
+@dataclass
+class KeyUsage:
+    kernel_name: str
+    usage: int
+    first_use: float
+    last_use: float
+
+
+@dataclass
+class MetricsBatch:
+    """Counts from one pass (or part of one), applied to the fleet metrics exactly once by `batch_id`."""
+
+    batch_id: str
+    host: str
+    worker: str
+    totals: dict[str, float] = field(default_factory=dict)
+    kernel_calls: dict[str, int] = field(default_factory=dict)
+    keys: dict[str, KeyUsage] = field(default_factory=dict)
+    pass_record: dict[str, object] | None = None  # appended to the pass log when the pass ends
+
+
+@dataclass
+class RawEntry:
+    """An entry as stored, still encoded."""
+
+    cache_key: str
+    data: bytes
+    ttl: float | None  # seconds left, None when the store keeps no expiry
+
+
+@dataclass
+class KeyRecord:
+    """What the fleet metrics know about one cache key."""
+
+    cache_key: str
+    kernel_name: str
+    usage: int
+    first_use: float
+    last_use: float
+
+
+@dataclass
+class WriteItem:
+    cache_key: str
+    data: bytes
+    digest: str | None  # set for an entry holding its binary: the digest index points at it
+    ttl: float
+
+
+# -- the protocols ----------------------------------------------------------------------------------------
+class Backend(Protocol):
+    """The compile path."""
+
+    description: str
+
+    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
+        """Encoded entries for the keys that have one (refreshing their TTL); references are not followed."""
+
+    def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
+        """Write entries; a binary already stored under another key is written as a reference to it."""
+
+    def apply_metrics(self, batch: MetricsBatch) -> bool:
+        """Apply a batch unless one with its id was applied already; True when applied now."""
+
+    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool: ...
+
+    def release_lease(self, cache_key: str, owner: str) -> None: ...
+
+    def lease_holder(self, cache_key: str) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class Reader(Protocol):
+    """Reports, inspection and administration."""
+
+    description: str
+    read_only: bool  # True: put_entries and delete_entries raise (a snapshot file)
+    keeps_expired: bool  # True: entries past their expiry stay stored until purge_expired (SQLite)
+
+    # fleet metrics
+    def totals(self) -> dict[str, float]: ...
+
+    def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
+        """(host, worker, that worker's totals) for every worker that ever applied a batch."""
+
+    def kernels(self) -> dict[str, dict[str, int]]:
+        """{kernel name: {"call_count", "variants"}}, as `_export_new_nki_fe_metrics`, fleet-wide."""
+
+    def key_usage(self) -> Iterator[tuple[str, int]]:
+        """(cache key, usage) for every key the metrics know, streamed."""
+
+    def key_count(self) -> int: ...
+
+    def key_records(self, cache_keys: Sequence[str]) -> dict[str, KeyRecord]: ...
+
+    def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
+        """The hosts that used each key (keys no host used are left out)."""
+
+    def pass_log_span(self, since: float | None) -> tuple[float, float] | None:
+        """Timestamps of the first and last pass-log record at or after `since`."""
+
+    def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
+        """(time the pass ended, pass record), oldest first, streamed."""
+
+    # entries
+    def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
+        """Every live entry, streamed; `with_ttl=False` when the caller has no use for the time left."""
+
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
+        """Encoded entries, read without refreshing their TTL (looking does not keep an entry alive)."""
+
+    def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
+        """Cache keys that start with `prefix` (at most `limit`)."""
+
+    def put_entries(self, items: Sequence[WriteItem]) -> None: ...
+
+    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
+        """Delete (cache key, digest) entries; the digest index entry goes too when it points at the key."""
+
+    def expired_count(self) -> tuple[int, int]:
+        """(entries past their expiry still stored, their bytes); (0, 0) unless `keeps_expired`."""
+
+    def purge_expired(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# -- opening one ------------------------------------------------------------------------------------------
+def open_backend(settings: Settings, *, reading: bool = False) -> Backend | Reader:
+    """The backend the settings' tier URL names. `reading` opens it for reports and inspection: longer
+    timeouts, and an embedded tier that does not exist yet is an error instead of a new file."""
+    from cachestore.settings import SettingsError
+
+    url = settings.tier
+    if url.startswith("local:"):
+        from cachestore.backends.sqlite import SqliteBackend
+
+        timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
+        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading)
+    if url.startswith(REDIS_SCHEMES):
+        from cachestore.backends.redis import RedisBackend
+
+        return RedisBackend.open(settings, reading=reading)
+    raise SettingsError(
+        f"unknown tier {redact_url(url)!r}; use off, local:PATH, redis://, rediss://, unix:// or redis+cluster://"
+    )
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs, errors and reports."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, hosts = rest.rpartition("@")
+    if not at:
+        return url
+    user = credentials.partition(":")[0]
+    return f"{scheme}{sep}{user + '@' if user else ''}{hosts}"
+
+
+def batched(items: Iterable, size: int = BATCH) -> Iterator[list]:
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

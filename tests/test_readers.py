@@ -1,0 +1,181 @@
+"""The shared reader suite: every backend's reader side (cachestore.api.Reader) answers the same questions
+the same way: the embedded SQLite tier, the Redis tier on fakeredis and on a real redis-server, and a
+snapshot file exported from a tier. tests/test_cluster.py runs it once more on the 3-master cluster.
+
+Each reader holds one known data set (`populate`): three entries, one a reference to another, and two
+metrics batches from two workers. A snapshot keeps entries and per-key usage but no fleet totals, workers,
+kernel counts or pass log; it says so by being `read_only`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+from helpers_graphs import delete_namespace
+from test_tier_backends import decoded, entry, request_for
+
+from cachestore.api import KeyUsage, MetricsBatch, Reader, WriteItem
+from cachestore.backends.redis import RedisBackend
+from cachestore.backends.snapshot import SnapshotError, SnapshotReader, write_snapshot
+from cachestore.backends.sqlite import SqliteBackend
+from cachestore.entry import encode_entry
+from cachestore.keys import KeySpace
+
+TTL = 3600
+FULL, REFERENCE, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
+FINISHED = (1000.0, 2000.0)  # when the two passes ended, as their records say
+
+
+def populate(backend: Any) -> dict[str, bytes]:
+    """Three entries and two workers' metrics batches; returns what was stored, {key: encoded entry}."""
+    backend.store([request_for(FULL, entry(b"alpha" * 50, shape=1)), request_for(OTHER, entry(b"gamma", "matmul"))],
+                  TTL)  # fmt: skip
+    backend.store([request_for(REFERENCE, entry(b"alpha" * 50, shape=2))], TTL)  # the same binary: a reference
+    first = MetricsBatch(
+        "batch-1", "h1", "w1", {"passes": 1, "kernels": 4, "cache_hits": 3},
+        {"softmax": 3, "matmul": 1},
+        {FULL: KeyUsage("softmax", 3, 100.0, 200.0), OTHER: KeyUsage("matmul", 1, 150.0, 150.0)},
+        {"graph": "g1", "finished": FINISHED[0]},
+    )  # fmt: skip
+    second = MetricsBatch(
+        "batch-2", "h2", "w2", {"passes": 1, "kernels": 2, "cache_hits": 2}, {"softmax": 2},
+        {FULL: KeyUsage("softmax", 2, 50.0, 300.0)}, {"graph": "g2", "finished": FINISHED[1]},
+    )  # fmt: skip
+    assert backend.apply_metrics(first) and backend.apply_metrics(second)
+    return {raw.cache_key: raw.data for raw in backend.scan_entries()}
+
+
+@contextlib.contextmanager
+def writable_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    if kind == "sqlite":
+        backend = SqliteBackend(tmp_path / "tier.sqlite")
+        yield backend
+        backend.close()
+    elif kind == "fakeredis":
+        backend = RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"f{uuid.uuid4().hex}"))
+        yield backend
+        backend.close()
+    else:
+        namespace = request.getfixturevalue("redis_namespace").rstrip(":")
+        client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=5)
+        backend = RedisBackend(client, KeySpace(namespace), "test redis")
+        yield backend
+        delete_namespace(client, namespace)
+        backend.close()
+
+
+@pytest.fixture(params=["sqlite", "fakeredis", pytest.param("redis", marks=pytest.mark.redis), "snapshot"])
+def reader(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Reader]:
+    with writable_backend("sqlite" if request.param == "snapshot" else request.param, request, tmp_path) as backend:
+        populate(backend)
+        if request.param != "snapshot":
+            yield backend
+            return
+        path = tmp_path / "tier.snapshot"
+        assert write_snapshot(backend, path) == 3
+        yield SnapshotReader(path)
+
+
+def stored(reader: Reader) -> dict[str, bytes]:
+    return {raw.cache_key: raw.data for raw in reader.scan_entries()}
+
+
+# -- entries ----------------------------------------------------------------------------------------------
+def test_scan_streams_every_entry_with_the_time_it_has_left(reader: Reader) -> None:
+    stream = reader.scan_entries()
+    assert iter(stream) is stream  # a generator, not a list built up front
+    raws = {raw.cache_key: raw for raw in stream}
+    assert set(raws) == {FULL, REFERENCE, OTHER}
+    assert all(0 < raw.ttl <= TTL for raw in raws.values())
+    assert decoded(raws[REFERENCE].data).ref == FULL
+    assert decoded(raws[FULL].data).binary == b"alpha" * 50
+    assert {raw.cache_key: raw.data for raw in reader.scan_entries(with_ttl=False)} == stored(reader)
+
+
+def test_get_entries_returns_only_what_is_there(reader: Reader) -> None:
+    everything = stored(reader)
+    assert reader.get_entries([OTHER, "ff" * 32, FULL]) == {OTHER: everything[OTHER], FULL: everything[FULL]}
+    assert reader.get_entries([]) == {}
+
+
+def test_find_keys_by_prefix(reader: Reader) -> None:
+    assert reader.find_keys("aa") == [FULL, REFERENCE]
+    assert reader.find_keys("aa0", limit=1) in ([FULL], [REFERENCE])
+    assert reader.find_keys("bb03") == [OTHER]
+    assert reader.find_keys("cc") == []
+
+
+def test_writes_round_trip_or_are_refused_by_a_read_only_reader(reader: Reader) -> None:
+    item = WriteItem("cc04" + "0" * 60, encode_entry(entry(b"delta")), entry(b"delta").digest, TTL)
+    if reader.read_only:
+        with pytest.raises(SnapshotError, match="read-only"):
+            reader.put_entries([item])
+        with pytest.raises(SnapshotError, match="read-only"):
+            reader.delete_entries([(FULL, None)])
+        return
+    reader.put_entries([item])
+    assert reader.get_entries([item.cache_key]) == {item.cache_key: item.data}
+    reader.delete_entries([(item.cache_key, item.digest), (OTHER, decoded(stored(reader)[OTHER]).digest)])
+    assert set(stored(reader)) == {FULL, REFERENCE}
+
+
+def test_only_a_store_that_keeps_expired_entries_counts_and_purges_them(reader: Reader) -> None:
+    if reader.read_only:
+        assert reader.expired_count() == (0, 0)
+        return
+    data = encode_entry(entry(b"epsilon"))
+    reader.put_entries([WriteItem("dd05" + "0" * 60, data, None, 0.05)])
+    time.sleep(0.2)
+    assert "dd05" + "0" * 60 not in stored(reader)  # expired entries are never listed
+    assert reader.expired_count() == ((1, len(data)) if reader.keeps_expired else (0, 0))
+    reader.purge_expired()
+    assert reader.expired_count() == (0, 0)
+    assert set(stored(reader)) == {FULL, REFERENCE, OTHER}
+
+
+# -- per-key metrics --------------------------------------------------------------------------------------
+def test_key_records_sum_the_batches(reader: Reader) -> None:
+    records = reader.key_records([FULL, OTHER, REFERENCE])
+    assert set(records) == {FULL, OTHER}  # the reference's key was never used
+    full = records[FULL]
+    assert (full.kernel_name, full.usage, full.first_use, full.last_use) == ("softmax", 5, 50.0, 300.0)
+    assert (records[OTHER].kernel_name, records[OTHER].usage) == ("matmul", 1)
+
+
+def test_key_hosts_and_usage(reader: Reader) -> None:
+    assert reader.key_hosts([FULL, OTHER, REFERENCE]) == {FULL: ["h1", "h2"], OTHER: ["h1"]}
+    assert dict(reader.key_usage()) == {FULL: 5, OTHER: 1}
+    assert reader.key_count() == 2
+
+
+# -- fleet metrics ----------------------------------------------------------------------------------------
+def test_fleet_totals_workers_and_kernels(reader: Reader) -> None:
+    if reader.read_only:  # a snapshot keeps per-key usage only
+        assert (reader.totals(), list(reader.workers()), reader.kernels()) == ({}, [], {})
+        return
+    assert reader.totals() == {"passes": 2, "kernels": 6, "cache_hits": 5}
+    assert sorted(reader.workers()) == [
+        ("h1", "w1", {"passes": 1, "kernels": 4, "cache_hits": 3}),
+        ("h2", "w2", {"passes": 1, "kernels": 2, "cache_hits": 2}),
+    ]
+    assert reader.kernels() == {"matmul": {"call_count": 1, "variants": 1}, "softmax": {"call_count": 5, "variants": 1}}
+
+
+def test_pass_log_in_order_with_the_time_each_pass_ended(reader: Reader) -> None:
+    if reader.read_only:
+        assert (list(reader.pass_log(None)), reader.pass_log_span(None)) == ([], None)
+        return
+    log = list(reader.pass_log(None))
+    assert [(when, record["graph"]) for when, record in log] == [(FINISHED[0], "g1"), (FINISHED[1], "g2")]
+    assert reader.pass_log_span(None) == FINISHED
+    # `since` is compared with when a record was appended, which was just now.
+    assert list(reader.pass_log(time.time() + 3600)) == []
+    assert reader.pass_log_span(time.time() + 3600) is None

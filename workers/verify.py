@@ -1,0 +1,264 @@
+"""Verification that needs the compiler: `nkicache inspect verify` (every entry decoded with the reader's
+signature policy and checked against its key through the codegen loop's own key rule; sampled entries
+re-traced and compared byte for byte, or executed against the numpy references), and the key components
+`inspect explain` asks about, built as the loop builds them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bridge import dtypes
+from bridge.codegen import BirCodeGenLoop, cache_key_of_stored
+from bridge.errors import NkiCacheError
+from bridge.graph import load_graph
+from bridge.graph_runner import RUNNERS, tolerance
+from bridge.ir import InternalNkiKernel, Tensor, freeze_key_components
+from bridge.references import reference
+from bridge.registry import get_internal_kernel_registry
+from bridge.sampling import sample_inputs
+from bridge.targets import Target, get_platform_target, make_target
+from cachestore.api import BATCH, Reader, batched
+from cachestore.entry import MAX_ENTRY_BYTES, Entry, SignaturePolicy
+from cachestore.inspect import InspectError, decode_or_reason, key_problem
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    bad: list[dict] = field(default_factory=list)
+    recompiled: int = 0
+    executed: int = 0
+
+    @property
+    def ok(self) -> int:
+        return self.checked - len({item["key"] for item in self.bad})
+
+    def as_json(self) -> dict:
+        return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "recompiled": self.recompiled,
+                "executed": self.executed}  # fmt: skip
+
+
+class _HolderCache:
+    """Recently checked reference targets: key -> (digest, is_reference) or the reason it is unreadable."""
+
+    def __init__(self, limit: int = 4 * BATCH):
+        self.limit = limit
+        self.items: dict[str, tuple[str, bool] | str | None] = {}
+
+    def put(self, key: str, value: tuple[str, bool] | str | None) -> None:
+        self.items[key] = value
+        if len(self.items) > self.limit:
+            del self.items[next(iter(self.items))]
+
+
+def verify_entries(
+    reader: Reader,
+    policy: SignaturePolicy,
+    *,
+    max_bytes: int = MAX_ENTRY_BYTES,
+    recompile: int = 0,
+    execute: int = 0,
+    seed: int = 0,
+) -> VerifyReport:
+    """Decode every entry with the reader's signature policy (digest, signature, schema), check that its
+    key components hash to its key and that a reference names an entry holding the same binary. Then
+    re-trace `recompile` sampled entries and compare bytes, and run `execute` sampled entries against the
+    numpy references. Keeps a bounded cache of reference targets and the sample."""
+    report = VerifyReport()
+    holders = _HolderCache()
+    sample: list[tuple[str, Entry]] = []
+    wanted = max(recompile, execute)
+    rng = random.Random(seed)
+    seen_ok = 0
+    for batch in batched(reader.scan_entries(with_ttl=False)):
+        decoded: dict[str, Entry] = {}
+        for raw in batch:
+            report.checked += 1
+            entry = decode_or_reason(raw.data, policy, max_bytes)
+            problem = entry if isinstance(entry, str) else key_problem(raw.cache_key, entry, cache_key_of_stored)
+            if problem:
+                report.bad.append({"key": raw.cache_key, "reason": problem})
+                holders.put(raw.cache_key, problem)
+                continue
+            decoded[raw.cache_key] = entry
+            holders.put(raw.cache_key, (entry.digest, entry.is_reference))
+        bad_references = _check_references(reader, policy, max_bytes, decoded, holders, report)
+        for key, entry in decoded.items():
+            if key in bad_references:
+                continue
+            seen_ok += 1
+            if len(sample) < wanted:
+                sample.append((key, entry))
+            elif wanted:
+                slot = rng.randrange(seen_ok)
+                if slot < wanted:
+                    sample[slot] = (key, entry)
+    sample.sort()
+    for key, entry in sample[:recompile]:
+        _record(report, key, _recompile_problem(reader, key, entry))
+        report.recompiled += 1
+    for key, entry in sample[:execute]:
+        _record(report, key, _execute_problem(reader, key, entry, seed))
+        report.executed += 1
+    return report
+
+
+def _record(report: VerifyReport, key: str, problem: str | None) -> None:
+    if problem:
+        report.bad.append({"key": key, "reason": problem})
+
+
+def _check_references(
+    reader: Reader,
+    policy: SignaturePolicy,
+    max_bytes: int,
+    decoded: dict[str, Entry],
+    holders: _HolderCache,
+    report: VerifyReport,
+) -> set[str]:
+    """Checks the batch's references (appending to `report.bad`); returns the keys found bad."""
+    bad: set[str] = set()
+    references = {key: entry for key, entry in decoded.items() if entry.is_reference}
+    wanted = {entry.ref for entry in references.values()}
+    # Taken out of the cache first: putting what is fetched below may evict what was there.
+    known = {ref: holders.items[ref] for ref in wanted if ref in holders.items}
+    for ref, data in reader.get_entries(sorted(wanted - set(known))).items():
+        holder = decode_or_reason(data, policy, max_bytes)
+        known[ref] = holder if isinstance(holder, str) else (holder.digest, holder.is_reference)
+        holders.put(ref, known[ref])
+    for key, entry in references.items():
+        target = known.get(entry.ref)
+        if target is None:
+            problem = f"references {entry.ref[:16]}..., which is not in the tier"
+        elif isinstance(target, str):
+            problem = f"references {entry.ref[:16]}..., which is unreadable ({target})"
+        elif target[1]:
+            problem = f"references {entry.ref[:16]}..., which is itself a reference"
+        elif target[0] != entry.digest:
+            problem = f"references {entry.ref[:16]}..., which holds another binary"
+        else:
+            continue
+        report.bad.append({"key": key, "reason": problem})
+        bad.add(key)
+    return bad
+
+
+def _with_binary(reader: Reader, entry: Entry) -> Entry:
+    if not entry.is_reference:
+        return entry
+    holder = decode_or_reason(reader.get_entries([entry.ref]).get(entry.ref, b""))
+    if isinstance(holder, str) or holder.digest != entry.digest:
+        raise InspectError(f"referenced entry {entry.ref[:16]}... is gone or changed")
+    return entry.with_binary(holder.binary)
+
+
+@dataclass
+class RebuiltOp:
+    func_name: str
+    inst: InternalNkiKernel
+    target: Target
+    attrs: dict
+
+
+def rebuild_op(components: Mapping[str, Any]) -> RebuiltOp:
+    """The InternalNkiKernel op an entry was compiled from, rebuilt from its key components: kernel_name is
+    mapped back to a func_name by asking each registered kernel which kernel it selects for these shapes."""
+    kc = freeze_key_components(components)
+    try:
+        target = make_target(kc["target"])
+        ops, res = kc["operands"], kc["results"]
+        operands = [Tensor(f"in{i}", s, d) for i, (s, d) in enumerate(zip(ops["shapes"], ops["dtypes"], strict=True))]
+        results = [Tensor(f"out{i}", s, d) for i, (s, d) in enumerate(zip(res["shapes"], res["dtypes"], strict=True))]
+        attrs = dict(kc.get("attrs") or {})
+        kernel_name = kc["kernel_name"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InspectError(f"key components cannot be rebuilt into an op: {type(exc).__name__}: {exc}") from None
+    registry = get_internal_kernel_registry()
+    for func_name in registry.names():
+        try:
+            call = registry.resolve(func_name).marshal(operands, results, attrs)
+        except NkiCacheError:
+            continue
+        if call.kernel_name == kernel_name:
+            return RebuiltOp(func_name, InternalNkiKernel(func_name, kernel_name, operands, results, attrs), target,
+                             attrs)  # fmt: skip
+    raise InspectError(f"no registered kernel compiles {kernel_name!r} for these shapes and attrs")
+
+
+def _recompile_problem(reader: Reader, key: str, entry: Entry) -> str | None:
+    try:
+        entry = _with_binary(reader, entry)
+        op = rebuild_op(entry.key_components)
+        loop = BirCodeGenLoop(op.target)
+        trace = loop._trace_kernel_beta2 if entry.format == "klir" else loop._trace_kernel_beta3
+        result = trace(op.inst, key)
+    except NkiCacheError as exc:
+        return f"recompile failed: {' '.join(str(exc).split())}"
+    if result["binary"] != entry.binary:
+        return (f"recompiled binary differs: {len(entry.binary)} bytes stored, {len(result['binary'])} bytes "
+                "recompiled")  # fmt: skip
+    if list(result["input_names"]) != entry.input_names or list(result["output_names"]) != entry.output_names:
+        return "recompiled binary names other inputs or outputs"
+    return None
+
+
+def _execute_problem(reader: Reader, key: str, entry: Entry, seed: int) -> str | None:
+    try:
+        entry = _with_binary(reader, entry)
+        op = rebuild_op(entry.key_components)
+        rng = np.random.default_rng([seed, int(key[:8], 16)])
+        inputs = sample_inputs(op.func_name, op.inst.operands, op.attrs, rng)
+        outputs = RUNNERS[entry.format](entry.binary, dict(zip(entry.input_names, inputs, strict=True)))
+        expected = reference(op.func_name, inputs, op.attrs)
+    except (NkiCacheError, ValueError, TypeError, KeyError) as exc:
+        return f"execution failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    rtol, atol = tolerance([t.dtype for t in (*op.inst.operands, *op.inst.results)])
+    for name, result, want in zip(entry.output_names, op.inst.results, expected, strict=False):
+        got = np.asarray(outputs.get(name), dtype=np.float64)
+        want = np.asarray(want).astype(dtypes.to_numpy(result.dtype)).astype(np.float64)
+        if got.shape != want.shape:
+            return f"execution output {name} has shape {list(got.shape)}, the reference {list(want.shape)}"
+        # As `nkicache run --check`: the absolute tolerance scales with the output's largest value.
+        scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+        if not np.allclose(got, want, rtol=rtol, atol=atol * scale):
+            err = float(np.max(np.abs(got - want))) if got.size else math.nan
+            return f"execution differs from the numpy reference: output {name}, max abs err {err:.3g}"
+    return None
+
+
+def components_for(components: Mapping[str, Any], target_name: str | None = None) -> dict[str, Any]:
+    """User-given key components (JSON) completed as the key builder would: target and neuroncore count
+    from `target_name` (else the platform target) when missing."""
+    if "kernel_name" not in components:
+        raise InspectError("key components must name the kernel_name")
+    completed = dict(components)
+    if target_name:
+        completed["target"] = target_name
+    completed.setdefault("target", type(get_platform_target()).__name__)
+    if target_name or "num_neuroncores" not in completed:
+        completed["num_neuroncores"] = make_target(str(completed["target"])).num_neuroncores_per_sengine
+    completed.setdefault("attrs", {})
+    return freeze_key_components(completed)
+
+
+def components_of_graph_op(graph_path: str, op_index: int, target_name: str | None = None) -> dict[str, Any]:
+    """The key components the codegen loop builds for op `op_index` of a graph file."""
+    graph = load_graph(graph_path)
+    if not 0 <= op_index < len(graph.ops):
+        raise InspectError(f"{graph_path}: no op {op_index} (the graph has {len(graph.ops)} ops)")
+    inst = graph.ops[op_index]
+    if not isinstance(inst, InternalNkiKernel):
+        raise InspectError(f"{graph_path}: op {op_index} is {type(inst).__name__}, not an InternalNkiKernel")
+    name = target_name or graph.target
+    loop = BirCodeGenLoop(make_target(name) if name else get_platform_target())
+    # As codegenInternalNativeNkiKernel builds them; computing the key folds in the target and neuroncores.
+    components = loop._key_components(inst)
+    loop._compute_cache_key_from_components(components)
+    return components
