@@ -208,7 +208,8 @@ class BirCodeGenLoop:
         # or a kernel_name the registry would not select fails as it would without a tier.
         self._resolve_kernel_config(inst)
         if cache_key in self._prefetched:
-            stored, held = self._prefetched.pop(cache_key), cache_key in self._prefetch_stored
+            stored = self._accepted(cache_key, self._prefetched.pop(cache_key))
+            held = cache_key in self._prefetch_stored
         else:
             stored, held = self._find_trace(cache_key)
         if stored is None and self.tier.single_flight:
@@ -222,7 +223,7 @@ class BirCodeGenLoop:
                 self.tier.release_lease(cache_key)
             else:
                 self.lease_waits += 1
-                stored = self.tier.wait_for_trace(cache_key)
+                stored = self._accepted(cache_key, self.tier.wait_for_trace(cache_key))
         if stored is None:
             return None
         self.remote_hits += 1
@@ -232,7 +233,19 @@ class BirCodeGenLoop:
 
     def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
         traces, held = self.tier.find_traces([cache_key])
-        return traces.get(cache_key), cache_key in held
+        return self._accepted(cache_key, traces.get(cache_key)), cache_key in held
+
+    def _accepted(self, cache_key: str, stored: StoredTrace | None) -> StoredTrace | None:
+        """`stored` when it is what a fresh trace under `cache_key` would give, else None (told to the tier,
+        which counts it in tier_rejected): a store's digest and signature say an entry is intact, not that it
+        belongs under the key it was read from."""
+        if stored is None:
+            return None
+        problem = stored_trace_problem(cache_key, stored)
+        if problem is None:
+            return stored
+        self.tier.reject(cache_key, problem)
+        return None
 
     def _prefetch_from_tier(self, graph: Graph) -> None:
         """Ask the tier for every kernel variant of the graph in one round trip, instead of one per miss.
@@ -425,3 +438,18 @@ def cache_key_of_stored(key_components: Mapping[str, Any]) -> str:
     if stated_cores != target.num_neuroncores_per_sengine:
         raise ValueError(f"num_neuroncores {stated_cores!r} is not {components['target']}'s")
     return BirCodeGenLoop(target)._compute_cache_key_from_components(components)
+
+
+def stored_trace_problem(cache_key: str, stored: StoredTrace) -> str | None:
+    """Why a stored trace is not what this loop would emit under `cache_key`, or None. The bridge emits
+    only 'bir' (the dispatcher never takes beta2), and an entry's key components must hash to the key it was
+    read under, through the loop's own key rule: otherwise it is another variant's binary."""
+    if stored.result.get("format") != "bir":
+        return f"format {stored.result.get('format')!r}: the bridge only emits 'bir'"
+    try:
+        actual = cache_key_of_stored(stored.key_components)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        return f"key components are malformed: {exc}"
+    if actual != cache_key:
+        return f"key components hash to {actual[:16]}..., not to the key it was read under"
+    return None

@@ -84,6 +84,9 @@ class KernelStore(Protocol):
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         """Wait (bounded) for the lease holder's trace; None when it does not come."""
 
+    def reject(self, cache_key: str, reason: str) -> None:
+        """Count (in tier_rejected) and log a trace the loop refused: not what it asked for under this key."""
+
     def publish_trace(
         self,
         cache_key: str,

@@ -170,7 +170,7 @@ class TierClient:
         holder = self._decode(entry.ref, found[entry.ref])
         if holder is None or holder.is_reference or holder.digest != entry.digest:
             if holder is not None:
-                self._reject(cache_key, "referenced entry holds another binary")
+                self.reject(cache_key, "referenced entry holds another binary")
             return None
         return entry.with_binary(holder.binary)
 
@@ -178,13 +178,13 @@ class TierClient:
         try:
             entry = decode_entry(data, self.policy, self.settings.max_entry_bytes)
         except EntryRejected as exc:
-            self._reject(cache_key, exc.reason)
+            self.reject(cache_key, exc.reason)
             return None
         if entry.unverified:
             self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
         return entry
 
-    def _reject(self, cache_key: str, reason: str) -> None:
+    def reject(self, cache_key: str, reason: str) -> None:
         self.stats.add("tier_rejected")
         logger.warning("rejected tier entry %s...: %s", cache_key[:16], reason)
 

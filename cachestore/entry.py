@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,10 @@ def _entry_from_fields(fields: object) -> Entry:
     for name, kinds in _FIELD_TYPES.items():
         if not isinstance(fields[name], kinds) or isinstance(fields[name], bool):
             raise EntryRejected(f"body field {name!r} has the wrong type")
+    for name in ("created", "compile_seconds"):
+        # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json).
+        if not math.isfinite(fields[name]) or fields[name] < 0:
+            raise EntryRejected(f"body field {name!r} is {fields[name]!r}, not a finite number >= 0")
     if fields["format"] not in ("bir", "klir"):
         raise EntryRejected(f"unknown binary format {fields['format']!r}")
     names = fields["input_names"] + fields["output_names"]

@@ -164,6 +164,12 @@ def test_bodies_that_do_not_match_the_schema_are_rejected(change: dict) -> None:
     assert rejected(envelope(body_of(make_entry(), **change)))
 
 
+@pytest.mark.parametrize("name", ["created", "compile_seconds"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1.0])
+def test_numbers_that_are_not_finite_and_positive_are_rejected(name: str, value: float) -> None:
+    assert "not a finite number" in rejected(envelope(body_of(make_entry(), **{name: value})))
+
+
 def test_a_body_missing_a_field_is_rejected() -> None:
     fields = make_entry()._fields()
     del fields["digest"]

@@ -158,11 +158,23 @@ def _wrongly_signed(data: bytes, policy: SignaturePolicy) -> bytes:
     return encode_entry(decode_entry(data, policy), OTHER_KEY)
 
 
+def _resigned(data: bytes, policy: SignaturePolicy, **changes: Any) -> bytes:
+    """The entry with `changes`, signed again with the writer's own key: intact by digest and signature."""
+    entry = decode_entry(data, policy)
+    for name, value in changes.items():
+        setattr(entry, name, value)
+    return encode_entry(entry, policy.hmac_key)
+
+
 CORRUPTIONS = {
     "forged": _forged,
     "truncated": lambda data, policy: data[: len(data) * 2 // 3],
     "wrong-version": _wrong_version,
     "wrongly-signed": _wrongly_signed,
+    # The bridge only ever emits 'bir'; a 'klir' entry (the dormant beta2 leaf's format) is not its output.
+    "klir": lambda data, policy: _resigned(data, policy, format="klir"),
+    # NaN compile seconds would poison saved_seconds, the fleet metrics and every --json output.
+    "nan-seconds": lambda data, policy: _resigned(data, policy, compile_seconds=float("nan")),
 }
 
 
@@ -202,6 +214,43 @@ def test_bad_entries_are_rejected_counted_and_retraced(tier: Tier, hmac_key: byt
     assert (third.traces, third.remote_hits, third.tier_counts()["tier_rejected"]) == (0, MIXED_DISTINCT_KEYS, 0)
     assert binary_digests(third_bb) == binary_digests(first_bb)
     assert tier.view.totals()["tier_rejected"] == len(CORRUPTIONS)
+
+
+@pytest.mark.parametrize("hmac_key", [None, KEY], ids=["unsigned", "signed"])
+def test_entries_swapped_between_keys_are_rejected_counted_and_retraced(tier: Tier, hmac_key: bytes | None) -> None:
+    """Anyone who can write to the store can move intact, even signed, entries between keys: the digest and
+    the signature still verify, but the entry's key components hash to another key."""
+    settings = tier.settings(hmac_key=hmac_key, worker="w1")
+    graph = mixed_graph()
+    client = open_tier(settings)
+    _, first_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    off_loop, off_bb = compile_in_process(graph)  # what a compile without any tier produces
+    stored = stored_entries(tier.backend)
+    by_kernel = collections.defaultdict(list)
+    for cache_key, data in stored.items():
+        by_kernel[decode_entry(data, SignaturePolicy(hmac_key)).key_components["kernel_name"]].append(cache_key)
+    a, b = next(keys for keys in by_kernel.values() if len(keys) >= 2)[:2]  # same kernel, other shapes
+    tier.view.put_raw(a, stored[b])
+    tier.view.put_raw(b, stored[a])
+
+    batches: list[dict] = []
+    client = open_tier(settings.replace(worker="w2"))
+    record = client.record
+    client.record = lambda batch: (batches.append(dict(batch.totals)), record(batch))
+    second, second_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert second.tier_counts()["tier_rejected"] == 2
+    assert (second.traces, second.remote_hits) == (2, MIXED_DISTINCT_KEYS - 2)
+    assert binary_digests(second_bb) == binary_digests(off_bb) == binary_digests(first_bb)
+    assert off_loop.traces == MIXED_DISTINCT_KEYS
+    assert_outputs_correct(graph, second_bb)
+    assert batches[0]["tier_rejected"] == 2 and tier.view.totals()["tier_rejected"] == 2
+    # The re-traced entries replaced the swapped ones.
+    assert (
+        decode_entry(tier.view.raw(a), SignaturePolicy(hmac_key)).digest
+        != decode_entry(stored[b], SignaturePolicy(hmac_key)).digest
+    )
 
 
 def test_garbage_under_every_key_still_compiles_correctly(tier: Tier) -> None:
