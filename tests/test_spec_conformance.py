@@ -10,6 +10,8 @@ import hashlib
 import inspect
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from bridge.metrics import KernelCategory, KernelMetricsCollector
 from bridge.program import BIR_VERSION_IDENTIFIER
 from bridge.references import reference
 from bridge.registry import InternalKernelConfig, get_internal_kernel_registry
-from bridge.targets import Target, Trn1, Trn2
+from bridge.targets import TARGET_ENV, Target, Trn1, Trn2, get_platform_target
 
 TRACE_RESULT_KEYS = {"binary", "input_names", "output_names", "format"}
 CACHE_METHODS = (
@@ -319,6 +321,18 @@ def test_beta3_leaf_uses_parser_frontend_compile_to_bir(monkeypatch: pytest.Monk
     assert bridge.binary_info(result["binary"])["kernel"] == "softmax"
 
 
+def test_beta3_leaf_compiles_for_the_loops_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deviation: the spec's leaf asks get_platform_target(); ours compiles for self.target, the target the
+    key folds in, so a key made for Trn1 never holds a binary compiled for the platform's Trn2."""
+    monkeypatch.setenv(TARGET_ENV, "Trn2")
+    assert isinstance(get_platform_target(), Trn2)
+    loop = BirCodeGenLoop(Trn1())
+    bb = codegen_all(loop, softmax())
+    [components] = loop._cache_key_components.values()
+    assert components["target"] == "Trn1"
+    assert bridge.binary_info(bb.instructions[0].klir_binary)["target"] == "Trn1"
+
+
 def test_resolve_kernel_config_goes_through_the_registry(loop: BirCodeGenLoop) -> None:
     cfg, kernel_func, additional_args, call_args = loop._resolve_kernel_config(rmsnorm(eps=1e-3))
     assert isinstance(cfg, InternalKernelConfig)
@@ -588,6 +602,32 @@ def test_store_helper_directly(loop: BirCodeGenLoop) -> None:
     assert loop._cache_usage_counts == {"key": 1}
 
 
+class LoggedDict(dict):
+    """A dict that logs (its name, the key) to a shared list on every item assignment."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]):
+        super().__init__()
+        self.name, self.log = name, log
+
+    def __setitem__(self, key, value) -> None:
+        self.log.append((self.name, key))
+        super().__setitem__(key, value)
+
+
+def test_store_writes_the_three_maps_in_order(loop: BirCodeGenLoop) -> None:
+    """Claim 28: kernel cache, then key components, then usage count; a hit writes the usage count only."""
+    writes: list[tuple[str, str]] = []
+    maps = ("_new_nki_frontend_kernel_cache", "_cache_key_components", "_cache_usage_counts")
+    for name in maps:
+        setattr(loop, name, LoggedDict(name, writes))
+    loop._cache_new_nki_frontend_binary("key", {"binary": b"x"}, {"kernel_name": "k"})
+    assert writes == [(name, "key") for name in maps]
+    writes.clear()
+    codegen_all(loop, matmul(), matmul("2"))  # a miss, then a hit
+    key = independent_key(matmul(), loop.target)
+    assert writes == [(name, key) for name in maps] + [("_cache_usage_counts", key)]
+
+
 def test_lookup_is_a_pure_get(loop: BirCodeGenLoop) -> None:
     assert loop._get_cached_new_nki_frontend_binary("missing") is None
     assert loop._new_nki_frontend_kernel_cache == {} and loop._cache_usage_counts == {}
@@ -673,10 +713,27 @@ def test_cache_methods_do_no_io() -> None:
 
 
 def test_a_compile_leaves_no_files_behind(tmp_path, monkeypatch: pytest.MonkeyPatch, loop: BirCodeGenLoop) -> None:
-    monkeypatch.chdir(tmp_path)
+    """Neither the current directory nor the temp folder the beta3 leaf writes its kernel json under
+    (`tempfile.mkdtemp` in bridge/frontends/beta3.py) keeps anything once the pass is over."""
+    cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    temp.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # gettempdir() caches TMPDIR: point the cache too
+    made: list[Path] = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs) -> str:
+        made.append(Path(real_mkdtemp(*args, **kwargs)))
+        return str(made[-1])
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     codegen_all(loop, matmul(), matmul("2"), softmax())
     loop.afterStmtTransform()
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
+    assert made and all(path.parent == temp for path in made)  # the leaf did use the temp folder looked at
+    assert list(temp.iterdir()) == []
 
 
 # -- statistics ---------------------------------------------------------------------------------------
@@ -799,6 +856,25 @@ def test_run_tears_down_once_at_the_end(
     loop.run(load_graph(_graph(matmul(), matmul("2"))))
     assert len(teardown.calls) == 1
     assert [(r.kernel_name, r.call_count) for r in collector.records] == [("matmul_tiled", 2)]
+
+
+def test_a_failed_op_skips_the_end_of_pass_export(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    collector: KernelMetricsCollector,
+    loop: BirCodeGenLoop,
+) -> None:
+    """An op's codegen error leaves run() before afterStmtTransform, as the exception leaves the spec's statement
+    transform: no metrics export and no statistics, though the ops before it filled the maps."""
+    caplog.set_level(logging.DEBUG, logger="bridge.codegen")
+    teardown = spy_method(monkeypatch, "afterStmtTransform")
+    unknown = InternalNkiKernel("NoSuchKernel", "no_such_kernel", [t("p", (4,))], [t("q", (4,))])
+    with pytest.raises(NkiCacheError, match=r"op 1 \(NoSuchKernel\)"):
+        loop.run(load_graph(_graph(softmax(), unknown)))
+    assert len(loop._cache_key_components) == 1  # softmax was cached: an export would have recorded it
+    assert teardown.calls == []
+    assert collector.records == []
+    assert debug_lines(caplog) == []
 
 
 # -- the codegen loop -------------------------------------------------------------------------------
