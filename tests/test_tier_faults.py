@@ -26,10 +26,10 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.client import TierClient
 from cachestore.keys import KeySpace
-from cachestore.redis_server import pings
 from cachestore.settings import Settings
 from cachestore.tier import TOTAL_COUNTERS
 from cachestore.urls import open_tier
+from workers.dev_redis import pings
 
 HOST = "fault-host"
 STALL_BOUND_SECONDS = 3.0  # how much longer than `--tier off` a compile may take when Redis misbehaves

@@ -33,8 +33,8 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed
     package has none, so they are reported as skipped and the command exits 1 (the others still run).
     """
-    from cachestore.redis_server import start_private_server
     from workers.benchmarks import BenchConfig, run_benchmarks
+    from workers.dev_redis import start_private_server
 
     config = BenchConfig.for_mode(quick)
     server = None if redis_url else start_private_server()
