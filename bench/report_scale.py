@@ -172,7 +172,7 @@ def main() -> None:
         print(json.dumps(measure(args.url, args.measure, args.traced)))
         return
 
-    from cachestore.redis_server import start_private_server
+    from workers.dev_redis import start_private_server
 
     server = start_private_server()  # never the machine's shared Redis
     url = server.url

@@ -10,8 +10,9 @@ to the graph results; elementwise instructions run in numpy, in float32, cast to
 from __future__ import annotations
 
 import hashlib
+import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,9 +94,64 @@ class RunReport:
         }
 
 
-def tolerance(dtype_names: list[str]) -> tuple[float, float]:
+def tolerance(dtype_names: Sequence[str]) -> tuple[float, float]:
+    """(rtol, atol) of the reference check for a kernel touching `dtype_names`: the loosest one's."""
     loosest = min(dtype_names, key=_PRECISION_ORDER.index, default="float32")
     return TOLERANCES[loosest]
+
+
+@dataclass(frozen=True)
+class OutputComparison:
+    """How a kernel's outputs compare with its numpy reference (see `compare_output`)."""
+
+    ok: bool
+    # Largest absolute error over the outputs compared; NaN when an output holds NaN, infinity when an
+    # output is missing or its shape differs from the reference's (the outputs cannot be compared).
+    max_abs_err: float
+    tolerance: tuple[float, float]  # (rtol, atol) before atol is scaled by each output's largest value
+    failed_output: int | None = None  # position of the first output that is missing, mis-shaped or out of tolerance
+    problem: str | None = None  # what is wrong with that output, e.g. "has shape [2, 3], the reference [3, 2]"
+
+
+def compare_output(
+    got: Sequence[np.ndarray | None],
+    want: Sequence[np.ndarray],
+    dtype_names: Sequence[str],
+    output_dtypes: Sequence[str],
+) -> OutputComparison:
+    """Compare a kernel's outputs `got` (None for an output the binary did not produce) with the reference's
+    `want`, position by position.
+
+    The tolerance is `tolerance(dtype_names)`, the dtypes the kernel touches (operands and results). Each
+    reference output is first rounded to its `output_dtypes` entry, as the kernel's final store rounds. A
+    count or shape mismatch fails at once; otherwise every output is compared, so `max_abs_err` covers all.
+    """
+    rtol, atol = tolerance(dtype_names)
+    max_abs_err = 0.0
+    failed: tuple[int, str] | None = None
+    if len(got) != len(want):
+        index = min(len(got), len(want))
+        problem = "is missing" if len(got) < len(want) else "has no reference"
+        return OutputComparison(False, math.inf, (rtol, atol), index, problem)
+    for index, (actual, expected, dtype) in enumerate(zip(got, want, output_dtypes, strict=True)):
+        if actual is None:
+            return OutputComparison(False, math.inf, (rtol, atol), index, "is missing")
+        actual = np.asarray(actual, dtype=np.float64)
+        expected = np.asarray(expected).astype(dtypes.to_numpy(dtype)).astype(np.float64)
+        if actual.shape != expected.shape:
+            problem = f"has shape {list(actual.shape)}, the reference {list(expected.shape)}"
+            return OutputComparison(False, math.inf, (rtol, atol), index, problem)
+        err = float(np.max(np.abs(actual - expected))) if actual.size else 0.0
+        # NaN never compares, so it sticks once seen instead of being lost to max().
+        max_abs_err = math.nan if math.isnan(err) or math.isnan(max_abs_err) else max(max_abs_err, err)
+        # Rounding in a long float32 sum scales with the magnitude of what is summed, not with each element:
+        # the absolute tolerance is relative to the output's largest value (at least 1).
+        scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
+        if failed is None and not np.allclose(actual, expected, rtol=rtol, atol=atol * scale):
+            failed = (index, f"differs from the numpy reference: max abs err {err:.3g}")
+    if failed is None:
+        return OutputComparison(True, max_abs_err, (rtol, atol))
+    return OutputComparison(False, max_abs_err, (rtol, atol), *failed)
 
 
 def sample_artifact_inputs(artifact: Artifact, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -174,20 +230,10 @@ def _check(
     except (TypeError, ValueError, IndexError) as exc:  # operands or attrs the reference cannot take
         item.ok, item.error = False, f"reference {inst.func_name} failed: {type(exc).__name__}: {exc}"
         return
-    touched = [artifact.tensors[name].dtype for name in (*inst.operands, *inst.results)]
-    rtol, atol = item.tolerance = tolerance(touched)
-    item.max_abs_err, item.ok = 0.0, len(expected) == len(inst.results)
-    for name, want in zip(inst.results, expected, strict=False):
-        got = np.asarray(produced[name], dtype=np.float64)
-        # The reference is float32; round it to the output dtype as the kernel's final store does.
-        want = np.asarray(want).astype(dtypes.to_numpy(artifact.tensors[name].dtype)).astype(np.float64)
-        if got.shape != want.shape:
-            item.max_abs_err, item.ok = float("inf"), False
-            return
-        if got.size:
-            err = float(np.max(np.abs(got - want)))
-            item.max_abs_err = err if np.isnan(err) else max(item.max_abs_err, err)
-        # Rounding in a long float32 sum scales with the magnitude of what is summed, not with each element:
-        # the absolute tolerance is relative to the output's largest value (at least 1).
-        scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-        item.ok = item.ok and bool(np.allclose(got, want, rtol=rtol, atol=atol * scale))
+    comparison = compare_output(
+        [produced[name] for name in inst.results],
+        expected,
+        [artifact.tensors[name].dtype for name in (*inst.operands, *inst.results)],
+        [artifact.tensors[name].dtype for name in inst.results],
+    )
+    item.tolerance, item.max_abs_err, item.ok = comparison.tolerance, comparison.max_abs_err, comparison.ok

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from cachestore.redis_server import RedisServer, answers_ping, start_private_server
+from workers.dev_redis import RedisServer, answers_ping, start_private_server
 
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
 REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cachestore.redis_server import pings
+from workers.dev_redis import pings
 
 START_TIMEOUT_SECONDS = 15.0
 MASTERS = 3

@@ -30,8 +30,8 @@ from redis_cluster import ServerProcess, start_server, unavailable
 
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.keys import KeySpace
-from cachestore.redis_server import pings
 from workers.cli import main as nkicache
+from workers.dev_redis import pings
 
 pytestmark = pytest.mark.redis
 

@@ -3,6 +3,7 @@ figures themselves are recorded in bench/RESULTS.md, not asserted here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,34 @@ def test_bench_scripts_answer_json() -> None:
     """The scripts behind `nkicache bench` print one JSON object with their keys."""
     report = bench.bench_script("report_scale", "--sizes", "300", "--quick")
     assert {"report_seconds_300", "verify_seconds_300", "peak_rss_mib"} <= set(report)
+
+
+def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
+    tiny, private_redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed, the package has no bench/ beside it: the two script measurements are skipped with the reason,
+    the in-process ones still run, and the exit status says the figures are incomplete."""
+    config, _graphs = tiny
+    monkeypatch.setattr(bench, "BENCH_SCRIPTS", tmp_path / "no-bench")
+    monkeypatch.setattr(bench.BenchConfig, "for_mode", classmethod(lambda cls, quick: config))
+    url = private_redis_server().url
+    text = CliRunner().invoke(main, ["bench", "--redis-url", url])
+    assert text.exit_code == 1, text.output
+    lines = text.stdout.splitlines()
+    assert "pool_scaling             skipped: needs bench/pool_scaling.py from a source checkout" in lines
+    assert "report_seconds_100k      skipped: needs bench/report_scale.py from a source checkout" in lines
+    assert any(line.startswith("warm_speedup ") and "goal >= 20.0" in line for line in lines)
+    as_json = CliRunner().invoke(main, ["bench", "--redis-url", url, "--json"])
+    assert as_json.exit_code == 1, as_json.output
+    results = json.loads(as_json.stdout)
+    assert results["skipped"] == {
+        "pool_scaling": "needs bench/pool_scaling.py from a source checkout",
+        "report_seconds_100k": "needs bench/report_scale.py from a source checkout",
+    }
+    assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results
+    assert results["storage_ratio"] > 1 and results["local_hit_us"] > 0
+    with pytest.raises(bench.MeasurementSkipped, match=r"^needs bench/report_scale\.py from a source checkout$"):
+        bench.bench_script("report_scale", "--sizes", "300", "--quick")
 
 
 def test_bench_help_names_every_goal() -> None:

@@ -28,7 +28,7 @@ from bridge.artifact import (
 )
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import GraphError, load_graph
-from bridge.graph_runner import run_compiled, sample_artifact_inputs, tolerance
+from bridge.graph_runner import compare_output, run_compiled, sample_artifact_inputs, tolerance
 from bridge.ir import NKIKLIRKernel, Tensor
 from bridge.references import _REFERENCES, reference
 from bridge.registry import get_internal_kernel_registry
@@ -194,6 +194,34 @@ def test_run_check_reports_a_reference_that_cannot_take_the_operands() -> None:
     assert [item.index for item in report.failures] == [0]
     assert "reference Softmax failed" in report.failures[0].error
     assert report.instructions[1].ok  # the other kernels still ran and were checked
+
+
+def test_compare_output_scales_atol_by_the_largest_value_and_rounds_to_the_output_dtype() -> None:
+    want = np.array([100.0, 0.0], dtype=np.float32)
+    # 5e-3 off a zero: beyond atol 1e-4 alone, within atol scaled by the output's largest value (100).
+    close = compare_output([np.array([100.0, 5e-3])], [want], ["float32"], ["float32"])
+    assert close.ok and close.max_abs_err == pytest.approx(5e-3) and close.tolerance == (1e-4, 1e-4)
+    far = compare_output([np.array([100.0, 2e-2])], [want], ["float32"], ["float32"])
+    assert not far.ok and far.failed_output == 0 and far.problem.startswith("differs from the numpy reference")
+    # A bfloat16 output is compared with the reference rounded to bfloat16, at the bfloat16 tolerance.
+    x = np.float32(1.00390625)  # between two bfloat16 values
+    rounded = np.array([x]).astype(bridge.dtypes.to_numpy("bfloat16"))
+    assert compare_output([rounded], [np.array([x])], ["float32", "bfloat16"], ["bfloat16"]).max_abs_err == 0.0
+
+
+def test_compare_output_fails_on_a_missing_or_misshapen_output_and_keeps_nan() -> None:
+    want = [np.zeros((2, 3), np.float32), np.zeros(4, np.float32)]
+    short = compare_output([np.zeros((2, 3))], want, ["float32"], ["float32"])
+    assert (short.ok, short.max_abs_err, short.failed_output, short.problem) == (False, math.inf, 1, "is missing")
+    gone = compare_output([np.zeros((2, 3)), None], want, ["float32"], ["float32"] * 2)
+    assert (gone.ok, gone.failed_output, gone.problem) == (False, 1, "is missing")
+    shaped = compare_output([np.zeros((3, 2)), np.zeros(4)], want, ["float32"], ["float32"] * 2)
+    assert (shaped.ok, shaped.max_abs_err, shaped.failed_output) == (False, math.inf, 0)
+    assert shaped.problem == "has shape [3, 2], the reference [2, 3]"
+    nan = compare_output([np.full((2, 3), np.nan), np.zeros(4)], want, ["float32"], ["float32"] * 2)
+    assert not nan.ok and math.isnan(nan.max_abs_err) and nan.failed_output == 0
+    exact = compare_output([np.array([1], np.int32)], [np.array([2], np.int32)], ["int32"], ["int32"])
+    assert not exact.ok and exact.tolerance == (0.0, 0.0)
 
 
 def test_run_without_check_reports_nothing_checked() -> None:

@@ -27,8 +27,8 @@ from bridge.graph import load_graph
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.client import TierClient, open_tier
 from cachestore.keys import KeySpace
-from cachestore.redis_server import pings
 from cachestore.settings import Settings
+from workers.dev_redis import pings
 
 HOST = "fault-host"
 STALL_BOUND_SECONDS = 3.0  # how much longer than `--tier off` a compile may take when Redis misbehaves

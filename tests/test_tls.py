@@ -22,8 +22,8 @@ from redis.retry import Retry
 from redis_cluster import start_cluster, start_server, unavailable
 
 from cachestore.backends.redis import connect
-from cachestore.redis_server import pings
 from workers.cli import main as nkicache
+from workers.dev_redis import pings
 
 pytestmark = pytest.mark.redis
 

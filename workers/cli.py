@@ -27,10 +27,6 @@ from workers.cli_common import (
     tier_options,
 )
 
-# Tolerance of the demo's comparison with the numpy reference (float32 kernels).
-DEMO_RTOL = 1e-4
-DEMO_ATOL = 1e-4
-
 
 @dataclass(frozen=True)
 class DemoCase:
@@ -116,6 +112,7 @@ def demo(func_name: str, seed: int, as_json: bool) -> None:
     import numpy as np
 
     import bridge
+    from bridge.graph_runner import compare_output
     from bridge.references import reference
 
     case = DEMO_CASES[func_name]
@@ -132,7 +129,9 @@ def demo(func_name: str, seed: int, as_json: bool) -> None:
     outputs = bridge.run_bir(binary, dict(zip(compiled["input_names"], inputs, strict=True)))
     actual = [outputs[name] for name in compiled["output_names"]]
     expected = reference(func_name, inputs, dict(case.attrs))
-    max_abs_err, ok = _compare(actual, expected)
+    # The same check as `nkicache run --check`: every demo tensor is float32.
+    comparison = compare_output(actual, expected, ["float32"], ["float32"] * len(actual))
+    max_abs_err, ok = comparison.max_abs_err, comparison.ok
     instructions = bridge.binary_info(binary)["instructions"]
 
     if as_json:
@@ -159,29 +158,6 @@ def demo(func_name: str, seed: int, as_json: bool) -> None:
         )
     if not ok:
         sys.exit(EXIT_CHECK_FAILED)
-
-
-def _compare(actual: list, expected: list) -> tuple[float, bool]:
-    """Largest absolute error over all outputs, and whether every output is within tolerance.
-
-    A shape mismatch or a missing output fails the check; NaN never compares equal.
-    """
-    import numpy as np
-
-    if len(actual) != len(expected):
-        return float("inf"), False
-    max_abs_err = 0.0
-    ok = True
-    for got, want in zip(actual, expected, strict=True):
-        got = np.asarray(got, dtype=np.float64)
-        want = np.asarray(want, dtype=np.float64)
-        if got.shape != want.shape:
-            return float("inf"), False
-        if got.size:
-            err = float(np.max(np.abs(got - want)))
-            max_abs_err = err if np.isnan(err) else max(max_abs_err, err)
-        ok = ok and bool(np.allclose(got, want, rtol=DEMO_RTOL, atol=DEMO_ATOL))
-    return max_abs_err, ok
 
 
 # -- compile ----------------------------------------------------------------------------------------

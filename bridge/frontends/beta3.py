@@ -40,9 +40,6 @@ class CompileOptions:
         self.eliminate_dead_code = eliminate_dead_code
         self.validate_binary = validate_binary
 
-    def disable_backend_optimizations(self) -> None:
-        self.eliminate_dead_code = False
-
 
 def write_kernel_json(directory: str | Path, call: KernelCall, target: Target) -> Path:
     """The kernel json the frontend compiles from: specs and attrs, nothing machine-specific."""

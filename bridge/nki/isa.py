@@ -37,7 +37,6 @@ MATMUL_MOVING_FREE_MAX = 512
 
 BUFFER_SPACES = ("sbuf", "psum")
 
-BINARY_OPS = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
 UNARY_OPS = (
     "exp",
     "log",
@@ -53,7 +52,6 @@ UNARY_OPS = (
     "square",
     "reciprocal",
 )
-REDUCE_OPS = ("sum", "max", "min", "mean")
 
 OPCODES = (
     "memset",

@@ -1,5 +1,11 @@
-"""A private redis-server on a free loopback port, for benchmarks and tests that need their own server
-(one they may fill, kill or restart without touching a shared one)."""
+"""A development and benchmark utility, not part of the cache: starts a throwaway redis-server.
+
+The server listens on a free loopback port, persists nothing (no RDB, no AOF; its own temp dir, removed on
+cleanup) and never touches a shared Redis such as the machine's 6379. `nkicache bench` measures against
+one, and the tests use it for servers of their own that they may fill, kill or restart (tests/conftest.py,
+the cluster, ACL, TLS and fault tests); bench/report_scale.py starts one too. It lives in the package only
+because `nkicache bench` needs it installed; nothing on the compile or cache path imports it.
+"""
 
 from __future__ import annotations
 
