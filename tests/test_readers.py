@@ -9,25 +9,17 @@ kernel counts or pass log; it says so by being `read_only`.
 
 from __future__ import annotations
 
-import contextlib
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fakeredis
 import pytest
-import redis
-from helpers_graphs import delete_namespace
-from test_tier_backends import decoded, entry, request_for
+from test_tier_backends import backend_of, decoded, entry, request_for
 
 from cachestore.api import KeyUsage, MetricsBatch, Reader, WriteItem
-from cachestore.backends.redis import RedisBackend
 from cachestore.backends.snapshot import SnapshotError, SnapshotReader, write_snapshot
-from cachestore.backends.sqlite import SqliteBackend
 from cachestore.entry import encode_entry
-from cachestore.keys import KeySpace
 
 TTL = 3600
 FULL, REFERENCE, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
@@ -53,28 +45,9 @@ def populate(backend: Any) -> dict[str, bytes]:
     return {raw.cache_key: raw.data for raw in backend.scan_entries()}
 
 
-@contextlib.contextmanager
-def writable_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    if kind == "sqlite":
-        backend = SqliteBackend(tmp_path / "tier.sqlite")
-        yield backend
-        backend.close()
-    elif kind == "fakeredis":
-        backend = RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"f{uuid.uuid4().hex}"))
-        yield backend
-        backend.close()
-    else:
-        namespace = request.getfixturevalue("redis_namespace").rstrip(":")
-        client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=5)
-        backend = RedisBackend(client, KeySpace(namespace), "test redis")
-        yield backend
-        delete_namespace(client, namespace)
-        backend.close()
-
-
-@pytest.fixture(params=["sqlite", "fakeredis", pytest.param("redis", marks=pytest.mark.redis), "snapshot"])
+@pytest.fixture(params=["local", "fakeredis", pytest.param("redis", marks=pytest.mark.redis), "snapshot"])
 def reader(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Reader]:
-    with writable_backend("sqlite" if request.param == "snapshot" else request.param, request, tmp_path) as backend:
+    with backend_of("local" if request.param == "snapshot" else request.param, request, tmp_path) as backend:
         populate(backend)
         if request.param != "snapshot":
             yield backend

@@ -6,6 +6,7 @@ real redis-server (REDIS_URL, or a private server), each under a namespace of it
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +28,15 @@ from cachestore.settings import Settings
 TTL = 3600
 
 
-@pytest.fixture(params=["local", "fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqliteBackend | RedisBackend]:
-    if request.param == "local":
+@contextlib.contextmanager
+def backend_of(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqliteBackend | RedisBackend]:
+    """A fresh backend: the embedded SQLite tier ("local"), Redis on fakeredis, or on a real redis-server
+    under a namespace of its own (deleted afterwards)."""
+    if kind == "local":
         tier = SqliteBackend(tmp_path / "tier.sqlite")
         yield tier
         tier.close()
-    elif request.param == "fakeredis":
+    elif kind == "fakeredis":
         tier = RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"fake-{uuid.uuid4().hex}"))
         yield tier
         tier.close()
@@ -44,6 +47,12 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqliteBa
         yield tier
         delete_namespace(client, namespace)  # the metrics keys start with '{', outside redis_namespace's prefix
         tier.close()
+
+
+@pytest.fixture(params=["local", "fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqliteBackend | RedisBackend]:
+    with backend_of(request.param, request, tmp_path) as tier:
+        yield tier
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ re-traced and compared byte for byte, or executed against the numpy references),
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,11 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from bridge import dtypes
 from bridge.codegen import BirCodeGenLoop, cache_key_of_stored
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
-from bridge.graph_runner import RUNNERS, tolerance
+from bridge.graph_runner import RUNNERS, compare_output
 from bridge.ir import InternalNkiKernel, Tensor, freeze_key_components
 from bridge.references import reference
 from bridge.registry import get_internal_kernel_registry
@@ -219,18 +217,16 @@ def _execute_problem(reader: Reader, key: str, entry: Entry, seed: int) -> str |
         expected = reference(op.func_name, inputs, op.attrs)
     except (NkiCacheError, ValueError, TypeError, KeyError) as exc:
         return f"execution failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
-    rtol, atol = tolerance([t.dtype for t in (*op.inst.operands, *op.inst.results)])
-    for name, result, want in zip(entry.output_names, op.inst.results, expected, strict=False):
-        got = np.asarray(outputs.get(name), dtype=np.float64)
-        want = np.asarray(want).astype(dtypes.to_numpy(result.dtype)).astype(np.float64)
-        if got.shape != want.shape:
-            return f"execution output {name} has shape {list(got.shape)}, the reference {list(want.shape)}"
-        # As `nkicache run --check`: the absolute tolerance scales with the output's largest value.
-        scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-        if not np.allclose(got, want, rtol=rtol, atol=atol * scale):
-            err = float(np.max(np.abs(got - want))) if got.size else math.nan
-            return f"execution differs from the numpy reference: output {name}, max abs err {err:.3g}"
-    return None
+    comparison = compare_output(
+        [outputs.get(name) for name in entry.output_names],
+        expected,
+        [t.dtype for t in (*op.inst.operands, *op.inst.results)],
+        [t.dtype for t in op.inst.results],
+    )
+    if comparison.ok:
+        return None
+    names = [*entry.output_names, "(extra)"]
+    return f"execution output {names[comparison.failed_output]} {comparison.problem}"
 
 
 def components_for(components: Mapping[str, Any], target_name: str | None = None) -> dict[str, Any]:
