@@ -84,8 +84,20 @@ class _Group(click.Group):
             ctx.exit(EXIT_PROJECT_ERROR)
 
 
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import version
+
+    from bridge.identity import toolchain_id
+
+    click.echo(f"nkicache {version('nkicache')}, toolchain {toolchain_id()}")
+    ctx.exit()
+
+
 @click.group(cls=_Group)
-@click.version_option(package_name="nkicache", prog_name="nkicache")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and the toolchain id (the tier keeps binaries apart by it).")  # fmt: skip
 def main() -> None:
     """nkicache: a distributed build cache for a kernel compiler's NKI-frontend bridge."""
 
