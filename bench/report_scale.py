@@ -58,6 +58,7 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
     client.flushall()  # our own server
     keys = KeySpace(NAMESPACE)
     tier = RedisBackend(client, keys)
+    toolchain = tier.toolchain  # this compiler's, whose entries the report and verify read
     started = time.perf_counter()
     holders: list[tuple[str, Entry]] = []
     pipe = client.pipeline(transaction=False)
@@ -78,14 +79,14 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
             entry = holder.as_reference_to(holder_key)
             entry.key_components = components
             data = encode_entry(entry)
-            pipe.set(keys.entry(key), data, ex=30 * 86400)
+            pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
         else:
             binary = rng.bytes(int(rng.integers(1024, 6 * 1024)))
             entry = Entry(binary, ["x"], ["out"], "bir", "bir-1", components, "bench-host", "w0", now,
-                          float(rng.uniform(0.005, 0.07)))  # fmt: skip
+                          float(rng.uniform(0.005, 0.07)), toolchain=toolchain)  # fmt: skip
             data = encode_entry(entry)
-            pipe.set(keys.entry(key), data, ex=30 * 86400)
-            pipe.set(keys.digest(entry.digest), key, ex=30 * 86400)
+            pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
+            pipe.set(keys.digest(toolchain, entry.digest), key, ex=30 * 86400)
             if len(holders) < 5000:
                 holders.append((key, entry))
         stored_bytes += len(data)

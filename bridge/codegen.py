@@ -20,6 +20,7 @@ from bridge.errors import KernelCompileError, NkiCacheError
 from bridge.frontends.beta2 import TraceKernel
 from bridge.frontends.beta3 import trace_beta3
 from bridge.graph import Graph
+from bridge.identity import toolchain_id
 from bridge.ir import (
     ORDINARY_OPS,
     BasicBlock,
@@ -441,9 +442,12 @@ def cache_key_of_stored(key_components: Mapping[str, Any]) -> str:
 
 
 def stored_trace_problem(cache_key: str, stored: StoredTrace) -> str | None:
-    """Why a stored trace is not what this loop would emit under `cache_key`, or None. The bridge emits
-    only 'bir' (the dispatcher never takes beta2), and an entry's key components must hash to the key it was
-    read under, through the loop's own key rule: otherwise it is another variant's binary."""
+    """Why a stored trace is not what this loop would emit under `cache_key`, or None. It must come from this
+    very compiler (another toolchain's binary is what that compiler made), the bridge emits only 'bir' (the
+    dispatcher never takes beta2), and an entry's key components must hash to the key it was read under,
+    through the loop's own key rule: otherwise it is another variant's binary."""
+    if stored.toolchain != toolchain_id():
+        return f"traced by toolchain {stored.toolchain!r}, not by this compiler ({toolchain_id()})"
     if stored.result.get("format") != "bir":
         return f"format {stored.result.get('format')!r}: the bridge only emits 'bir'"
     try:

@@ -36,12 +36,13 @@ def hit_rate(counts: Mapping[str, float]) -> float:
 @dataclass(frozen=True)
 class StoredTrace:
     """A verified kernel trace the store holds: the specification's trace-result dict
-    ({'binary', 'input_names', 'output_names', 'format'}), what tracing it cost, and the key components
-    it was stored with."""
+    ({'binary', 'input_names', 'output_names', 'format'}), what tracing it cost, the key components it was
+    stored with, and the id of the compiler that traced it (bridge.identity)."""
 
     result: dict
     compile_seconds: float
     key_components: Mapping[str, Any]
+    toolchain: str
 
 
 @dataclass(frozen=True)

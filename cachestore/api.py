@@ -87,6 +87,7 @@ class RawEntry:
     cache_key: str
     data: bytes
     ttl: float | None  # seconds left, None when the store keeps no expiry
+    toolchain: str = ""  # the partition it is stored in (bridge.identity)
 
 
 @dataclass
@@ -102,6 +103,8 @@ class KeyRecord:
 
 @dataclass
 class WriteItem:
+    """An encoded entry for `Reader.put_entries`, written in the reader's toolchain partition."""
+
     cache_key: str
     data: bytes
     digest: str | None  # set for an entry holding its binary: the digest index points at it
@@ -110,9 +113,11 @@ class WriteItem:
 
 # -- the protocols ----------------------------------------------------------------------------------------
 class Backend(Protocol):
-    """The compile path."""
+    """The compile path, in one toolchain's partition (`toolchain`): entries, leases and the digest index of
+    another compiler are never read, replaced or deduplicated against."""
 
     description: str
+    toolchain: str
 
     def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
         """Encoded entries for the keys that have one (refreshing their TTL); references are not followed."""
@@ -133,11 +138,19 @@ class Backend(Protocol):
 
 
 class Reader(Protocol):
-    """Reports, inspection and administration."""
+    """Reports, inspection and administration. Entries are read and written in one toolchain's partition,
+    `toolchain` (this compiler's unless opened for another); `in_toolchain` gives a reader of another."""
 
     description: str
+    toolchain: str
     read_only: bool  # True: put_entries and delete_entries raise (a snapshot file)
     keeps_expired: bool  # True: entries past their expiry stay stored until purge_expired (SQLite)
+
+    def entry_toolchains(self) -> list[str]:
+        """The toolchains that hold entries, sorted."""
+
+    def in_toolchain(self, toolchain: str) -> Reader:
+        """The same store, in `toolchain`'s partition."""
 
     # fleet metrics
     def totals(self) -> dict[str, float]: ...
@@ -188,9 +201,10 @@ class Reader(Protocol):
 
 
 # -- opening one ------------------------------------------------------------------------------------------
-def open_backend(settings: Settings, *, reading: bool = False) -> Backend | Reader:
-    """The backend the settings' tier URL names. `reading` opens it for reports and inspection: longer
-    timeouts, and an embedded tier that does not exist yet is an error instead of a new file."""
+def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> Backend | Reader:
+    """The backend the settings' tier URL names, in `toolchain`'s partition (default: this compiler's).
+    `reading` opens it for reports and inspection: longer timeouts, and an embedded tier that does not exist
+    yet is an error instead of a new file."""
     from cachestore.settings import SettingsError
 
     url = settings.tier
@@ -198,11 +212,11 @@ def open_backend(settings: Settings, *, reading: bool = False) -> Backend | Read
         from cachestore.backends.sqlite import SqliteBackend
 
         timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
-        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading)
+        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading, toolchain=toolchain)
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 
-        return RedisBackend.open(settings, reading=reading)
+        return RedisBackend.open(settings, reading=reading, toolchain=toolchain)
     raise SettingsError(
         f"unknown tier {redact_url(url)!r}; use off, local:PATH, redis://, rediss://, unix:// or redis+cluster://"
     )

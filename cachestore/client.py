@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
@@ -79,6 +80,7 @@ class TierClient:
         self.mode = settings.tier_mode
         self.stats = TierStats()
         self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
+        self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
         self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable)
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
@@ -248,6 +250,7 @@ class TierClient:
             producer_worker=self.settings.worker,
             created=time.time(),
             compile_seconds=compile_seconds,
+            toolchain=self.toolchain,  # the compiler that traced it: this one
         )
         self.publish(cache_key, entry, release_lease=release_lease)
 
@@ -383,7 +386,7 @@ def _leading_group(items: list) -> list:
 
 
 def _stored_trace(entry: Entry) -> StoredTrace:
-    return StoredTrace(entry.trace_result(), entry.compile_seconds, entry.key_components)
+    return StoredTrace(entry.trace_result(), entry.compile_seconds, entry.key_components, entry.toolchain)
 
 
 def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:

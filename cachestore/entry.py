@@ -3,9 +3,11 @@
     envelope  = msgpack {"schema": SCHEMA_VERSION, "body": <bytes>, "sig": <32 bytes> | nil}
     body      = msgpack {"binary", "input_names", "output_names", "format", "version_identifier",
                          "key_components", "producer_host", "producer_worker", "created", "compile_seconds",
-                         "digest", "ref"}
+                         "digest", "ref", "toolchain"}
 
-`digest` is the SHA-256 of the binary. An entry whose binary is already stored under another cache key is
+`toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
+toolchain's entries apart, and the codegen loop takes only its own toolchain's. `digest` is the SHA-256 of
+the binary. An entry whose binary is already stored under another cache key is
 written as a reference (`binary` empty, `ref` naming that key), so identical binaries are stored once. The
 HMAC, when a key is configured, covers the body bytes. Nothing here ever unpickles: key_components hold
 tuples, which msgpack brings back as lists, and `key_components` is informational (reports, explain): the
@@ -22,11 +24,11 @@ from typing import Any
 
 import msgpack
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the body names its toolchain
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _BODY_FIELDS = (
     "binary", "input_names", "output_names", "format", "version_identifier", "key_components",
-    "producer_host", "producer_worker", "created", "compile_seconds", "digest", "ref",
+    "producer_host", "producer_worker", "created", "compile_seconds", "digest", "ref", "toolchain",
 )  # fmt: skip
 
 
@@ -52,6 +54,7 @@ class Entry:
     compile_seconds: float = 0.0
     digest: str = ""
     ref: str | None = None  # the cache key whose entry holds this binary, for deduplicated entries
+    toolchain: str = ""  # the id of the compiler that traced the binary
     signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
     unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
 
@@ -155,6 +158,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "binary": (bytes,), "input_names": (list,), "output_names": (list,), "format": (str,),
     "version_identifier": (str,), "key_components": (dict,), "producer_host": (str,), "producer_worker": (str,),
     "created": (float, int), "compile_seconds": (float, int), "digest": (str,), "ref": (str, type(None)),
+    "toolchain": (str,),
 }  # fmt: skip
 
 

@@ -89,17 +89,36 @@ def _has_signature(data: bytes) -> bool:
     return isinstance(envelope, dict) and isinstance(envelope.get("sig"), bytes)
 
 
+def toolchain_problem(raw: RawEntry, entry: Entry) -> str | None:
+    """Why `entry` does not belong in the toolchain partition it is stored in, or None."""
+    if entry.toolchain != raw.toolchain:
+        return f"traced by toolchain {entry.toolchain!r} but stored in toolchain {raw.toolchain}'s partition"
+    return None
+
+
+def partitions(reader: Reader) -> Iterator[Reader]:
+    """The reader in each toolchain's partition that holds entries."""
+    for toolchain in reader.entry_toolchains():
+        yield reader.in_toolchain(toolchain)
+
+
 # -- ls ---------------------------------------------------------------------------------------------
 def list_entries(reader: Reader, kernel: str | None = None, target: str | None = None) -> Iterator[dict]:
-    """One row per entry (streamed), with what the metrics know about its use. An entry that cannot be
-    decoded is listed with its `error` unless a filter is given."""
+    """One row per entry of every toolchain (streamed), with what the metrics know about its use. An entry
+    that cannot be decoded is listed with its `error` unless a filter is given."""
+    for partition in partitions(reader):
+        yield from _list_partition(partition, kernel, target)
+
+
+def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> Iterator[dict]:
     for batch in batched(reader.scan_entries()):
         usage = reader.key_records([raw.cache_key for raw in batch])
         for raw in batch:
             entry = decode_or_reason(raw.data)
             if isinstance(entry, str):
                 if kernel is None and target is None:
-                    yield {"key": raw.cache_key, "kernel_name": None, "bytes": len(raw.data), "error": entry}
+                    yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
+                           "bytes": len(raw.data), "error": entry}  # fmt: skip
                 continue
             info = describe_components(entry.key_components)
             if kernel not in (None, info["kernel_name"]) or target not in (None, info["target"]):
@@ -107,6 +126,7 @@ def list_entries(reader: Reader, kernel: str | None = None, target: str | None =
             record = usage.get(raw.cache_key)
             yield {
                 "key": raw.cache_key,
+                "toolchain": raw.toolchain,
                 **info,
                 "format": entry.format,
                 "bytes": len(raw.data),
@@ -127,16 +147,22 @@ def resolve_key(reader: Reader, key_or_prefix: str) -> str:
     prefix = key_or_prefix.strip().lower()
     if not prefix or any(c not in "0123456789abcdef" for c in prefix):
         raise InspectError(f"{key_or_prefix!r} is not a cache key (hex SHA-256) or a prefix of one")
+    where = f"{reader.description} (toolchain {reader.toolchain})"
     if len(prefix) == 64:
         if reader.get_entries([prefix]):
             return prefix
-        raise InspectError(f"no entry {prefix} in {reader.description}")
+        raise InspectError(f"no entry {prefix} in {where}{_elsewhere(reader, prefix)}")
     found = reader.find_keys(prefix, limit=5)
     if not found:
-        raise InspectError(f"no entry starts with {prefix} in {reader.description}")
+        raise InspectError(f"no entry starts with {prefix} in {where}{_elsewhere(reader, prefix)}")
     if len(found) > 1:
         raise InspectError(f"{prefix} is ambiguous: {', '.join(k[:16] + '...' for k in found)}")
     return found[0]
+
+
+def _elsewhere(reader: Reader, prefix: str) -> str:
+    others = [p.toolchain for p in partitions(reader) if p.toolchain != reader.toolchain and p.find_keys(prefix, 1)]
+    return f"; toolchain {', '.join(others)} {'has' if len(others) == 1 else 'have'} it (--toolchain)" if others else ""
 
 
 def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> dict:
@@ -150,6 +176,7 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
     record = reader.key_records([cache_key]).get(cache_key)
     shown: dict[str, Any] = {
         "key": cache_key,
+        "toolchain": reader.toolchain,
         "bytes": len(data),
         "signature": "present" if _has_signature(data) else "none",
         "verified": not isinstance(verified, str),
@@ -174,7 +201,10 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
         producer_worker=entry.producer_worker,
         created=entry.created,
         compile_seconds=entry.compile_seconds,
+        traced_by=entry.toolchain,
     )
+    if entry.toolchain != reader.toolchain:
+        shown["problem"] = shown["problem"] or f"traced by toolchain {entry.toolchain!r}, stored in this one's"
     if entry.is_reference:
         data = reader.get_entries([entry.ref]).get(entry.ref)
         holder = None if data is None else decode_or_reason(data)
@@ -197,14 +227,18 @@ def _reference_problem(entry: Entry, holder: Entry | str | None) -> str | None:
 
 # -- du ---------------------------------------------------------------------------------------------
 def disk_usage(reader: Reader) -> dict:
-    """Storage by kernel: entries, full entries and references, bytes stored, binary bytes held, and what
-    deduplication saves (the binaries references would otherwise hold). Keeps one (digest, size) pair per
-    distinct binary and one count per referenced digest."""
+    """Storage by kernel and by toolchain: entries, full entries and references, bytes stored, binary bytes
+    held, and what deduplication saves (the binaries references would otherwise hold; a toolchain's entries
+    are deduplicated among themselves). Keeps one (digest, size) pair per distinct binary and one count per
+    referenced digest."""
     kernels: dict[str, Counter] = defaultdict(Counter)
-    sizes: dict[str, int] = {}
-    referenced: dict[str, Counter] = defaultdict(Counter)  # digest -> kernel -> references
+    toolchains: dict[str, Counter] = defaultdict(Counter)
+    sizes: dict[tuple[str, str], int] = {}
+    referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (toolchain, digest) -> kernel -> references
     unreadable = Counter()
-    for raw in reader.scan_entries(with_ttl=False):
+    for raw in (raw for partition in partitions(reader) for raw in partition.scan_entries(with_ttl=False)):
+        toolchains[raw.toolchain]["entries"] += 1
+        toolchains[raw.toolchain]["bytes"] += len(raw.data)
         entry = decode_or_reason(raw.data)
         if isinstance(entry, str):
             unreadable["entries"] += 1
@@ -215,11 +249,11 @@ def disk_usage(reader: Reader) -> dict:
         row["bytes"] += len(raw.data)
         if entry.is_reference:
             row["references"] += 1
-            referenced[entry.digest][str(entry.key_components.get("kernel_name", ""))] += 1
+            referenced[raw.toolchain, entry.digest][str(entry.key_components.get("kernel_name", ""))] += 1
         else:
             row["full"] += 1
             row["binary_bytes"] += len(entry.binary)
-            sizes[entry.digest] = len(entry.binary)
+            sizes[raw.toolchain, entry.digest] = len(entry.binary)
     dangling = 0
     for digest, by_kernel in referenced.items():
         if digest not in sizes:
@@ -232,6 +266,7 @@ def disk_usage(reader: Reader) -> dict:
     total = {f: sum(row[f] for row in rows.values()) for f in fields}
     return {
         "kernels": rows,
+        "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(toolchains.items())},
         "total": total,
         "distinct_binaries": len(sizes),
         "dangling_references": dangling,
@@ -286,6 +321,7 @@ def explain(reader: Reader, components: Mapping[str, Any], key_of: KeyOf, top: i
     usage = reader.key_records([key for _, key, _ in ranked])
     return {
         "key": cache_key,
+        "toolchain": reader.toolchain,
         "present": present,
         "components": _json_value(wanted),
         "nearest": [
@@ -305,21 +341,37 @@ def import_snapshot(
     default_ttl: float,
     max_bytes: int = MAX_ENTRY_BYTES,
 ) -> dict:
-    """Write a snapshot's entries into a tier, each verified first (decoded with the policy, key components
-    hashing to its key); entries holding a binary go first, then references whose target now holds the
-    same binary. Metrics are not imported. Returns {imported, rejected: [{key, reason}]}."""
-    rejected: list[dict] = []
-    imported = 0
+    """Write a snapshot's entries into a tier, each into its toolchain's partition and verified first
+    (decoded with the policy, traced by that toolchain, key components hashing to its key); entries holding
+    a binary go first, then references whose target now holds the same binary. Metrics are not imported.
+    Returns {imported, rejected: [{key, reason}]}."""
+    result: dict = {"imported": 0, "rejected": []}
+    for partition in partitions(snapshot):
+        _import_partition(partition, tier.in_toolchain(partition.toolchain), policy, key_of, default_ttl, max_bytes,
+                          result)  # fmt: skip
+    return result
+
+
+def _import_partition(
+    snapshot: Reader, tier: Reader, policy: SignaturePolicy, key_of: KeyOf, default_ttl: float, max_bytes: int,
+    result: dict,
+) -> None:  # fmt: skip
+    rejected: list[dict] = result["rejected"]
 
     def ttl_of(raw: RawEntry) -> float:
         return raw.ttl if raw.ttl is not None and raw.ttl > 0 else default_ttl
+
+    def problem_of(raw: RawEntry, entry: Entry | str) -> str | None:
+        if isinstance(entry, str):
+            return entry
+        return toolchain_problem(raw, entry) or key_problem(raw.cache_key, entry, key_of)
 
     references = 0
     for batch in batched(snapshot.scan_entries()):
         items = []
         for raw in batch:
             entry = decode_or_reason(raw.data, policy, max_bytes)
-            problem = entry if isinstance(entry, str) else key_problem(raw.cache_key, entry, key_of)
+            problem = problem_of(raw, entry)
             if problem:
                 rejected.append({"key": raw.cache_key, "reason": problem})
             elif entry.is_reference:
@@ -327,26 +379,26 @@ def import_snapshot(
             else:
                 items.append(WriteItem(raw.cache_key, raw.data, entry.digest, ttl_of(raw)))
         tier.put_entries(items)
-        imported += len(items)
-    if references:
-        for batch in batched(snapshot.scan_entries()):
-            pending = {}
-            for raw in batch:
-                entry = decode_or_reason(raw.data, policy, max_bytes)
-                if isinstance(entry, Entry) and entry.is_reference and not key_problem(raw.cache_key, entry, key_of):
-                    pending[raw.cache_key] = (raw, entry)
-            targets = tier.get_entries(sorted({entry.ref for _, entry in pending.values()}))
-            items = []
-            for key, (raw, entry) in pending.items():
-                holder = decode_or_reason(targets[entry.ref], policy, max_bytes) if entry.ref in targets else None
-                problem = _reference_problem(entry, holder)
-                if problem:
-                    rejected.append({"key": key, "reason": problem})
-                else:
-                    items.append(WriteItem(key, raw.data, None, ttl_of(raw)))
-            tier.put_entries(items)
-            imported += len(items)
-    return {"imported": imported, "rejected": rejected}
+        result["imported"] += len(items)
+    if not references:
+        return
+    for batch in batched(snapshot.scan_entries()):
+        pending = {}
+        for raw in batch:
+            entry = decode_or_reason(raw.data, policy, max_bytes)
+            if isinstance(entry, Entry) and entry.is_reference and not problem_of(raw, entry):
+                pending[raw.cache_key] = (raw, entry)
+        targets = tier.get_entries(sorted({entry.ref for _, entry in pending.values()}))
+        items = []
+        for key, (raw, entry) in pending.items():
+            holder = decode_or_reason(targets[entry.ref], policy, max_bytes) if entry.ref in targets else None
+            problem = _reference_problem(entry, holder)
+            if problem:
+                rejected.append({"key": key, "reason": problem})
+            else:
+                items.append(WriteItem(key, raw.data, None, ttl_of(raw)))
+        tier.put_entries(items)
+        result["imported"] += len(items)
 
 
 # -- gc ---------------------------------------------------------------------------------------------
@@ -360,6 +412,16 @@ class _Candidate:
     compile_seconds: float
     last_use: float
     reason: str | None = None  # why it is evicted
+    toolchain: str = ""  # the partition it is stored in
+
+    @property
+    def id(self) -> tuple[str, str]:
+        return self.toolchain, self.key
+
+    @property
+    def holder_id(self) -> tuple[str, str] | None:
+        """The entry holding this reference's binary: a reference points within its own partition."""
+        return None if self.ref is None else (self.toolchain, self.ref)
 
     @property
     def value(self) -> float:
@@ -375,48 +437,43 @@ def collect_garbage(
     unused_for: float | None = None,
     dry_run: bool = False,
     now: float | None = None,
+    only_toolchain: str | None = None,
 ) -> dict:
-    """Evict entries (never metrics): unreadable entries and references to nothing; with `unused_for`,
-    entries not used for that many seconds; with `max_bytes`, the least valuable entries (lowest compile
-    seconds saved per stored byte: usage x compile time / size) until the rest fits. An entry holding a
-    binary goes only together with the references to it. Keeps one small record per entry."""
+    """Evict entries (never metrics), of every toolchain: unreadable entries and references to nothing; with
+    `only_toolchain`, every other toolchain's entries; with `unused_for`, entries not used for that many
+    seconds; with `max_bytes`, the least valuable entries (lowest compile seconds saved per stored byte:
+    usage x compile time / size) until the rest fits. An entry holding a binary goes only together with the
+    references to it. Keeps one small record per entry."""
     now = time.time() if now is None else now
-    candidates: dict[str, _Candidate] = {}
-    for batch in batched(reader.scan_entries(with_ttl=False)):
-        usage = reader.key_records([raw.cache_key for raw in batch])
-        for raw in batch:
-            entry = decode_or_reason(raw.data, policy)
-            record = usage.get(raw.cache_key)
-            if isinstance(entry, str):
-                candidates[raw.cache_key] = _Candidate(raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0,
-                                                       reason="unreadable")  # fmt: skip
-                continue
-            last = max(record.last_use if record else 0.0, entry.created)
-            candidates[raw.cache_key] = _Candidate(
-                raw.cache_key, len(raw.data), None if entry.is_reference else entry.digest, entry.ref,
-                record.usage if record else 0, entry.compile_seconds, last,
-            )  # fmt: skip
-    references: dict[str, list[str]] = defaultdict(list)
+    candidates: dict[tuple[str, str], _Candidate] = {}
+    for partition in partitions(reader):
+        for c in _candidates(partition, policy):
+            candidates[c.id] = c
+    references: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
     for c in candidates.values():
-        if c.ref is not None:
-            holder = candidates.get(c.ref)
+        if c.holder_id is not None:
+            holder = candidates.get(c.holder_id)
             if holder is None or holder.reason == "unreadable" or holder.ref is not None:
                 c.reason = c.reason or "dangling reference"
             else:
-                references[c.ref].append(c.key)
+                references[c.holder_id].append(c.id)
 
     def evict(c: _Candidate, reason: str) -> None:
         if c.reason is None:
             c.reason = reason
-        for key in references.get(c.key, ()):
-            if candidates[key].reason is None:
-                candidates[key].reason = reason
+        for member in references.get(c.id, ()):
+            if candidates[member].reason is None:
+                candidates[member].reason = reason
 
+    if only_toolchain is not None:
+        for c in candidates.values():
+            if c.toolchain != only_toolchain:
+                evict(c, "other toolchain")  # its references live in its own partition: they go with it
     if unused_for is not None:
         cutoff = now - unused_for
         for c in candidates.values():
             # A reference goes alone; an entry holding a binary only when its references are unused too.
-            group = [c, *(candidates[k] for k in references.get(c.key, ()))]
+            group = [c, *(candidates[k] for k in references.get(c.id, ()))]
             if all(member.last_use < cutoff for member in group):
                 evict(c, "unused")
     if max_bytes is not None:
@@ -424,8 +481,10 @@ def collect_garbage(
 
     evicted = [c for c in candidates.values() if c.reason]
     if not dry_run:
-        for chunk in batched(iter(evicted)):
-            reader.delete_entries([(c.key, c.digest) for c in chunk])
+        for toolchain in sorted({c.toolchain for c in evicted}):
+            partition = reader.in_toolchain(toolchain)
+            for chunk in batched(c for c in evicted if c.toolchain == toolchain):
+                partition.delete_entries([(c.key, c.digest) for c in chunk])
     expired = reader.expired_count() if reader.keeps_expired else (0, 0)
     if not dry_run and expired[0]:
         reader.purge_expired()
@@ -441,11 +500,32 @@ def collect_garbage(
         "kept_bytes": sum(c.bytes for c in candidates.values() if not c.reason),
         "expired_purged": expired[0],
         "keys": sorted(c.key for c in evicted),
+        "evicted_by_toolchain": dict(sorted(Counter(c.toolchain for c in evicted).items())),
     }
 
 
+def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]:
+    """One partition's entries as gc candidates, with what the metrics know of their use."""
+    for batch in batched(reader.scan_entries(with_ttl=False)):
+        usage = reader.key_records([raw.cache_key for raw in batch])
+        for raw in batch:
+            entry = decode_or_reason(raw.data, policy)
+            record = usage.get(raw.cache_key)
+            if isinstance(entry, str):
+                yield _Candidate(raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0, "unreadable", raw.toolchain)
+                continue
+            last = max(record.last_use if record else 0.0, entry.created)
+            yield _Candidate(
+                raw.cache_key, len(raw.data), None if entry.is_reference else entry.digest, entry.ref,
+                record.usage if record else 0, entry.compile_seconds, last, toolchain=raw.toolchain,
+            )  # fmt: skip
+
+
 def _evict_over_budget(
-    candidates: dict[str, _Candidate], references: dict[str, list[str]], max_bytes: int, evict: Any
+    candidates: dict[tuple[str, str], _Candidate],
+    references: dict[tuple[str, str], list[tuple[str, str]]],
+    max_bytes: int,
+    evict: Any,
 ) -> None:
     kept = sum(c.bytes for c in candidates.values() if not c.reason)
     if kept <= max_bytes:
@@ -454,16 +534,16 @@ def _evict_over_budget(
     def group_value(c: _Candidate) -> float:
         if c.ref is not None:
             return c.value
-        group = [c, *(candidates[k] for k in references.get(c.key, ()) if not candidates[k].reason)]
+        group = [c, *(candidates[k] for k in references.get(c.id, ()) if not candidates[k].reason)]
         seconds = max(c.compile_seconds, 1e-3) * sum(member.usage for member in group)
         return seconds / max(1, sum(member.bytes for member in group))
 
-    order = sorted((c for c in candidates.values() if not c.reason), key=lambda c: (group_value(c), c.last_use, c.key))
+    order = sorted((c for c in candidates.values() if not c.reason), key=lambda c: (group_value(c), c.last_use, c.id))
     for c in order:
         if kept <= max_bytes:
             return
         if c.reason:
             continue
-        freed = c.bytes + sum(candidates[k].bytes for k in references.get(c.key, ()) if not candidates[k].reason)
+        freed = c.bytes + sum(candidates[k].bytes for k in references.get(c.id, ()) if not candidates[k].reason)
         evict(c, "over budget")
         kept -= freed

@@ -1,49 +1,56 @@
 """Every Redis key nkicache uses, built here and nowhere else.
 
-Layout (NS = namespace, V = schema version):
+Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.identity`):
 
-    NS:vV:entry:{KEY}          string   encoded entry for cache key KEY (TTL, refreshed on use)
-    NS:vV:lease:{KEY}          string   single-flight lease: the tracing worker's id (short TTL)
-    NS:vV:digest:{DIGEST}      string   the cache key whose entry holds the binary with this SHA-256 (TTL)
+    NS:vV:tc:TC:entry:{KEY}      string   encoded entry for cache key KEY (TTL, refreshed on use)
+    NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
+    NS:vV:tc:TC:digest:{DIGEST}  string   the cache key whose entry holds the binary with this SHA-256 (TTL)
     {NS:vV:metrics}:...        fleet metrics, all in one hash slot so one Lua script applies a batch
     {NS:vV:jobs}:...           the fleet's job queue (a stream with a consumer group), results, dead letters,
                                artifacts and worker heartbeats, all in one slot so job scripts are atomic
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
 every metrics key shares the metrics slot, which is what lets a batch apply atomically and exactly once.
+
+Entries, leases and the digest index are partitioned by toolchain: two compilers (a rolling upgrade) share
+one Redis without ever reading, deduplicating against or evicting each other's binaries, while the fleet
+metrics and the job queue stay shared. The specification's SHA-256 stays the cache key inside a partition.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachestore.entry import SCHEMA_VERSION
+LAYOUT_VERSION = 1  # of the key layout; the entry format has its own (cachestore.entry.SCHEMA_VERSION)
 
 
 @dataclass(frozen=True)
 class KeySpace:
     namespace: str = "nkicache"
-    version: int = SCHEMA_VERSION
+    version: int = LAYOUT_VERSION
 
     @property
     def prefix(self) -> str:
         return f"{self.namespace}:v{self.version}"
 
-    # -- entries ----------------------------------------------------------------------------------
-    def entry(self, cache_key: str) -> str:
-        return f"{self.prefix}:entry:{{{cache_key}}}"
+    # -- entries (one partition per toolchain) ----------------------------------------------------
+    def entry(self, toolchain: str, cache_key: str) -> str:
+        return f"{self.prefix}:tc:{toolchain}:entry:{{{cache_key}}}"
 
-    def lease(self, cache_key: str) -> str:
-        return f"{self.prefix}:lease:{{{cache_key}}}"
+    def lease(self, toolchain: str, cache_key: str) -> str:
+        return f"{self.prefix}:tc:{toolchain}:lease:{{{cache_key}}}"
 
-    def digest(self, digest: str) -> str:
-        return f"{self.prefix}:digest:{{{digest}}}"
+    def digest(self, toolchain: str, digest: str) -> str:
+        return f"{self.prefix}:tc:{toolchain}:digest:{{{digest}}}"
 
-    def entry_pattern(self) -> str:
-        return f"{self.prefix}:entry:*"
+    def entry_pattern(self, toolchain: str | None = None) -> str:
+        """SCAN pattern of one toolchain's entries, or of every toolchain's."""
+        return f"{self.prefix}:tc:{toolchain or '*'}:entry:*"
 
-    def cache_key_of_entry(self, redis_key: str) -> str:
-        return redis_key[len(self.prefix) + len(":entry:{") : -1]
+    def parse_entry(self, redis_key: str) -> tuple[str, str]:
+        """(toolchain, cache key) of an entry's Redis key."""
+        toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
+        return toolchain, tagged[1:-1]
 
     # -- metrics (one slot) -----------------------------------------------------------------------
     @property

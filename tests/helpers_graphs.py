@@ -175,23 +175,29 @@ class LocalView(TierView):
         return [json.loads(r) for (r,) in self._rows("SELECT record FROM pass_log ORDER BY id")]
 
     def ttl(self, cache_key: str) -> float | None:
-        rows = self._rows("SELECT expires FROM entries WHERE cache_key = ?", (cache_key,))
+        rows = self._rows("SELECT expires FROM entries WHERE toolchain = ? AND cache_key = ?", self._at(cache_key))
         return rows[0][0] - time.time() if rows else None
 
     def set_ttl(self, cache_key: str, seconds: float) -> None:
-        self._write("UPDATE entries SET expires = ? WHERE cache_key = ?", (time.time() + seconds, cache_key))
+        self._write("UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
+                    (time.time() + seconds, *self._at(cache_key)))  # fmt: skip
 
     def raw(self, cache_key: str) -> bytes | None:
-        rows = self._rows("SELECT data FROM entries WHERE cache_key = ?", (cache_key,))
+        rows = self._rows("SELECT data FROM entries WHERE toolchain = ? AND cache_key = ?", self._at(cache_key))
         return bytes(rows[0][0]) if rows else None
 
     def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
         self._write(
-            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", (cache_key, data, "0" * 64, time.time() + ttl)
+            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
+            (*self._at(cache_key), data, "0" * 64, time.time() + ttl),
         )
 
     def delete(self, cache_key: str) -> None:
-        self._write("DELETE FROM entries WHERE cache_key = ?", (cache_key,))
+        self._write("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", self._at(cache_key))
+
+    def _at(self, cache_key: str) -> tuple[str, str]:
+        """Where an entry of the backend's toolchain partition is."""
+        return self.backend.toolchain, cache_key
 
 
 class RedisView(TierView):
@@ -235,20 +241,20 @@ class RedisView(TierView):
         return [json.loads(fields[b"pass"]) for _, fields in self._r.xrange(self._k.pass_log)]
 
     def ttl(self, cache_key: str) -> float | None:
-        ms = self._r.pttl(self._k.entry(cache_key))
+        ms = self._r.pttl(self._k.entry(self.backend.toolchain, cache_key))
         return None if ms < 0 else ms / 1000
 
     def set_ttl(self, cache_key: str, seconds: float) -> None:
-        self._r.pexpire(self._k.entry(cache_key), max(1, int(seconds * 1000)))
+        self._r.pexpire(self._k.entry(self.backend.toolchain, cache_key), max(1, int(seconds * 1000)))
 
     def raw(self, cache_key: str) -> bytes | None:
-        return self._r.get(self._k.entry(cache_key))
+        return self._r.get(self._k.entry(self.backend.toolchain, cache_key))
 
     def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
-        self._r.set(self._k.entry(cache_key), data, ex=int(ttl))
+        self._r.set(self._k.entry(self.backend.toolchain, cache_key), data, ex=int(ttl))
 
     def delete(self, cache_key: str) -> None:
-        self._r.delete(self._k.entry(cache_key))
+        self._r.delete(self._k.entry(self.backend.toolchain, cache_key))
 
 
 def delete_namespace(client: Any, namespace: str) -> None:

@@ -154,7 +154,7 @@ def test_worker_compiles_with_the_redis_tier(acl_server: int, worker_env: dict, 
             data = reader.get(key)
             assert msgpack.unpackb(data)["sig"] is not None
             decode_entry(data, SignaturePolicy(HMAC_KEY.encode(), require_signed=True))
-        assert list(reader.scan_iter(match=KEYS.lease("*"), count=1000)) == []  # leases taken and released
+        assert list(reader.scan_iter(match=KEYS.lease("*", "*"), count=1000)) == []  # leases taken and released
     finally:
         reader.close()
 

@@ -37,12 +37,15 @@ from helpers_graphs import (
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
+from bridge.identity import toolchain_id
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.backends.redis import RedisBackend, connect
 from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 from workers.cli import main as nkicache
+
+TC = toolchain_id()
 
 # -- the shared backend and reader suites, on the cluster ----------------------------------------------
 # Every test_* of both suites is collected here too, with `backend` and `reader` below: a RedisBackend on the
@@ -86,7 +89,7 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
         return client.cluster_keyslot(key)  # asked of the server, not computed here
 
     for cache_key in ("0" * 64, "f" * 64, "a3" * 32):
-        assert slot(k.entry(cache_key)) == slot(k.lease(cache_key))
+        assert slot(k.entry(TC, cache_key)) == slot(k.lease(TC, cache_key)) == slot(k.entry("b" * 16, cache_key))
     metrics = [k.applied_batch("b1"), k.totals, k.workers, k.worker_metrics("host", "w"), k.kernel_calls,
                k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
                k.key_hosts("0" * 64), k.key_hosts("f" * 64)]  # fmt: skip
@@ -95,7 +98,7 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
             k.job_batch("b1"), k.job_artifact("b1-00000")]  # fmt: skip
     assert len({slot(key) for key in jobs}) == 1
     # Entries spread over the masters by cache key; the metrics and jobs slots are whatever their tags hash to.
-    assert len({slot(k.entry(f"{i:064x}")) for i in range(50)}) > 40
+    assert len({slot(k.entry(TC, f"{i:064x}")) for i in range(50)}) > 40
 
 
 def test_entries_spread_over_every_master_and_scan_finds_them_all(backend: RedisBackend) -> None:
@@ -236,8 +239,10 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
 
 
 def key_family(key: str, keys: KeySpace) -> str:
+    partitioned = key.startswith(f"{keys.prefix}:tc:")
+    toolchain, _, rest = key.removeprefix(f"{keys.prefix}:tc:").partition(":")
     for family in ("entry", "lease", "digest"):
-        if key.startswith(f"{keys.prefix}:{family}:{{") and key.endswith("}"):
+        if partitioned and len(toolchain) == 16 and rest.startswith(f"{family}:{{") and key.endswith("}"):
             return family
     for family, tag in (("metrics", keys.metrics_tag), ("jobs", keys.jobs_tag)):
         if key.startswith(tag + ":"):
@@ -292,7 +297,7 @@ def test_a_master_killed_mid_run_fails_fast_and_counts_while_the_compile_succeed
     client = cluster_client(cluster.url)
     keys = KeySpace(namespace)
     stored = [raw.cache_key for raw in RedisBackend(client, keys).scan_entries()]
-    entry_ports = {key: cluster.port_of_slot(client.keyslot(keys.entry(key))) for key in stored}
+    entry_ports = {key: cluster.port_of_slot(client.keyslot(keys.entry(TC, key))) for key in stored}
     client.close()
     assert len(entry_ports) == 18
     counts = {port: list(entry_ports.values()).count(port) for port in cluster.ports}

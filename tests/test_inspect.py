@@ -424,7 +424,7 @@ def test_gc_evicts_unused_unreadable_and_dangling_entries(fleet: Tier) -> None:
 
 def digest_index(tier: Tier) -> list:
     if tier.kind == "redis":
-        return list(tier.client.scan_iter(match=tier.backend.keys.digest("*").replace("{*}", "*")))
+        return list(tier.client.scan_iter(match=tier.backend.keys.digest("*", "*").replace("{*}", "*")))
     import sqlite3
 
     db = sqlite3.connect(tier.backend.path)
@@ -482,7 +482,7 @@ def test_verify_resolves_references_however_small_its_cache(tmp_path: Path, monk
             entry.key_components = components
             items.append(WriteItem(key, encode_entry(entry), None, 3600))
         else:
-            entry = Entry(bytes([i]) * 100, ["x"], ["out"], "bir", "v", components)
+            entry = Entry(bytes([i]) * 100, ["x"], ["out"], "bir", "v", components, toolchain=reader.toolchain)
             holders.append((key, entry))
             items.append(WriteItem(key, encode_entry(entry), entry.digest, 3600))
     reader.put_entries(items)

@@ -13,6 +13,7 @@ from helpers_graphs import MIXED_DISTINCT_KEYS, MIXED_KERNEL_OPS, binary_digests
 
 from bridge.codegen import BirCodeGenLoop, cache_key_of_stored
 from bridge.graph import load_graph
+from bridge.identity import toolchain_id
 from bridge.port import PASS_COUNTERS, TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, hit_rate
 from bridge.targets import make_target
 
@@ -42,7 +43,7 @@ class DictStore:
 
     def publish_trace(self, cache_key: str, result: dict, key_components: Mapping[str, Any], compile_seconds: float,
                       release_lease: bool = False) -> None:  # fmt: skip
-        self.traces[cache_key] = StoredTrace(dict(result), compile_seconds, dict(key_components))
+        self.traces[cache_key] = StoredTrace(dict(result), compile_seconds, dict(key_components), toolchain_id())
 
     def record_pass(self, record: PassRecord) -> None:
         self.passes.append(record)

@@ -253,6 +253,26 @@ def test_entries_swapped_between_keys_are_rejected_counted_and_retraced(tier: Ti
     )
 
 
+@pytest.mark.parametrize("hmac_key", [None, KEY], ids=["unsigned", "signed"])
+def test_another_toolchains_entry_in_this_partition_is_rejected(tier: Tier, hmac_key: bytes | None) -> None:
+    """An intact entry of another compiler copied into this compiler's partition (by a writer of the store,
+    signed with the fleet's key) is that compiler's binary: refused, counted and traced again."""
+    settings = tier.settings(hmac_key=hmac_key, worker="w1")
+    graph = mixed_graph()
+    client = open_tier(settings)
+    _, first_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    stored = stored_entries(tier.backend)
+    planted = sorted(stored)[0]
+    tier.view.put_raw(planted, _resigned(stored[planted], SignaturePolicy(hmac_key), toolchain="0" * 16))
+    client = open_tier(settings.replace(worker="w2"))
+    second, second_bb = compile_in_process(graph, client)
+    client.close(timeout=10)
+    assert second.tier_counts()["tier_rejected"] == 1
+    assert (second.traces, second.remote_hits) == (1, MIXED_DISTINCT_KEYS - 1)
+    assert binary_digests(second_bb) == binary_digests(first_bb)
+
+
 def test_garbage_under_every_key_still_compiles_correctly(tier: Tier) -> None:
     graph = mixed_graph(rows=96)
     client = open_tier(tier.settings(worker="w1"))

@@ -170,7 +170,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
                     entry = tier.lookup(key)
                     loop._cache_new_nki_frontend_binary(key, entry.trace_result(), entry.key_components)
                     middle = time.perf_counter()
-                    raw.get(keys_space.entry(key))
+                    raw.get(keys_space.entry(tier.toolchain, key))
                     hit_times.append(middle - started)
                     get_times.append(time.perf_counter() - middle)
             return hit_times, get_times
@@ -182,7 +182,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
 
         def raw_batched() -> None:
             for _ in range(rounds):
-                raw.mget([keys_space.entry(key) for key in full])
+                raw.mget([keys_space.entry(tier.toolchain, key) for key in full])
 
         count = rounds * len(full)
         hit_times, get_times = interleaved()

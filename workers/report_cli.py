@@ -186,14 +186,15 @@ def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable
     group = ctx.find_object(dict) or {}
     tier = tier or group.get("tier")
     snapshot = snapshot or group.get("snapshot")
+    toolchain = group.get("toolchain")
     if tier and snapshot:
         raise click.UsageError("--tier and --snapshot name two sources; give one")
     if snapshot:
         if writable:
             raise click.UsageError("a snapshot is read-only; name a --tier")
-        reader = SnapshotReader(snapshot)
+        reader = SnapshotReader(snapshot, toolchain)
     else:
-        reader = open_backend(_settings(tier), reading=True)
+        reader = open_backend(_settings(tier), reading=True, toolchain=toolchain)
     try:
         yield reader
     finally:
@@ -209,13 +210,17 @@ def _policy(tier: str | None = None) -> Any:
 
 @click.group("inspect")
 @source_options
+@click.option("--toolchain", default=None, metavar="ID",
+              help="The toolchain whose entries show, verify and explain look at (default: this compiler's, "
+                   "see nkicache --version). ls, du, export, import and gc cover every toolchain.")  # fmt: skip
 @click.pass_context
-def inspect_group(ctx: click.Context, tier: str | None, snapshot: str | None) -> None:
+def inspect_group(ctx: click.Context, tier: str | None, snapshot: str | None, toolchain: str | None) -> None:
     """Look inside a tier, or a snapshot of one: list, show, disk usage, verify, explain a miss, export,
     import, garbage-collect. Read-only except import and gc (which never touch the metrics).
 
+    A tier keeps each toolchain's entries apart (a compiler change makes a new toolchain id).
     --tier/--snapshot may be given here or after the subcommand."""
-    ctx.obj = {"tier": tier, "snapshot": snapshot}
+    ctx.obj = {"tier": tier, "snapshot": snapshot, "toolchain": toolchain}
 
 
 def _short(value: Any) -> str:
@@ -240,7 +245,7 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
                snapshot: str | None) -> None:  # fmt: skip
     """List entries: key, kernel, target, operand and result shapes, stored bytes, usage, last use.
 
-    --json: [{key, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
+    --json: [{key, toolchain, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
     result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, created, ttl, error}].
     """
     from cachestore.inspect import list_entries
@@ -257,11 +262,13 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
         for row in rows:
             count += 1
             if row["error"]:
-                click.echo(f"{row['key'][:16]}  UNREADABLE ({row['error']}), {row['bytes']} bytes")
+                click.echo(
+                    f"{row['key'][:16]}  {row['toolchain'][:8]}  UNREADABLE ({row['error']}), {row['bytes']} bytes"
+                )
                 continue
             dtypes = ",".join(sorted(set(row["operand_dtypes"] + row["result_dtypes"])))
             kind = f"ref {row['ref'][:8]}" if row["ref"] else f"{row['binary_bytes']} B binary"
-            click.echo(f"{row['key'][:16]}  {row['kernel_name']:<32} {row['target']:<5} "
+            click.echo(f"{row['key'][:16]}  {row['toolchain'][:8]}  {row['kernel_name']:<32} {row['target']:<5} "
                        f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
                        f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}")  # fmt: skip
         click.echo(f"{count} entries", err=True)
@@ -303,11 +310,13 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     deduplication saves.
 
     --json keys: kernels ({name: {entries, full, references, bytes, binary_bytes, dedupe_saved_bytes}}),
-    total (the same summed), distinct_binaries, dangling_references, unreadable ({entries, bytes}).
+    toolchains ({id: {entries, bytes}}), total (the same summed), distinct_binaries, dangling_references,
+    unreadable ({entries, bytes}).
     """
     from rich.console import Console
     from rich.table import Table
 
+    from bridge.identity import toolchain_id
     from cachestore.inspect import disk_usage
 
     with _source(ctx, tier, snapshot) as reader:
@@ -325,6 +334,9 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     table.add_row("(total)", *(f"{usage['total'][c]:,}" for c in columns), style="bold")
     console = Console(width=140, force_terminal=False, color_system=None)
     console.print(table)
+    for toolchain, row in usage["toolchains"].items():
+        mine = " (this compiler)" if toolchain == toolchain_id() else ""
+        console.print(f"toolchain {toolchain}{mine}: {row['entries']:,} entries, {row['bytes']:,} bytes")
     console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
                   f"references; {usage['unreadable']['entries']:,} unreadable entries "
                   f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
@@ -484,24 +496,28 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
               help="Evict the least valuable entries until the rest take at most B bytes (500M, 2GiB).")  # fmt: skip
 @click.option("--unused-for", default=None, metavar="D", callback=_parsed(_duration, "--unused-for"),
               help="Evict entries not used for D (12h, 30d).")  # fmt: skip
+@click.option("--other-toolchains", is_flag=True,
+              help="Evict every entry of a toolchain other than this compiler's (after an upgrade).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
 @click.pass_context
-def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_for: float | None, as_json: bool,
-               tier: str | None) -> None:  # fmt: skip
-    """Evict entries, never metrics: always the unreadable ones and references to nothing; with
-    --unused-for, those not used for that long; with --max-bytes, the lowest-value entries (usage x
-    compile seconds per stored byte) until the rest fit. An entry holding a binary is evicted only with
-    the references to it.
+def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_for: float | None,
+               other_toolchains: bool, as_json: bool, tier: str | None) -> None:  # fmt: skip
+    """Evict entries of every toolchain, never metrics: always the unreadable ones and references to
+    nothing; with --other-toolchains, every toolchain's but this compiler's; with --unused-for, those not
+    used for that long; with --max-bytes, the lowest-value entries (usage x compile seconds per stored
+    byte) until the rest fit. An entry holding a binary is evicted only with the references to it.
 
     --json keys: dry_run, entries, bytes, evicted, evicted_bytes, reasons, kept, kept_bytes,
-    expired_purged, keys.
+    expired_purged, keys, evicted_by_toolchain.
     """
+    from bridge.identity import toolchain_id
     from cachestore.inspect import collect_garbage
 
     policy, _ = _policy(tier)
     with _source(ctx, tier, None, writable=True) as reader:
-        result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run)
+        result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run,
+                                 only_toolchain=toolchain_id() if other_toolchains else None)  # fmt: skip
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -17,6 +17,7 @@ from bridge.codegen import BirCodeGenLoop, cache_key_of_stored
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
 from bridge.graph_runner import RUNNERS, compare_output
+from bridge.identity import toolchain_id
 from bridge.ir import InternalNkiKernel, Tensor, freeze_key_components
 from bridge.references import reference
 from bridge.registry import get_internal_kernel_registry
@@ -24,7 +25,7 @@ from bridge.sampling import sample_inputs
 from bridge.targets import Target, get_platform_target, make_target
 from cachestore.api import BATCH, Reader, batched
 from cachestore.entry import MAX_ENTRY_BYTES, Entry, SignaturePolicy
-from cachestore.inspect import InspectError, decode_or_reason, key_problem
+from cachestore.inspect import InspectError, decode_or_reason, key_problem, toolchain_problem
 
 
 @dataclass
@@ -65,10 +66,15 @@ def verify_entries(
     execute: int = 0,
     seed: int = 0,
 ) -> VerifyReport:
-    """Decode every entry with the reader's signature policy (digest, signature, schema), check that its
-    key components hash to its key and that a reference names an entry holding the same binary. Then
-    re-trace `recompile` sampled entries and compare bytes, and run `execute` sampled entries against the
-    numpy references. Keeps a bounded cache of reference targets and the sample."""
+    """Decode every entry of the reader's toolchain partition with the reader's signature policy (digest,
+    signature, schema), check that it was traced by that toolchain, that its key components hash to its key
+    and that a reference names an entry holding the same binary. Then re-trace `recompile` sampled entries
+    and compare bytes (only this compiler's own entries: another toolchain's binaries are expected to
+    differ), and run `execute` sampled entries against the numpy references. Keeps a bounded cache of
+    reference targets and the sample."""
+    if recompile and reader.toolchain != toolchain_id():
+        raise InspectError(f"--recompile re-traces with this compiler (toolchain {toolchain_id()}); the entries "
+                           f"of toolchain {reader.toolchain} were traced by another")  # fmt: skip
     report = VerifyReport()
     holders = _HolderCache()
     sample: list[tuple[str, Entry]] = []
@@ -80,7 +86,11 @@ def verify_entries(
         for raw in batch:
             report.checked += 1
             entry = decode_or_reason(raw.data, policy, max_bytes)
-            problem = entry if isinstance(entry, str) else key_problem(raw.cache_key, entry, cache_key_of_stored)
+            problem = (
+                entry
+                if isinstance(entry, str)
+                else (toolchain_problem(raw, entry) or key_problem(raw.cache_key, entry, cache_key_of_stored))
+            )
             if problem:
                 report.bad.append({"key": raw.cache_key, "reason": problem})
                 holders.put(raw.cache_key, problem)

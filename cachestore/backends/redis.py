@@ -17,6 +17,7 @@ in one place: `redis_errors`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +29,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from bridge.identity import toolchain_id
 from cachestore.api import (
     BATCH,
     READ_CONNECT_TIMEOUT,
@@ -160,25 +162,49 @@ class RedisBackend:
     read_only = False
     keeps_expired = False  # Redis expires entries itself
 
-    def __init__(self, client: Any, keys: KeySpace, description: str = "redis"):
+    def __init__(self, client: Any, keys: KeySpace, description: str = "redis", toolchain: str | None = None):
+        """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's)."""
         self.client = client
         self.keys = keys
         self.description = description
+        self.toolchain = toolchain or toolchain_id()
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
 
     @classmethod
-    def open(cls, settings: Settings, *, reading: bool = False) -> RedisBackend:
+    def open(cls, settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> RedisBackend:
         """Connect to the tier the settings name; `reading` (reports, inspection) allows longer timeouts."""
         connect_timeout, op_timeout = settings.connect_timeout, settings.op_timeout
         if reading:
             connect_timeout, op_timeout = max(connect_timeout, READ_CONNECT_TIMEOUT), max(op_timeout, READ_TIMEOUT)
         client = connect(settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout,
                          password=settings.redis_password)  # fmt: skip
-        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier))
+        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain)
 
     def __repr__(self) -> str:
-        return f"RedisBackend({self.description})"
+        return f"RedisBackend({self.description}, toolchain {self.toolchain})"
+
+    def in_toolchain(self, toolchain: str) -> RedisBackend:
+        """The same store and client, working in another toolchain's partition (closing either closes both)."""
+        partition = copy.copy(self)
+        partition.toolchain = toolchain
+        return partition
+
+    def entry_toolchains(self) -> list[str]:
+        """The toolchains that hold entries (a SCAN of the entry keys, no values read)."""
+        found: set[str] = set()
+        for redis_key in self._stream(lambda: self.client.scan_iter(match=self.keys.entry_pattern(), count=1000)):
+            found.add(self.keys.parse_entry(text(redis_key) or "")[0])
+        return sorted(found)
+
+    def _entry(self, cache_key: str) -> str:
+        return self.keys.entry(self.toolchain, cache_key)
+
+    def _lease(self, cache_key: str) -> str:
+        return self.keys.lease(self.toolchain, cache_key)
+
+    def _digest(self, digest: str) -> str:
+        return self.keys.digest(self.toolchain, digest)
 
     def _call(self, operation: Callable[[], T]) -> T:
         with redis_errors(self.description):
@@ -207,9 +233,9 @@ class RedisBackend:
     # -- entries ----------------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
         if len(cache_keys) == 1:
-            value = self._call(lambda: self.client.getex(self.keys.entry(cache_keys[0]), ex=ttl))
+            value = self._call(lambda: self.client.getex(self._entry(cache_keys[0]), ex=ttl))
             return {} if value is None else {cache_keys[0]: value}
-        values = self._pipeline(lambda pipe: [pipe.getex(self.keys.entry(key), ex=ttl) for key in cache_keys])
+        values = self._pipeline(lambda pipe: [pipe.getex(self._entry(key), ex=ttl) for key in cache_keys])
         return {key: value for key, value in zip(cache_keys, values, strict=True) if value is not None}
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
@@ -218,15 +244,15 @@ class RedisBackend:
         claims = self._pipeline(
             lambda pipe: [
                 (
-                    pipe.set(self.keys.digest(r.digest), r.cache_key, nx=True, ex=ttl),
-                    pipe.get(self.keys.digest(r.digest)),
+                    pipe.set(self._digest(r.digest), r.cache_key, nx=True, ex=ttl),
+                    pipe.get(self._digest(r.digest)),
                 )
                 for r in requests
             ]
         )
         holders = [text(claims[2 * i + 1]) for i in range(len(requests))]
         others = [(r, holder) for r, holder in zip(requests, holders, strict=True) if holder not in (None, r.cache_key)]
-        alive = self._pipeline(lambda pipe: [pipe.exists(self.keys.entry(h)) for _, h in others]) if others else []
+        alive = self._pipeline(lambda pipe: [pipe.exists(self._entry(h)) for _, h in others]) if others else []
         # A holder earlier in this batch is written below, in the same pipeline, before its references.
         in_batch = {r.cache_key for r, holder in zip(requests, holders, strict=True) if holder == r.cache_key}
         referenced = {
@@ -238,22 +264,22 @@ class RedisBackend:
         def write(pipe: Any) -> None:
             for r in requests:
                 if r.cache_key in referenced:
-                    pipe.set(self.keys.entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
+                    pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
-                    pipe.set(self.keys.entry(r.cache_key), r.full, ex=ttl)
-                    pipe.set(self.keys.digest(r.digest), r.cache_key, ex=ttl)
+                    pipe.set(self._entry(r.cache_key), r.full, ex=ttl)
+                    pipe.set(self._digest(r.digest), r.cache_key, ex=ttl)
 
         self._pipeline(write)
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        return bool(self._call(lambda: self.client.set(self.keys.lease(cache_key), owner, nx=True, px=int(ttl * 1000))))
+        return bool(self._call(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000))))
 
     def release_lease(self, cache_key: str, owner: str) -> None:
-        self._call(lambda: self._release_lease(keys=[self.keys.lease(cache_key)], args=[owner]))
+        self._call(lambda: self._release_lease(keys=[self._lease(cache_key)], args=[owner]))
 
     def lease_holder(self, cache_key: str) -> str | None:
-        return text(self._call(lambda: self.client.get(self.keys.lease(cache_key))))
+        return text(self._call(lambda: self.client.get(self._lease(cache_key))))
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
@@ -357,7 +383,8 @@ class RedisBackend:
 
     # -- entries ------------------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
-        redis_keys = self._stream(lambda: self.client.scan_iter(match=self.keys.entry_pattern(), count=1000))
+        pattern = self.keys.entry_pattern(self.toolchain)
+        redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=1000))
         step = 2 if with_ttl else 1
         for batch in batched(text(key) for key in redis_keys):
             values = self._pipeline(
@@ -367,21 +394,21 @@ class RedisBackend:
                 data, ttl_ms = values[step * i], values[step * i + 1] if with_ttl else None
                 if data is not None:
                     ttl = ttl_ms / 1000 if ttl_ms is not None and ttl_ms >= 0 else None
-                    yield RawEntry(self.keys.cache_key_of_entry(redis_key), data, ttl)
+                    yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl, self.toolchain)
 
     def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
         found: dict[str, bytes] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
-            values = self._pipeline(lambda pipe, c=chunk: [pipe.get(self.keys.entry(key)) for key in c])
+            values = self._pipeline(lambda pipe, c=chunk: [pipe.get(self._entry(key)) for key in c])
             found.update((key, value) for key, value in zip(chunk, values, strict=True) if value is not None)
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
-        pattern = self.keys.entry(prefix.replace("*", "")).removesuffix("}") + "*"
+        pattern = self._entry(prefix.replace("*", "")).removesuffix("}") + "*"
         found: list[str] = []
         for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=1000)):
-            found.append(self.keys.cache_key_of_entry(text(redis_key)))
+            found.append(self.keys.parse_entry(text(redis_key) or "")[1])
             if len(found) >= limit:
                 break
         return sorted(found)
@@ -390,9 +417,9 @@ class RedisBackend:
         def fill(pipe: Any) -> None:
             for item in items:
                 ttl_ms = max(1, int(item.ttl * 1000))
-                pipe.set(self.keys.entry(item.cache_key), item.data, px=ttl_ms)
+                pipe.set(self._entry(item.cache_key), item.data, px=ttl_ms)
                 if item.digest:
-                    pipe.set(self.keys.digest(item.digest), item.cache_key, px=ttl_ms)
+                    pipe.set(self._digest(item.digest), item.cache_key, px=ttl_ms)
 
         if items:
             self._pipeline(fill)
@@ -400,16 +427,16 @@ class RedisBackend:
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:
             return
-        self._pipeline(lambda pipe: [pipe.delete(self.keys.entry(key)) for key, _ in items])
+        self._pipeline(lambda pipe: [pipe.delete(self._entry(key)) for key, _ in items])
         indexed = [(key, digest) for key, digest in items if digest]
         if not indexed:
             return
-        holders = self._pipeline(lambda pipe: [pipe.get(self.keys.digest(digest)) for _, digest in indexed])
+        holders = self._pipeline(lambda pipe: [pipe.get(self._digest(digest)) for _, digest in indexed])
         # Only index entries still naming a deleted key. One stored again in between loses its index entry,
         # which costs that binary its deduplication once, never correctness (stores check the holder exists).
         stale = [digest for (key, digest), holder in zip(indexed, holders, strict=True) if text(holder) == key]
         if stale:
-            self._pipeline(lambda pipe: [pipe.delete(self.keys.digest(digest)) for digest in stale])
+            self._pipeline(lambda pipe: [pipe.delete(self._digest(digest)) for digest in stale])
 
     def expired_count(self) -> tuple[int, int]:
         return 0, 0  # Redis drops an entry when it expires

@@ -4,8 +4,9 @@ each key, for offline inspection (`nkicache inspect --snapshot FILE`) and for mo
 
 A snapshot is a sequence of msgpack objects, written and read one at a time (memory stays bounded):
 
-    header  {"nkicache_snapshot": 1, "schema": <entry schema>, "created": <unix time>, "source": <tier>}
-    record  {"key": <cache key>, "data": <encoded entry>, "ttl": <seconds left> | nil,
+    header  {"nkicache_snapshot": 2, "schema": <entry schema>, "created": <unix time>, "source": <tier>}
+    record  {"toolchain": <toolchain id>, "key": <cache key>, "data": <encoded entry>,
+             "ttl": <seconds left> | nil,
              "usage": {"kernel_name", "usage", "first_use", "last_use", "hosts"} | nil}   (one per entry)
     trailer {"nkicache_snapshot_end": <number of records>}
 
@@ -24,10 +25,11 @@ from typing import IO, Any
 import msgpack
 
 from bridge.errors import NkiCacheError
+from bridge.identity import toolchain_id
 from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched
 from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: records name their toolchain
 HEADER_KEY = "nkicache_snapshot"
 TRAILER_KEY = "nkicache_snapshot_end"
 RECENT = 2 * BATCH  # records whose usage a reader keeps from its scan
@@ -59,7 +61,8 @@ class SnapshotWriter:
             raise SnapshotError(f"{self.path}: cannot write: {exc.strerror or exc}") from None
 
     def add(self, entry: RawEntry, usage: KeyRecord | None, hosts: Sequence[str] = ()) -> None:
-        record: dict[str, Any] = {"key": entry.cache_key, "data": entry.data, "ttl": entry.ttl, "usage": None}
+        record: dict[str, Any] = {"toolchain": entry.toolchain, "key": entry.cache_key, "data": entry.data,
+                                  "ttl": entry.ttl, "usage": None}  # fmt: skip
         if usage is not None:
             record["usage"] = {"kernel_name": usage.kernel_name, "usage": usage.usage, "first_use": usage.first_use,
                                "last_use": usage.last_use, "hosts": list(hosts)}  # fmt: skip
@@ -80,14 +83,16 @@ class SnapshotWriter:
 
 class SnapshotReader:
     """A snapshot file as a read-only `Reader`: entries and per-key usage; it holds no fleet totals,
-    workers, kernel counts or pass log, so those read as empty."""
+    workers, kernel counts or pass log, so those read as empty. Entries are read in one toolchain's
+    partition, as from a tier."""
 
     read_only = True
     keeps_expired = False  # a snapshot keeps what was live when it was written
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, toolchain: str | None = None):
         self.path = Path(path)
         self.description = f"snapshot {self.path}"
+        self.toolchain = toolchain or toolchain_id()
         self._index: dict[str, int] | None = None
         self._recent: dict[str, dict | None] = {}
         with self._open() as file:
@@ -105,6 +110,9 @@ class SnapshotReader:
 
     def _header(self, unpacker: msgpack.Unpacker) -> dict:
         header = self._next(unpacker)
+        if isinstance(header, dict) and header.get(HEADER_KEY) == 1:
+            raise SnapshotError(f"{self.path}: a version 1 snapshot, whose entries no toolchain takes; "
+                                "export the tier again with this build")  # fmt: skip
         if not isinstance(header, dict) or header.get(HEADER_KEY) != SNAPSHOT_VERSION:
             raise SnapshotError(f"{self.path}: not an nkicache snapshot (version {SNAPSHOT_VERSION})")
         return header
@@ -142,8 +150,17 @@ class SnapshotReader:
 
     def _offsets(self) -> dict[str, int]:
         if self._index is None:
-            self._index = {record["key"]: offset for offset, record in self.records()}
+            self._index = {record["key"]: offset for offset, record in self._own_records()}
         return self._index
+
+    def _own_records(self) -> Iterator[tuple[int, dict]]:
+        return ((offset, record) for offset, record in self.records() if record["toolchain"] == self.toolchain)
+
+    def entry_toolchains(self) -> list[str]:
+        return sorted({record["toolchain"] for _, record in self.records()})
+
+    def in_toolchain(self, toolchain: str) -> SnapshotReader:
+        return SnapshotReader(self.path, toolchain)
 
     # -- Reader: fleet metrics (a snapshot keeps only per-key usage) --------------------------------
     def totals(self) -> dict[str, float]:
@@ -156,7 +173,7 @@ class SnapshotReader:
         return {}
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
-        for _, record in self.records():
+        for _, record in self._own_records():
             if record.get("usage"):
                 yield record["key"], record["usage"]["usage"]
 
@@ -171,12 +188,12 @@ class SnapshotReader:
 
     # -- Reader: entries ------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
-        for _, record in self.records():
+        for _, record in self._own_records():
             # Callers ask for the usage of what they just scanned: keep the latest records' at hand.
             self._recent[record["key"]] = record.get("usage")
             if len(self._recent) > RECENT:
                 del self._recent[next(iter(self._recent))]
-            yield RawEntry(record["key"], record["data"], record.get("ttl"))
+            yield RawEntry(record["key"], record["data"], record.get("ttl"), record["toolchain"])
 
     def _usage(self, key: str) -> dict | None:
         if key in self._recent:
@@ -226,6 +243,7 @@ class SnapshotReader:
 def _is_record(record: object) -> bool:
     return (
         isinstance(record, dict)
+        and isinstance(record.get("toolchain"), str)
         and isinstance(record.get("key"), str)
         and isinstance(record.get("data"), bytes)
         and isinstance(record.get("ttl"), int | float | type(None))
@@ -238,14 +256,17 @@ def _is_usage(usage: object) -> bool:
 
 
 def write_snapshot(reader: Reader, path: str | Path) -> int:
-    """Every entry of `reader` with its usage, into a snapshot file; returns the number of entries."""
+    """Every entry of `reader`, of every toolchain, with its usage, into a snapshot file; returns the number
+    of entries."""
     writer = SnapshotWriter(path, reader.description)
     try:
-        for batch in batched(reader.scan_entries()):
-            keys = [entry.cache_key for entry in batch]
-            usage, hosts = reader.key_records(keys), reader.key_hosts(keys)
-            for entry in batch:
-                writer.add(entry, usage.get(entry.cache_key), hosts.get(entry.cache_key, ()))
+        for toolchain in reader.entry_toolchains():
+            partition = reader.in_toolchain(toolchain)
+            for batch in batched(partition.scan_entries()):
+                keys = [entry.cache_key for entry in batch]
+                usage, hosts = reader.key_records(keys), reader.key_hosts(keys)
+                for entry in batch:
+                    writer.add(entry, usage.get(entry.cache_key), hosts.get(entry.cache_key, ()))
     except BaseException:
         writer.abort()
         raise

@@ -10,6 +10,7 @@ BATCH rows, so memory stays bounded by the page, not by the size of the cache.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import sqlite3
 import threading
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from bridge.identity import toolchain_id
 from cachestore.api import (
     BATCH,
     KeyRecord,
@@ -28,14 +30,22 @@ from cachestore.api import (
     TierUnavailable,
     WriteItem,
 )
-from cachestore.entry import SCHEMA_VERSION
+
+# 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
+# no compiler could ever take them again: upgrading drops those three tables and keeps the fleet metrics.
+SCHEMA_VERSION = 2
+UPGRADABLE = {"1": ("entries", "digests", "leases")}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS entries (
-    cache_key TEXT PRIMARY KEY, data BLOB NOT NULL, digest TEXT NOT NULL, expires REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS digests (digest TEXT PRIMARY KEY, cache_key TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS leases (cache_key TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
+    toolchain TEXT NOT NULL, cache_key TEXT NOT NULL, data BLOB NOT NULL, digest TEXT NOT NULL,
+    expires REAL NOT NULL, PRIMARY KEY (toolchain, cache_key));
+CREATE TABLE IF NOT EXISTS digests (
+    toolchain TEXT NOT NULL, digest TEXT NOT NULL, cache_key TEXT NOT NULL, PRIMARY KEY (toolchain, digest));
+CREATE TABLE IF NOT EXISTS leases (
+    toolchain TEXT NOT NULL, cache_key TEXT NOT NULL, owner TEXT NOT NULL, expires REAL NOT NULL,
+    PRIMARY KEY (toolchain, cache_key));
 CREATE TABLE IF NOT EXISTS applied_batches (batch_id TEXT PRIMARY KEY, applied REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, value REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS worker_totals (
@@ -60,12 +70,16 @@ class SqliteBackend:
     read_only = False
     keeps_expired = True  # nothing deletes an expired row but `purge_expired` (inspect gc)
 
-    def __init__(self, path: str | Path, timeout: float = 1.0, *, create: bool = True):
+    def __init__(
+        self, path: str | Path, timeout: float = 1.0, *, create: bool = True, toolchain: str | None = None
+    ) -> None:
         """`timeout`: seconds to wait for SQLite's lock. `create=False` (reports, inspection): a missing
-        file is an error, not a new empty tier."""
+        file is an error, not a new empty tier. `toolchain`: the partition of entries and leases this backend
+        works in (default: this compiler's)."""
         self.path = Path(path).expanduser()
         self.description = f"local:{self.path}"
         self.timeout = timeout
+        self.toolchain = toolchain or toolchain_id()
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -74,26 +88,46 @@ class SqliteBackend:
         elif not self.path.is_file():
             raise TierUnavailable(f"no local tier at {self.path}")
         else:
-            self._read("SELECT 1 FROM entries LIMIT 1")  # another SQLite file, or not one at all: say so now
+            self._check_schema()  # another SQLite file, or not one at all: say so now
 
     def _create(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TierUnavailable(f"local tier {self.path}: cannot create its folder: {exc.strerror}") from None
-        try:
-            self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
-        except sqlite3.Error as exc:
-            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
-        with self._write() as db:
+        with self._write() as db:  # one transaction: a second process creating or upgrading at once waits
+            db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
             row = db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] != str(SCHEMA_VERSION):
+            if row is not None and row[0] in UPGRADABLE:
+                for table in UPGRADABLE[row[0]]:
+                    db.execute(f"DROP TABLE IF EXISTS {table}")
+            elif row is not None and row[0] != str(SCHEMA_VERSION):
                 raise TierUnavailable(f"local tier {self.path} has schema v{row[0]}; this build uses v{SCHEMA_VERSION}")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def _check_schema(self) -> None:
+        rows = self._read("SELECT value FROM meta WHERE name = 'schema'")
+        if not rows or rows[0][0] != str(SCHEMA_VERSION):
+            found = f"schema v{rows[0][0]}" if rows else "no schema"
+            raise TierUnavailable(f"local tier {self.path} has {found}; this build uses v{SCHEMA_VERSION} "
+                                  "(a compile with this build upgrades it)")  # fmt: skip
 
     def __repr__(self) -> str:
-        return f"SqliteBackend({str(self.path)!r})"
+        return f"SqliteBackend({str(self.path)!r}, toolchain {self.toolchain})"
+
+    def in_toolchain(self, toolchain: str) -> SqliteBackend:
+        """The same file and connections, working in another toolchain's partition (closing either closes
+        both)."""
+        partition = copy.copy(self)
+        partition.toolchain = toolchain
+        return partition
+
+    def entry_toolchains(self) -> list[str]:
+        return [tc for (tc,) in self._read("SELECT DISTINCT toolchain FROM entries WHERE expires > ? ORDER BY 1",
+                                           (time.time(),))]  # fmt: skip
 
     # -- connections ------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
@@ -143,8 +177,9 @@ class SqliteBackend:
             chunk = list(cache_keys[start : start + 500])
             marks = ",".join("?" * len(chunk))
             rows = self._read(
-                f"SELECT cache_key, data, expires FROM entries WHERE cache_key IN ({marks}) AND expires > ?",
-                (*chunk, now),
+                f"SELECT cache_key, data, expires FROM entries WHERE toolchain = ? AND cache_key IN ({marks}) "
+                "AND expires > ?",
+                (self.toolchain, *chunk, now),
             )
             for key, data, expires in rows:
                 found[key] = bytes(data)
@@ -154,7 +189,8 @@ class SqliteBackend:
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
             # TTL: reads by several processes stay reads.
             with self._write() as db:
-                db.executemany("UPDATE entries SET expires = ? WHERE cache_key = ?", [(now + ttl, k) for k in stale])
+                db.executemany("UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
+                               [(now + ttl, self.toolchain, k) for k in stale])  # fmt: skip
         return found
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
@@ -162,34 +198,40 @@ class SqliteBackend:
         with self._write() as db:
             for request in requests:
                 row = db.execute(
-                    "SELECT d.cache_key FROM digests d JOIN entries e ON e.cache_key = d.cache_key "
-                    "WHERE d.digest = ? AND e.expires > ?",
-                    (request.digest, now),
+                    "SELECT d.cache_key FROM digests d JOIN entries e "
+                    "ON e.toolchain = d.toolchain AND e.cache_key = d.cache_key "
+                    "WHERE d.toolchain = ? AND d.digest = ? AND e.expires > ?",
+                    (self.toolchain, request.digest, now),
                 ).fetchone()
                 if row is not None and row[0] != request.cache_key:
                     data = request.reference(row[0])
                 else:
                     data = request.full
-                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?)", (request.digest, request.cache_key))
+                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
+                               (self.toolchain, request.digest, request.cache_key))  # fmt: skip
                 db.execute(
-                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)",
-                    (request.cache_key, data, request.digest, now + ttl),
+                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
+                    (self.toolchain, request.cache_key, data, request.digest, now + ttl),
                 )
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         now = time.time()
         with self._write() as db:
-            db.execute("DELETE FROM leases WHERE cache_key = ? AND expires <= ?", (cache_key, now))
-            cursor = db.execute("INSERT OR IGNORE INTO leases VALUES (?, ?, ?)", (cache_key, owner, now + ttl))
+            db.execute("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND expires <= ?",
+                       (self.toolchain, cache_key, now))  # fmt: skip
+            cursor = db.execute("INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)",
+                                (self.toolchain, cache_key, owner, now + ttl))  # fmt: skip
             return cursor.rowcount == 1
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         with self._write() as db:
-            db.execute("DELETE FROM leases WHERE cache_key = ? AND owner = ?", (cache_key, owner))
+            db.execute("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
+                       (self.toolchain, cache_key, owner))  # fmt: skip
 
     def lease_holder(self, cache_key: str) -> str | None:
-        rows = self._read("SELECT owner FROM leases WHERE cache_key = ? AND expires > ?", (cache_key, time.time()))
+        rows = self._read("SELECT owner FROM leases WHERE toolchain = ? AND cache_key = ? AND expires > ?",
+                          (self.toolchain, cache_key, time.time()))  # fmt: skip
         return rows[0][0] if rows else None
 
     # -- metrics ----------------------------------------------------------------------------------
@@ -337,12 +379,12 @@ class SqliteBackend:
         while True:
             now = time.time()
             rows = self._read(
-                "SELECT cache_key, data, expires FROM entries WHERE cache_key > ? AND expires > ? "
+                "SELECT cache_key, data, expires FROM entries WHERE toolchain = ? AND cache_key > ? AND expires > ? "
                 "ORDER BY cache_key LIMIT ?",
-                (last, now, BATCH),
+                (self.toolchain, last, now, BATCH),
             )
             for key, data, expires in rows:
-                yield RawEntry(key, bytes(data), expires - now)
+                yield RawEntry(key, bytes(data), expires - now, self.toolchain)
             if len(rows) < BATCH:
                 return
             last = rows[-1][0]
@@ -352,32 +394,34 @@ class SqliteBackend:
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
             rows = self._read(
-                f"SELECT cache_key, data FROM entries WHERE cache_key IN ({','.join('?' * len(chunk))}) "
-                "AND expires > ?",
-                (*chunk, time.time()),
+                "SELECT cache_key, data FROM entries WHERE toolchain = ? "
+                f"AND cache_key IN ({','.join('?' * len(chunk))}) AND expires > ?",
+                (self.toolchain, *chunk, time.time()),
             )
             found.update((key, bytes(data)) for key, data in rows)
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
         rows = self._read(
-            "SELECT cache_key FROM entries WHERE substr(cache_key, 1, ?) = ? AND expires > ? ORDER BY cache_key "
-            "LIMIT ?",
-            (len(prefix), prefix, time.time(), limit),
+            "SELECT cache_key FROM entries WHERE toolchain = ? AND substr(cache_key, 1, ?) = ? AND expires > ? "
+            "ORDER BY cache_key LIMIT ?",
+            (self.toolchain, len(prefix), prefix, time.time(), limit),
         )
         return [key for (key,) in rows]
 
     def expired_count(self) -> tuple[int, int]:
-        """(entries past their expiry that are still stored, their bytes): the local tier never purges them."""
+        """(entries past their expiry that are still stored, their bytes), of every toolchain: the local tier
+        never purges them by itself."""
         (row,) = self._read("SELECT count(*), coalesce(sum(length(data)), 0) FROM entries WHERE expires <= ?",
                             (time.time(),))  # fmt: skip
         return int(row[0]), int(row[1])
 
     def purge_expired(self) -> None:
+        """Delete every toolchain's expired entries and the digest index rows naming them."""
         now = time.time()
         with self._write() as db:
-            db.execute("DELETE FROM digests WHERE cache_key IN (SELECT cache_key FROM entries WHERE expires <= ?)",
-                       (now,))  # fmt: skip
+            db.execute("DELETE FROM digests WHERE (toolchain, cache_key) IN "
+                       "(SELECT toolchain, cache_key FROM entries WHERE expires <= ?)", (now,))  # fmt: skip
             db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
@@ -386,21 +430,23 @@ class SqliteBackend:
         now = time.time()
         with self._write() as db:
             for item in items:
-                db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)",
-                           (item.cache_key, item.data, item.digest or "", now + item.ttl))  # fmt: skip
+                db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
+                           (self.toolchain, item.cache_key, item.data, item.digest or "", now + item.ttl))  # fmt: skip
                 if item.digest:
-                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?)", (item.digest, item.cache_key))
+                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
+                               (self.toolchain, item.digest, item.cache_key))  # fmt: skip
 
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:
             return
         with self._write() as db:
             for key, digest in items:
-                db.execute("DELETE FROM entries WHERE cache_key = ?", (key,))
+                db.execute("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
                 if digest:
-                    db.execute("DELETE FROM digests WHERE digest = ? AND cache_key = ?", (digest, key))
+                    db.execute("DELETE FROM digests WHERE toolchain = ? AND digest = ? AND cache_key = ?",
+                               (self.toolchain, digest, key))  # fmt: skip
                 else:  # an unreadable entry: its digest is unknown (a scan, but such entries are rare)
-                    db.execute("DELETE FROM digests WHERE cache_key = ?", (key,))
+                    db.execute("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
 
     def close(self) -> None:
         with self._lock:
