@@ -23,7 +23,8 @@ from helpers_report import (
 )
 
 from bridge.codegen import cache_key_of_stored as cache_key_of
-from cachestore.api import open_backend
+from bridge.identity import toolchain_id
+from cachestore.api import WriteItem, open_backend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import open_tier
 from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
@@ -491,3 +492,74 @@ def test_verify_resolves_references_however_small_its_cache(tmp_path: Path, monk
     report = verify_module.verify_entries(reader, ANY)
     assert (report.checked, report.bad) == (60, [])
     reader.close()
+
+
+# -- toolchains -----------------------------------------------------------------------------------------
+def copy_into_toolchain(tier: Tier, toolchain: str, traced_by: str | None = None) -> list[str]:
+    """Every entry of this compiler, re-encoded as traced by `traced_by` (default: `toolchain`) and written
+    into `toolchain`'s partition, references and all: another compiler's view of the same variants."""
+    reader = open_backend(tier.settings(), reading=True)
+    try:
+        items = []
+        for raw in reader.scan_entries():
+            entry = decode_entry(raw.data, ANY)
+            entry.toolchain = traced_by or toolchain
+            items.append(WriteItem(raw.cache_key, encode_entry(entry), None if entry.ref else entry.digest, 3600))
+        reader.in_toolchain(toolchain).put_entries(items)
+        return sorted(item.cache_key for item in items)
+    finally:
+        reader.close()
+
+
+def test_each_toolchain_is_listed_measured_verified_and_collected_apart(fleet: Tier) -> None:
+    other = "0" * 16
+    keys = copy_into_toolchain(fleet, other)
+    rows = cli_json(fleet, "ls")
+    assert len(rows) == 2 * EXPECTED_VARIANTS
+    assert collections.Counter(row["toolchain"] for row in rows) == {toolchain_id(): len(keys), other: len(keys)}
+    assert cli_json(fleet, "du")["toolchains"].keys() == {toolchain_id(), other}
+    mine = cli_json(fleet, "verify")
+    theirs = json.loads(nkicache(fleet, "inspect", "--toolchain", other, "verify", "--json").stdout)
+    assert (mine["checked"], mine["ok"], theirs["checked"], theirs["ok"]) == (len(keys),) * 4
+    shown = json.loads(nkicache(fleet, "inspect", "--toolchain", other, "show", keys[0], "--json").stdout)
+    assert (shown["toolchain"], shown["traced_by"], shown["problem"]) == (other, other, None)
+    # Recompiling another compiler's entries with this one proves nothing: refused with a reason.
+    refused = nkicache(fleet, "inspect", "--toolchain", other, "verify", "--recompile", "1")
+    assert refused.exit_code == 2 and "traced by another" in refused.stderr
+
+    report_before = json.loads(nkicache(fleet, "report", "--json").stdout)
+    dry = cli_json(fleet, "gc", "--other-toolchains", "--dry-run")
+    assert (dry["evicted"], dry["reasons"], dry["evicted_by_toolchain"]) == (
+        len(keys),
+        {"other toolchain": len(keys)},
+        {other: len(keys)},
+    )
+    assert len(cli_json(fleet, "ls")) == 2 * EXPECTED_VARIANTS
+    cli_json(fleet, "gc", "--other-toolchains")
+    assert {row["toolchain"] for row in cli_json(fleet, "ls")} == {toolchain_id()}
+    assert json.loads(nkicache(fleet, "report", "--json").stdout)["totals"] == report_before["totals"]
+
+
+def test_an_entry_in_another_toolchains_partition_fails_verify(fleet: Tier) -> None:
+    """This compiler's entries copied, unchanged, into a partition of another toolchain."""
+    other = "1" * 16
+    keys = copy_into_toolchain(fleet, other, traced_by=toolchain_id())
+    result = json.loads(nkicache(fleet, "inspect", "--toolchain", other, "verify", "--json").stdout)
+    assert result["ok"] == 0 and {item["key"] for item in result["bad"]} == set(keys)
+    assert all("but stored in toolchain 1111111111111111's partition" in item["reason"] for item in result["bad"])
+
+
+def test_export_and_import_keep_each_toolchain_apart(fleet: Tier, tmp_path: Path) -> None:
+    other = "2" * 16
+    keys = copy_into_toolchain(fleet, other)
+    snapshot = tmp_path / "two.snapshot"
+    assert nkicache(fleet, "inspect", "export", str(snapshot)).exit_code == 0
+    into = tmp_path / "into.sqlite"
+    SqliteBackend(into).close()
+    imported = json.loads(nkicache(None, "inspect", "import", str(snapshot), "--tier", f"local:{into}", "--json",
+                                   env={"NKICACHE_NAMESPACE": fleet.namespace}).stdout)  # fmt: skip
+    assert (imported["imported"], imported["rejected"]) == (2 * len(keys), [])
+    fresh = SqliteBackend(into, create=False)
+    assert fresh.entry_toolchains() == sorted([toolchain_id(), other])
+    assert sorted(raw.cache_key for raw in fresh.in_toolchain(other).scan_entries()) == keys
+    fresh.close()
