@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import unquote, urlsplit
 
 from bridge.errors import NkiCacheError
 from bridge.port import PASS_COUNTERS
@@ -222,14 +223,27 @@ def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | 
     )
 
 
+SECRET_QUERY_PARAMETERS = ("password", "ssl_password")  # redis-py takes both from a URL's query
+
+
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs, errors and reports."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, hosts = rest.rpartition("@")
-    if not at:
-        return url
-    user = credentials.partition(":")[0]
-    return f"{scheme}{sep}{user + '@' if user else ''}{hosts}"
+    """The URL without its secrets, for every output (logs, errors, JSON, reports): the password of the
+    user-info part (`redis://user:SECRET@host`) and secret query parameters (`?password=SECRET`), read as
+    redis-py reads a URL (urlsplit), so what it would send is what is hidden."""
+    if "://" not in url:
+        return url  # off, local:PATH
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user_info, _, hosts = netloc.rpartition("@")
+        user = user_info.partition(":")[0]
+        netloc = f"{user}@{hosts}" if user else hosts
+    query = "&".join(item for item in parts.query.split("&") if item and not _is_secret(item))
+    return f"{parts.scheme}://{netloc}{parts.path}{'?' + query if query else ''}"
+
+
+def _is_secret(query_item: str) -> bool:
+    return unquote(query_item.partition("=")[0]).lower() in SECRET_QUERY_PARAMETERS
 
 
 def batched(items: Iterable, size: int = BATCH) -> Iterator[list]:

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from bridge.port import hit_rate
+from cachestore.api import redact_url
 
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
 # one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
@@ -143,7 +144,7 @@ def compile_and_summarize(
         "hit_rate": round(hit_rate(totals), 4),
         "seconds": seconds,
         "workers": workers,
-        "tier": settings.tier if settings.tier_mode != "off" else "off",
+        "tier": redact_url(settings.tier) if settings.tier_mode != "off" else "off",
         "tier_mode": settings.tier_mode,
         "interrupted": interrupted,
         "artifacts": [r.artifact for r in results if r.artifact],

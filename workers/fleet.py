@@ -30,7 +30,7 @@ from typing import Any
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
-from cachestore.api import REDIS_SCHEMES
+from cachestore.api import REDIS_SCHEMES, redact_url
 from cachestore.backends.redis import connect, text
 from cachestore.client import open_tier
 from cachestore.keys import KeySpace
@@ -96,7 +96,7 @@ class FleetError(NkiCacheError):
 
 def fleet_client(settings: Settings) -> Any:
     if not settings.tier.startswith(REDIS_SCHEMES):
-        raise FleetError(f"the fleet runs on Redis; --tier must be a redis:// URL, got {settings.tier!r}")
+        raise FleetError(f"the fleet runs on Redis; --tier must be a redis:// URL, got {redact_url(settings.tier)!r}")
     return connect(settings.tier, connect_timeout=settings.connect_timeout, op_timeout=max(settings.op_timeout,
                    BLOCK_MS / 1000 + 1), password=settings.redis_password)  # fmt: skip
 

@@ -137,7 +137,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     scrape (totals, per worker, per kernel). A tier that cannot be read gives nkicache_tier_up 0."""
     from prometheus_client import start_http_server
 
-    from cachestore.api import open_backend
+    from cachestore.api import open_backend, redact_url
     from cachestore.report import build_report
     from cachestore.report_render import prometheus_registry
 
@@ -154,7 +154,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
         server, _thread = start_http_server(port, addr=host, registry=prometheus_registry(build))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    click.echo(f"serving http://{host}:{server.server_port}/metrics for {settings.tier}", err=True)
+    click.echo(f"serving http://{host}:{server.server_port}/metrics for {redact_url(settings.tier)}", err=True)
     _wait_for_signal()
     server.shutdown()
     server.server_close()

@@ -151,7 +151,7 @@ def redis_errors(description: str) -> Iterator[None]:
 def _cluster_node(part: str, url: str) -> ClusterNode:
     host, _, port = part.rpartition(":")
     if not host or not port.isdigit():
-        raise TierUnavailable(f"bad cluster node {part!r} in {url}; expected host:port")
+        raise TierUnavailable(f"bad cluster node {part!r} in {redact_url(url)}; expected host:port")
     return ClusterNode(host, int(port))
 
 
