@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from bridge.errors import NkiCacheError
 from bridge.port import PASS_COUNTERS
@@ -244,6 +244,65 @@ def redact_url(url: str) -> str:
 
 def _is_secret(query_item: str) -> bool:
     return unquote(query_item.partition("=")[0]).lower() in SECRET_QUERY_PARAMETERS
+
+
+# Query parameters a tier URL may carry: what redis-py parses (it passes unknown ones on to the client, which
+# then fails every connection), minus what would override nkicache's own timeouts and retries.
+URL_TEXT_PARAMETERS = ("username", "password", "client_name", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile",
+                       "ssl_keyfile", "ssl_password", "ssl_cert_reqs")  # fmt: skip
+URL_SETTINGS_PARAMETERS = {  # set by nkicache's settings instead
+    "socket_timeout": "op_timeout", "timeout": "op_timeout", "socket_connect_timeout": "connect_timeout",
+    "retry_on_timeout": "op_timeout", "retry_on_error": "op_timeout",
+}  # fmt: skip
+SSL_CERT_REQS = ("none", "optional", "required")
+
+
+def tier_url_problem(url: str) -> str | None:
+    """What is wrong with a tier URL, or None: checked when settings are read, so that a bad URL is one
+    error before anything runs instead of a failure in every compile."""
+    if url == "off" or (url.startswith("local:") and url[len("local:") :].strip()):
+        return None
+    if url.startswith("local:"):
+        return "local: needs a path (local:PATH)"
+    if not url.startswith(REDIS_SCHEMES):
+        return "is not a tier; use off, local:PATH, redis://, rediss://, unix:// or redis+cluster://"
+    try:
+        parts = urlsplit(url)
+        return _address_problem(parts) or _query_problem(parts.query)
+    except ValueError as exc:
+        return f"is not a valid URL: {exc}"
+
+
+def _address_problem(parts: SplitResult) -> str | None:
+    if parts.scheme == "unix":
+        return None if parts.path else "unix:// needs the socket's path (unix:///path/to/redis.sock)"
+    if parts.scheme.endswith("+cluster"):
+        hosts = parts.netloc.rpartition("@")[2].split(",")
+        bad = [h for h in hosts if not h.rpartition(":")[0] or not h.rpartition(":")[2].isdigit()]
+        return f"cluster node {bad[0]!r} is not host:port" if bad else None
+    if not parts.hostname:
+        return f"{parts.scheme}:// needs a host ({parts.scheme}://HOST:PORT)"
+    parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    return None
+
+
+def _query_problem(query: str) -> str | None:
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    for name, values in parse_qs(query, keep_blank_values=True).items():
+        if name in URL_SETTINGS_PARAMETERS:
+            return f"query parameter {name!r} is set by nkicache; use the {URL_SETTINGS_PARAMETERS[name]} setting"
+        parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        if parser is None and name not in URL_TEXT_PARAMETERS:
+            return f"unknown query parameter {name!r}"
+        try:
+            if parser is not None:
+                parser(values[0])
+        except (TypeError, ValueError):
+            return f"query parameter {name!r} has an invalid value"
+        if name == "ssl_cert_reqs" and values[0].lower() not in SSL_CERT_REQS:
+            return f"ssl_cert_reqs must be one of {', '.join(SSL_CERT_REQS)}"
+    return None
 
 
 def batched(items: Iterable, size: int = BATCH) -> Iterator[list]:

@@ -8,6 +8,7 @@ or from files named there, never from flags, so they never show in `ps`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.errors import NkiCacheError
+from cachestore.api import redact_url, tier_url_problem
 
 TIER_MODES = ("read-through", "mirror", "off")
 DAY = 24 * 3600
@@ -161,6 +163,13 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     def fail(name: str, problem: str) -> None:
         raise SettingsError(f"{sources.get(name, 'default')}: {name} {problem}")
 
+    problem = tier_url_problem(settings.tier)
+    if problem:
+        fail("tier", f"{redact_url(settings.tier)!r}: {problem}")
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(field.name, f"must be a finite number, got {value}")
     if settings.tier_mode not in TIER_MODES:
         fail("tier_mode", f"must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
     for name in (

@@ -280,3 +280,15 @@ def test_run_check_mismatch_exits_1(compiled: Path, tmp_path: Path) -> None:
 def test_run_no_artifacts_is_a_usage_error(tmp_path: Path) -> None:
     result = invoke("run", tmp_path)
     assert result.exit_code == 2 and "no .nkibb files" in result.output
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/0?foo=1", "redis://", "redis://127.0.0.1:6379/0?ssl_cert_reqs=x"]
+)
+def test_a_bad_tier_url_is_one_line_and_exit_2_before_any_graph_is_compiled(tmp_path: Path, url: str) -> None:
+    graph = tmp_path / "g.json"
+    graph.write_text(json.dumps({"name": "g", "tensors": {}, "ops": []}))
+    result = invoke("compile", graph, "--out", tmp_path / "out", "--tier", url)
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("nkicache: error: command line: tier ")
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

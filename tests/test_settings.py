@@ -175,3 +175,49 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
 def test_missing_config_file_named_in_the_environment(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"missing\.toml"):
         load_settings(environ={"NKICACHE_CONFIG": str(tmp_path / "missing.toml")})
+
+
+# -- the tier URL and numbers, checked when read ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://127.0.0.1:6379/0?foo=1", "unknown query parameter 'foo'"),
+        ("redis://127.0.0.1:6379/0?ssl_cert_reqs=bogus", "ssl_cert_reqs must be one of"),
+        ("redis://127.0.0.1:6379/0?db=zero", "'db' has an invalid value"),
+        ("redis://127.0.0.1:6379/0?socket_timeout=60", "use the op_timeout setting"),
+        ("redis://", "needs a host"),
+        ("rediss://:secret@/0", "needs a host"),
+        ("redis://127.0.0.1:99999", "not a valid URL"),
+        ("redis+cluster://127.0.0.1:7000,127.0.0.1", "'127.0.0.1' is not host:port"),
+        ("unix://", "needs the socket's path"),
+        ("local:", "needs a path"),
+        ("memcached://127.0.0.1", "is not a tier"),
+    ],
+)
+def test_a_bad_tier_url_is_one_error_naming_its_source(url: str, problem: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(environ={"NKICACHE_TIER": url})
+    assert problem in str(info.value) and str(info.value).startswith("$NKICACHE_TIER: tier ")
+    assert "secret" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0?password=x&db=2&client_name=w1",
+        "rediss://h:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=true",
+        "redis+cluster://u:p@a:7000,b:7001",
+        "unix:///run/redis.sock?db=1",
+        "local:~/tier.sqlite",
+        "off",
+    ],
+)
+def test_good_tier_urls_pass(url: str) -> None:
+    assert load_settings({"tier": url}, environ={}).tier == url
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", ["op_timeout", "final_flush_timeout", "flush_interval"])
+def test_numbers_that_are_not_finite_are_refused(name: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=f"{name} must be"):
+        load_settings({name: value}, environ={})
