@@ -94,8 +94,15 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
         cold.append(compile_run(graphs, tmp / f"cold-{repeat}", 2, tier, env))
         warm.append(compile_run(graphs, tmp / f"warm-{repeat}", 2, tier, env))
         warm_serial.append(compile_run(graphs, tmp / f"warm1-{repeat}", 1, tier, env))
-    if any(r["traces"] for r in warm + warm_serial):
-        raise SystemExit("a warm run traced: the tier did not serve every variant")
+    counted = ("traces", "remote_hits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "lease_waits")
+    for before, *after in zip(cold, warm, warm_serial, strict=True):
+        for name, run in zip(("warm (2 workers)", "warm (1 worker)"), after, strict=True):
+            if run["traces"]:
+                raise SystemExit(
+                    f"a {name} run traced: the tier did not serve every variant; that run: "
+                    f"{ {key: run[key] for key in counted} }, the cold run before it: "
+                    f"{ {key: before[key] for key in counted} }"
+                )
     return {
         "cold": median([r["seconds"] for r in cold]),
         "warm": median([r["seconds"] for r in warm]),

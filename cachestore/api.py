@@ -48,6 +48,11 @@ class TierTimeout(TierError):
     """The tier did not answer within the operation timeout."""
 
 
+class TierBusy(TierTimeout):
+    """Another process held the store's lock for the whole wait (the embedded tier): contention between the
+    processes of one machine, not an outage, so it never turns the tier off."""
+
+
 # -- what moves through a backend ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class StoreRequest:
@@ -213,7 +218,9 @@ def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | 
         from cachestore.backends.sqlite import SqliteBackend
 
         timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
-        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading, toolchain=toolchain)
+        # Background writes may wait for the lock as long as a closing client waits for them to land.
+        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading, toolchain=toolchain,
+                             write_timeout=max(settings.final_flush_timeout, settings.op_timeout))  # fmt: skip
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 

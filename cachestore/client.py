@@ -34,6 +34,7 @@ from cachestore.api import (
     KeyUsage,
     MetricsBatch,
     StoreRequest,
+    TierBusy,
     TierError,
     TierTimeout,
     open_backend,
@@ -120,6 +121,11 @@ class TierClient:
             if self._backend is None:
                 self._backend = self._backend_factory()
             return True, operation(self._backend)
+        except TierBusy as exc:
+            # Another process of this machine held the embedded tier's lock for the whole wait: counted, and
+            # the write stays queued (a read is a miss), but the tier stays on for the rest of the compile.
+            self.stats.add("tier_timeouts")
+            logger.warning("tier %s busy during %s (%s); retried, not turned off", self.description, what, exc)
         except TierTimeout as exc:
             self.stats.add("tier_timeouts")
             self._trip(what, exc)

@@ -26,7 +26,7 @@ from cachestore.api import (
     MetricsBatch,
     RawEntry,
     StoreRequest,
-    TierTimeout,
+    TierBusy,
     TierUnavailable,
     WriteItem,
 )
@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts RE
 """
 
 
+DEFAULT_WRITE_TIMEOUT = 2.0  # seconds a background write waits for the lock (settings: final_flush_timeout)
 TTL_REFRESH_FRACTION = 0.9  # refresh an entry's expiry on use once less than 90% of its TTL is left
 
 
@@ -71,14 +72,24 @@ class SqliteBackend:
     keeps_expired = True  # nothing deletes an expired row but `purge_expired` (inspect gc)
 
     def __init__(
-        self, path: str | Path, timeout: float = 1.0, *, create: bool = True, toolchain: str | None = None
+        self,
+        path: str | Path,
+        timeout: float = 1.0,
+        *,
+        create: bool = True,
+        toolchain: str | None = None,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
     ) -> None:
-        """`timeout`: seconds to wait for SQLite's lock. `create=False` (reports, inspection): a missing
-        file is an error, not a new empty tier. `toolchain`: the partition of entries and leases this backend
-        works in (default: this compiler's)."""
+        """`timeout`: seconds a compiling thread waits for SQLite's lock (a lease, a TTL refresh) and for a
+        read. `write_timeout`: seconds the background writes (entries, lease releases, metrics) and admin
+        writes wait for it: several processes of one machine take turns, and a write that waits a little
+        longer delays no compile. `create=False` (reports, inspection): a missing file is an error, not a
+        new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
+        this compiler's)."""
         self.path = Path(path).expanduser()
         self.description = f"local:{self.path}"
         self.timeout = timeout
+        self.write_timeout = max(timeout, write_timeout)
         self.toolchain = toolchain or toolchain_id()
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
@@ -145,9 +156,12 @@ class SqliteBackend:
         return db
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(self, wait: float | None = None) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taking SQLite's write lock within `wait` seconds (default: write_timeout);
+        SQLite's busy handler retries the lock until then."""
         db = self._db()
         try:
+            db.execute(f"PRAGMA busy_timeout = {int(1000 * (self.write_timeout if wait is None else wait))}")
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
@@ -157,7 +171,7 @@ class SqliteBackend:
             db.execute("COMMIT")
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
-                raise TierTimeout(f"local tier {self.path}: {exc}") from None
+                raise TierBusy(f"local tier {self.path}: {exc}") from None
             raise TierUnavailable(f"local tier {self.path}: {exc}") from None
         except sqlite3.Error as exc:
             raise TierUnavailable(f"local tier {self.path}: {exc}") from None
@@ -187,8 +201,9 @@ class SqliteBackend:
                     stale.append(key)
         if stale:
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
-            # TTL: reads by several processes stay reads.
-            with self._write() as db:
+            # TTL: reads by several processes stay reads. It waits no longer than a read, and when another
+            # process holds the lock it is left to a later read: the entries were read all the same.
+            with contextlib.suppress(TierBusy), self._write(self.timeout) as db:
                 db.executemany("UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
                                [(now + ttl, self.toolchain, k) for k in stale])  # fmt: skip
         return found
@@ -217,7 +232,7 @@ class SqliteBackend:
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         now = time.time()
-        with self._write() as db:
+        with self._write(self.timeout) as db:  # on the compiling thread: it waits no longer than a read
             db.execute("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND expires <= ?",
                        (self.toolchain, cache_key, now))  # fmt: skip
             cursor = db.execute("INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)",
