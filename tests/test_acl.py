@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph, wait_until, write_graph
 from redis_cluster import ServerProcess, start_server, unavailable
 
+from bridge.identity import toolchain_id
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.keys import KeySpace
 from workers.cli import main as nkicache
@@ -281,7 +282,7 @@ def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env
             ("HSET", KEYS.totals, "passes", "0"),
             ("HINCRBY", KEYS.totals, "x", "1"),
             ("XADD", KEYS.pass_log, "*", "pass", "{}"),
-            ("XGROUP", "CREATE", KEYS.job_stream, "g", "0", "MKSTREAM"),
+            ("XGROUP", "CREATE", KEYS.job_stream(toolchain_id()), "g", "0", "MKSTREAM"),
             ("SCRIPT", "LOAD", "return 1"),
             ("EVALSHA", "0" * 40, "1", KEYS.totals),
             ("EVAL", "return 1", "0"),

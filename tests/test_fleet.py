@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from bridge.artifact import load_artifact
+from bridge.identity import toolchain_id
 from cachestore.keys import KeySpace
 from workers.fleet import queue_status
 from workers.workload import GraphBuilder, generate_workload, unet_block
@@ -101,7 +102,8 @@ class Fleet:
         return {k.decode(): float(v) for k, v in self.redis.hgetall(self.keys.totals).items()}
 
     def in_flight(self) -> int:
-        return self.redis.xpending(self.keys.job_stream, "nkicache-workers")["pending"]
+        # The workers here are `nkicache worker` processes: they compile with this process's toolchain.
+        return self.redis.xpending(self.keys.job_stream(toolchain_id()), "nkicache-workers")["pending"]
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> tuple[int, float]:
         """Signal a worker and wait for it: (exit code, seconds it took)."""
@@ -396,5 +398,5 @@ def test_a_job_whose_result_cannot_be_recorded_is_compiled_again_not_held(privat
     assert len(attempts) == 2 and worker.queue_errors == 1
     result = fleet_module.results_of(client, keys, [job])[job]
     assert result["status"] == "completed" and result["worker"] == "w1"
-    assert client.xpending(keys.job_stream, fleet_module.GROUP)["pending"] == 0
+    assert client.xpending(keys.job_stream(toolchain_id()), fleet_module.GROUP)["pending"] == 0
     client.close()
