@@ -6,8 +6,9 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
     NS:vV:tc:TC:digest:{DIGEST}  string   the cache key whose entry holds the binary with this SHA-256 (TTL)
     {NS:vV:metrics}:...        fleet metrics, all in one hash slot so one Lua script applies a batch
-    {NS:vV:jobs}:...           the fleet's job queue (a stream with a consumer group), results, dead letters,
-                               artifacts and worker heartbeats, all in one slot so job scripts are atomic
+    {NS:vV:jobs}:...           the fleet's job queue (one stream with a consumer group per toolchain, and a
+                               hash of those toolchains), results, dead letters, artifacts and worker
+                               heartbeats, all in one slot so job scripts are atomic
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
 every metrics key shares the metrics slot, which is what lets a batch apply atomically and exactly once.
@@ -113,9 +114,16 @@ class KeySpace:
     def jobs(self, name: str) -> str:
         return f"{self.jobs_tag}:{name}"
 
+    def job_stream(self, toolchain: str) -> str:
+        """The stream (with its consumer group) of the jobs submitted under one toolchain: a worker reads
+        only its own compiler's stream, so it never compiles a job that another compiler submitted."""
+        return self.jobs(f"stream:{toolchain}")
+
     @property
-    def job_stream(self) -> str:
-        return self.jobs("stream")
+    def job_toolchains(self) -> str:
+        """A hash toolchain -> when a job was last submitted under it: `nkicache queue` finds every stream
+        (with a waiting job or not) by one HGETALL, which both ACL users may run, instead of a SCAN."""
+        return self.jobs("toolchains")
 
     @property
     def dead_letter_stream(self) -> str:

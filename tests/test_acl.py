@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph, wait_until, write_graph
 from redis_cluster import ServerProcess, start_server, unavailable
 
+from bridge.identity import toolchain_id
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.keys import KeySpace
 from workers.cli import main as nkicache
@@ -281,7 +282,7 @@ def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env
             ("HSET", KEYS.totals, "passes", "0"),
             ("HINCRBY", KEYS.totals, "x", "1"),
             ("XADD", KEYS.pass_log, "*", "pass", "{}"),
-            ("XGROUP", "CREATE", KEYS.job_stream, "g", "0", "MKSTREAM"),
+            ("XGROUP", "CREATE", KEYS.job_stream(toolchain_id()), "g", "0", "MKSTREAM"),
             ("SCRIPT", "LOAD", "return 1"),
             ("EVALSHA", "0" * 40, "1", KEYS.totals),
             ("EVAL", "return 1", "0"),
@@ -313,6 +314,27 @@ def test_reader_runs_the_read_only_commands(acl_server: int, worker_env: dict, t
         ran += 1
     if ran == 0:
         pytest.skip("nkicache report and inspect are not there yet; the reader ran `queue` only")
+
+
+def test_reader_sees_the_jobs_that_wait_for_a_toolchain(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch
+) -> None:
+    """An operator runs `queue` as the reader while a job waits on its toolchain's stream and no worker is live:
+    the reader's commands find every toolchain's stream, and the toolchain is named as unserved."""
+    graph = write_graph(tmp_path, mixed_graph("acl-waiting"))
+    submitted = CliRunner().invoke(nkicache, ["submit", str(graph), "--json"])  # as the worker user
+    assert submitted.exit_code == 0, submitted.output
+    toolchain = json.loads(submitted.output)["toolchain"]
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    queue = CliRunner().invoke(nkicache, ["queue", "--json"])
+    assert queue.exit_code == 0, queue.output
+    status = json.loads(queue.output)
+    assert status["unserved"] == {toolchain: 1} and (status["pending"], status["in_flight"]) == (1, 0)
+    text = CliRunner().invoke(nkicache, ["queue"])
+    assert text.exit_code == 0 and f"1 jobs wait for toolchain {toolchain}, which no live worker has" in text.output
 
 
 # -- secrets ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from bridge.artifact import load_artifact
+from bridge.identity import toolchain_id
 from cachestore.keys import KeySpace
 from workers.fleet import queue_status
 from workers.workload import GraphBuilder, generate_workload, unet_block
@@ -101,7 +102,8 @@ class Fleet:
         return {k.decode(): float(v) for k, v in self.redis.hgetall(self.keys.totals).items()}
 
     def in_flight(self) -> int:
-        return self.redis.xpending(self.keys.job_stream, "nkicache-workers")["pending"]
+        # The workers here are `nkicache worker` processes: they compile with this process's toolchain.
+        return self.redis.xpending(self.keys.job_stream(toolchain_id()), "nkicache-workers")["pending"]
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> tuple[int, float]:
         """Signal a worker and wait for it: (exit code, seconds it took)."""
@@ -396,5 +398,116 @@ def test_a_job_whose_result_cannot_be_recorded_is_compiled_again_not_held(privat
     assert len(attempts) == 2 and worker.queue_errors == 1
     result = fleet_module.results_of(client, keys, [job])[job]
     assert result["status"] == "completed" and result["worker"] == "w1"
-    assert client.xpending(keys.job_stream, fleet_module.GROUP)["pending"] == 0
+    assert client.xpending(keys.job_stream(toolchain_id()), fleet_module.GROUP)["pending"] == 0
     client.close()
+
+
+# -- toolchains: a job is compiled only by its submitter's compiler ------------------------------------------
+OTHER_TOOLCHAIN = "b" * 16  # a worker whose compiler differs from this checkout's (a rolling upgrade)
+
+
+@pytest.fixture
+def other_worker(monkeypatch) -> Iterator[Callable[[Fleet, str], object]]:
+    """Workers running in this process as if their compiler were another build: the fleet module's toolchain is
+    patched, so the worker reads that toolchain's stream and says so in its heartbeat."""
+    import threading
+
+    from cachestore.settings import load_settings
+    from workers import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "toolchain_id", lambda: OTHER_TOOLCHAIN)
+    running: list[tuple[object, threading.Thread]] = []
+
+    def start(f: Fleet, name: str) -> object:
+        settings = load_settings({"tier": f.url, "namespace": f.namespace, "heartbeat_interval": BEAT,
+                                  "job_claim_idle": 1.0})  # fmt: skip
+        worker = fleet_module.Worker(settings, name)
+        thread = threading.Thread(target=worker.run, name=f"worker-{name}", daemon=True)
+        thread.start()
+        running.append((worker, thread))
+        f.wait_live(name)
+        return worker
+
+    yield start
+    for worker, thread in running:
+        worker.stopping = True
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_a_job_waits_for_a_worker_of_its_toolchain_and_never_goes_to_another(
+    fleet, other_worker, tmp_path: Path
+) -> None:
+    """Only a worker of another toolchain is live: the job is not compiled by it, `submit --wait` says once
+    that no live worker has the job's toolchain, `queue` shows the job waiting for that toolchain; then a worker
+    of the submitter's toolchain starts and compiles it."""
+    from workers.cli_common import EXIT_CHECK_FAILED
+
+    f = fleet(job_claim_idle=1.0)  # the other worker would also reclaim the job within the wait, if it could
+    mine = toolchain_id()
+    assert mine != OTHER_TOOLCHAIN
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=7)
+    other = other_worker(f, "w-other")
+    assert f.heartbeats()["w-other"]["toolchain"] == OTHER_TOOLCHAIN
+
+    done = f.run("submit", graph, "--tier", f.url, "--json", "--wait", "--timeout", 4, check=False)
+    assert done.returncode == EXIT_CHECK_FAILED, (done.stdout, done.stderr)
+    report = json.loads(done.stdout)
+    assert report["toolchain"] == mine
+    assert (report["submitted"], report["completed"], report["unfinished"]) == (1, 0, 1)
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"no live worker has toolchain {mine}" in warnings[0], done.stderr
+    [job_id] = report["jobs"]
+    # The job carries its toolchain, on that toolchain's stream; the other worker took nothing.
+    [(_, fields)] = f.redis.xrange(f.keys.job_stream(mine))
+    assert json.loads(fields[b"job"])["toolchain"] == mine
+    assert f.results() == {} and other.done == 0 and f.heartbeats()["w-other"]["job"] is None
+
+    status = f.queue()
+    assert status["toolchains"] == {
+        mine: {"pending": 1, "in_flight": 0, "live_workers": 0},
+        OTHER_TOOLCHAIN: {"pending": 0, "in_flight": 0, "live_workers": 1},
+    }
+    assert status["unserved"] == {mine: 1}
+    assert (status["pending"], status["in_flight"]) == (1, 0)  # the sums over the toolchains
+    assert [(w["name"], w["toolchain"]) for w in status["workers"]] == [("w-other", OTHER_TOOLCHAIN)]
+    text = f.run("queue", "--tier", f.url).stdout
+    assert f"warning: 1 jobs wait for toolchain {mine}, which no live worker has" in text, text
+
+    # A worker of the submitter's toolchain arrives: it compiles the waiting job, and the queue is served.
+    f.start_worker("w-mine")
+    wait_until(lambda: job_id in f.results())
+    result = f.results()[job_id]
+    assert result["status"] == "completed" and result["worker"] == "w-mine", result
+    assert other.done == 0
+    status = f.queue()
+    assert status["unserved"] == {} and (status["pending"], status["in_flight"], status["completed"]) == (0, 0, 1)
+    assert status["toolchains"][mine] == {"pending": 0, "in_flight": 0, "live_workers": 1}
+    assert "warning" not in f.run("queue", "--tier", f.url).stdout
+    assert f.stop("w-mine")[0] == 0
+
+
+def test_a_job_naming_another_toolchain_is_refused_not_compiled(fleet, tmp_path: Path) -> None:
+    """Jobs written by hand onto this toolchain's stream, one naming another toolchain and one naming none:
+    the worker compiles neither, fails each with an error naming both toolchains (dead-lettered after the
+    attempts), and writes no artifact and no pass."""
+    f = fleet(job_max_attempts=2)
+    mine = toolchain_id()
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=8)
+    for job_id, toolchain in (("hand-00000", "c" * 16), ("hand-00001", None)):
+        job = {"id": job_id, "batch": "hand", "file": str(graph), "graph": graph.read_text(), "attempt": 1}
+        if toolchain is not None:
+            job["toolchain"] = toolchain
+        f.redis.xadd(f.keys.job_stream(mine), {"job": json.dumps(job)})
+    f.start_worker("w1")
+    wait_until(lambda: len(f.results()) == 2)
+    results = f.results()
+    assert {r["status"] for r in results.values()} == {"dead_letter"}, results
+    named = results["hand-00000"]["error"]
+    assert "c" * 16 in named and mine in named and "not compiled" in named and str(graph) in named
+    unnamed = results["hand-00001"]["error"]
+    assert "without a toolchain" in unnamed and mine in unnamed and "not compiled" in unnamed
+    assert f.counts() == {"failed": 4, "dead_letter": 2}
+    assert f.redis.exists(f.keys.job_artifact("hand-00000"), f.keys.job_artifact("hand-00001")) == 0
+    assert f.stop("w1")[0] == 0
+    assert f.totals() == {}  # no pass ran: nothing was compiled, so no metrics batch was applied

@@ -1,12 +1,21 @@
 """The fleet: compile jobs on a Redis Stream, read by workers on many machines through a consumer group.
 
     submit   XADD one job per graph (the graph's JSON travels in the job, so workers need no shared disk)
-    worker   XREADGROUP, compile, then one Lua script records the result and the artifact and XACKs;
+             onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`)
+    worker   XREADGROUP on its own toolchain's stream, compile, then one Lua script records the result and
+             the artifact and XACKs;
              XAUTOCLAIM takes over jobs whose worker went quiet for `job_claim_idle` seconds
     failure  the job is re-queued with its attempt count; after `job_max_attempts` it goes to the
              dead-letter stream with its error
     results  a hash job id -> result, written with HSETNX, so a job completes exactly once even when a
              reclaimed job was also finished by the worker that was thought dead
+
+Routing by toolchain: a binary is only right for the compiler that made it (issue 13), so each toolchain has
+its own stream and consumer group, and a worker reads only its own compiler's stream. A job another compiler
+submitted waits for a worker of that compiler (`nkicache queue` names toolchains that have waiting jobs and no
+live worker) instead of being compiled by the wrong one. A job whose own JSON names another toolchain than
+the worker's (only a hand-written job can) fails with an error naming both and is never compiled. Results,
+counts, failures and dead letters stay shared.
 
 Artifacts live in the tier (`{NS:vV:jobs}:artifact:JOB`, with the entry TTL); `nkicache submit --wait --out
 DIR` downloads them so `nkicache run` can load them.
@@ -30,6 +39,7 @@ from typing import Any
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
+from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url
 from cachestore.backends.redis import connect, text
 from cachestore.client import open_tier
@@ -101,9 +111,9 @@ def fleet_client(settings: Settings) -> Any:
                    BLOCK_MS / 1000 + 1), password=settings.redis_password)  # fmt: skip
 
 
-def ensure_group(client: Any, keys: KeySpace) -> None:
+def ensure_group(client: Any, keys: KeySpace, toolchain: str) -> None:
     try:
-        client.xgroup_create(keys.job_stream, GROUP, id="0", mkstream=True)
+        client.xgroup_create(keys.job_stream(toolchain), GROUP, id="0", mkstream=True)
     except rex.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
@@ -113,13 +123,19 @@ def ensure_group(client: Any, keys: KeySpace) -> None:
 @dataclass
 class Submission:
     batch_id: str
+    toolchain: str  # the submitter's compiler: only a worker of this toolchain takes the jobs
     job_ids: list[str] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)  # job id -> graph file
 
 
 def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submission:
-    ensure_group(client, keys)
-    submission = Submission(uuid.uuid4().hex[:12])
+    toolchain = toolchain_id()
+    stream = keys.job_stream(toolchain)
+    # The group exists before the first job, so a worker that starts later still reads from the beginning;
+    # the registry lets `nkicache queue` find this stream even while no worker of the toolchain is live.
+    ensure_group(client, keys, toolchain)
+    client.hset(keys.job_toolchains, toolchain, time.time())
+    submission = Submission(uuid.uuid4().hex[:12], toolchain)
     for path in paths:
         try:
             data = Path(path).read_bytes()
@@ -128,8 +144,9 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submi
         if len(data) > MAX_GRAPH_BYTES:
             raise FleetError(f"{path}: graph file of {len(data)} bytes exceeds {MAX_GRAPH_BYTES}")
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
-        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": data.decode(), "attempt": 1}
-        client.xadd(keys.job_stream, {"job": json.dumps(job)})
+        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": data.decode(), "attempt": 1,
+               "toolchain": toolchain}  # fmt: skip
+        client.xadd(stream, {"job": json.dumps(job)})
         submission.job_ids.append(job_id)
         submission.names[job_id] = str(path)
     if submission.job_ids:
@@ -170,30 +187,62 @@ def download_artifacts(client: Any, keys: KeySpace, results: dict[str, dict], ou
     return written
 
 
-def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict[str, Any]:
-    # Only reads, so the read-only ACL user can run it: before the first submit there is no stream.
-    try:
-        groups = client.xinfo_groups(keys.job_stream)
-    except rex.ResponseError as exc:
-        if "no such key" not in str(exc).lower():
-            raise
-        groups = []
-    group = next((g for g in groups if text(g["name"]) == GROUP), {})
-    counts = {text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
+def live_workers(client: Any, keys: KeySpace, heartbeat_interval: float) -> list[dict[str, Any]]:
+    """The workers whose heartbeat is at most 3 intervals old, by name. `toolchain` is None for a worker that
+    predates toolchains (its heartbeat has none): it serves no toolchain's stream."""
     now = time.time()
     workers = []
     for name, beat in client.hgetall(keys.worker_heartbeats).items():
         info = json.loads(beat)
         if now - info["time"] <= 3 * heartbeat_interval:
-            workers.append({"name": text(name), **info})
+            workers.append({"name": text(name), "toolchain": None, **info})
+    return sorted(workers, key=lambda w: w["name"])
+
+
+def _group_of(client: Any, stream: str) -> dict:
+    # Only reads, so the read-only ACL user can run it: before the first submit there is no stream.
+    try:
+        groups = client.xinfo_groups(stream)
+    except rex.ResponseError as exc:
+        if "no such key" not in str(exc).lower():
+            raise
+        groups = []
+    return next((g for g in groups if text(g["name"]) == GROUP), {})
+
+
+def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict[str, Any]:
+    """The queue as `nkicache queue --json` prints it. `pending` and `in_flight` are summed over the
+    toolchains' streams; `toolchains` breaks them down (with the live workers of each) for every toolchain that
+    has jobs waiting or a live worker, and `unserved` maps each toolchain whose jobs no live worker can take
+    to its number of waiting jobs (pending or in flight)."""
+    workers = live_workers(client, keys, heartbeat_interval)
+    known = {text(toolchain) for toolchain in client.hgetall(keys.job_toolchains)}  # HKEYS is not in the ACLs
+    known |= {w["toolchain"] for w in workers if w["toolchain"]}
+    toolchains: dict[str, dict[str, int]] = {}
+    for toolchain in sorted(known):
+        group = _group_of(client, keys.job_stream(toolchain))
+        row = {"pending": int(group.get("lag") or 0), "in_flight": int(group.get("pending", 0)),
+               "live_workers": sum(1 for w in workers if w["toolchain"] == toolchain)}  # fmt: skip
+        # Idle streams of toolchains long gone stay registered; listing them would bury the ones that matter.
+        if any(row.values()):
+            toolchains[toolchain] = row
+    unserved = {tc: row["pending"] + row["in_flight"] for tc, row in toolchains.items() if not row["live_workers"]}
+    counts = {text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
     return {
-        "pending": int(group.get("lag") or 0),
-        "in_flight": int(group.get("pending", 0)),
+        "pending": sum(row["pending"] for row in toolchains.values()),
+        "in_flight": sum(row["in_flight"] for row in toolchains.values()),
         "completed": counts.get("completed", 0),
         "failed": counts.get("failed", 0),
         "dead_letter": client.xlen(keys.dead_letter_stream),
-        "workers": sorted(workers, key=lambda w: w["name"]),
+        "workers": workers,
+        "toolchains": toolchains,
+        "unserved": unserved,
     }
+
+
+def serves(client: Any, keys: KeySpace, toolchain: str, heartbeat_interval: float) -> bool:
+    """Whether a live worker compiles with `toolchain`, i.e. reads that toolchain's stream."""
+    return any(w["toolchain"] == toolchain for w in live_workers(client, keys, heartbeat_interval))
 
 
 # -- the worker -----------------------------------------------------------------------------------
@@ -210,6 +259,9 @@ class Worker:
         self.out_dir = out_dir
         self.max_jobs = max_jobs
         self.keys = KeySpace(settings.namespace)
+        # This process's compiler: the worker reads only this toolchain's stream and compiles only its jobs.
+        self.toolchain = toolchain_id()
+        self.stream = self.keys.job_stream(self.toolchain)
         self.client = fleet_client(settings)
         self.tier = open_tier(self.settings)
         self._complete = self.client.register_script(COMPLETE_JOB_LUA)
@@ -231,7 +283,7 @@ class Worker:
         signal.signal(signal.SIGINT, stop)
 
     def run(self) -> int:
-        ensure_group(self.client, self.keys)
+        ensure_group(self.client, self.keys, self.toolchain)
         self._heartbeat()
         beats = threading.Thread(target=self._beat_until_stopped, name="nkicache-heartbeat", daemon=True)
         beats.start()
@@ -253,7 +305,7 @@ class Worker:
                     self._beats_stop.wait(pause)
                     if "NOGROUP" in str(exc):  # a Redis restarted without persistence lost the group
                         with contextlib.suppress(rex.RedisError):
-                            ensure_group(self.client, self.keys)
+                            ensure_group(self.client, self.keys, self.toolchain)
         finally:
             self._beats_stop.set()
             beats.join()
@@ -267,13 +319,13 @@ class Worker:
         if time.monotonic() - self._last_claim >= min(self.settings.job_claim_idle / 2, 5.0):
             self._last_claim = time.monotonic()
             claimed = self.client.xautoclaim(
-                self.keys.job_stream, GROUP, self.name, int(self.settings.job_claim_idle * 1000), "0-0", count=1
+                self.stream, GROUP, self.name, int(self.settings.job_claim_idle * 1000), "0-0", count=1
             )
             messages = claimed[1] if claimed else []
             for message_id, fields in messages:
                 if fields:  # a deleted entry comes back without fields
                     return text(message_id), fields
-        reply = self.client.xreadgroup(GROUP, self.name, {self.keys.job_stream: ">"}, count=1, block=BLOCK_MS)
+        reply = self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=1, block=BLOCK_MS)
         for _stream, messages in reply or []:
             for message_id, fields in messages:
                 return text(message_id), fields
@@ -293,32 +345,44 @@ class Worker:
         self._heartbeat()
 
     def _compile_and_record(self, job: dict, message_id: str) -> None:
-        try:
-            graph = json.loads(job["graph"])
-        except json.JSONDecodeError as exc:
-            result, artifact = PassResult(job["file"], error=f"{job['file']}: not valid JSON: {exc}"), None
-        else:
-            result, artifact = compile_graph(
-                graph, tier=self.tier, label=job["file"], out_dir=self.out_dir, pass_id=f"job-{job['id']}"
-            )
+        result, artifact = self._compile(job)
         if result.error is None and artifact is not None:
             record = {"status": "completed", "worker": self.name, "host": self.settings.host,
                       "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip
-            keys = [
-                self.keys.job_results,
-                self.keys.job_counts,
-                self.keys.job_artifact(job["id"]),
-                self.keys.job_stream,
-            ]
+            keys = [self.keys.job_results, self.keys.job_counts, self.keys.job_artifact(job["id"]), self.stream]
             self._complete(
                 keys=keys, args=[job["id"], json.dumps(record), artifact, self.settings.entry_ttl, message_id]
             )
         else:
-            keys = [self.keys.job_results, self.keys.job_counts, self.keys.job_failures, self.keys.job_stream,
+            # A retry goes back onto this worker's stream: the stream the job was read from.
+            keys = [self.keys.job_results, self.keys.job_counts, self.keys.job_failures, self.stream,
                     self.keys.dead_letter_stream]  # fmt: skip
             retry = {**job, "attempt": job.get("attempt", 1) + 1}
             self._fail(keys=keys, args=[job["id"], message_id, result.error or "no artifact",
                                         self.settings.job_max_attempts, json.dumps(retry), self.name])  # fmt: skip
+
+    def _compile(self, job: dict) -> tuple[PassResult, bytes | None]:
+        mismatch = self._toolchain_problem(job)
+        if mismatch is not None:
+            # Never compiled: this compiler's binary need not be the one the submitter's compiler produces.
+            return PassResult(job["file"], error=mismatch), None
+        try:
+            graph = json.loads(job["graph"])
+        except json.JSONDecodeError as exc:
+            return PassResult(job["file"], error=f"{job['file']}: not valid JSON: {exc}"), None
+        return compile_graph(graph, tier=self.tier, label=job["file"], out_dir=self.out_dir, pass_id=f"job-{job['id']}")
+
+    def _toolchain_problem(self, job: dict) -> str | None:
+        """Why this worker must not compile `job`, or None. `submit` puts every job on its own toolchain's
+        stream, so only a job written there by hand can name another toolchain, or none."""
+        submitted = job.get("toolchain")
+        if submitted == self.toolchain:
+            return None
+        under = f"under toolchain {submitted}" if submitted else "without a toolchain"
+        return (
+            f"{job['file']}: job submitted {under}, but worker {self.name} compiles with toolchain "
+            f"{self.toolchain}; not compiled (only a worker of the submitter's toolchain may compile it)"
+        )
 
     def _beat_until_stopped(self) -> None:
         # Often enough that the current job never looks idle for job_claim_idle to the other workers.
@@ -328,13 +392,13 @@ class Worker:
                 self._heartbeat()
                 message_id = self._current_message
                 if message_id is not None:
-                    self._touch(keys=[self.keys.job_stream], args=[self.name, message_id])
+                    self._touch(keys=[self.stream], args=[self.name, message_id])
             except rex.RedisError as exc:  # the main loop meets the same outage and decides; keep beating
                 logger.warning("worker %s: heartbeat failed: %s", self.name, exc)
 
     def _heartbeat(self) -> None:
         beat = {"time": time.time(), "host": self.settings.host, "pid": os.getpid(), "job": self.current,
-                "done": self.done}  # fmt: skip
+                "done": self.done, "toolchain": self.toolchain}  # fmt: skip
         self.client.hset(self.keys.worker_heartbeats, self.name, json.dumps(beat))
 
     def _leave(self) -> None:

@@ -46,14 +46,15 @@ def _redis_errors(function):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_redis_errors
 def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> None:
-    """Put one compile job per graph file on the fleet's Redis Stream.
+    """Put one compile job per graph file on the fleet's Redis Stream for this compiler's toolchain.
 
     The graph travels inside the job, so workers need no shared disk; artifacts come back through Redis
-    (`--wait --out DIR` downloads them for `nkicache run`). Without --wait it prints the batch id and
-    job ids and returns.
+    (`--wait --out DIR` downloads them for `nkicache run`). Only a worker with the same toolchain (`nkicache
+    --version`) takes the jobs; with --wait, a warning on stderr says so when no live worker has it, and
+    the jobs keep waiting for one. Without --wait it prints the batch id and the toolchain and returns.
 
-    --json keys: batch, submitted, completed, failed, dead_letter, jobs ({id: {file, status, error}}),
-    artifacts (with --out).
+    --json keys: batch, toolchain, submitted, completed, failed, dead_letter, unfinished, jobs ({id: {file,
+    status, error}}), artifacts (with --out).
     """
     from workers import fleet
 
@@ -62,12 +63,30 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         raise click.UsageError(f"no .json graph files in {', '.join(graphs)}")
     settings, client, keys = _fleet(tier, tier_mode)
     submission = fleet.submit(client, keys, files, settings.entry_ttl)
-    report: dict = {"batch": submission.batch_id, "submitted": len(submission.job_ids)}
+    report: dict = {
+        "batch": submission.batch_id,
+        "toolchain": submission.toolchain,
+        "submitted": len(submission.job_ids),
+    }
     if wait:
+        tty = not as_json and sys.stderr.isatty()
+        next_look, warned = 0.0, False
 
         def progress(done: int) -> None:
-            if not as_json and sys.stderr.isatty():
+            nonlocal next_look, warned
+            if tty:
                 click.echo(f"\r{done}/{len(submission.job_ids)} jobs finished", err=True, nl=False)
+            # Only a worker of this toolchain takes these jobs: say once when none is live rather than wait in
+            # silence (the jobs still wait, for one that starts later). Heartbeats change once an interval, so
+            # looking more often would tell nothing new.
+            if warned or done == len(submission.job_ids) or time.monotonic() < next_look:
+                return
+            next_look = time.monotonic() + settings.heartbeat_interval
+            if not fleet.serves(client, keys, submission.toolchain, settings.heartbeat_interval):
+                warned = True
+                after_progress = "\n" if tty else ""  # off the progress line
+                click.echo(f"{after_progress}warning: no live worker has toolchain {submission.toolchain} (this "
+                           "compiler's); the jobs wait until one starts", err=True)  # fmt: skip
 
         results = fleet.wait_for(client, keys, submission.job_ids, timeout, progress)
         statuses = [r.get("status") for r in results.values()]
@@ -84,7 +103,8 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     if as_json:
         click.echo(json.dumps(report))
     else:
-        click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted")
+        click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted for toolchain "
+                   f"{submission.toolchain}")  # fmt: skip
         if wait:
             click.echo(f"{report['completed']} completed, {report['dead_letter']} dead-lettered, "
                        f"{report['unfinished']} unfinished")  # fmt: skip
@@ -161,18 +181,27 @@ def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> N
     """Show the fleet's queue: pending (not yet delivered), in flight (delivered, not acknowledged),
     completed, failed attempts, dead-lettered, and the live workers (heartbeat within 3 intervals).
 
-    --json keys: pending, in_flight, completed, failed, dead_letter, workers ([{name, host, pid, job, done,
-    time}]), and dead_letters with --dead-letters.
+    Jobs are routed by toolchain (only a worker of the submitter's compiler takes a job), so pending and in
+    flight are also shown per toolchain, with its live workers; a warning names every toolchain whose jobs
+    wait and no live worker has.
+
+    --json keys: pending, in_flight (sums over the toolchains), completed, failed, dead_letter, workers
+    ([{name, host, pid, toolchain, job, done, time}]), toolchains ({toolchain: {pending, in_flight,
+    live_workers}} for each toolchain with waiting jobs or live workers), unserved ({toolchain: waiting jobs}
+    for those with no live worker), and dead_letters with --dead-letters.
     """
+    from bridge.identity import toolchain_id
     from workers import fleet
 
     settings, client, keys = _fleet(tier, tier_mode)
-    status = fleet.queue_status(client, keys, settings.heartbeat_interval)
     if live_check:
+        # A liveness probe runs every few seconds: it reads the heartbeats only, not every toolchain's stream.
+        workers = fleet.live_workers(client, keys, settings.heartbeat_interval)
         wanted = name or os.environ.get("NKICACHE_WORKER") or socket.gethostname()
-        live = [w["name"] for w in status["workers"] if w["name"] == wanted or w["name"].startswith(wanted + "-")]
+        live = [w["name"] for w in workers if w["name"] == wanted or w["name"].startswith(wanted + "-")]
         click.echo(f"{wanted}: {'live (' + ', '.join(live) + ')' if live else 'no fresh heartbeat'}")
         sys.exit(0 if live else EXIT_CHECK_FAILED)
+    status = fleet.queue_status(client, keys, settings.heartbeat_interval)
     if dead_letters:
         status["dead_letters"] = list(fleet.dead_letters(client, keys))
     if as_json:
@@ -180,10 +209,16 @@ def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> N
         return
     click.echo(f"pending {status['pending']}, in flight {status['in_flight']}, completed {status['completed']}, "
                f"failed attempts {status['failed']}, dead-lettered {status['dead_letter']}")  # fmt: skip
+    mine = toolchain_id()
+    for toolchain, row in status["toolchains"].items():
+        click.echo(f"toolchain {toolchain}{' (this compiler)' if toolchain == mine else ''}: pending "
+                   f"{row['pending']}, in flight {row['in_flight']}, {row['live_workers']} live workers")  # fmt: skip
+    for toolchain, waiting in status["unserved"].items():
+        click.echo(f"warning: {waiting} jobs wait for toolchain {toolchain}, which no live worker has")
     click.echo(f"{len(status['workers'])} live workers")
     for w in status["workers"]:
         age = time.time() - w["time"]
-        click.echo(f"  {w['name']} on {w['host']} (pid {w['pid']}): {w['done']} jobs, "
-                   f"{'on ' + w['job'] if w['job'] else 'idle'}, seen {age:.1f} s ago")  # fmt: skip
+        click.echo(f"  {w['name']} on {w['host']} (pid {w['pid']}, toolchain {w['toolchain'] or 'unknown'}): "
+                   f"{w['done']} jobs, {'on ' + w['job'] if w['job'] else 'idle'}, seen {age:.1f} s ago")  # fmt: skip
     for d in status.get("dead_letters", []):
         click.echo(f"  dead: {d['job']}: {d['error']}")
