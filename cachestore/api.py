@@ -78,6 +78,9 @@ class MetricsBatch:
     kernel_calls: dict[str, int] = field(default_factory=dict)
     keys: dict[str, KeyUsage] = field(default_factory=dict)
     pass_record: dict[str, object] | None = None  # appended to the pass log when the pass ends
+    # The id of the compiler that ran the pass (bridge.identity): its totals are also summed per toolchain.
+    # Empty: a batch that names none, counted in the fleet's and the worker's totals only.
+    toolchain: str = ""
 
 
 @dataclass
@@ -144,6 +147,9 @@ class Reader(Protocol):
 
     def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         """(host, worker, that worker's totals) for every worker that ever applied a batch."""
+
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        """{toolchain id: its totals} for every toolchain whose passes applied a batch naming it."""
 
     def kernels(self) -> dict[str, dict[str, int]]:
         """{kernel name: {"call_count", "variants"}}, as `_export_new_nki_fe_metrics`, fleet-wide."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
@@ -396,9 +397,12 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
         kernel_calls[use.kernel_name] += use.usage
         keys[cache_key] = KeyUsage(use.kernel_name, use.usage, use.first_use, use.last_use)
     pass_id = record.pass_id or uuid.uuid4().hex
+    toolchain = toolchain_id()  # the compiler that ran the pass: reports break the fleet down by it
     log_record = {"pass_id": pass_id, "graph": record.graph_name, "host": host, "worker": worker,
-                  "started": record.started, "finished": record.finished, **record.counts}  # fmt: skip
-    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record)
+                  "toolchain": toolchain, "started": record.started, "finished": record.finished,
+                  **record.counts}  # fmt: skip
+    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record,
+                        toolchain)  # fmt: skip
 
 
 def open_tier(settings: Settings) -> TierClient | None:

@@ -53,16 +53,20 @@ PASS_LOG_MAXLEN = 1_000_000
 
 # KEYS[1] applied-batch marker   KEYS[2] totals           KEYS[3] workers set     KEYS[4] this worker's totals
 # KEYS[5] kernel call counts     KEYS[6] kernel variants  KEYS[7] key usage       KEYS[8] key first use
-# KEYS[9] key last use           KEYS[10] key -> kernel   KEYS[11] pass log       KEYS[11+i] hosts of key i
-# ARGV[1] JSON {totals, kernel_calls, keys: [[key, kernel, usage, first, last]...], host, member, pass, ttl}
+# KEYS[9] key last use           KEYS[10] key -> kernel   KEYS[11] pass log       KEYS[12] toolchains set
+# KEYS[13] this toolchain's totals                                                KEYS[13+i] hosts of key i
+# ARGV[1] JSON {totals, kernel_calls, keys: [[key, kernel, usage, first, last]...], host, member, toolchain,
+#               pass, ttl, maxlen}
 APPLY_METRICS_LUA = """
 local p = cjson.decode(ARGV[1])
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', p.ttl) then return 0 end
 for name, value in pairs(p.totals) do
   redis.call('HINCRBYFLOAT', KEYS[2], name, value)
   redis.call('HINCRBYFLOAT', KEYS[4], name, value)
+  if p.toolchain ~= '' then redis.call('HINCRBYFLOAT', KEYS[13], name, value) end
 end
 redis.call('SADD', KEYS[3], p.member)
+if p.toolchain ~= '' then redis.call('SADD', KEYS[12], p.toolchain) end
 for name, calls in pairs(p.kernel_calls) do redis.call('HINCRBY', KEYS[5], name, calls) end
 for i, k in ipairs(p.keys) do
   local key, kernel, usage, first, last = k[1], k[2], k[3], k[4], k[5]
@@ -74,7 +78,7 @@ for i, k in ipairs(p.keys) do
   end
   if last > tonumber(redis.call('HGET', KEYS[9], key) or '0') then redis.call('HSET', KEYS[9], key, last) end
   redis.call('HINCRBY', KEYS[7], key, usage)
-  redis.call('SADD', KEYS[11 + i], p.host)
+  redis.call('SADD', KEYS[13 + i], p.host)
 end
 if p.pass ~= '' then
   redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
@@ -262,7 +266,7 @@ class RedisBackend:
         keys = [
             k.applied_batch(batch.batch_id), k.totals, k.workers, k.worker_metrics(batch.host, batch.worker),
             k.kernel_calls, k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
-            *(k.key_hosts(key) for key, _ in ordered),
+            k.toolchains, k.toolchain_metrics(batch.toolchain), *(k.key_hosts(key) for key, _ in ordered),
         ]  # fmt: skip
         payload = {
             "totals": batch.totals,
@@ -270,6 +274,7 @@ class RedisBackend:
             "keys": [[key, u.kernel_name, u.usage, u.first_use, u.last_use] for key, u in ordered],
             "host": batch.host,
             "member": f"{batch.host}:{batch.worker}",
+            "toolchain": batch.toolchain,
             "pass": json.dumps(batch.pass_record, sort_keys=True) if batch.pass_record is not None else "",
             "ttl": APPLIED_MARKER_TTL,
             "maxlen": PASS_LOG_MAXLEN,
@@ -290,6 +295,15 @@ class RedisBackend:
             hashes = self._pipeline(lambda pipe, p=pairs: [pipe.hgetall(self.keys.worker_metrics(h, w)) for h, w in p])
             for (host, worker), values in zip(pairs, hashes, strict=True):
                 yield host, worker, {text(k): float(v) for k, v in values.items()}
+
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        members = self._stream(lambda: self.client.sscan_iter(self.keys.toolchains, count=1000))
+        found: dict[str, dict[str, float]] = {}
+        for batch in batched(text(m) for m in members):
+            hashes = self._pipeline(lambda pipe, b=batch: [pipe.hgetall(self.keys.toolchain_metrics(t)) for t in b])
+            for toolchain, values in zip(batch, hashes, strict=True):
+                found[toolchain] = {text(k): float(v) for k, v in values.items()}
+        return dict(sorted(found.items()))
 
     def kernels(self) -> dict[str, dict[str, int]]:
         calls = self._float_hash(self.keys.kernel_calls)

@@ -48,6 +48,8 @@ CREATE TABLE IF NOT EXISTS key_usage (
     first_use REAL NOT NULL, last_use REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS key_hosts (cache_key TEXT NOT NULL, host TEXT NOT NULL, PRIMARY KEY (cache_key, host));
 CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS toolchain_totals (
+    toolchain TEXT NOT NULL, name TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (toolchain, name));
 """
 
 
@@ -212,6 +214,12 @@ class SqliteBackend:
                     "ON CONFLICT(host, worker, name) DO UPDATE SET value = value + excluded.value",
                     (batch.host, batch.worker, name, value),
                 )
+                if batch.toolchain:
+                    db.execute(
+                        "INSERT INTO toolchain_totals VALUES (?, ?, ?) "
+                        "ON CONFLICT(toolchain, name) DO UPDATE SET value = value + excluded.value",
+                        (batch.toolchain, name, value),
+                    )
             for key, usage in batch.keys.items():
                 self._apply_key(db, batch.host, key, usage)
             for kernel_name, calls in batch.kernel_calls.items():
@@ -262,6 +270,18 @@ class SqliteBackend:
             values[name] = value
         if current is not None:
             yield *current, values
+
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        # A file last opened for writing by an older build lacks the table (opening one for a compile adds it):
+        # until then no batch named a toolchain, which is nothing to report, not an error.
+        if not self._read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'toolchain_totals'"):
+            return {}
+        found: dict[str, dict[str, float]] = {}
+        for toolchain, name, value in self._read(
+            "SELECT toolchain, name, value FROM toolchain_totals ORDER BY toolchain, name"
+        ):
+            found.setdefault(toolchain, {})[name] = value
+        return found
 
     def kernels(self) -> dict[str, dict[str, int]]:
         rows = self._read("SELECT kernel_name, call_count, variants FROM kernels ORDER BY kernel_name")
