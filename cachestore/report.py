@@ -72,6 +72,7 @@ class FleetReport:
     since: float | None
     totals: dict[str, float]
     per_host: dict[str, dict]  # host -> {"totals": {...}, "workers": {worker: {...}}}
+    per_toolchain: dict[str, dict[str, float]]  # toolchain id -> its totals (as `totals`)
     per_kernel: dict[str, dict[str, int]]  # kernel name -> {"call_count", "variants"}
     variants: int  # distinct cache keys the fleet used (the statistics report's "unique cached variants")
     top_variants: list[Variant] = field(default_factory=list)
@@ -86,6 +87,7 @@ class FleetReport:
             "since": self.since,
             "totals": self.totals,
             "per_host": self.per_host,
+            "per_toolchain": self.per_toolchain,
             "per_kernel": self.per_kernel,
             "variants": self.variants,
             "kernel_types": len(self.per_kernel),
@@ -112,6 +114,7 @@ def build_report(
         since=since,
         totals=counters(reader.totals()),
         per_host=per_host(reader),
+        per_toolchain={toolchain: counters(values) for toolchain, values in sorted(reader.toolchains().items())},
         per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
         variants=reader.key_count(),
     )

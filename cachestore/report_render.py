@@ -112,6 +112,16 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             workers.add_row(host, "(all)", *_worker_cells(info["totals"]), style="bold")
     yield workers
 
+    if report.per_toolchain:
+        yield Text("Per toolchain (the compiler that ran each pass; an upgrade starts cold)", style="bold")
+        toolchains = Table()
+        toolchains.add_column("toolchain", no_wrap=True)  # an id is copied from here: one piece
+        for column in WORKER_HEADERS:
+            toolchains.add_column(column, justify="right")
+        for toolchain, values in report.per_toolchain.items():
+            toolchains.add_row(_toolchain_label(toolchain), *_worker_cells(values))
+        yield toolchains
+
     yield Text("Per kernel (as _export_new_nki_fe_metrics, fleet-wide)", style="bold")
 
     kernels = Table()
@@ -165,6 +175,12 @@ def _worker_cells(values: dict) -> list[str]:
     return [*(_value(name, values[name]) for name in WORKER_COUNTERS), tier]
 
 
+def _toolchain_label(toolchain: str) -> str:
+    from bridge.identity import toolchain_id
+
+    return f"{toolchain} (this compiler)" if toolchain == toolchain_id() else toolchain
+
+
 def _width(seconds: int) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size and seconds % size == 0:
@@ -198,6 +214,17 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
         variants.add_metric([kernel], stats["variants"])
     yield calls
     yield variants
+    for name in TOTAL_COUNTERS:
+        family = CounterMetricFamily(f"nkicache_toolchain_{name}", f"Per toolchain (compiler id): {label(name)}.",
+                                     labels=["toolchain"])  # fmt: skip
+        for toolchain, values in report.per_toolchain.items():
+            family.add_metric([toolchain], values[name])
+        yield family
+    ratio = GaugeMetricFamily("nkicache_toolchain_hit_ratio", "Per toolchain: (cache_hits + remote_hits) / kernels.",
+                              labels=["toolchain"])  # fmt: skip
+    for toolchain, values in report.per_toolchain.items():
+        ratio.add_metric([toolchain], values["hit_rate"])
+    yield ratio
 
 
 class FleetCollector:
@@ -385,6 +412,13 @@ def render_html(report: FleetReport) -> str:
     rows = [[host, worker, *_worker_cells(values)] for host, info in report.per_host.items()
             for worker, values in info["workers"].items()]  # fmt: skip
     parts.append(_table(["host", "worker", *WORKER_HEADERS], rows, set(range(2, 2 + len(WORKER_HEADERS)))))
+    parts.append('<h2 id="per-toolchain">Per toolchain</h2>')
+    if report.per_toolchain:
+        rows = [[_toolchain_label(toolchain), *_worker_cells(values)]
+                for toolchain, values in report.per_toolchain.items()]  # fmt: skip
+        parts.append(_table(["toolchain", *WORKER_HEADERS], rows, set(range(1, 1 + len(WORKER_HEADERS)))))
+    else:
+        parts.append("<p>No pass named its toolchain.</p>")
     parts.append("<h2>Per kernel</h2>")
     parts.append(_table(["kernel", "call_count", "variants"],
                         [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],

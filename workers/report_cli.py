@@ -74,7 +74,7 @@ def report_command(
     html_file: str | None,
 ) -> None:  # fmt: skip
     """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
-    kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
+    toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
     variants with their shapes, and the hit rate over time from the pass log.
 
     Hit rates are (cache_hits + remote_hits) / kernels from summed counts. Totals cover every pass;
@@ -83,9 +83,10 @@ def report_command(
     --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
     traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts, tier_rejected,
     tier_dropped, hit_rate, as `nkicache compile --json`), per_host ({host: {totals, workers: {worker:
-    {...}}}}), per_kernel ({name: {call_count, variants}}), variants, kernel_types, top_variants,
-    bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits, cache_misses, remote_hits, traces,
-    hit_rate}]), window (the timeline's summed counts).
+    {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the passes of each compiler, so an
+    upgrade's cold start shows as such), per_kernel ({name: {call_count, variants}}), variants,
+    kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits,
+    cache_misses, remote_hits, traces, hit_rate}]), window (the timeline's summed counts).
     """
     from cachestore.api import open_backend
     from cachestore.report import build_report
