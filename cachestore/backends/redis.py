@@ -30,8 +30,10 @@ from redis.retry import Retry
 
 from cachestore.api import (
     BATCH,
+    MAX_BATCH_NUMBER,
     READ_CONNECT_TIMEOUT,
     READ_TIMEOUT,
+    BatchRefused,
     KeyRecord,
     MetricsBatch,
     RawEntry,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
+INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
 
 # KEYS[1] applied-batch marker   KEYS[2] totals           KEYS[3] workers set     KEYS[4] this worker's totals
@@ -57,8 +60,50 @@ PASS_LOG_MAXLEN = 1_000_000
 # KEYS[13] this toolchain's totals                                                KEYS[13+i] hosts of key i
 # ARGV[1] JSON {totals, kernel_calls, keys: [[key, kernel, usage, first, last]...], host, member, toolchain,
 #               pass, ttl, maxlen}
+# Every check comes before the first write (the applied marker included): a batch applies wholly or not at
+# all, and a refused one leaves nothing behind, so its id can still be applied once the batch is valid. The
+# checks are cachestore.api.batch_problem's, made again here because a command that fails half-way through a
+# script (HINCRBYFLOAT of a NaN, HINCRBY of 2.5) keeps the writes before it.
 APPLY_METRICS_LUA = """
-local p = cjson.decode(ARGV[1])
+local MAX, INVALID = MAX_BATCH_NUMBER, INVALID_BATCH
+local function refuse(what) return redis.error_reply('ERR ' .. INVALID .. ': ' .. what) end
+local function finite(v) return type(v) == 'number' and v == v and v ~= math.huge and v ~= -math.huge end
+local function number(v, whole)
+  if not finite(v) or v > MAX or v < -MAX then return false end
+  return not whole or v == math.floor(v)
+end
+local function text(v) return type(v) == 'string' end
+local decoded, p = pcall(cjson.decode, ARGV[1])
+if not decoded or type(p) ~= 'table' then return refuse('ARGV[1] is not a JSON object') end
+if not (text(p.host) and text(p.member) and text(p.toolchain) and text(p.pass)) then
+  return refuse('host, member, toolchain and pass must be strings')
+end
+if type(p.totals) ~= 'table' or type(p.kernel_calls) ~= 'table' or type(p.keys) ~= 'table' then
+  return refuse('totals, kernel_calls and keys must be JSON objects or arrays')
+end
+for name, value in pairs(p.totals) do
+  if not number(value, false) then return refuse('totals.' .. tostring(name) .. ' is not a finite number') end
+end
+for name, calls in pairs(p.kernel_calls) do
+  if not number(calls, true) then return refuse('kernel_calls.' .. tostring(name) .. ' is not a whole number') end
+end
+if #KEYS ~= 13 + #p.keys then return refuse(#KEYS .. ' keys for ' .. #p.keys .. ' cache keys') end
+for i, k in ipairs(p.keys) do
+  if type(k) ~= 'table' or not (text(k[1]) and text(k[2]) and number(k[3], true) and number(k[4], false)
+                                and number(k[5], false)) then
+    return refuse('keys[' .. i .. '] is not [key, kernel, whole usage, finite first use, finite last use]')
+  end
+end
+if p.pass ~= '' then
+  local parsed, record = pcall(cjson.decode, p.pass)
+  if not parsed or type(record) ~= 'table' then return refuse('pass is not a JSON object') end
+  for name, value in pairs(record) do
+    if type(value) == 'number' and not finite(value) then
+      return refuse('pass.' .. tostring(name) .. ' is not a finite number')
+    end
+  end
+end
+
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', p.ttl) then return 0 end
 for name, value in pairs(p.totals) do
   redis.call('HINCRBYFLOAT', KEYS[2], name, value)
@@ -84,7 +129,7 @@ if p.pass ~= '' then
   redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
 end
 return 1
-"""
+""".replace("MAX_BATCH_NUMBER", str(MAX_BATCH_NUMBER)).replace("INVALID_BATCH", json.dumps(INVALID_BATCH))
 
 # KEYS[1] lease key   ARGV[1] owner: delete the lease only if this owner still holds it.
 RELEASE_LEASE_LUA = """
@@ -261,6 +306,8 @@ class RedisBackend:
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
+        """Apply the batch in one script run; BatchRefused (nothing written) when the script finds it invalid.
+        A NaN is sent as it is, not checked here first: the script guards the metrics against every sender."""
         k = self.keys
         ordered = sorted(batch.keys.items())
         keys = [
@@ -268,6 +315,10 @@ class RedisBackend:
             k.kernel_calls, k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
             k.toolchains, k.toolchain_metrics(batch.toolchain), *(k.key_hosts(key) for key, _ in ordered),
         ]  # fmt: skip
+        try:
+            pass_text = json.dumps(batch.pass_record, sort_keys=True) if batch.pass_record is not None else ""
+        except (TypeError, ValueError) as exc:  # not JSON at all: nothing the script could be handed
+            raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {exc}") from None
         payload = {
             "totals": batch.totals,
             "kernel_calls": batch.kernel_calls,
@@ -275,11 +326,20 @@ class RedisBackend:
             "host": batch.host,
             "member": f"{batch.host}:{batch.worker}",
             "toolchain": batch.toolchain,
-            "pass": json.dumps(batch.pass_record, sort_keys=True) if batch.pass_record is not None else "",
+            "pass": pass_text,
             "ttl": APPLIED_MARKER_TTL,
             "maxlen": PASS_LOG_MAXLEN,
         }
-        return bool(self._call(lambda: self._apply_metrics(keys=keys, args=[json.dumps(payload)])))
+
+        def run() -> object:
+            try:  # default=str: a value JSON cannot hold reaches the script as a string, which it refuses
+                return self._apply_metrics(keys=keys, args=[json.dumps(payload, default=str)])
+            except rex.ResponseError as exc:
+                if INVALID_BATCH not in str(exc):
+                    raise  # a failure of the tier itself, translated by redis_errors
+                raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {exc}") from None
+
+        return bool(self._call(run))
 
     # -- fleet metrics ------------------------------------------------------------------------------
     def _float_hash(self, name: str) -> dict[str, float]:

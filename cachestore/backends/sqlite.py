@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cachestore.api import (
     BATCH,
+    BatchRefused,
     KeyRecord,
     KeyUsage,
     MetricsBatch,
@@ -27,6 +28,7 @@ from cachestore.api import (
     TierTimeout,
     TierUnavailable,
     WriteItem,
+    batch_problem,
 )
 from cachestore.entry import SCHEMA_VERSION
 
@@ -196,6 +198,11 @@ class SqliteBackend:
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
+        # Checked before the transaction starts: SQLite would store an infinity and turn a NaN into a NULL that
+        # fails half-way (rolled back, but then the batch would look like a tier that is down, retried forever).
+        problem = batch_problem(batch)
+        if problem is not None:
+            raise BatchRefused(f"local tier {self.path}: metrics batch {batch.batch_id!r} refused: {problem}")
         with self._write() as db:
             if (
                 db.execute(
