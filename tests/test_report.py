@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers_graphs import unique_namespace
 from helpers_report import (
     EXPECTED_HIT_RATE,
     EXPECTED_KERNELS,
@@ -35,7 +36,7 @@ from cachestore.api import TOTAL_COUNTERS, MetricsBatch
 from cachestore.backends.redis import RedisBackend
 from cachestore.keys import KeySpace
 from cachestore.report import build_report, parse_duration, parse_since, parse_size
-from cachestore.report_render import FleetCollector, render_html
+from cachestore.report_render import FleetCollector, json_text, render_html
 from workers.passes import COUNT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,6 +301,56 @@ def test_an_empty_tier_reports_zeros(tier: Tier) -> None:
     assert report["per_kernel"] == {} and report["timeline"] == [] and report["top_variants"] == []
     assert "No passes in the pass log." in nkicache(tier, "report").stdout
     assert "nkicache_passes_total 0.0" in nkicache(tier, "report", "--prometheus").stdout
+
+
+def _strict(text: str) -> Any:
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_counts_a_tier_holds_as_nan_or_infinity_never_reach_the_output(tmp_path: Path) -> None:
+    """A local tier written before batches were checked: SQLite keeps an infinity (and a pass log record may
+    hold anything). Every output still reads, and the JSON is JSON."""
+    import sqlite3
+
+    from cachestore.backends.sqlite import SqliteBackend
+
+    path = tmp_path / "tier.sqlite"
+    backend = SqliteBackend(path)
+    backend.apply_metrics(MetricsBatch("p1", "h", "w", {"passes": 1, "kernels": 4, "traces": 2, "compile_seconds": 1.5},
+                                       {}, {}, {"passes": 1, "kernels": 4, "finished": time.time()},
+                                       "0123456789abcdef"))  # fmt: skip
+    backend.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    for table in ("totals", "worker_totals", "toolchain_totals"):
+        db.execute(f"UPDATE {table} SET value = ? WHERE name IN ('kernels', 'compile_seconds')", (float("inf"),))
+    db.execute("INSERT INTO pass_log (ts, record) VALUES (?, ?)",
+               (time.time(), '{"passes": 1, "kernels": NaN, "traces": Infinity, "finished": NaN}'))  # fmt: skip
+    db.close()
+    tier = Tier("local", f"local:{path}", unique_namespace(), None)
+
+    result = nkicache(tier, "report", "--json")
+    assert result.exit_code == 0, result.output
+    report = _strict(result.stdout)
+    for counts in (report["totals"], report["per_toolchain"]["0123456789abcdef"],
+                   report["per_host"]["h"]["workers"]["w"]):  # fmt: skip
+        assert (counts["passes"], counts["kernels"], counts["traces"], counts["compile_seconds"]) == (1, 0, 2, 0.0)
+    assert (report["window"]["passes"], report["window"]["kernels"], report["window"]["traces"]) == (2, 4, 0)
+    for args in (("report",), ("report", "--prometheus")):
+        assert nkicache(tier, *args).exit_code == 0
+
+
+def test_json_text_refuses_a_non_finite_number_by_name() -> None:
+    assert json_text({"a": [1.5, {"b": 2}]}) == '{"a": [1.5, {"b": 2}]}'
+    nan_total = {"totals": {"compile_seconds": float("nan")}}
+    infinite_in_a_list = {"graphs": [{"x": 1}, {"saved_seconds": float("-inf")}]}
+    for bad, where in ((nan_total, "$.totals.compile_seconds"), (infinite_in_a_list, "$.graphs[1].saved_seconds")):
+        with pytest.raises(NkiCacheError, match=re.escape(f"cannot print JSON: {where} is not a finite number")):
+            json_text(bad)
 
 
 def test_a_missing_local_tier_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
+from workers.cli_common import EXIT_CHECK_FAILED, echo_json, load_cli_settings
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -245,13 +245,14 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
     result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, created, ttl, error}].
     """
     from cachestore.inspect import list_entries
+    from cachestore.report_render import json_text
 
     with _source(ctx, tier, snapshot) as reader:
         rows = list_entries(reader, kernel=kernel, target=target)
         if as_json:
             click.echo("[", nl=False)
             for i, row in enumerate(rows):
-                click.echo(("," if i else "") + "\n" + json.dumps(row), nl=False)
+                click.echo(("," if i else "") + "\n" + json_text(row), nl=False)
             click.echo("\n]")
             return
         count = 0
@@ -282,7 +283,7 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
     with _source(ctx, tier, snapshot) as reader:
         shown = show_entry(reader, key, policy)
     if as_json:
-        click.echo(json.dumps(shown, indent=2))
+        echo_json(shown, indent=2)
         return
     for name, value in shown.items():
         if name == "key_components":
@@ -314,7 +315,7 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     with _source(ctx, tier, snapshot) as reader:
         usage = disk_usage(reader)
     if as_json:
-        click.echo(json.dumps(usage, indent=2))
+        echo_json(usage, indent=2)
         return
     table = Table(title="Storage by kernel", title_justify="left")
     columns = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
@@ -355,7 +356,7 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
         report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
                                 execute=execute, seed=seed)  # fmt: skip
     if as_json:
-        click.echo(json.dumps(report.as_json()))
+        echo_json(report.as_json())
     else:
         extra = "".join(f", {n} {what}" for n, what in ((report.recompiled, "recompiled"),
                                                         (report.executed, "executed")) if n)  # fmt: skip
@@ -406,7 +407,7 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
     with _source(ctx, tier, snapshot) as reader:
         answer = explain(reader, wanted, cache_key_of_stored, top=top)
     if as_json:
-        click.echo(json.dumps(answer, indent=2))
+        echo_json(answer, indent=2)
         return
     verdict = "the tier holds this variant: a lookup hits" if answer["present"] else "not in the tier: a lookup misses"
     click.echo(f"key {answer['key']}: {verdict}")
@@ -470,7 +471,7 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
         result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
                                  max_bytes=settings.max_entry_bytes)  # fmt: skip
     if as_json:
-        click.echo(json.dumps(result))
+        echo_json(result)
     else:
         click.echo(f"imported {result['imported']} entries, rejected {len(result['rejected'])}")
         for item in result["rejected"]:
@@ -504,7 +505,7 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     with _source(ctx, tier, None, writable=True) as reader:
         result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run)
     if as_json:
-        click.echo(json.dumps(result))
+        echo_json(result)
         return
     verb = "would evict" if dry_run else "evicted"
     reasons = ", ".join(f"{n} {reason}" for reason, n in result["reasons"].items()) or "nothing to evict"

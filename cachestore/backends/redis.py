@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -513,6 +514,6 @@ def _record_time(stream_id: bytes | str, fields: dict) -> float:
     """When the pass ended (its record's `finished`), else when it was appended (the stream id)."""
     record = _pass_record(fields) or {}
     finished = record.get("finished")
-    if isinstance(finished, int | float):
+    if isinstance(finished, int | float) and math.isfinite(finished):  # a NaN would misplace the whole timeline
         return float(finished)
     return int(text(stream_id).partition("-")[0]) / 1000

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -446,4 +447,5 @@ def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
     if not isinstance(record, dict):
         return ts, None
     finished = record.get("finished")
-    return (float(finished) if isinstance(finished, int | float) else ts), record
+    usable = isinstance(finished, int | float) and math.isfinite(finished)  # a NaN would misplace the timeline
+    return (float(finished) if usable else ts), record
