@@ -17,6 +17,8 @@ Optional abilities are declared as class attributes (`read_only`, `keeps_expired
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -42,6 +44,11 @@ class TierError(NkiCacheError):
 
 class TierUnavailable(TierError):
     """The tier is down, unreachable, refusing, or out of memory."""
+
+
+class BatchRefused(TierError):
+    """The tier is up, but refused a metrics batch as invalid (`batch_problem`) and wrote nothing of it.
+    Unlike the tier being down, sending the same batch again cannot succeed."""
 
 
 class TierTimeout(TierError):
@@ -84,6 +91,62 @@ class MetricsBatch:
     kernel_calls: dict[str, int] = field(default_factory=dict)
     keys: dict[str, KeyUsage] = field(default_factory=dict)
     pass_record: dict[str, object] | None = None  # appended to the pass log when the pass ends
+    # The id of the compiler that ran the pass (bridge.identity): its totals are also summed per toolchain.
+    # Empty: a batch that names none, counted in the fleet's and the worker's totals only.
+    toolchain: str = ""
+
+
+# Counts and times a batch may carry: a double holds every integer up to 2**53 exactly, and sums of numbers
+# this size cannot overflow to infinity (which Redis's HINCRBYFLOAT refuses half-way through a script).
+MAX_BATCH_NUMBER = 2**53
+
+
+def batch_problem(batch: MetricsBatch) -> str | None:
+    """Why no tier may apply `batch`, or None. Every number must be finite and at most MAX_BATCH_NUMBER in
+    size, and the ones summed with integer arithmetic (kernel calls, key usage) whole: one NaN would poison
+    the fleet totals for good, and a backend that took it half-way could not apply the batch wholly or not
+    at all. The Redis metrics script checks the same before it writes anything."""
+    for name in ("batch_id", "host", "worker", "toolchain"):
+        if not isinstance(getattr(batch, name), str):
+            return f"{name} is {getattr(batch, name)!r}, not a string"
+    for name in ("totals", "kernel_calls", "keys"):
+        mapping = getattr(batch, name)
+        if not isinstance(mapping, dict) or not all(isinstance(key, str) for key in mapping):
+            return f"{name} is {mapping!r}, not a dict with string keys"
+    numbers: list[tuple[str, object, bool]] = []  # (where, value, must be whole)
+    numbers += [(f"totals[{name!r}]", value, False) for name, value in batch.totals.items()]
+    numbers += [(f"kernel_calls[{name!r}]", value, True) for name, value in batch.kernel_calls.items()]
+    for key, usage in batch.keys.items():
+        if not isinstance(usage, KeyUsage) or not isinstance(usage.kernel_name, str):
+            return f"keys[{key!r}] is {usage!r}, not a KeyUsage naming its kernel"
+        numbers += [(f"keys[{key!r}].usage", usage.usage, True), (f"keys[{key!r}].first_use", usage.first_use, False),
+                    (f"keys[{key!r}].last_use", usage.last_use, False)]  # fmt: skip
+    for where, value, whole in numbers:
+        problem = number_problem(value, whole=whole)
+        if problem:
+            return f"{where} is {value!r}: {problem}"
+    if batch.pass_record is not None:
+        if not isinstance(batch.pass_record, dict):
+            return f"pass_record is {batch.pass_record!r}, not a dict"
+        try:  # stored as JSON text, which has no NaN or infinity (json.dumps would write them all the same)
+            json.dumps(batch.pass_record, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            return f"pass_record is not JSON of finite numbers: {exc}"
+    return None
+
+
+def number_problem(value: object, *, whole: bool = False) -> str | None:
+    """Why `value` is no number a batch may carry, or None. A bool is not one: JSON tells them apart, and the
+    Redis script would refuse it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "not a number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "not finite"
+    if abs(value) > MAX_BATCH_NUMBER:
+        return f"larger than {MAX_BATCH_NUMBER}"
+    if whole and value != int(value):
+        return "not a whole number"
+    return None
 
 
 @dataclass
@@ -163,6 +226,9 @@ class Reader(Protocol):
 
     def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         """(host, worker, that worker's totals) for every worker that ever applied a batch."""
+
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        """{toolchain id: its totals} for every toolchain whose passes applied a batch naming it."""
 
     def kernels(self) -> dict[str, dict[str, int]]:
         """{kernel name: {"call_count", "variants"}}, as `_export_new_nki_fe_metrics`, fleet-wide."""

@@ -8,7 +8,9 @@ Reads happen on the compiling thread, bounded by the operation timeout. Writes (
 metrics batches) go to an outbox that a background thread drains with pipelines. Any tier failure opens a
 circuit breaker: for `breaker_cooldown` seconds the tier is not asked at all, then it is tried again. What
 waits in the outbox during an outage is delivered when the tier returns; past `outbox_limit` the oldest
-items are dropped and counted.
+items are dropped and counted. A metrics batch no tier would take (a NaN, a count that is not a number) is
+never queued, and one a tier refuses anyway (`BatchRefused`) is no failure of the tier: both are dropped
+and counted in tier_dropped, and the breaker stays closed.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
     REDIS_SCHEMES,
     Backend,
+    BatchRefused,
     KeyUsage,
     MetricsBatch,
     StoreRequest,
     TierBusy,
     TierError,
     TierTimeout,
+    batch_problem,
     open_backend,
     redact_url,
 )
@@ -129,6 +133,12 @@ class TierClient:
         except TierTimeout as exc:
             self.stats.add("tier_timeouts")
             self._trip(what, exc)
+        except BatchRefused as exc:
+            # The tier answered: it is up, and this one item is bad. Done with (ok), so the outbox moves on to
+            # what follows it instead of retrying it forever behind an open breaker.
+            self.stats.add("tier_dropped")
+            logger.warning("tier %s refused a write during %s; dropped: %s", self.description, what, exc)
+            return True, None
         except TierError as exc:
             self.stats.add("tier_errors")
             self._trip(what, exc)
@@ -267,6 +277,14 @@ class TierClient:
         self._enqueue(LeaseRelease(cache_key, self.owner))
 
     def record(self, batch: MetricsBatch) -> None:
+        """Queue a metrics batch, unless no tier would take it (a NaN, a count that is not a number): that one
+        is dropped here with one warning, and counted in tier_dropped (a write that never reaches the tier,
+        like the outbox's own drops). Queued, it would only be refused by the tier."""
+        problem = batch_problem(batch)
+        if problem is not None:
+            self.stats.add("tier_dropped")
+            logger.warning("metrics batch %s not sent to tier %s: %s", batch.batch_id, self.description, problem)
+            return
         self._enqueue(batch)
 
     def record_pass(self, record: PassRecord) -> None:
@@ -405,9 +423,12 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
         kernel_calls[use.kernel_name] += use.usage
         keys[cache_key] = KeyUsage(use.kernel_name, use.usage, use.first_use, use.last_use)
     pass_id = record.pass_id or uuid.uuid4().hex
+    toolchain = toolchain_id()  # the compiler that ran the pass: reports break the fleet down by it
     log_record = {"pass_id": pass_id, "graph": record.graph_name, "host": host, "worker": worker,
-                  "started": record.started, "finished": record.finished, **record.counts}  # fmt: skip
-    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record)
+                  "toolchain": toolchain, "started": record.started, "finished": record.finished,
+                  **record.counts}  # fmt: skip
+    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record,
+                        toolchain)  # fmt: skip
 
 
 def open_tier(settings: Settings) -> TierClient | None:

@@ -106,6 +106,15 @@ class KeySpace:
     def pass_log(self) -> str:
         return self.metrics("pass-log")
 
+    @property
+    def toolchains(self) -> str:
+        """The set of toolchain ids whose passes applied a batch."""
+        return self.metrics("toolchains")
+
+    def toolchain_metrics(self, toolchain: str) -> str:
+        """One toolchain's totals (a hash, like a worker's)."""
+        return self.metrics(f"toolchain:{toolchain}")
+
     # -- the fleet's job queue (one slot) ---------------------------------------------------------
     @property
     def jobs_tag(self) -> str:

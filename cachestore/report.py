@@ -12,6 +12,7 @@ Memory: the per-key usage is streamed and only the top N kept; the timeline hold
 from __future__ import annotations
 
 import heapq
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,7 @@ def counters(values: dict[str, float]) -> dict[str, float]:
     """Every total counter (0 when absent), integers as int, seconds as float, and the hit rate."""
     out: dict[str, float] = {}
     for name in TOTAL_COUNTERS:
-        value = float(values.get(name, 0) or 0)
+        value = _number(values.get(name, 0))
         out[name] = round(value, 6) if name in SECONDS_COUNTERS else round(value)
     out["hit_rate"] = round(hit_rate(out), 6)
     return out
@@ -72,6 +73,7 @@ class FleetReport:
     since: float | None
     totals: dict[str, float]
     per_host: dict[str, dict]  # host -> {"totals": {...}, "workers": {worker: {...}}}
+    per_toolchain: dict[str, dict[str, float]]  # toolchain id -> its totals (as `totals`)
     per_kernel: dict[str, dict[str, int]]  # kernel name -> {"call_count", "variants"}
     variants: int  # distinct cache keys the fleet used (the statistics report's "unique cached variants")
     top_variants: list[Variant] = field(default_factory=list)
@@ -86,6 +88,7 @@ class FleetReport:
             "since": self.since,
             "totals": self.totals,
             "per_host": self.per_host,
+            "per_toolchain": self.per_toolchain,
             "per_kernel": self.per_kernel,
             "variants": self.variants,
             "kernel_types": len(self.per_kernel),
@@ -112,6 +115,7 @@ def build_report(
         since=since,
         totals=counters(reader.totals()),
         per_host=per_host(reader),
+        per_toolchain={toolchain: counters(values) for toolchain, values in sorted(reader.toolchains().items())},
         per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
         variants=reader.key_count(),
     )
@@ -196,7 +200,12 @@ def pass_timeline(
 
 
 def _number(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+    """A stored count as a float; anything else, NaN and infinities included, counts as 0. Batches are checked
+    before they are applied, but a tier written before that (or by hand) may hold them, and one would make
+    every sum it enters, and the report's JSON, invalid."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) else 0.0
 
 
 # -- times and sizes on the command line --------------------------------------------------------------

@@ -6,11 +6,13 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
+from bridge.errors import NkiCacheError
 from bridge.port import hit_rate
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.report import FleetReport
@@ -62,7 +64,32 @@ def _value(name: str, value: float) -> str:
 
 # -- JSON -------------------------------------------------------------------------------------------
 def render_json(report: FleetReport) -> str:
-    return json.dumps(report.as_json(), indent=2)
+    return json_text(report.as_json(), indent=2)
+
+
+def json_text(value: Any, *, indent: int | None = None) -> str:
+    """`value` as JSON text: every --json output of nkicache goes through here. JSON has no NaN or infinity
+    (json.dumps writes them all the same, and strict parsers refuse the document), so numbers are made
+    finite where they are produced, and one that still is not is an error naming where it is."""
+    try:
+        return json.dumps(value, indent=indent, allow_nan=False)
+    except ValueError:
+        where = non_finite_path(value)
+        if where is None:
+            raise  # not a number's fault (a circular reference): a bug, not bad data
+        raise NkiCacheError(f"cannot print JSON: {where} is not a finite number") from None
+
+
+def non_finite_path(value: Any, path: str = "$") -> str | None:
+    """Where in `value` the first NaN or infinity is (like $.graphs[0].saved_seconds), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for key, item in items:
+        found = non_finite_path(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 # -- text -------------------------------------------------------------------------------------------
@@ -111,6 +138,16 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
         if len(info["workers"]) > 1:
             workers.add_row(host, "(all)", *_worker_cells(info["totals"]), style="bold")
     yield workers
+
+    if report.per_toolchain:
+        yield Text("Per toolchain (the compiler that ran each pass; an upgrade starts cold)", style="bold")
+        toolchains = Table()
+        toolchains.add_column("toolchain", no_wrap=True)  # an id is copied from here: one piece
+        for column in WORKER_HEADERS:
+            toolchains.add_column(column, justify="right")
+        for toolchain, values in report.per_toolchain.items():
+            toolchains.add_row(_toolchain_label(toolchain), *_worker_cells(values))
+        yield toolchains
 
     yield Text("Per kernel (as _export_new_nki_fe_metrics, fleet-wide)", style="bold")
 
@@ -165,6 +202,12 @@ def _worker_cells(values: dict) -> list[str]:
     return [*(_value(name, values[name]) for name in WORKER_COUNTERS), tier]
 
 
+def _toolchain_label(toolchain: str) -> str:
+    from bridge.identity import toolchain_id
+
+    return f"{toolchain} (this compiler)" if toolchain == toolchain_id() else toolchain
+
+
 def _width(seconds: int) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size and seconds % size == 0:
@@ -198,6 +241,17 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
         variants.add_metric([kernel], stats["variants"])
     yield calls
     yield variants
+    for name in TOTAL_COUNTERS:
+        family = CounterMetricFamily(f"nkicache_toolchain_{name}", f"Per toolchain (compiler id): {label(name)}.",
+                                     labels=["toolchain"])  # fmt: skip
+        for toolchain, values in report.per_toolchain.items():
+            family.add_metric([toolchain], values[name])
+        yield family
+    ratio = GaugeMetricFamily("nkicache_toolchain_hit_ratio", "Per toolchain: (cache_hits + remote_hits) / kernels.",
+                              labels=["toolchain"])  # fmt: skip
+    for toolchain, values in report.per_toolchain.items():
+        ratio.add_metric([toolchain], values["hit_rate"])
+    yield ratio
 
 
 class FleetCollector:
@@ -385,6 +439,13 @@ def render_html(report: FleetReport) -> str:
     rows = [[host, worker, *_worker_cells(values)] for host, info in report.per_host.items()
             for worker, values in info["workers"].items()]  # fmt: skip
     parts.append(_table(["host", "worker", *WORKER_HEADERS], rows, set(range(2, 2 + len(WORKER_HEADERS)))))
+    parts.append('<h2 id="per-toolchain">Per toolchain</h2>')
+    if report.per_toolchain:
+        rows = [[_toolchain_label(toolchain), *_worker_cells(values)]
+                for toolchain, values in report.per_toolchain.items()]  # fmt: skip
+        parts.append(_table(["toolchain", *WORKER_HEADERS], rows, set(range(1, 1 + len(WORKER_HEADERS)))))
+    else:
+        parts.append("<p>No pass named its toolchain.</p>")
     parts.append("<h2>Per kernel</h2>")
     parts.append(_table(["kernel", "call_count", "variants"],
                         [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],

@@ -177,6 +177,24 @@ def test_compile_internal_error_in_one_pass_spares_the_others(tmp_path: Path, mo
     assert report["compiled"] == 2
 
 
+def test_compile_json_never_prints_a_nan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts that hold a NaN (a store that handed the loop a NaN compile time, say) make `compile --json` a
+    clear error naming the number, never a document with NaN in it, which is not JSON."""
+    from bridge.codegen import BirCodeGenLoop
+
+    real_summary = BirCodeGenLoop.pass_summary
+
+    def pass_summary(self):
+        return {**real_summary(self), "saved_seconds": float("nan")}
+
+    monkeypatch.setattr(BirCodeGenLoop, "pass_summary", pass_summary)
+    result = invoke("compile", "--json", GRAPHS / "bf16_norm.json", "--out", tmp_path, "--workers", "1")
+    assert "NaN" not in result.stdout
+    assert result.exit_code == 2
+    assert result.stderr == "nkicache: error: cannot print JSON: $.saved_seconds is not a finite number\n"
+    assert (tmp_path / "bf16-norm.nkibb").exists()  # the compile itself went through
+
+
 def test_compile_missing_file_and_empty_directory(tmp_path: Path) -> None:
     result, report = compile_json(tmp_path / "absent.json", GRAPHS / "bf16_norm.json", "--out", tmp_path / "o")
     assert result.exit_code == 1

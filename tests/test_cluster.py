@@ -94,6 +94,7 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
                k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
                k.key_hosts("0" * 64), k.key_hosts("f" * 64)]  # fmt: skip
     assert len({slot(key) for key in metrics}) == 1
+    assert {slot(k.toolchains), slot(k.toolchain_metrics("0123456789abcdef"))} == {slot(k.totals)}
     # Every toolchain's job stream too: the complete and fail scripts touch a stream with the shared keys.
     jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_results,
             k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1"),

@@ -24,6 +24,7 @@ from cachestore.entry import encode_entry
 TTL = 3600
 FULL, REFERENCE, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
 FINISHED = (1000.0, 2000.0)  # when the two passes ended, as their records say
+TOOLCHAINS = ("0123456789abcdef", "fedcba9876543210")  # the compilers that ran the two passes
 
 
 def populate(backend: Any) -> dict[str, bytes]:
@@ -35,11 +36,11 @@ def populate(backend: Any) -> dict[str, bytes]:
         "batch-1", "h1", "w1", {"passes": 1, "kernels": 4, "cache_hits": 3},
         {"softmax": 3, "matmul": 1},
         {FULL: KeyUsage("softmax", 3, 100.0, 200.0), OTHER: KeyUsage("matmul", 1, 150.0, 150.0)},
-        {"graph": "g1", "finished": FINISHED[0]},
+        {"graph": "g1", "finished": FINISHED[0]}, TOOLCHAINS[0],
     )  # fmt: skip
     second = MetricsBatch(
         "batch-2", "h2", "w2", {"passes": 1, "kernels": 2, "cache_hits": 2}, {"softmax": 2},
-        {FULL: KeyUsage("softmax", 2, 50.0, 300.0)}, {"graph": "g2", "finished": FINISHED[1]},
+        {FULL: KeyUsage("softmax", 2, 50.0, 300.0)}, {"graph": "g2", "finished": FINISHED[1]}, TOOLCHAINS[1],
     )  # fmt: skip
     assert backend.apply_metrics(first) and backend.apply_metrics(second)
     return {raw.cache_key: raw.data for raw in backend.scan_entries()}
@@ -152,3 +153,47 @@ def test_pass_log_in_order_with_the_time_each_pass_ended(reader: Reader) -> None
     # `since` is compared with when a record was appended, which was just now.
     assert list(reader.pass_log(time.time() + 3600)) == []
     assert reader.pass_log_span(time.time() + 3600) is None
+
+
+def test_totals_per_toolchain_are_applied_once_with_the_batch(reader: Reader) -> None:
+    if reader.read_only:  # a snapshot keeps per-key usage only
+        assert reader.toolchains() == {}
+        return
+    assert reader.toolchains() == {
+        TOOLCHAINS[0]: {"passes": 1, "kernels": 4, "cache_hits": 3},
+        TOOLCHAINS[1]: {"passes": 1, "kernels": 2, "cache_hits": 2},
+    }
+    backend: Any = reader
+    assert backend.apply_metrics(MetricsBatch("batch-3", "h2", "w2", {"passes": 1, "kernels": 5}, {}, {}, None,
+                                              TOOLCHAINS[0]))  # fmt: skip
+    # The same batch id again counts once, per toolchain too; a batch naming no toolchain counts in none.
+    assert not backend.apply_metrics(MetricsBatch("batch-1", "h1", "w1", {"passes": 1}, toolchain=TOOLCHAINS[1]))
+    assert backend.apply_metrics(MetricsBatch("batch-4", "h1", "w1", {"passes": 1, "kernels": 7}))
+    assert reader.toolchains() == {
+        TOOLCHAINS[0]: {"passes": 2, "kernels": 9, "cache_hits": 3},
+        TOOLCHAINS[1]: {"passes": 1, "kernels": 2, "cache_hits": 2},
+    }
+    assert reader.totals() == {"passes": 4, "kernels": 18, "cache_hits": 5}
+
+
+def test_a_local_tier_from_before_toolchain_totals_reads_and_then_gains_them(tmp_path: Path) -> None:
+    import sqlite3
+
+    from cachestore.backends.sqlite import SqliteBackend
+
+    path = tmp_path / "old.sqlite"
+    tier = SqliteBackend(path)
+    populate(tier)
+    tier.close()
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE toolchain_totals")  # as the previous build left its files
+    db.close()
+    old = SqliteBackend(path, create=False)  # a report opens it without writing
+    assert old.toolchains() == {}
+    assert old.totals() == {"passes": 2, "kernels": 6, "cache_hits": 5}
+    tier = SqliteBackend(path)  # a compile opens it for writing: the table is created
+    assert tier.apply_metrics(MetricsBatch("batch-3", "h1", "w1", {"passes": 1}, toolchain=TOOLCHAINS[0]))
+    assert tier.toolchains() == old.toolchains() == {TOOLCHAINS[0]: {"passes": 1}}
+    assert tier.totals()["passes"] == 3
+    old.close()
+    tier.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers_graphs import unique_namespace
 from helpers_report import (
     EXPECTED_HIT_RATE,
     EXPECTED_KERNELS,
@@ -30,11 +31,12 @@ from helpers_report import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.errors import NkiCacheError
+from bridge.identity import toolchain_id
 from cachestore.api import TOTAL_COUNTERS, MetricsBatch
 from cachestore.backends.redis import RedisBackend
 from cachestore.keys import KeySpace
 from cachestore.report import build_report, parse_duration, parse_since, parse_size
-from cachestore.report_render import FleetCollector
+from cachestore.report_render import FleetCollector, json_text, render_html
 from workers.passes import COUNT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,6 +244,56 @@ def test_a_tier_that_cannot_be_read_is_tier_up_0_not_a_failed_scrape() -> None:
     assert _samples(generate_latest(registry).decode()) == {("nkicache_tier_up", ()): 0}
 
 
+# -- per toolchain --------------------------------------------------------------------------------------
+OLD_TOOLCHAIN = "0123456789abcdef"  # the compiler before an upgrade
+OLD_PASS = {"passes": 1, "kernels": 10, "cache_hits": 4, "cache_misses": 6, "remote_hits": 6, "traces": 0}
+
+
+def test_the_fleet_is_broken_down_per_toolchain_in_every_output(tier: Tier) -> None:
+    """The known fleet run by this compiler, after a warm pass of the compiler it replaced: the upgrade's cold
+    start (8 traces, 66.7%) shows apart from the old compiler's warm cache (100%)."""
+    tier.backend.apply_metrics(MetricsBatch("old-pass", "hostC", "w9", dict(OLD_PASS), {}, {},
+                                            {**OLD_PASS, "finished": time.time() - 60}, OLD_TOOLCHAIN))  # fmt: skip
+    run_known_fleet(tier)
+    this = toolchain_id()
+
+    report = report_json(tier)
+    assert list(report["per_toolchain"]) == sorted([this, OLD_TOOLCHAIN])
+    ours, old = report["per_toolchain"][this], report["per_toolchain"][OLD_TOOLCHAIN]
+    assert set(ours) == set(report["totals"])  # the same counters, hit_rate included
+    assert {name: ours[name] for name in EXPECTED_TOTALS} == EXPECTED_TOTALS
+    assert ours["hit_rate"] == pytest.approx(EXPECTED_HIT_RATE, abs=1e-6)
+    assert {name: old[name] for name in OLD_PASS} == OLD_PASS and old["hit_rate"] == 1.0
+    for name in TOTAL_COUNTERS:  # every batch named its toolchain: the toolchains sum to the fleet
+        assert ours[name] + old[name] == pytest.approx(report["totals"][name], abs=1e-6), name
+    # The pass log says which compiler ran each pass.
+    assert [record.get("toolchain") for _, record in tier.backend.pass_log(None)] == [None] + [this] * 3
+
+    text = nkicache(tier, "report").stdout
+    assert "Per toolchain" in text
+    assert _row(text, f"{this} (this compiler)", "3", "24", "6", "10", "18", "8", "66.7%")
+    assert _row(text, OLD_TOOLCHAIN, "1", "10", "4", "6", "6", "0", "100.0%")
+
+    samples = _samples(nkicache(tier, "report", "--prometheus").stdout)
+    for toolchain, expected in ((this, EXPECTED_TOTALS), (OLD_TOOLCHAIN, OLD_PASS)):
+        labels = (("toolchain", toolchain),)
+        for name, value in expected.items():
+            assert samples[(f"nkicache_toolchain_{name}_total", labels)] == value, (toolchain, name)
+    assert samples[("nkicache_toolchain_hit_ratio", (("toolchain", this),))] == pytest.approx(EXPECTED_HIT_RATE)
+
+    page = render_html(build_report(tier.backend))
+    section = page[page.index('<h2 id="per-toolchain">') :]
+    assert f"<td>{this} (this compiler)</td>" in section and f"<td>{OLD_TOOLCHAIN}</td>" in section
+    assert '<td class="n">66.7%</td>' in section
+
+
+def test_without_batches_naming_a_toolchain_there_is_no_breakdown(tier: Tier) -> None:
+    tier.backend.apply_metrics(MetricsBatch("anonymous", "hostC", "w9", dict(OLD_PASS)))
+    assert report_json(tier)["per_toolchain"] == {}
+    assert "Per toolchain" not in nkicache(tier, "report").stdout
+    assert "No pass named its toolchain." in render_html(build_report(tier.backend))
+
+
 # -- edges ----------------------------------------------------------------------------------------------
 def test_an_empty_tier_reports_zeros(tier: Tier) -> None:
     report = report_json(tier)
@@ -249,6 +301,56 @@ def test_an_empty_tier_reports_zeros(tier: Tier) -> None:
     assert report["per_kernel"] == {} and report["timeline"] == [] and report["top_variants"] == []
     assert "No passes in the pass log." in nkicache(tier, "report").stdout
     assert "nkicache_passes_total 0.0" in nkicache(tier, "report", "--prometheus").stdout
+
+
+def _strict(text: str) -> Any:
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_counts_a_tier_holds_as_nan_or_infinity_never_reach_the_output(tmp_path: Path) -> None:
+    """A local tier written before batches were checked: SQLite keeps an infinity (and a pass log record may
+    hold anything). Every output still reads, and the JSON is JSON."""
+    import sqlite3
+
+    from cachestore.backends.sqlite import SqliteBackend
+
+    path = tmp_path / "tier.sqlite"
+    backend = SqliteBackend(path)
+    backend.apply_metrics(MetricsBatch("p1", "h", "w", {"passes": 1, "kernels": 4, "traces": 2, "compile_seconds": 1.5},
+                                       {}, {}, {"passes": 1, "kernels": 4, "finished": time.time()},
+                                       "0123456789abcdef"))  # fmt: skip
+    backend.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    for table in ("totals", "worker_totals", "toolchain_totals"):
+        db.execute(f"UPDATE {table} SET value = ? WHERE name IN ('kernels', 'compile_seconds')", (float("inf"),))
+    db.execute("INSERT INTO pass_log (ts, record) VALUES (?, ?)",
+               (time.time(), '{"passes": 1, "kernels": NaN, "traces": Infinity, "finished": NaN}'))  # fmt: skip
+    db.close()
+    tier = Tier("local", f"local:{path}", unique_namespace(), None)
+
+    result = nkicache(tier, "report", "--json")
+    assert result.exit_code == 0, result.output
+    report = _strict(result.stdout)
+    for counts in (report["totals"], report["per_toolchain"]["0123456789abcdef"],
+                   report["per_host"]["h"]["workers"]["w"]):  # fmt: skip
+        assert (counts["passes"], counts["kernels"], counts["traces"], counts["compile_seconds"]) == (1, 0, 2, 0.0)
+    assert (report["window"]["passes"], report["window"]["kernels"], report["window"]["traces"]) == (2, 4, 0)
+    for args in (("report",), ("report", "--prometheus")):
+        assert nkicache(tier, *args).exit_code == 0
+
+
+def test_json_text_refuses_a_non_finite_number_by_name() -> None:
+    assert json_text({"a": [1.5, {"b": 2}]}) == '{"a": [1.5, {"b": 2}]}'
+    nan_total = {"totals": {"compile_seconds": float("nan")}}
+    infinite_in_a_list = {"graphs": [{"x": 1}, {"saved_seconds": float("-inf")}]}
+    for bad, where in ((nan_total, "$.totals.compile_seconds"), (infinite_in_a_list, "$.graphs[1].saved_seconds")):
+        with pytest.raises(NkiCacheError, match=re.escape(f"cannot print JSON: {where} is not a finite number")):
+            json_text(bad)
 
 
 def test_a_missing_local_tier_is_one_line_and_exit_2(tmp_path: Path) -> None:

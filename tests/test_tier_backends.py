@@ -7,6 +7,7 @@ real redis-server (REDIS_URL, or a private server), each under a namespace of it
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 import redis
 from helpers_graphs import TierView, delete_namespace, stored_entries, wait_until
 
-from cachestore.api import KeyUsage, MetricsBatch, StoreRequest
+from cachestore.api import BatchRefused, KeyUsage, MetricsBatch, StoreRequest
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
@@ -305,6 +306,68 @@ def test_many_batches_sum_exactly(backend, view) -> None:
     assert view.key_usage("key-0") == (1 + 6 + 11 + 16, 0.0, 16.0)
     assert view.key_hosts("key-0") == {"host-0", "host-2", "host-1"}
     assert len(view.pass_log()) == 20
+
+
+# -- invalid batches: applied wholly or not at all ----------------------------------------------------
+def metrics_state(backend: SqliteBackend | RedisBackend) -> dict:
+    """Everything the fleet metrics hold, applied-batch markers included, read from the store itself."""
+    if isinstance(backend, SqliteBackend):
+        db = sqlite3.connect(backend.path, timeout=5)
+        try:
+            tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                      if name not in ("entries", "digests", "leases", "meta", "sqlite_sequence")]  # fmt: skip
+            return {table: sorted(map(repr, db.execute(f"SELECT * FROM {table}"))) for table in tables}
+        finally:
+            db.close()
+    client = backend.client
+    readers = {b"hash": client.hgetall, b"set": client.smembers, b"string": client.get, b"stream": client.xrange}
+    return {key: readers[client.type(key)](key) for key in client.scan_iter(match=backend.keys.metrics_tag + "*")}
+
+
+def pass_batch(batch_id: str) -> MetricsBatch:
+    usage = {"k1": KeyUsage("softmax", 3, 100.0, 110.0), "k2": KeyUsage("matmul", 1, 101.0, 101.0)}
+    item = batch(batch_id, "host-a", "w1", usage, passes=1, kernels=4, cache_hits=2, traces=2, compile_seconds=0.25)
+    item.toolchain = "0123456789abcdef"
+    return item
+
+
+NAN = float("nan")
+# Each breaks one number of a batch, late in the order the Redis script used to write them, so a script that
+# wrote first and failed later would leave the earlier writes (and the applied marker) behind.
+POISONS = {
+    "nan-compile-seconds": lambda b: b.totals.update(compile_seconds=NAN),
+    "infinite-total": lambda b: b.totals.update(traces=float("inf")),
+    "text-total": lambda b: b.totals.update(kernels="4"),
+    "fractional-kernel-calls": lambda b: b.kernel_calls.update(matmul=1.5),
+    "nan-first-use": lambda b: setattr(b.keys["k2"], "first_use", NAN),
+    "infinite-last-use": lambda b: setattr(b.keys["k2"], "last_use", float("-inf")),
+    "text-usage": lambda b: setattr(b.keys["k2"], "usage", "1"),
+    "too-large-usage": lambda b: setattr(b.keys["k2"], "usage", 2**63),
+    "nan-in-the-pass-record": lambda b: b.pass_record.update(started=NAN),
+}
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_an_invalid_batch_writes_nothing_and_its_id_applies_once_valid(backend, view, poison: str) -> None:
+    earlier = pass_batch("pass-0")
+    assert backend.apply_metrics(earlier) is True
+    before = metrics_state(backend)
+    assert before  # something to compare with
+
+    invalid = pass_batch("pass-1")
+    POISONS[poison](invalid)
+    with pytest.raises(BatchRefused, match="refused"):
+        backend.apply_metrics(invalid)
+    assert metrics_state(backend) == before  # totals, workers, toolchains, keys, marker, pass log: untouched
+    with pytest.raises(BatchRefused):  # refused again, not taken for applied
+        backend.apply_metrics(invalid)
+
+    valid = pass_batch("pass-1")
+    assert backend.apply_metrics(valid) is True  # no marker was left behind
+    assert backend.apply_metrics(valid) is False
+    assert view.totals() == pytest.approx({name: 2 * value for name, value in earlier.totals.items()})
+    assert view.key_usage("k2") == (2, 101.0, 101.0)
+    assert [record["pass_id"] for record in view.pass_log()] == ["pass-0", "pass-1"]
 
 
 # -- scanning -----------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import msgpack
 import pytest
 from helpers_graphs import TierView, wait_until
 
-from cachestore.api import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable
+from bridge.port import PassRecord
+from cachestore.api import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable, batch_problem
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
@@ -379,6 +380,73 @@ def test_close_waits_for_the_tier_to_return(backend) -> None:
     client.close(timeout=10)
     assert TierView.of(backend).totals() == pytest.approx(expected_totals(batches))
     assert counts(client)["tier_dropped"] == 0
+
+
+# -- batches no tier would take -----------------------------------------------------------------------
+NAN = float("nan")
+POISONS = {
+    "nan-compile-seconds": lambda b: b.totals.update(compile_seconds=NAN),
+    "infinite-last-use": lambda b: setattr(b.keys["key-1"], "last_use", float("inf")),
+    "text-kernel-calls": lambda b: b.kernel_calls.update(matmul_tiled="4"),
+    "bool-usage": lambda b: setattr(b.keys["key-1"], "usage", True),
+    "nan-in-the-pass-record": lambda b: b.pass_record.update(finished=NAN),
+}
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_a_batch_with_a_bad_number_is_dropped_counted_and_later_batches_arrive(backend, poison, caplog) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky)
+    bad = pass_batch(1)  # its one key is key-1
+    POISONS[poison](bad)
+    good = [pass_batch(0), pass_batch(2)]
+    for item in (good[0], bad, good[1]):
+        client.record(item)
+    assert client.flush(timeout=10) is True
+    view = TierView.of(backend)
+    assert view.totals() == pytest.approx(expected_totals(good))
+    assert [record["pass_id"] for record in view.pass_log()] == ["pass-0", "pass-2"]
+    assert flaky.calls["apply_metrics"] == 2  # never sent
+    dropped, errors, applied = (counts(client)[name] for name in ("tier_dropped", "tier_errors", "metrics_applied"))
+    assert (dropped, errors, applied) == (1, 0, 2)
+    assert [r.getMessage() for r in caplog.records if "pass-1" in r.getMessage()] == [
+        f"metrics batch pass-1 not sent to tier test tier: {batch_problem(bad)}"
+    ]
+    client.close()
+
+
+def test_a_pass_record_with_a_nan_is_dropped_not_sent(backend) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky)
+    counts_of_pass = {"passes": 1, "kernels": 2, "compile_seconds": NAN}
+    client.record_pass(PassRecord("g", "nan-pass", 1.0, 2.0, counts_of_pass))
+    client.record_pass(PassRecord("g", "next-pass", 3.0, 4.0, {"passes": 1, "kernels": 3, "compile_seconds": 0.5}))
+    assert client.flush(timeout=10) is True
+    assert TierView.of(backend).totals() == {"passes": 1, "kernels": 3, "compile_seconds": 0.5}
+    assert (flaky.calls["apply_metrics"], counts(client)["tier_dropped"]) == (1, 1)
+    client.close()
+
+
+def test_a_batch_the_tier_refuses_is_dropped_not_retried_and_the_breaker_stays_closed(backend, monkeypatch) -> None:
+    """A client that lets a NaN through (an older one, say): the tier itself refuses the batch, writes none of it,
+    and the client moves on to the batches behind it instead of retrying it behind an open breaker."""
+    import cachestore.client
+
+    monkeypatch.setattr(cachestore.client, "batch_problem", lambda batch: None)
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=30)
+    bad = pass_batch(1)
+    bad.totals["compile_seconds"] = NAN
+    good = [pass_batch(0), pass_batch(2)]
+    for item in (good[0], bad, good[1]):
+        client.record(item)
+    assert client.flush(timeout=10) is True  # with the breaker open for 30 s it would give up at once
+    assert TierView.of(backend).totals() == pytest.approx(expected_totals(good))
+    assert flaky.calls["apply_metrics"] == 3  # the refused batch was sent once
+    assert (counts(client)["tier_dropped"], counts(client)["tier_errors"], counts(client)["tier_timeouts"]) == (1, 0, 0)
+    assert client.lookup("any-key") is None and counts(client)["tier_skipped"] == 0  # the tier is still asked
+    client.close()
+    assert counts(client)["tier_dropped"] == 1
 
 
 # -- waiting on another worker's lease ----------------------------------------------------------------

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED
+from workers.cli_common import EXIT_CHECK_FAILED, echo_json
 
 
 @click.command("bench")
@@ -46,7 +46,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
         if server is not None:
             server.cleanup()
     if as_json:
-        click.echo(json.dumps(results))
+        echo_json(results)
     else:
         _print_figures(results)
     if results["skipped"]:

@@ -6,7 +6,6 @@ The bridge is imported inside each command, not at module level, so `nkicache --
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -20,6 +19,7 @@ from workers.cli_common import (
     EXIT_INTERRUPTED,
     EXIT_PROJECT_ERROR,
     compile_and_summarize,
+    echo_json,
     expand,
     load_cli_settings,
     plural,
@@ -147,19 +147,17 @@ def demo(func_name: str, seed: int, as_json: bool) -> None:
     instructions = bridge.binary_info(binary)["instructions"]
 
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "func_name": func_name,
-                    "kernel_name": case.kernel_name,
-                    "bytes": len(binary),
-                    "instructions": instructions,
-                    "compile_seconds": compile_seconds,
-                    # JSON has no NaN or infinity: a non-finite error (or a shape mismatch) is null.
-                    "max_abs_err": max_abs_err if math.isfinite(max_abs_err) else None,
-                    "ok": ok,
-                }
-            )
+        echo_json(
+            {
+                "func_name": func_name,
+                "kernel_name": case.kernel_name,
+                "bytes": len(binary),
+                "instructions": instructions,
+                "compile_seconds": compile_seconds,
+                # JSON has no NaN or infinity: a non-finite error (or a shape mismatch) is null.
+                "max_abs_err": max_abs_err if math.isfinite(max_abs_err) else None,
+                "ok": ok,
+            }
         )
     else:
         click.echo(
@@ -278,17 +276,15 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
         click.echo(f"nkicache: error: {r['error']}", err=True)
     ok = not failed and all(r["ok"] for r in ran)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "ok": ok,
-                    "seed": seed,
-                    "checked": check,
-                    "seconds": time.perf_counter() - started,
-                    "artifacts": ran,
-                    "failed": failed,
-                }
-            )
+        echo_json(
+            {
+                "ok": ok,
+                "seed": seed,
+                "checked": check,
+                "seconds": time.perf_counter() - started,
+                "artifacts": ran,
+                "failed": failed,
+            }
         )
     else:
         for r in ran:

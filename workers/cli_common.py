@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,13 @@ def tier_options(command: Callable) -> Callable:
         help="off, local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
         "redis+cluster://host:port[,host:port]. Passwords belong in $NKICACHE_REDIS_PASSWORD, not here.",
     )(command)
+
+
+def echo_json(value: Any, *, indent: int | None = None) -> None:
+    """Print a command's --json output: valid JSON or a clear error, never NaN or Infinity."""
+    from cachestore.report_render import json_text
+
+    click.echo(json_text(value, indent=indent))
 
 
 def load_cli_settings(**flags: Any) -> Any:
@@ -152,7 +158,7 @@ def compile_and_summarize(
         "graphs": [r.as_json() for r in results],
     }
     if as_json:
-        click.echo(json.dumps(summary))
+        echo_json(summary)
     else:
         click.echo(summary_line(len(results), len(failed), totals, seconds))
         if interrupted:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -11,7 +10,7 @@ import time
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, expand, load_cli_settings, tier_options
+from workers.cli_common import EXIT_CHECK_FAILED, echo_json, expand, load_cli_settings, tier_options
 
 
 def _fleet(tier: str | None, tier_mode: str | None = None, **extra) -> tuple:
@@ -101,7 +100,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         if out_dir:
             report["artifacts"] = fleet.download_artifacts(client, keys, results, out_dir)
     if as_json:
-        click.echo(json.dumps(report))
+        echo_json(report)
     else:
         click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted for toolchain "
                    f"{submission.toolchain}")  # fmt: skip
@@ -205,7 +204,7 @@ def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> N
     if dead_letters:
         status["dead_letters"] = list(fleet.dead_letters(client, keys))
     if as_json:
-        click.echo(json.dumps(status))
+        echo_json(status)
         return
     click.echo(f"pending {status['pending']}, in flight {status['in_flight']}, completed {status['completed']}, "
                f"failed attempts {status['failed']}, dead-lettered {status['dead_letter']}")  # fmt: skip

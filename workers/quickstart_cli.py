@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, compile_and_summarize, load_cli_settings, run_one
+from workers.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
+    compile_and_summarize,
+    echo_json,
+    load_cli_settings,
+    run_one,
+)
 
 
 @click.command("workload")
@@ -65,7 +71,7 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
     report["warm_speedup"] = round(speedup, 2)
     failed |= bool(bad)
     if as_json:
-        click.echo(json.dumps(report))
+        echo_json(report)
     else:
         click.echo(f"== warm run {speedup:.1f}x faster than cold; traces {report['cold']['traces']} -> "
                    f"{report['warm']['traces']}")  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
+from workers.cli_common import EXIT_CHECK_FAILED, echo_json, load_cli_settings
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -74,7 +74,7 @@ def report_command(
     html_file: str | None,
 ) -> None:  # fmt: skip
     """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
-    kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
+    toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
     variants with their shapes, and the hit rate over time from the pass log.
 
     Hit rates are (cache_hits + remote_hits) / kernels from summed counts. Totals cover every pass;
@@ -83,9 +83,10 @@ def report_command(
     --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
     traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts, tier_rejected,
     tier_dropped, hit_rate, as `nkicache compile --json`), per_host ({host: {totals, workers: {worker:
-    {...}}}}), per_kernel ({name: {call_count, variants}}), variants, kernel_types, top_variants,
-    bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits, cache_misses, remote_hits, traces,
-    hit_rate}]), window (the timeline's summed counts).
+    {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the passes of each compiler, so an
+    upgrade's cold start shows as such), per_kernel ({name: {call_count, variants}}), variants,
+    kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits,
+    cache_misses, remote_hits, traces, hit_rate}]), window (the timeline's summed counts).
     """
     from cachestore.api import open_backend
     from cachestore.report import build_report
@@ -249,13 +250,14 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
     result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, created, ttl, error}].
     """
     from cachestore.inspect import list_entries
+    from cachestore.report_render import json_text
 
     with _source(ctx, tier, snapshot) as reader:
         rows = list_entries(reader, kernel=kernel, target=target)
         if as_json:
             click.echo("[", nl=False)
             for i, row in enumerate(rows):
-                click.echo(("," if i else "") + "\n" + json.dumps(row), nl=False)
+                click.echo(("," if i else "") + "\n" + json_text(row), nl=False)
             click.echo("\n]")
             return
         count = 0
@@ -288,7 +290,7 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
     with _source(ctx, tier, snapshot) as reader:
         shown = show_entry(reader, key, policy)
     if as_json:
-        click.echo(json.dumps(shown, indent=2))
+        echo_json(shown, indent=2)
         return
     for name, value in shown.items():
         if name == "key_components":
@@ -322,7 +324,7 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     with _source(ctx, tier, snapshot) as reader:
         usage = disk_usage(reader)
     if as_json:
-        click.echo(json.dumps(usage, indent=2))
+        echo_json(usage, indent=2)
         return
     table = Table(title="Storage by kernel", title_justify="left")
     columns = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
@@ -366,7 +368,7 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
         report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
                                 execute=execute, seed=seed)  # fmt: skip
     if as_json:
-        click.echo(json.dumps(report.as_json()))
+        echo_json(report.as_json())
     else:
         extra = "".join(f", {n} {what}" for n, what in ((report.recompiled, "recompiled"),
                                                         (report.executed, "executed")) if n)  # fmt: skip
@@ -417,7 +419,7 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
     with _source(ctx, tier, snapshot) as reader:
         answer = explain(reader, wanted, cache_key_of_stored, top=top)
     if as_json:
-        click.echo(json.dumps(answer, indent=2))
+        echo_json(answer, indent=2)
         return
     verdict = "the tier holds this variant: a lookup hits" if answer["present"] else "not in the tier: a lookup misses"
     click.echo(f"key {answer['key']}: {verdict}")
@@ -481,7 +483,7 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
         result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
                                  max_bytes=settings.max_entry_bytes)  # fmt: skip
     if as_json:
-        click.echo(json.dumps(result))
+        echo_json(result)
     else:
         click.echo(f"imported {result['imported']} entries, rejected {len(result['rejected'])}")
         for item in result["rejected"]:
@@ -519,7 +521,7 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
         result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run,
                                  only_toolchain=toolchain_id() if other_toolchains else None)  # fmt: skip
     if as_json:
-        click.echo(json.dumps(result))
+        echo_json(result)
         return
     verb = "would evict" if dry_run else "evicted"
     reasons = ", ".join(f"{n} {reason}" for reason, n in result["reasons"].items()) or "nothing to evict"

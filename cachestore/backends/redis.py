@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -32,8 +33,10 @@ from redis.retry import Retry
 from bridge.identity import toolchain_id
 from cachestore.api import (
     BATCH,
+    MAX_BATCH_NUMBER,
     READ_CONNECT_TIMEOUT,
     READ_TIMEOUT,
+    BatchRefused,
     KeyRecord,
     MetricsBatch,
     RawEntry,
@@ -51,20 +54,67 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
+INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
 
 # KEYS[1] applied-batch marker   KEYS[2] totals           KEYS[3] workers set     KEYS[4] this worker's totals
 # KEYS[5] kernel call counts     KEYS[6] kernel variants  KEYS[7] key usage       KEYS[8] key first use
-# KEYS[9] key last use           KEYS[10] key -> kernel   KEYS[11] pass log       KEYS[11+i] hosts of key i
-# ARGV[1] JSON {totals, kernel_calls, keys: [[key, kernel, usage, first, last]...], host, member, pass, ttl}
+# KEYS[9] key last use           KEYS[10] key -> kernel   KEYS[11] pass log       KEYS[12] toolchains set
+# KEYS[13] this toolchain's totals                                                KEYS[13+i] hosts of key i
+# ARGV[1] JSON {totals, kernel_calls, keys: [[key, kernel, usage, first, last]...], host, member, toolchain,
+#               pass, ttl, maxlen}
+# Every check comes before the first write (the applied marker included): a batch applies wholly or not at
+# all, and a refused one leaves nothing behind, so its id can still be applied once the batch is valid. The
+# checks are cachestore.api.batch_problem's, made again here because a command that fails half-way through a
+# script (HINCRBYFLOAT of a NaN, HINCRBY of 2.5) keeps the writes before it.
 APPLY_METRICS_LUA = """
-local p = cjson.decode(ARGV[1])
+local MAX, INVALID = MAX_BATCH_NUMBER, INVALID_BATCH
+local function refuse(what) return redis.error_reply('ERR ' .. INVALID .. ': ' .. what) end
+local function finite(v) return type(v) == 'number' and v == v and v ~= math.huge and v ~= -math.huge end
+local function number(v, whole)
+  if not finite(v) or v > MAX or v < -MAX then return false end
+  return not whole or v == math.floor(v)
+end
+local function text(v) return type(v) == 'string' end
+local decoded, p = pcall(cjson.decode, ARGV[1])
+if not decoded or type(p) ~= 'table' then return refuse('ARGV[1] is not a JSON object') end
+if not (text(p.host) and text(p.member) and text(p.toolchain) and text(p.pass)) then
+  return refuse('host, member, toolchain and pass must be strings')
+end
+if type(p.totals) ~= 'table' or type(p.kernel_calls) ~= 'table' or type(p.keys) ~= 'table' then
+  return refuse('totals, kernel_calls and keys must be JSON objects or arrays')
+end
+for name, value in pairs(p.totals) do
+  if not number(value, false) then return refuse('totals.' .. tostring(name) .. ' is not a finite number') end
+end
+for name, calls in pairs(p.kernel_calls) do
+  if not number(calls, true) then return refuse('kernel_calls.' .. tostring(name) .. ' is not a whole number') end
+end
+if #KEYS ~= 13 + #p.keys then return refuse(#KEYS .. ' keys for ' .. #p.keys .. ' cache keys') end
+for i, k in ipairs(p.keys) do
+  if type(k) ~= 'table' or not (text(k[1]) and text(k[2]) and number(k[3], true) and number(k[4], false)
+                                and number(k[5], false)) then
+    return refuse('keys[' .. i .. '] is not [key, kernel, whole usage, finite first use, finite last use]')
+  end
+end
+if p.pass ~= '' then
+  local parsed, record = pcall(cjson.decode, p.pass)
+  if not parsed or type(record) ~= 'table' then return refuse('pass is not a JSON object') end
+  for name, value in pairs(record) do
+    if type(value) == 'number' and not finite(value) then
+      return refuse('pass.' .. tostring(name) .. ' is not a finite number')
+    end
+  end
+end
+
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', p.ttl) then return 0 end
 for name, value in pairs(p.totals) do
   redis.call('HINCRBYFLOAT', KEYS[2], name, value)
   redis.call('HINCRBYFLOAT', KEYS[4], name, value)
+  if p.toolchain ~= '' then redis.call('HINCRBYFLOAT', KEYS[13], name, value) end
 end
 redis.call('SADD', KEYS[3], p.member)
+if p.toolchain ~= '' then redis.call('SADD', KEYS[12], p.toolchain) end
 for name, calls in pairs(p.kernel_calls) do redis.call('HINCRBY', KEYS[5], name, calls) end
 for i, k in ipairs(p.keys) do
   local key, kernel, usage, first, last = k[1], k[2], k[3], k[4], k[5]
@@ -76,13 +126,13 @@ for i, k in ipairs(p.keys) do
   end
   if last > tonumber(redis.call('HGET', KEYS[9], key) or '0') then redis.call('HSET', KEYS[9], key, last) end
   redis.call('HINCRBY', KEYS[7], key, usage)
-  redis.call('SADD', KEYS[11 + i], p.host)
+  redis.call('SADD', KEYS[13 + i], p.host)
 end
 if p.pass ~= '' then
   redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
 end
 return 1
-"""
+""".replace("MAX_BATCH_NUMBER", str(MAX_BATCH_NUMBER)).replace("INVALID_BATCH", json.dumps(INVALID_BATCH))
 
 # KEYS[1] lease key   ARGV[1] owner: delete the lease only if this owner still holds it.
 RELEASE_LEASE_LUA = """
@@ -283,24 +333,40 @@ class RedisBackend:
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
+        """Apply the batch in one script run; BatchRefused (nothing written) when the script finds it invalid.
+        A NaN is sent as it is, not checked here first: the script guards the metrics against every sender."""
         k = self.keys
         ordered = sorted(batch.keys.items())
         keys = [
             k.applied_batch(batch.batch_id), k.totals, k.workers, k.worker_metrics(batch.host, batch.worker),
             k.kernel_calls, k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
-            *(k.key_hosts(key) for key, _ in ordered),
+            k.toolchains, k.toolchain_metrics(batch.toolchain), *(k.key_hosts(key) for key, _ in ordered),
         ]  # fmt: skip
+        try:
+            pass_text = json.dumps(batch.pass_record, sort_keys=True) if batch.pass_record is not None else ""
+        except (TypeError, ValueError) as exc:  # not JSON at all: nothing the script could be handed
+            raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {exc}") from None
         payload = {
             "totals": batch.totals,
             "kernel_calls": batch.kernel_calls,
             "keys": [[key, u.kernel_name, u.usage, u.first_use, u.last_use] for key, u in ordered],
             "host": batch.host,
             "member": f"{batch.host}:{batch.worker}",
-            "pass": json.dumps(batch.pass_record, sort_keys=True) if batch.pass_record is not None else "",
+            "toolchain": batch.toolchain,
+            "pass": pass_text,
             "ttl": APPLIED_MARKER_TTL,
             "maxlen": PASS_LOG_MAXLEN,
         }
-        return bool(self._call(lambda: self._apply_metrics(keys=keys, args=[json.dumps(payload)])))
+
+        def run() -> object:
+            try:  # default=str: a value JSON cannot hold reaches the script as a string, which it refuses
+                return self._apply_metrics(keys=keys, args=[json.dumps(payload, default=str)])
+            except rex.ResponseError as exc:
+                if INVALID_BATCH not in str(exc):
+                    raise  # a failure of the tier itself, translated by redis_errors
+                raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {exc}") from None
+
+        return bool(self._call(run))
 
     # -- fleet metrics ------------------------------------------------------------------------------
     def _float_hash(self, name: str) -> dict[str, float]:
@@ -316,6 +382,15 @@ class RedisBackend:
             hashes = self._pipeline(lambda pipe, p=pairs: [pipe.hgetall(self.keys.worker_metrics(h, w)) for h, w in p])
             for (host, worker), values in zip(pairs, hashes, strict=True):
                 yield host, worker, {text(k): float(v) for k, v in values.items()}
+
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        members = self._stream(lambda: self.client.sscan_iter(self.keys.toolchains, count=1000))
+        found: dict[str, dict[str, float]] = {}
+        for batch in batched(text(m) for m in members):
+            hashes = self._pipeline(lambda pipe, b=batch: [pipe.hgetall(self.keys.toolchain_metrics(t)) for t in b])
+            for toolchain, values in zip(batch, hashes, strict=True):
+                found[toolchain] = {text(k): float(v) for k, v in values.items()}
+        return dict(sorted(found.items()))
 
     def kernels(self) -> dict[str, dict[str, int]]:
         calls = self._float_hash(self.keys.kernel_calls)
@@ -466,6 +541,6 @@ def _record_time(stream_id: bytes | str, fields: dict) -> float:
     """When the pass ended (its record's `finished`), else when it was appended (the stream id)."""
     record = _pass_record(fields) or {}
     finished = record.get("finished")
-    if isinstance(finished, int | float):
+    if isinstance(finished, int | float) and math.isfinite(finished):  # a NaN would misplace the whole timeline
         return float(finished)
     return int(text(stream_id).partition("-")[0]) / 1000

@@ -169,6 +169,9 @@ class SnapshotReader:
     def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         return iter(())
 
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        return {}
+
     def kernels(self) -> dict[str, dict[str, int]]:
         return {}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from bridge.identity import toolchain_id
 from cachestore.api import (
     BATCH,
+    BatchRefused,
     KeyRecord,
     KeyUsage,
     MetricsBatch,
@@ -29,6 +31,7 @@ from cachestore.api import (
     TierBusy,
     TierUnavailable,
     WriteItem,
+    batch_problem,
 )
 
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
@@ -58,6 +61,8 @@ CREATE TABLE IF NOT EXISTS key_usage (
     first_use REAL NOT NULL, last_use REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS key_hosts (cache_key TEXT NOT NULL, host TEXT NOT NULL, PRIMARY KEY (cache_key, host));
 CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS toolchain_totals (
+    toolchain TEXT NOT NULL, name TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (toolchain, name));
 """
 
 
@@ -251,6 +256,11 @@ class SqliteBackend:
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
+        # Checked before the transaction starts: SQLite would store an infinity and turn a NaN into a NULL that
+        # fails half-way (rolled back, but then the batch would look like a tier that is down, retried forever).
+        problem = batch_problem(batch)
+        if problem is not None:
+            raise BatchRefused(f"local tier {self.path}: metrics batch {batch.batch_id!r} refused: {problem}")
         with self._write() as db:
             if (
                 db.execute(
@@ -269,6 +279,12 @@ class SqliteBackend:
                     "ON CONFLICT(host, worker, name) DO UPDATE SET value = value + excluded.value",
                     (batch.host, batch.worker, name, value),
                 )
+                if batch.toolchain:
+                    db.execute(
+                        "INSERT INTO toolchain_totals VALUES (?, ?, ?) "
+                        "ON CONFLICT(toolchain, name) DO UPDATE SET value = value + excluded.value",
+                        (batch.toolchain, name, value),
+                    )
             for key, usage in batch.keys.items():
                 self._apply_key(db, batch.host, key, usage)
             for kernel_name, calls in batch.kernel_calls.items():
@@ -319,6 +335,18 @@ class SqliteBackend:
             values[name] = value
         if current is not None:
             yield *current, values
+
+    def toolchains(self) -> dict[str, dict[str, float]]:
+        # A file last opened for writing by an older build lacks the table (opening one for a compile adds it):
+        # until then no batch named a toolchain, which is nothing to report, not an error.
+        if not self._read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'toolchain_totals'"):
+            return {}
+        found: dict[str, dict[str, float]] = {}
+        for toolchain, name, value in self._read(
+            "SELECT toolchain, name, value FROM toolchain_totals ORDER BY toolchain, name"
+        ):
+            found.setdefault(toolchain, {})[name] = value
+        return found
 
     def kernels(self) -> dict[str, dict[str, int]]:
         rows = self._read("SELECT kernel_name, call_count, variants FROM kernels ORDER BY kernel_name")
@@ -480,4 +508,5 @@ def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
     if not isinstance(record, dict):
         return ts, None
     finished = record.get("finished")
-    return (float(finished) if isinstance(finished, int | float) else ts), record
+    usable = isinstance(finished, int | float) and math.isfinite(finished)  # a NaN would misplace the timeline
+    return (float(finished) if usable else ts), record
