@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -450,6 +451,8 @@ def stored_trace_problem(cache_key: str, stored: StoredTrace) -> str | None:
         return f"traced by toolchain {stored.toolchain!r}, not by this compiler ({toolchain_id()})"
     if stored.result.get("format") != "bir":
         return f"format {stored.result.get('format')!r}: the bridge only emits 'bir'"
+    if not isinstance(stored.compile_seconds, int | float) or not 0 <= stored.compile_seconds < math.inf:
+        return f"compile_seconds {stored.compile_seconds!r} is not a finite number >= 0"  # it enters every sum
     try:
         actual = cache_key_of_stored(stored.key_components)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:

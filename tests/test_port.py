@@ -3,6 +3,7 @@ into the loop, and the key rule that checks stored entries is the loop's own."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ class DictStore:
     def __init__(self) -> None:
         self.traces: dict[str, StoredTrace] = {}
         self.passes: list[PassRecord] = []
+        self.rejected: dict[str, str] = {}
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         found = {key: self.traces[key] for key in cache_keys if key in self.traces}
@@ -40,6 +42,9 @@ class DictStore:
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         return None
+
+    def reject(self, cache_key: str, reason: str) -> None:
+        self.rejected[cache_key] = reason
 
     def publish_trace(self, cache_key: str, result: dict, key_components: Mapping[str, Any], compile_seconds: float,
                       release_lease: bool = False) -> None:  # fmt: skip
@@ -110,3 +115,16 @@ def _as_lists(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _as_lists(v) for k, v in value.items()}
     return value
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, "1"])
+def test_a_stored_trace_with_a_time_that_is_not_a_finite_number_is_refused(seconds: object) -> None:
+    store = DictStore()
+    graph = load_graph(mixed_graph())
+    BirCodeGenLoop(make_target("Trn2"), tier=store).run(graph)
+    key, trace = next(iter(store.traces.items()))
+    store.traces[key] = StoredTrace(trace.result, seconds, trace.key_components, trace.toolchain)  # type: ignore[arg-type]
+    loop = BirCodeGenLoop(make_target("Trn2"), tier=store)
+    loop.run(graph)
+    assert "not a finite number" in store.rejected[key]
+    assert (loop.traces, loop.remote_hits) == (1, MIXED_DISTINCT_KEYS - 1) and math.isfinite(loop.saved_seconds)
