@@ -511,3 +511,20 @@ def test_a_job_naming_another_toolchain_is_refused_not_compiled(fleet, tmp_path:
     assert f.redis.exists(f.keys.job_artifact("hand-00000"), f.keys.job_artifact("hand-00001")) == 0
     assert f.stop("w1")[0] == 0
     assert f.totals() == {}  # no pass ran: nothing was compiled, so no metrics batch was applied
+
+
+def test_a_job_whose_graph_is_a_path_is_refused_never_opened_on_the_worker(fleet, tmp_path: Path) -> None:
+    """A job carries its graph as data. One whose graph is a JSON string naming a file must not make the
+    worker compile (or probe for) a file of its own machine."""
+    f = fleet(job_max_attempts=1)
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=8)  # a real graph file the worker could read
+    job = {"id": "path-00000", "batch": "path", "file": "innocent.json", "graph": json.dumps(str(graph)),
+           "attempt": 1, "toolchain": toolchain_id()}  # fmt: skip
+    f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(job)})
+    f.start_worker("w1")
+    wait_until(lambda: len(f.results()) == 1)
+    result = f.results()["path-00000"]
+    assert result["status"] == "dead_letter" and "not a JSON object" in result["error"], result
+    assert str(graph) not in result["error"]
+    assert f.stop("w1")[0] == 0
+    assert f.totals() == {}  # nothing was compiled

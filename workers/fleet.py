@@ -370,6 +370,10 @@ class Worker:
             graph = json.loads(job["graph"])
         except json.JSONDecodeError as exc:
             return PassResult(job["file"], error=f"{job['file']}: not valid JSON: {exc}"), None
+        if not isinstance(graph, dict):
+            # compile_graph would take a string for a path: a job must never make a worker read its own files.
+            error = f"{job['file']}: the job's graph is not a JSON object (a job carries its graph, never a path)"
+            return PassResult(job["file"], error=error), None
         return compile_graph(graph, tier=self.tier, label=job["file"], out_dir=self.out_dir, pass_id=f"job-{job['id']}")
 
     def _toolchain_problem(self, job: dict) -> str | None:
