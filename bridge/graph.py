@@ -22,6 +22,7 @@ TENSOR_KEYS = {"shape", "dtype", "access_shape"}
 KERNEL_OP_KEYS = {"type", "func_name", "kernel_name", "operands", "results", "attrs"}
 ORDINARY_OP_KEYS = {"type", "operands", "results"}
 MAX_GRAPH_BYTES = 64 * 1024 * 1024
+MAX_GRAPH_NESTING = 32  # levels of JSON objects and lists; a graph needs about 6 (an attr of pairs in an op)
 
 
 class GraphError(NkiCacheError):
@@ -53,14 +54,40 @@ def load_graph(path_or_dict: str | Path | Mapping, source: str | None = None) ->
         size = Path(source).stat().st_size
         if size > MAX_GRAPH_BYTES:
             raise GraphError(f"{source}: graph file of {size} bytes exceeds {MAX_GRAPH_BYTES}")
-        document = json.loads(Path(source).read_text())
+        data = Path(source).read_bytes()
     except OSError as exc:
         raise GraphError(f"{source}: cannot read graph file: {exc.strerror or exc}") from None
+    return _build(parse_graph_json(data, source), source)
+
+
+def parse_graph_json(data: bytes | str, source: str) -> Mapping:
+    """A graph file's JSON object, or a GraphError naming `source`: invalid JSON or UTF-8, another type, or
+    nesting deeper than any graph needs (deep nesting would otherwise exhaust Python's recursion, in the
+    parser or later, and take the process down with a RecursionError instead of failing this one graph)."""
+    try:
+        document = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GraphError(f"{source}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise GraphError(f"{source}: JSON nested deeper than {MAX_GRAPH_NESTING} levels") from None
     if not isinstance(document, Mapping):
         raise GraphError(f"{source}: a graph file holds a JSON object, got {type(document).__name__}")
-    return _build(document, source)
+    if _nesting(document) > MAX_GRAPH_NESTING:
+        raise GraphError(f"{source}: JSON nested deeper than {MAX_GRAPH_NESTING} levels")
+    return document
+
+
+def _nesting(document: object) -> int:
+    """How deep lists and objects nest in `document` (iteratively: the point is not to recurse)."""
+    deepest, pending = 0, [(document, 1)]
+    while pending:
+        value, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_GRAPH_NESTING:
+            return depth
+        children = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+        pending.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list))
+    return deepest
 
 
 def _build(document: Mapping, source: str) -> Graph:

@@ -310,3 +310,17 @@ def test_a_bad_tier_url_is_one_line_and_exit_2_before_any_graph_is_compiled(tmp_
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("nkicache: error: command line: tier ")
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_deeply_nested_graph_fails_alone_and_the_others_compile(tmp_path: Path) -> None:
+    graphs = tmp_path / "graphs"
+    graphs.mkdir()
+    (graphs / "a-deep.json").write_text('{"name": "deep", "tensors": {}, "ops": ' + "[" * 1500 + "]" * 1500 + "}")
+    (graphs / "b-good.json").write_text(json.dumps({"name": "good", "tensors": {}, "ops": []}))
+    for workers in ("1", "2"):
+        result = invoke("compile", graphs, "--out", tmp_path / f"out{workers}", "--workers", workers, "--json")
+        assert result.exit_code == 1, result.output
+        answer = json.loads(result.stdout)
+        assert (answer["passes"], answer["failed"][0]["file"]) == (2, str(graphs / "a-deep.json"))
+        assert "nested deeper than 32 levels" in answer["failed"][0]["error"]
+        assert (tmp_path / f"out{workers}" / "good.nkibb").exists()

@@ -524,7 +524,25 @@ def test_a_job_whose_graph_is_a_path_is_refused_never_opened_on_the_worker(fleet
     f.start_worker("w1")
     wait_until(lambda: len(f.results()) == 1)
     result = f.results()["path-00000"]
-    assert result["status"] == "dead_letter" and "not a JSON object" in result["error"], result
+    assert result["status"] == "dead_letter" and "holds a JSON object, got str" in result["error"], result
     assert str(graph) not in result["error"]
     assert f.stop("w1")[0] == 0
     assert f.totals() == {}  # nothing was compiled
+
+
+def test_a_deeply_nested_graph_fails_its_job_and_the_worker_lives_on(fleet, tmp_path: Path) -> None:
+    """1500 levels of JSON used to raise RecursionError in the worker itself: it died, and so did every
+    worker that reclaimed the job after it."""
+    f = fleet(job_max_attempts=2)
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=8)
+    deep = '{"name": "deep", "tensors": {}, "ops": ' + "[" * 1500 + "]" * 1500 + "}"
+    for job_id, text in (("deep-00000", deep), ("deep-00001", graph.read_text())):
+        job = {"id": job_id, "batch": "deep", "file": f"{job_id}.json", "graph": text, "attempt": 1,
+               "toolchain": toolchain_id()}  # fmt: skip
+        f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(job)})
+    f.start_worker("w1")
+    wait_until(lambda: len(f.results()) == 2)
+    results = f.results()
+    assert results["deep-00000"]["status"] == "dead_letter" and "nested deeper" in results["deep-00000"]["error"]
+    assert results["deep-00001"]["status"] == "completed"
+    assert f.stop("w1")[0] == 0  # alive until told to stop

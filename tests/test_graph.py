@@ -488,3 +488,11 @@ def test_load_artifact_missing_file_and_other_version(tmp_path: Path, artifact_p
     envelope["version"] = 99
     with pytest.raises(ArtifactError, match="version 99"):
         decode_artifact(msgpack.packb(envelope, use_bin_type=True), "x.nkibb")
+
+
+@pytest.mark.parametrize("depth", [40, 1500, 100_000])
+def test_deeply_nested_json_is_one_graph_error_not_a_recursion_error(tmp_path: Path, depth: int) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text('{"name": "deep", "tensors": {}, "ops": [], "x": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(GraphError, match="nested deeper than 32 levels"):
+        load_graph(path)

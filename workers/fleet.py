@@ -39,6 +39,7 @@ from typing import Any
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
+from bridge.graph import GraphError, parse_graph_json
 from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url
 from cachestore.backends.redis import connect, text
@@ -367,13 +368,11 @@ class Worker:
             # Never compiled: this compiler's binary need not be the one the submitter's compiler produces.
             return PassResult(job["file"], error=mismatch), None
         try:
-            graph = json.loads(job["graph"])
-        except json.JSONDecodeError as exc:
-            return PassResult(job["file"], error=f"{job['file']}: not valid JSON: {exc}"), None
-        if not isinstance(graph, dict):
-            # compile_graph would take a string for a path: a job must never make a worker read its own files.
-            error = f"{job['file']}: the job's graph is not a JSON object (a job carries its graph, never a path)"
-            return PassResult(job["file"], error=error), None
+            # A JSON object, never anything compile_graph would take for a path on this machine; bounded in
+            # depth, so a deeply nested graph fails its job instead of the worker.
+            graph = parse_graph_json(job["graph"], job["file"])
+        except GraphError as exc:
+            return PassResult(job["file"], error=str(exc)), None
         return compile_graph(graph, tier=self.tier, label=job["file"], out_dir=self.out_dir, pass_id=f"job-{job['id']}")
 
     def _toolchain_problem(self, job: dict) -> str | None:

@@ -7,7 +7,6 @@ artifacts are written atomically) and reports what was done.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
@@ -45,13 +44,14 @@ def duplicate_names(paths: Sequence[str]) -> dict[str, str]:
     """{path: error} for graph files whose artifact name an earlier file in `paths` already takes; a
     file that cannot be read is left to its pass to report."""
     from bridge.artifact import artifact_filename
+    from bridge.graph import GraphError, parse_graph_json
 
     seen: dict[str, str] = {}
     errors: dict[str, str] = {}
     for path in paths:
         try:
-            name = json.loads(Path(path).read_text()).get("name") or Path(path).stem
-        except (OSError, ValueError, AttributeError):
+            name = parse_graph_json(Path(path).read_bytes(), path).get("name") or Path(path).stem
+        except (OSError, GraphError):
             continue
         filename = artifact_filename(str(name))
         if filename in seen:
