@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_graphs import mixed_graph, write_graph
 
 from bridge.artifact import ARTIFACT_SUFFIX, load_artifact
 from workers.cli_common import EXIT_INTERRUPTED
@@ -213,3 +214,16 @@ def test_ctrl_c_with_one_worker_finishes_the_running_pass_and_stops(tmp_path: Pa
     assert interrupted and len(results) == 1 and results[0].error is None
     assert [p.name for p in out.iterdir()] == [Path(results[0].artifact).name]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_long_running_process_keeps_one_passs_kernel_records(tmp_path: Path) -> None:
+    """The process-wide KernelMetricsCollector describes a compilation; a worker process runs thousands."""
+    from bridge.metrics import KernelMetricsCollector
+    from workers.passes import compile_graph
+
+    graph = write_graph(tmp_path, mixed_graph())
+    for _ in range(50):
+        result, _ = compile_graph(graph)
+        assert result.error is None
+    records = KernelMetricsCollector.get_instance().records
+    assert len(records) == len({record.kernel_name for record in records}) == 3  # the last pass's kernels

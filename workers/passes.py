@@ -17,6 +17,7 @@ from bridge.artifact import build_artifact, encode_artifact, write_artifact
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
+from bridge.metrics import KernelMetricsCollector
 from bridge.port import PASS_COUNTERS, KernelStore
 from bridge.targets import get_platform_target, make_target
 
@@ -62,6 +63,9 @@ def compile_graph(
         name = target_name or graph.target
         target = make_target(name) if name else get_platform_target()
         result.target = type(target).__name__
+        # The collector is process-wide, as in the compiler, where a process is one compilation; a worker
+        # process runs thousands, and the fleet metrics already carry every pass's counts: keep one pass's.
+        KernelMetricsCollector.get_instance().reset()
         loop = BirCodeGenLoop(target, tier=tier)
         loop.pass_id = pass_id
         bb = loop.run(graph)
