@@ -424,6 +424,14 @@ class OpCodegenError(NkiCacheError):
         super().__init__(f"{source}: op {index} ({label}): {cause}")
 
 
+def kernel_cache_key(inst: InternalNkiKernel, target: Target | None = None) -> tuple[str, dict[str, Any]]:
+    """(cache key, key components) of an internal kernel op, as the codegen loop computes them for `target`
+    (default: the platform target): the key under which a tier stores that kernel's binary."""
+    loop = BirCodeGenLoop(target)
+    components = loop._key_components(inst)
+    return loop._compute_cache_key_from_components(components), components
+
+
 def cache_key_of_stored(key_components: Mapping[str, Any]) -> str:
     """The cache key that stored key components (as an entry or a snapshot keeps them, or as a user types
     them) hash to, through the loop's own `_compute_cache_key_from_components` for the target they name.
