@@ -201,6 +201,9 @@ class Backend(Protocol):
 
     def release_lease(self, cache_key: str, owner: str) -> None: ...
 
+    def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        """Extend the lease by `ttl` from now if `owner` still holds it; True when it did."""
+
     def lease_holder(self, cache_key: str) -> str | None: ...
 
     def close(self) -> None: ...

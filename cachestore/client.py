@@ -45,6 +45,7 @@ from cachestore.api import (
     redact_url,
 )
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry, encode_entry
+from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class TierClient:
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
+        self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -210,7 +212,12 @@ class TierClient:
     def acquire_lease(self, cache_key: str) -> bool:
         """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say)."""
         ok, acquired = self._guarded(lambda b: b.acquire_lease(cache_key, self.owner, self.settings.lease_ttl), "lease")
+        if ok and acquired:
+            self._leases.hold(cache_key)  # renewed while this process traces, left to lapse if it dies
         return (not ok) or bool(acquired)
+
+    def _renew_lease(self, cache_key: str) -> None:
+        self._guarded(lambda b: b.renew_lease(cache_key, self.owner, self.settings.lease_ttl), "lease renewal")
 
     def wait_for_entry(self, cache_key: str) -> Entry | None:
         """Wait (bounded) for another worker's trace of `cache_key`; None when it does not come."""
@@ -274,6 +281,7 @@ class TierClient:
         return lambda holder: encode_entry(entry.as_reference_to(holder), self.settings.hmac_key)
 
     def release_lease(self, cache_key: str) -> None:
+        self._leases.drop(cache_key)
         self._enqueue(LeaseRelease(cache_key, self.owner))
 
     def record(self, batch: MetricsBatch) -> None:
@@ -382,6 +390,7 @@ class TierClient:
     def close(self, timeout: float | None = None) -> None:
         """Flush (bounded; waiting out the breaker when it closes in time), stop the flusher, count what could
         not be delivered, close the backend."""
+        self._leases.stop()
         self.flush(timeout, through_outage=True)
         with self._outbox_lock:
             self._closing = True

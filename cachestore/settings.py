@@ -42,7 +42,7 @@ class Settings:
     entry_ttl: int = 30 * DAY  # seconds a binary entry lives unused; refreshed on every use
     max_entry_bytes: int = 64 * 1024 * 1024  # larger entries are neither read nor written
     single_flight: bool = True  # one worker traces a key that several miss at once
-    lease_ttl: float = 60.0  # seconds a trace lease lives (the holder's worst-case trace time)
+    lease_ttl: float = 6.0  # seconds a trace lease lives unless renewed (its holder renews it every third of that)
     lease_wait: float = 30.0  # seconds a worker waits for another's trace before tracing itself
     breaker_cooldown: float = 5.0  # seconds the tier is left alone after a failure
     flush_interval: float = 0.2  # seconds between background mirror flushes

@@ -477,3 +477,27 @@ def _raw_request(cache_key: str, data: bytes):
     from cachestore.api import StoreRequest
 
     return StoreRequest(cache_key, "d" * 64, data, lambda holder: data, "matmul_tiled")
+
+
+def test_a_held_lease_is_renewed_while_its_holder_lives_and_lapses_when_it_stops(backend) -> None:
+    holder = client_for(backend, worker="holder", lease_ttl=0.6)
+    assert holder.acquire_lease("key-1")
+    time.sleep(1.5)  # more than twice the TTL: only renewals keep it
+    assert backend.lease_holder("key-1") == holder.owner
+    holder._leases.stop()  # the holder dies: nothing renews its leases any more
+    assert wait_until(lambda: backend.lease_holder("key-1") is None, timeout=3)
+    holder.close(timeout=1)
+
+
+def test_a_released_lease_is_no_longer_renewed(backend) -> None:
+    holder = client_for(backend, worker="holder", lease_ttl=0.6)
+    assert holder.acquire_lease("key-1")
+    holder.release_lease("key-1")
+    assert holder.flush(timeout=5)
+    assert backend.lease_holder("key-1") is None and holder._leases.held() == set()
+    other = client_for(backend, worker="other", lease_ttl=30)
+    assert other.acquire_lease("key-1")
+    time.sleep(0.5)  # a renewal by the first holder now would be refused: the lease is another's
+    assert backend.lease_holder("key-1") == other.owner
+    holder.close(timeout=1)
+    other.close(timeout=1)

@@ -140,6 +140,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# KEYS[1] lease key   ARGV[1] owner   ARGV[2] ttl (ms): extend the lease only if this owner still holds it.
+RENEW_LEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 def connect(url: str, *, connect_timeout: float, op_timeout: float, password: str | None = None) -> Any:
     """A redis-py client for a tier URL; `password` (from the environment) overrides one in the URL."""
@@ -220,6 +226,7 @@ class RedisBackend:
         self.toolchain = toolchain or toolchain_id()
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
+        self._renew_lease = client.register_script(RENEW_LEASE_LUA)
 
     @classmethod
     def open(cls, settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> RedisBackend:
@@ -327,6 +334,9 @@ class RedisBackend:
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         self._call(lambda: self._release_lease(keys=[self._lease(cache_key)], args=[owner]))
+
+    def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        return bool(self._call(lambda: self._renew_lease(keys=[self._lease(cache_key)], args=[owner, int(ttl * 1000)])))
 
     def lease_holder(self, cache_key: str) -> str | None:
         return text(self._call(lambda: self.client.get(self._lease(cache_key))))

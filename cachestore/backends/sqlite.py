@@ -249,6 +249,15 @@ class SqliteBackend:
             db.execute("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
                        (self.toolchain, cache_key, owner))  # fmt: skip
 
+    def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        now = time.time()
+        with self._write() as db:  # from the lease keeper's thread: it may wait like a background write
+            cursor = db.execute(
+                "UPDATE leases SET expires = ? WHERE toolchain = ? AND cache_key = ? AND owner = ? AND expires > ?",
+                (now + ttl, self.toolchain, cache_key, owner, now),
+            )
+            return cursor.rowcount == 1
+
     def lease_holder(self, cache_key: str) -> str | None:
         rows = self._read("SELECT owner FROM leases WHERE toolchain = ? AND cache_key = ? AND expires > ?",
                           (self.toolchain, cache_key, time.time()))  # fmt: skip
