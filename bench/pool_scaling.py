@@ -120,11 +120,11 @@ def probe_startup() -> None:
     from concurrent.futures import ProcessPoolExecutor
 
     from cachestore.settings import load_settings
-    from workers.pool import _init_process, _pool_context
+    from workers.pool import _init_process, pool_context
 
     settings = load_settings({"tier": "off"})
     started = time.perf_counter()
-    executor = ProcessPoolExecutor(2, mp_context=_pool_context(), initializer=_init_process, initargs=(settings,))
+    executor = ProcessPoolExecutor(2, mp_context=pool_context(), initializer=_init_process, initargs=(settings,))
     first = executor.submit(os.getpid)
     second = executor.submit(os.getpid)
     first.result()

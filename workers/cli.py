@@ -308,9 +308,10 @@ def _register() -> None:
     from workers.fleet_cli import queue_command, submit_command, worker_command
     from workers.quickstart_cli import quickstart_command, workload_command
     from workers.report_cli import inspect_group, report_command, serve_metrics_command
+    from workers.warm_cli import warm_command
 
     for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
-                    report_command, serve_metrics_command, inspect_group, bench_command):  # fmt: skip
+                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command):  # fmt: skip
         main.add_command(command)
 
 

@@ -102,7 +102,7 @@ def _compile_all(
     if workers <= 1 or len(paths) <= 1:
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
     results: dict[int, PassResult] = {}
-    context = _pool_context()
+    context = pool_context()
     pending: dict[Future, int] = {}
     with CtrlC() as ctrl_c:
         executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
@@ -152,7 +152,7 @@ class CtrlC:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _pool_context() -> multiprocessing.context.BaseContext:
+def pool_context() -> multiprocessing.context.BaseContext:
     """forkserver (spawn on Windows), the server importing the compiler once so pool processes start with it.
 
     A terminal's Ctrl-C goes to the whole process group. The server is started with SIGINT ignored, which it

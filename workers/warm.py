@@ -1,0 +1,188 @@
+"""Upgrade without a cold start: trace the most used variants of another toolchain with this compiler.
+
+Every entry keeps its key components, and in this compiler the key components are the whole input of a
+kernel compile (kernel name, operand and result shapes and dtypes, attrs, target, neuroncores). So a new
+compiler can rebuild each kernel call from the old compiler's entries, trace it, and store it under its own
+toolchain before it takes traffic. The specification's key does not depend on the compiler: a rebuilt
+call must hash to the very key it came from, or it is skipped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bridge.codegen import kernel_cache_key
+from bridge.errors import NkiCacheError
+from bridge.identity import toolchain_id
+from bridge.toolchain import compile_kernel
+from cachestore.api import Reader, batched
+from cachestore.client import TierClient
+from cachestore.inspect import decode_or_reason
+from workers.verify import rebuild_op
+
+
+class WarmError(NkiCacheError):
+    """Nothing to warm from (no other toolchain in the tier, or the one named holds no entries)."""
+
+
+@dataclass(order=True)
+class Variant:
+    usage: int
+    last_use: float
+    cache_key: str
+    components: dict = field(compare=False)
+
+
+@dataclass
+class WarmReport:
+    source: str  # the toolchain warmed from
+    toolchain: str  # this compiler's
+    considered: int = 0  # variants picked
+    to_trace: int = 0  # of those, what this compiler had to trace (with --dry-run: would have)
+    traced: int = 0
+    present: int = 0  # already held by this toolchain, or being traced by another process right now
+    skipped: list[dict] = field(default_factory=list)  # [{key, reason}]: cannot be rebuilt into a call
+    failed: list[dict] = field(default_factory=list)  # [{key, reason}]: this compiler refuses the call
+    seconds: float = 0.0
+    trace_seconds: float = 0.0  # compile time of the traced variants, summed
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def default_source(reader: Reader) -> str:
+    """The other toolchain whose entries were used most recently."""
+    latest: dict[str, float] = {}
+    for toolchain in reader.entry_toolchains():
+        if toolchain == toolchain_id():
+            continue
+        for variant in _variants(reader.in_toolchain(toolchain), reader):
+            latest[toolchain] = max(latest.get(toolchain, 0.0), variant.last_use)
+    if not latest:
+        raise WarmError(f"{reader.description} holds no entries of another toolchain to warm from")
+    return max(latest, key=lambda toolchain: (latest[toolchain], toolchain))
+
+
+def pick_variants(
+    reader: Reader, source: str, *, top: int | None = None, min_usage: int = 0, since: float | None = None
+) -> list[Variant]:
+    """The most used variants of `source` (usage from the fleet metrics), at most `top`, used at least
+    `min_usage` times and last at or after `since`. Keeps `top` in memory, not the whole partition."""
+    if source not in reader.entry_toolchains():
+        raise WarmError(f"{reader.description} holds no entries of toolchain {source}")
+    chosen: list[Variant] = []
+    for variant in _variants(reader.in_toolchain(source), reader):
+        if variant.usage < min_usage or (since is not None and variant.last_use < since):
+            continue
+        if top is None:
+            chosen.append(variant)
+        elif len(chosen) < top:
+            heapq.heappush(chosen, variant)
+        elif variant > chosen[0]:
+            heapq.heapreplace(chosen, variant)
+    return sorted(chosen, reverse=True)
+
+
+def _variants(partition: Reader, metrics: Reader) -> Iterator[Variant]:
+    for batch in batched(partition.scan_entries(with_ttl=False)):
+        records = metrics.key_records([raw.cache_key for raw in batch])
+        for raw in batch:
+            entry = decode_or_reason(raw.data)
+            if isinstance(entry, str):
+                continue  # unreadable: nothing to rebuild a call from
+            record = records.get(raw.cache_key)
+            usage, last_use = (record.usage, record.last_use) if record else (0, entry.created)
+            yield Variant(usage, last_use, raw.cache_key, dict(entry.key_components))
+
+
+def warm(
+    tier: TierClient,
+    variants: list[Variant],
+    source: str,
+    *,
+    workers: int = 1,
+    dry_run: bool = False,
+    on_progress: Callable[[], None] = lambda: None,
+) -> WarmReport:
+    """Trace `variants` with this compiler and store them in its partition of `tier`, single flight with
+    every other process (a variant another process holds the lease on is left to it)."""
+    report = WarmReport(source, toolchain_id(), considered=len(variants))
+    started = time.perf_counter()
+    held = tier.find_traces([v.cache_key for v in variants])[0]
+    calls = []
+    for variant in variants:
+        if variant.cache_key in held:
+            report.present += 1
+            on_progress()
+            continue
+        call, problem = _rebuilt_call(variant)
+        if problem is not None:
+            report.skipped.append({"key": variant.cache_key, "reason": problem})
+            on_progress()
+        elif not dry_run and not tier.acquire_lease(variant.cache_key):
+            report.present += 1  # another warmer or compile is tracing it now
+            on_progress()
+        else:
+            calls.append((variant, call))
+    report.to_trace = len(calls)
+    if not dry_run:
+        for variant, call, outcome in _traced(calls, workers):
+            _store(tier, report, variant, call, outcome)
+            on_progress()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _rebuilt_call(variant: Variant) -> tuple[dict | None, str | None]:
+    try:
+        op = rebuild_op(variant.components)
+        key, components = kernel_cache_key(op.inst, op.target)
+    except (NkiCacheError, KeyError, TypeError, ValueError) as exc:
+        return None, f"cannot be rebuilt into a kernel call: {' '.join(str(exc).split())}"
+    if key != variant.cache_key:
+        return None, f"its components hash to {key[:16]}... with this compiler, not to its key"
+    call = {"func_name": op.func_name, "operands": op.inst.operands, "results": op.inst.results,
+            "attrs": op.attrs, "target": type(op.target).__name__, "components": components}  # fmt: skip
+    return call, None
+
+
+def _traced(calls: list[tuple[Variant, dict]], workers: int) -> Iterator[tuple[Variant, dict, Any]]:
+    """(variant, call, (result, seconds) or the error message), as each trace finishes."""
+    if workers <= 1 or len(calls) <= 1:
+        for variant, call in calls:
+            yield variant, call, _trace(call)
+        return
+    from workers.pool import pool_context
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
+        futures = [(variant, call, pool.submit(_trace, call)) for variant, call in calls]
+        for variant, call, future in futures:
+            yield variant, call, future.result()
+
+
+def _trace(call: dict) -> tuple[dict, float] | str:
+    from bridge.targets import make_target
+
+    started = time.perf_counter()
+    try:
+        result = compile_kernel(call["func_name"], call["operands"], call["results"], call["attrs"],
+                                target=make_target(call["target"]))  # fmt: skip
+    except NkiCacheError as exc:
+        return " ".join(str(exc).split())
+    return result, time.perf_counter() - started
+
+
+def _store(tier: TierClient, report: WarmReport, variant: Variant, call: dict, outcome: Any) -> None:
+    if isinstance(outcome, str):
+        tier.release_lease(variant.cache_key)
+        report.failed.append({"key": variant.cache_key, "reason": outcome})
+        return
+    result, seconds = outcome
+    tier.publish_trace(variant.cache_key, result, call["components"], seconds, release_lease=True)
+    report.traced += 1
+    report.trace_seconds += seconds
