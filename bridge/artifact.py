@@ -188,6 +188,8 @@ def write_artifact(artifact: Artifact, out_dir: str | Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
         try:
+            # mkstemp makes the file 0600, for its own secrecy; an artifact is an output like any other file.
+            os.fchmod(fd, 0o666 & ~_umask())
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
@@ -199,6 +201,19 @@ def write_artifact(artifact: Artifact, out_dir: str | Path) -> Path:
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot write the artifact: {exc.strerror or exc}") from None
     return path
+
+
+def _umask() -> int:
+    """The process's umask. Reading it means setting it and setting it back, a moment in which another
+    thread's new file would get another mode: done once per process, not once per artifact."""
+    global _UMASK
+    if _UMASK is None:
+        _UMASK = os.umask(0o022)
+        os.umask(_UMASK)
+    return _UMASK
+
+
+_UMASK: int | None = None
 
 
 # -- loading --------------------------------------------------------------------------------------

@@ -98,3 +98,9 @@ def test_unknown_func_name_is_a_usage_error() -> None:
     result = CliRunner().invoke(main, ["demo", "--func-name", "Nope"])
     assert result.exit_code == 2
     assert "Nope" in result.output
+
+
+@pytest.mark.parametrize("args", [["-h"], ["compile", "-h"], ["inspect", "gc", "-h"], ["warm", "-h"]])
+def test_dash_h_is_help(args: list[str]) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and result.output.startswith("Usage: ")

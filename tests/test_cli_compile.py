@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -324,3 +327,14 @@ def test_a_deeply_nested_graph_fails_alone_and_the_others_compile(tmp_path: Path
         assert (answer["passes"], answer["failed"][0]["file"]) == (2, str(graphs / "a-deep.json"))
         assert "nested deeper than 32 levels" in answer["failed"][0]["error"]
         assert (tmp_path / f"out{workers}" / "good.nkibb").exists()
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_artifacts_are_written_with_the_umask_like_any_output(tmp_path: Path, umask: int, mode: int) -> None:
+    graph = tmp_path / "g.json"
+    graph.write_text(json.dumps({"name": "g", "tensors": {}, "ops": []}))
+    command = [sys.executable, "-c", "from workers.cli import main; main()", "compile", str(graph), "--out",
+               str(tmp_path / "out"), "--tier", "off"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(umask), check=False)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "g.nkibb").stat().st_mode & 0o777 == mode
