@@ -72,5 +72,13 @@ def test_bench_help_names_every_goal() -> None:
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
-                "pool_scaling", "report_seconds_100k", "storage_ratio"):  # fmt: skip
+                "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate"):  # fmt: skip
         assert key in result.output
+
+
+def test_upgrade_measurement(tiny, tmp_path: Path) -> None:
+    config, _graphs = tiny
+    upgrade = bench.upgrade(config, tmp_path)
+    assert upgrade["variants"] > 0 and upgrade["warmed"] == upgrade["variants"]
+    assert upgrade["upgrade_first_pass_hit_rate"] == 1.0 and upgrade["first_pass_traces"] == 0
+    assert upgrade["warm_seconds_per_variant"] > 0 and upgrade["cold_seconds_per_trace"] > 0

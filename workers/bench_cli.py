@@ -28,6 +28,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       pool_scaling           graphs/s with 2 workers / 1 worker                           goal >= 1.6
       report_seconds_100k    report and verify over 100k entries, and peak memory
       storage_ratio          Redis bytes per entry / binary bytes; dedupe saving
+      upgrade_first_pass_hit_rate  a new compiler's first pass after nkicache warm          goal >= 0.99
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed

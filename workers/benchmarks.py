@@ -30,6 +30,7 @@ GOALS = {
     "mirror_overhead": ("max", 1.03),
     "remote_hit_vs_raw_get": ("max", 1.5),
     "pool_scaling": ("min", 1.6),
+    "upgrade_first_pass_hit_rate": ("min", 0.99),
 }
 
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
@@ -320,6 +321,54 @@ def report_scale(config: BenchConfig) -> dict:
     return bench_script("report_scale", "--sizes", "100000", *(["--quick"] if config.quick else []))
 
 
+# -- upgrade: a new compiler warmed from the old one's entries --------------------------------------------
+def upgrade(config: BenchConfig, work: Path) -> dict:
+    """Compile the workload with this compiler (the old one) on a fresh local tier; make a new compiler (a
+    copy of the package whose softmax kernel carries one more comment: another toolchain id, the same
+    maths); `nkicache warm --top N` with it, N the variants the old one used; then the new compiler's first
+    pass over the workload. Its tier hit rate (remote hits / tier lookups) shows how warm an upgrade starts,
+    and the warm's seconds per variant stand beside the old cold compile's seconds per trace."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from bridge.identity import package_root
+
+    graphs, tier = work / "upgrade-graphs", f"local:{work / 'upgrade.sqlite'}"
+    from workers.workload import generate_workload
+
+    generate_workload(graphs, config.models, config.seed)
+    copy = work / "upgrade-compiler"
+    shutil.copytree(package_root(), copy / "bridge", ignore=shutil.ignore_patterns("__pycache__"))
+    softmax = copy / "bridge" / "kernels" / "softmax.py"
+    softmax.write_text(softmax.read_text() + "\n# the next release\n")
+    env = {**os.environ, "NKICACHE_NAMESPACE": "nkibench-upgrade"}
+
+    def nkicache(*args: str, new: bool) -> dict:
+        environment = {**env, "PYTHONPATH": os.pathsep.join([str(copy), env.get("PYTHONPATH", "")])} if new else env
+        done = subprocess.run([sys.executable, "-c", "from workers.cli import main; main()", *args, "--json"],
+                              cwd=work, env=environment, capture_output=True, text=True, check=False)  # fmt: skip
+        if done.returncode != 0:
+            raise NkiCacheError(f"nkicache {args[0]} failed in the upgrade measurement: {done.stderr.strip()}")
+        return json.loads(done.stdout)
+
+    old = nkicache("compile", str(graphs), "--out", str(work / "upgrade-old"), "--tier", tier, new=False)
+    variants = old["traces"]
+    warmed = nkicache("warm", "--tier", tier, "--top", str(variants), "--workers", "2", new=True)
+    first = nkicache("compile", str(graphs), "--out", str(work / "upgrade-new"), "--tier", tier, new=True)
+    lookups = first["cache_misses"]  # every in-pass miss asks the tier
+    return {
+        "upgrade_first_pass_hit_rate": first["remote_hits"] / lookups if lookups else 0.0,
+        "warm_seconds_per_variant": warmed["seconds"] / max(1, warmed["traced"]),
+        "cold_seconds_per_trace": old["compile_seconds"] / max(1, variants),
+        "variants": variants,
+        "warmed": warmed["traced"],
+        "first_pass_traces": first["traces"],
+    }
+
+
 def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
     """Every measurement: results[name] is the figure, results[name + "_detail"] what it was computed from,
     and results["skipped"] maps each measurement that could not run here to why (no figure for it)."""
@@ -336,6 +385,7 @@ def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str]
             ("storage_ratio", lambda: storage_ratio(graphs, redis_url)),
             ("pool_scaling", lambda: pool_scaling(config)),
             ("report_seconds_100k", lambda: report_scale(config)),
+            ("upgrade_first_pass_hit_rate", lambda: upgrade(config, work)),
         ]
         for name, step in steps:
             progress(name)
