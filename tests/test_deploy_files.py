@@ -352,6 +352,18 @@ def test_dockerfile_final_stage_is_non_root_without_compilers() -> None:
                 assert (ROOT / source).exists(), source
 
 
+def test_dockerfile_image_has_no_matplotlib() -> None:
+    """Workers and serve-metrics never draw plots: the image installs nkicache without extras, and nkicache's own
+    dependencies leave matplotlib (with pillow, fonttools, kiwisolver) to the html extra."""
+    stages = dockerfile_stages()
+    (wheel,) = [shlex.split(line) for line in stages[0] if "pip wheel" in line]
+    assert wheel[-1] == "."  # the project itself, no `.[extra]`
+    (install,) = [shlex.split(line.split("&&")[0]) for line in stages[-1] if "pip install" in line]
+    assert install[-1] == "nkicache"
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in dependencies if d.lower().startswith("matplotlib")], dependencies
+
+
 def test_deploy_files_name_nkicache_commands_that_exist() -> None:
     named = {exec_start()[1], *(c[0] for c in (compose()["services"][s]["command"] for s in ("worker", "metrics")))}
     for (kind, _), document in kubernetes_objects().items():
