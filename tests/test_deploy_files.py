@@ -561,6 +561,21 @@ def test_reader_pods_get_only_reader_credentials() -> None:
             assert set(spec.get("secrets", [])) <= {"reader_password"}, name
 
 
+def test_compose_does_not_publish_redis_on_a_fixed_host_port() -> None:
+    """127.0.0.1:6379 on the host clashes with a Redis already running there: Redis is not published, or only on
+    a loopback port Docker picks. The healthcheck runs inside the container, so it needs no published port."""
+    redis_service = compose()["services"]["redis"]
+    for port in redis_service.get("ports", []):
+        if isinstance(port, dict):
+            host_ip, published = port.get("host_ip"), port.get("published")
+        else:
+            parts = str(port).split(":")
+            assert len(parts) == 3, f"{port}: name the loopback address"
+            host_ip, published = parts[0], parts[1]
+        assert host_ip == "127.0.0.1" and not published, port
+    assert redis_service["healthcheck"]["test"][0] == "CMD-SHELL"
+
+
 def test_readme_secrets_script_fills_the_acl_file_and_the_secret(tmp_path: Path) -> None:
     """The script of deploy/README.md, run on copies: random secrets in deploy/secrets/ (0600), their hashes in
     users.acl, their values in worker.yaml's Secret; a second run changes nothing; Redis boots with the ACL file
