@@ -674,6 +674,73 @@ def test_deploy_readme_says_how_the_image_reaches_a_cluster(tmp_path: Path) -> N
             assert new_image == pushed
 
 
+def documented_installs() -> dict[str, str]:
+    """{destination: source} of every `install` command in deploy/README.md; a directory made with -d maps to
+    ""."""
+    installed = {}
+    for argv in readme_code():
+        if argv[0] != "install":
+            continue
+        args, directory, rest = [], False, iter(argv[1:])
+        for arg in rest:
+            if arg in ("-m", "-g", "-o"):
+                next(rest)
+            elif arg == "-d":
+                directory = True
+            else:
+                args.append(arg)
+        if directory:
+            installed.update(dict.fromkeys(args, ""))
+            continue
+        *sources, destination = args
+        for source in sources:
+            installed[destination + Path(source).name if destination.endswith("/") else destination] = source
+    return installed
+
+
+def test_systemd_unit_is_self_contained() -> None:
+    """Everything the unit needs exists after deploy/README.md's install steps: its user (systemd-sysusers, from
+    a file shipped here), a state directory systemd makes (StateDirectory=, the worker's home and working
+    directory), the venv of ExecStart, and each file it reads, installed from a file in the repository (the
+    settings load; the environment file names the worker user and secret files only)."""
+    service = systemd_unit(UNIT)["Service"]
+    values = dict(service)
+    assert values.get("StateDirectory"), "no StateDirectory=: nothing creates the worker's writable directory"
+    state = f"/var/lib/{values['StateDirectory'].split()[0]}"
+    dynamic = values.get("DynamicUser", "no").lower() in ("yes", "true", "on", "1")
+    assert dynamic or values.get("User"), "neither User= nor DynamicUser="
+    environment = dict(item.split("=", 1) for k, v in service if k == "Environment" for item in shlex.split(v))
+    assert values.get("WorkingDirectory", state) == state and environment.get("HOME", state) == state
+    installs, commands = documented_installs(), readme_code()
+    for source in installs.values():
+        assert not source or (ROOT / source).is_file() or source.startswith("deploy/secrets/"), source
+    assert installs[f"/etc/systemd/system/{UNIT.name}"] == f"deploy/systemd/{UNIT.name}"
+    if not dynamic:
+        # A fixed user must exist before the first start: systemd-sysusers makes it from the file shipped here.
+        (sysusers,) = [source for destination, source in installs.items() if destination.startswith("/etc/sysusers.d/")]
+        users = {fields[1]: fields for line in (ROOT / sysusers).read_text().splitlines()
+                 if (fields := shlex.split(line, comments=True))[:1] == ["u"]}  # fmt: skip
+        assert values["User"] in users and values.get("Group", values["User"]) == values["User"]  # `u` makes both
+        assert users[values["User"]][4] == state  # home
+        assert ["systemd-sysusers"] in commands
+    venv = str(Path(exec_start()[0]).parents[1])
+    assert ["python3", "-m", "venv", venv] in commands
+    assert any(argv[:2] == [f"{venv}/bin/pip", "install"] for argv in commands)
+    config = installs[environment["NKICACHE_CONFIG"]]
+    settings = load_settings(environ={"NKICACHE_CONFIG": str(ROOT / config)})  # unknown or mistyped keys raise
+    assert settings.namespace == "nkicache"  # the namespace users.acl grants
+    env_file = installs[values["EnvironmentFile"].lstrip("-")]
+    variables = dict(line.split("=", 1) for line in (ROOT / env_file).read_text().splitlines()
+                     if line.strip() and not line.startswith("#"))  # fmt: skip
+    assert tier_user(variables["NKICACHE_TIER"]) == "nkicache-worker"  # no password in the URL either
+    secrets_script = readme_script("deploy/secrets", "sha256sum")
+    for variable, value in variables.items():
+        if any(word in variable for word in SECRET_WORDS):
+            assert variable.endswith("_FILE"), variable
+            source = installs[value]
+            assert source.startswith("deploy/secrets/") and Path(source).name in secrets_script, (variable, source)
+
+
 # -- the liveness probe against a real Redis ----------------------------------------------------------------
 @pytest.fixture
 def fleet_env(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, KeySpace]]:
