@@ -1,9 +1,13 @@
 """A `FleetReport` as text tables (rich), JSON, Prometheus text exposition (prometheus_client), or a
-self-contained HTML page with its plots inline (matplotlib SVG)."""
+self-contained HTML page with its plots inline (matplotlib SVG).
+
+matplotlib is imported only inside the HTML plots: it comes with the optional `html` extra, so a worker or
+metrics image without it still renders every other format."""
 
 from __future__ import annotations
 
 import html
+import importlib
 import io
 import json
 import math
@@ -311,6 +315,20 @@ code { font-size: 0.9em; }
 """
 
 
+HTML_EXTRA = "pip install 'nkicache[html]'"
+
+
+def require_matplotlib() -> None:
+    """Raise a project error (one line naming the `html` extra) when matplotlib cannot be imported, instead of
+    letting an ImportError end `report --html` with a traceback."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError as exc:
+        reason = " ".join(str(exc).split())
+        raise NkiCacheError(f"the HTML report draws its plots with matplotlib, which cannot be imported ({reason}); "
+                            f"install the html extra: {HTML_EXTRA}") from None  # fmt: skip
+
+
 def _svg(figure: Any) -> str:
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg", bbox_inches="tight")
@@ -399,6 +417,7 @@ def _table(headers: list[str], rows: list[list[Any]], numeric: set[int]) -> str:
 
 def render_html(report: FleetReport) -> str:
     """One self-contained page: summary, the two plots as inline SVG, and the report's tables."""
+    require_matplotlib()  # even with nothing to plot, so `--html` needs the extra on every tier, not only on a busy one
     t = report.totals
     cards = [("hit rate", _value("hit_rate", t["hit_rate"])), ("kernels", _value("kernels", t["kernels"])),
              ("passes", _value("passes", t["passes"])), ("traces", _value("traces", t["traces"])),

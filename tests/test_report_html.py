@@ -10,7 +10,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +109,60 @@ def test_html_report_renders_in_headless_chromium_with_its_plots(tier: Tier, tmp
         assert drawn > 2000, f"{name}: only {drawn} pixels in {colour}"
     if os.environ.get("NKICACHE_SCREENSHOT_DIR"):
         shutil.copy(screenshot, Path(os.environ["NKICACHE_SCREENSHOT_DIR"]) / "report.png")
+
+
+# -- matplotlib comes with the `html` extra only ---------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+HTML_EXTRA = "pip install 'nkicache[html]'"
+
+
+def python(script: str, *args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter (this one's), so its sys.modules says what the command imported."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, cwd=cwd, check=False)  # fmt: skip
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!~;\s]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def test_matplotlib_is_an_extra_that_the_dev_install_includes() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "matplotlib" not in requirement_names(project["dependencies"])  # `pip install nkicache`: no plots
+    extras = project["optional-dependencies"]
+    assert "matplotlib" in requirement_names(extras["html"])
+    # The README's first command installs the dev extra; it must still bring matplotlib (the HTML test needs it).
+    assert "nkicache[html]" in extras["dev"] or "matplotlib" in requirement_names(extras["dev"])
+    assert "pip install -e '.[dev]'" in (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```")[0]
+
+
+def test_html_report_without_matplotlib_says_how_to_get_it(tier: Tier, tmp_path: Path) -> None:
+    add_history(tier)  # something to plot
+    page = tmp_path / "report.html"
+    script = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # `import matplotlib` now raises ImportError, as without the extra\n"
+        "from workers.cli import main\n"
+        "main(sys.argv[1:], prog_name='nkicache')\n"
+    )
+    result = python(script, "report", "--html", str(page), env=tier.env(), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("nkicache: error: ") and HTML_EXTRA in line, line
+    assert result.stdout == "" and not page.exists()
+
+
+def test_text_json_and_prometheus_reports_never_import_matplotlib(tier: Tier, tmp_path: Path) -> None:
+    add_history(tier)  # a timeline and per-kernel usage: what the HTML page would plot
+    script = (
+        "import json, sys\n"
+        "from workers.cli import main\n"
+        "for output in (['--json'], ['--prometheus'], []):\n"
+        "    main(['report', *output], prog_name='nkicache', standalone_mode=False)\n"
+        "    assert 'matplotlib' not in sys.modules, f'report {output} imported matplotlib'\n"
+        "print(json.dumps('matplotlib' in sys.modules))\n"
+    )
+    result = python(script, env=tier.env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert '"passes": 24' in result.stdout  # the JSON report read the history
+    assert result.stdout.splitlines()[-1] == "false"

@@ -68,7 +68,8 @@ def _size(value: str) -> int:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--prometheus", is_flag=True, help="Print the Prometheus text exposition format (textfile collector).")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="Write a self-contained HTML page with plots to FILE.")  # fmt: skip
+              help="Write a self-contained HTML page with plots to FILE (needs the html extra: "
+                   "pip install 'nkicache[html]').")  # fmt: skip
 def report_command(
     tier: str | None, since: float | None, top: int, bucket: float | None, as_json: bool, prometheus: bool,
     html_file: str | None,
@@ -90,10 +91,12 @@ def report_command(
     """
     from cachestore.api import open_backend
     from cachestore.report import build_report
-    from cachestore.report_render import render_html, render_json, render_prometheus, render_text
+    from cachestore.report_render import render_html, render_json, render_prometheus, render_text, require_matplotlib
 
     if as_json and prometheus:
         raise click.UsageError("--json and --prometheus are two different outputs; choose one")
+    if html_file:
+        require_matplotlib()  # before reading the tier, which can take a while, only to fail at the end
     reader = open_backend(_settings(tier), reading=True)
     try:
         report = build_report(reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None,
