@@ -104,7 +104,7 @@ def test_kubernetes_yaml_parses_into_the_expected_objects() -> None:
     assert set(kubernetes_objects()) == {
         ("ConfigMap", "nkicache-config"), ("Secret", "nkicache-secrets"), ("Deployment", "nkicache-worker"),
         ("Deployment", "nkicache-metrics"), ("ConfigMap", "nkicache-redis"), ("Service", "nkicache-redis"),
-        ("StatefulSet", "nkicache-redis"),
+        ("StatefulSet", "nkicache-redis"), ("Job", "nkicache-warm"),
     }  # fmt: skip
 
 
@@ -790,3 +790,15 @@ def test_live_check_follows_the_worker_heartbeat(fleet_env: tuple[str, KeySpace]
     beat(url, keys, "nkicache-worker-other-pod", age=0)
     beat(url, keys, "nkicache-worker-7d9f-abcde-1", age=60)
     assert probe() == 1  # another pod's heartbeat does not keep this one alive
+
+
+def test_the_warm_job_runs_nkicache_warm_as_a_writer_and_the_readme_says_when() -> None:
+    job = kubernetes_objects()[("Job", "nkicache-warm")]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][0] == "warm" and pod["restartPolicy"] == "Never"
+    env = env_of(container)
+    assert env["NKICACHE_TIER"]["value"].startswith("redis://nkicache-worker@")  # it stores entries
+    assert {"NKICACHE_REDIS_PASSWORD_FILE", "NKICACHE_HMAC_KEY_FILE"} <= set(env)
+    readme = (DEPLOY / "README.md").read_text()
+    assert "## Upgrading the compiler" in readme and "warm-job.yaml" in readme and "--other-toolchains" in readme
