@@ -1,14 +1,16 @@
 """The Redis backend: a single server (redis://, rediss://, unix://) or a Redis Cluster (redis+cluster://).
 
-Compile path: entries are plain strings read with GETEX (one round trip, TTL refreshed on use). Stores run
-in the client's background flusher and take up to three pipelined round trips to keep identical binaries
+Compile path: entries are plain strings, read in one round trip that refreshes their TTL (EXPIRE) and asks
+each one's size (STRLEN) with its first FIRST_READ_BYTES (GETRANGE): an entry over `max_entry_bytes` is
+never downloaded whole, and one between the two sizes costs a second round trip. Stores run in the
+client's background flusher and take up to three pipelined round trips to keep identical binaries
 stored once. Fleet metrics are applied by one Lua script per batch, guarded by a per-batch marker so a
 retried batch counts once; every metrics key shares one hash slot (see `cachestore.keys`) so the script is
 legal on a cluster.
 
 Reader side (reports, inspection): everything streams (SCAN/HSCAN/XRANGE pages, pipelines of BATCH keys),
 so memory stays bounded by the batch size, not by the size of the cache. Reading an entry here never
-refreshes its TTL (plain GET, not GETEX): looking does not keep it alive.
+refreshes its TTL: looking does not keep it alive. Entries are read as on the compile path, sizes first.
 
 Every redis-py error, `RedisClusterException` included (it is not a `RedisError`), becomes a `TierError`
 in one place: `redis_errors`.
@@ -47,6 +49,7 @@ from cachestore.api import (
     batched,
     redact_url,
 )
+from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import KeySpace
 
 if TYPE_CHECKING:
@@ -56,6 +59,9 @@ T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
+# Bytes of an entry read before its size is known, in the round trip that asks the size: every entry a compile
+# writes is smaller (a few to a few hundred KiB), and a refused oversized one costs no more than this.
+FIRST_READ_BYTES = 1 << 20
 
 # KEYS[1] applied-batch marker   KEYS[2] totals           KEYS[3] workers set     KEYS[4] this worker's totals
 # KEYS[5] kernel call counts     KEYS[6] kernel variants  KEYS[7] key usage       KEYS[8] key first use
@@ -212,12 +218,22 @@ class RedisBackend:
     read_only = False
     keeps_expired = False  # Redis expires entries itself
 
-    def __init__(self, client: Any, keys: KeySpace, description: str = "redis", toolchain: str | None = None):
-        """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's)."""
+    def __init__(
+        self,
+        client: Any,
+        keys: KeySpace,
+        description: str = "redis",
+        toolchain: str | None = None,
+        *,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+    ):
+        """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's).
+        `max_entry_bytes`: larger entries are never downloaded, only their size (TooLarge)."""
         self.client = client
         self.keys = keys
         self.description = description
         self.toolchain = toolchain or toolchain_id()
+        self.max_entry_bytes = max_entry_bytes
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
 
@@ -229,7 +245,8 @@ class RedisBackend:
             connect_timeout, op_timeout = max(connect_timeout, READ_CONNECT_TIMEOUT), max(op_timeout, READ_TIMEOUT)
         client = connect(settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout,
                          password=settings.redis_password)  # fmt: skip
-        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain)
+        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain,
+                   max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.description}, toolchain {self.toolchain})"
@@ -281,12 +298,62 @@ class RedisBackend:
             yield item
 
     # -- entries ----------------------------------------------------------------------------------
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
-        if len(cache_keys) == 1:
-            value = self._call(lambda: self.client.getex(self._entry(cache_keys[0]), ex=ttl))
-            return {} if value is None else {cache_keys[0]: value}
-        values = self._pipeline(lambda pipe: [pipe.getex(self._entry(key), ex=ttl) for key in cache_keys])
-        return {key: value for key, value in zip(cache_keys, values, strict=True) if value is not None}
+    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
+        def read() -> dict[str, bytes | TooLarge]:
+            values = self._read_entries([self._entry(key) for key in cache_keys], refresh_ttl=ttl)
+            return {key: value for key, (value, _) in zip(cache_keys, values, strict=True) if value is not None}
+
+        return self._call(read)
+
+    def _read_entries(
+        self, redis_keys: Sequence[str], refresh_ttl: int | None = None
+    ) -> list[tuple[bytes | TooLarge | None, float | None]]:
+        """(value, seconds left) of each key: None for a key with no value, TooLarge for a value over
+        max_entry_bytes, and seconds left when not refreshing (None: the key never expires).
+
+        Never more than max_entry_bytes of a value is downloaded, without a script (a cluster pipeline runs
+        none): one round trip asks each value's size and its first FIRST_READ_BYTES, which is all of a value
+        of the usual size; a second reads, still bounded, the values the first did not hold whole. A value
+        shorter than asked is whole whatever happened in between, and one that grew past the limit between
+        the two round trips comes back longer than the limit, so it is refused all the same."""
+        limit = self.max_entry_bytes
+        first = min(FIRST_READ_BYTES, limit + 1)
+
+        def sizes_and_heads(pipe: Any) -> None:
+            for key in redis_keys:
+                # EXPIRE refreshes the TTL of an entry used, as GETEX did; both it and PTTL say whether the key is
+                # there (an empty value and a missing key both have length 0).
+                if refresh_ttl is not None:
+                    pipe.expire(key, refresh_ttl)
+                else:
+                    pipe.pttl(key)
+                pipe.strlen(key)
+                pipe.getrange(key, 0, first - 1)
+
+        replies = self._pipeline(sizes_and_heads)
+        found: list[tuple[bytes | TooLarge | None, float | None]] = []
+        rest: list[int] = []  # values larger than their head and within the limit
+        for i in range(len(redis_keys)):
+            there, size, head = replies[3 * i : 3 * i + 3]
+            missing = not there if refresh_ttl is not None else there == -2  # EXPIRE's 0, PTTL's -2
+            ttl = None if refresh_ttl is not None or there < 0 else there / 1000
+            if missing:
+                found.append((None, None))
+            elif len(head) < first:
+                found.append((head, ttl))
+            elif size > limit or len(head) > limit:
+                found.append((TooLarge(max(size, len(head)), limit), ttl))
+            else:
+                found.append((None, ttl))
+                rest.append(i)
+        if rest:
+            values = self._pipeline(lambda pipe: [pipe.getrange(redis_keys[i], 0, limit) for i in rest])
+            for i, value in zip(rest, values, strict=True):
+                # Longer than the limit: it grew since its size was asked (its size now is unknown, at least that).
+                # Empty: it was deleted in between.
+                whole = TooLarge(len(value), limit) if len(value) > limit else value or None
+                found[i] = (whole, found[i][1])
+        return found
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         if not requests:
@@ -460,23 +527,17 @@ class RedisBackend:
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         pattern = self.keys.entry_pattern(self.toolchain)
         redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=1000))
-        step = 2 if with_ttl else 1
         for batch in batched(text(key) for key in redis_keys):
-            values = self._pipeline(
-                lambda pipe, b=batch: [(pipe.get(key), pipe.pttl(key)) if with_ttl else pipe.get(key) for key in b]
-            )
-            for i, redis_key in enumerate(batch):
-                data, ttl_ms = values[step * i], values[step * i + 1] if with_ttl else None
+            for redis_key, (data, ttl) in zip(batch, self._read_entries(batch), strict=True):
                 if data is not None:
-                    ttl = ttl_ms / 1000 if ttl_ms is not None and ttl_ms >= 0 else None
-                    yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl, self.toolchain)
+                    yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl if with_ttl else None, self.toolchain)
 
-    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
-        found: dict[str, bytes] = {}
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        found: dict[str, bytes | TooLarge] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
-            values = self._pipeline(lambda pipe, c=chunk: [pipe.get(self._entry(key)) for key in c])
-            found.update((key, value) for key, value in zip(chunk, values, strict=True) if value is not None)
+            values = self._read_entries([self._entry(key) for key in chunk])
+            found.update((key, value) for key, (value, _) in zip(chunk, values, strict=True) if value is not None)
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
