@@ -212,7 +212,9 @@ class SqliteBackend:
             )
             for key, size, data, expires in rows:
                 found[key] = self._value(size, data)
-                if expires < now + ttl * TTL_REFRESH_FRACTION:
+                # An entry too large to read is not kept alive by being asked for; refreshing it would also cost
+                # SQLite rewriting its whole row, blob included.
+                if data is not None and expires < now + ttl * TTL_REFRESH_FRACTION:
                     stale.append(key)
         if stale:
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
