@@ -193,7 +193,8 @@ class Backend(Protocol):
 
     def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
         """Encoded entries for the keys that have one (refreshing their TTL); references are not followed. An
-        entry over the backend's max_entry_bytes is not read: its TooLarge stands for it."""
+        entry over the backend's max_entry_bytes is not read: its TooLarge stands for it. On the compile path,
+        so the call as a whole returns or raises TierTimeout within the operation timeout."""
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         """Write entries; a binary already stored under another key is written as a reference to it."""
@@ -201,11 +202,13 @@ class Backend(Protocol):
     def apply_metrics(self, batch: MetricsBatch) -> bool:
         """Apply a batch unless one with its id was applied already; True when applied now."""
 
-    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool: ...
+    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
     def release_lease(self, cache_key: str, owner: str) -> None: ...
 
-    def lease_holder(self, cache_key: str) -> str | None: ...
+    def lease_holder(self, cache_key: str) -> str | None:
+        """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
     def close(self) -> None: ...
 

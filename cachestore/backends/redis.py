@@ -2,11 +2,13 @@
 
 Compile path: entries are plain strings, read in one round trip that refreshes their TTL (EXPIRE) and asks
 each one's size (STRLEN) with its first FIRST_READ_BYTES (GETRANGE): an entry over `max_entry_bytes` is
-never downloaded whole, and one between the two sizes costs a second round trip. Stores run in the
-client's background flusher and take up to three pipelined round trips to keep identical binaries
-stored once. Fleet metrics are applied by one Lua script per batch, guarded by a per-batch marker so a
-retried batch counts once; every metrics key shares one hash slot (see `cachestore.keys`) so the script is
-legal on a cluster.
+never downloaded whole, and one between the two sizes costs a second round trip. Each compile-path call
+(fetch, lease) is bounded as a whole by the operation timeout (`deadline.Watchdog`): the socket timeout
+bounds each read only, and a server trickling its reply would hold the compile. Stores run in the client's
+background flusher and take up to three pipelined round trips to keep identical binaries stored once.
+Fleet metrics are applied by one Lua script per batch, guarded by a per-batch marker so a retried batch
+counts once; every metrics key shares one hash slot (see `cachestore.keys`) so the script is legal on a
+cluster.
 
 Reader side (reports, inspection): everything streams (SCAN/HSCAN/XRANGE pages, pipelines of BATCH keys),
 so memory stays bounded by the batch size, not by the size of the cache. Reading an entry here never
@@ -49,6 +51,7 @@ from cachestore.api import (
     batched,
     redact_url,
 )
+from cachestore.backends.deadline import watchdog
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import KeySpace
 
@@ -226,14 +229,18 @@ class RedisBackend:
         toolchain: str | None = None,
         *,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        op_timeout: float | None = None,
     ):
         """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's).
-        `max_entry_bytes`: larger entries are never downloaded, only their size (TooLarge)."""
+        `max_entry_bytes`: larger entries are never downloaded, only their size (TooLarge). `op_timeout`:
+        seconds each compile-path call (fetch, acquire_lease, lease_holder) may take as a whole; None: bounded
+        by the client's socket timeout per read only (reports and inspection)."""
         self.client = client
         self.keys = keys
         self.description = description
         self.toolchain = toolchain or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
+        self.op_timeout = op_timeout
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
 
@@ -246,7 +253,7 @@ class RedisBackend:
         client = connect(settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout,
                          password=settings.redis_password)  # fmt: skip
         return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain,
-                   max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
+                   max_entry_bytes=settings.max_entry_bytes, op_timeout=None if reading else op_timeout)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.description}, toolchain {self.toolchain})"
@@ -277,6 +284,29 @@ class RedisBackend:
         with redis_errors(self.description):
             return operation()
 
+    def _within_op_timeout(self, operation: Callable[[], T]) -> T:
+        """A compile-path call, bounded as a whole by `op_timeout`: past it, the watchdog closes the client's
+        connections (the one the call is blocked on among them; later calls connect again), and the call
+        raises TierTimeout whatever redis-py made of the closed socket."""
+        if self.op_timeout is None:
+            return self._call(operation)
+        with watchdog().watching(self.op_timeout, self._drop_connections) as watch:
+            try:
+                return self._call(operation)
+            except Exception:
+                if not watch.aborted:
+                    raise
+        raise TierTimeout(f"{self.description}: no whole answer within the {self.op_timeout} s operation timeout")
+
+    def _drop_connections(self) -> None:
+        """Close every connection of the client, those in use by other threads included (redis-py supports it):
+        a read blocked on one of them fails at once. A background write on one fails too and is retried, as
+        after any failure; by then the tier is counted as timed out and its breaker is open anyway."""
+        if isinstance(self.client, RedisCluster):
+            self.client.disconnect_connection_pools()
+        else:
+            self.client.connection_pool.disconnect()
+
     def _pipeline(self, fill: Callable[[Any], object]) -> list:
         def run() -> list:
             pipe = self.client.pipeline(transaction=False)
@@ -303,7 +333,7 @@ class RedisBackend:
             values = self._read_entries([self._entry(key) for key in cache_keys], refresh_ttl=ttl)
             return {key: value for key, (value, _) in zip(cache_keys, values, strict=True) if value is not None}
 
-        return self._call(read)
+        return self._within_op_timeout(read)
 
     def _read_entries(
         self, redis_keys: Sequence[str], refresh_ttl: int | None = None
@@ -390,13 +420,15 @@ class RedisBackend:
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        return bool(self._call(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000))))
+        return bool(
+            self._within_op_timeout(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000)))
+        )
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         self._call(lambda: self._release_lease(keys=[self._lease(cache_key)], args=[owner]))
 
     def lease_holder(self, cache_key: str) -> str | None:
-        return text(self._call(lambda: self.client.get(self._lease(cache_key))))
+        return text(self._within_op_timeout(lambda: self.client.get(self._lease(cache_key))))
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
