@@ -87,6 +87,8 @@ _watchdog: Watchdog | None = None
 def watchdog() -> Watchdog:
     """The process's watchdog, started on first use."""
     global _watchdog
+    if _watchdog is not None:  # every compile-path call asks: no lock once there is one
+        return _watchdog
     with _lock:
         if _watchdog is None:
             _watchdog = Watchdog()

@@ -1,8 +1,9 @@
 """The Redis backend: a single server (redis://, rediss://, unix://) or a Redis Cluster (redis+cluster://).
 
-Compile path: entries are plain strings, read in one round trip that refreshes their TTL (EXPIRE) and asks
-each one's size (STRLEN) with its first FIRST_READ_BYTES (GETRANGE): an entry over `max_entry_bytes` is
-never downloaded whole, and one between the two sizes costs a second round trip. Each compile-path call
+Compile path: entries are plain strings, read in one round trip that refreshes their TTL (EXPIRE) and reads
+their first FIRST_READ_BYTES (GETRANGE), all of an entry of the usual size; a longer one costs a round trip
+for its size (STRLEN) and, when within `max_entry_bytes`, one for the rest: an entry over the limit is never
+downloaded. Each compile-path call
 (fetch, lease) is bounded as a whole by the operation timeout (`deadline.Watchdog`): the socket timeout
 bounds each read only, and a server trickling its reply would hold the compile. Stores run in the client's
 background flusher and take up to three pipelined round trips to keep identical binaries stored once.
@@ -62,8 +63,8 @@ T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
-# Bytes of an entry read before its size is known, in the round trip that asks the size: every entry a compile
-# writes is smaller (a few to a few hundred KiB), and a refused oversized one costs no more than this.
+# Bytes of an entry read before its size is known: entries a compile writes are smaller (a few to a few hundred
+# KiB) and come in one round trip; a refused oversized one costs no more than this.
 FIRST_READ_BYTES = 1 << 20
 
 # KEYS[1] applied-batch marker   KEYS[2] totals           KEYS[3] workers set     KEYS[4] this worker's totals
@@ -341,46 +342,51 @@ class RedisBackend:
         """(value, seconds left) of each key: None for a key with no value, TooLarge for a value over
         max_entry_bytes, and seconds left when not refreshing (None: the key never expires).
 
-        Never more than max_entry_bytes of a value is downloaded, without a script (a cluster pipeline runs
-        none): one round trip asks each value's size and its first FIRST_READ_BYTES, which is all of a value
-        of the usual size; a second reads, still bounded, the values the first did not hold whole. A value
-        shorter than asked is whole whatever happened in between, and one that grew past the limit between
-        the two round trips comes back longer than the limit, so it is refused all the same."""
+        Never more than max_entry_bytes of a value is downloaded, and without a script (a cluster pipeline runs
+        none): one round trip reads the first FIRST_READ_BYTES of each value, which is all of a value of the
+        usual size, with one more command per key (EXPIRE refreshing the TTL of an entry used, as GETEX did, or
+        PTTL); only values longer than that cost a second (their size) and a third (the value, still bounded).
+        A value shorter than asked for is whole whatever happened in between, and one that grew past the limit
+        after its size was asked comes back longer than the limit, so it is refused all the same."""
         limit = self.max_entry_bytes
         first = min(FIRST_READ_BYTES, limit + 1)
 
-        def sizes_and_heads(pipe: Any) -> None:
+        def heads(pipe: Any) -> None:
             for key in redis_keys:
-                # EXPIRE refreshes the TTL of an entry used, as GETEX did; both it and PTTL say whether the key is
-                # there (an empty value and a missing key both have length 0).
+                # Both say whether the key is there: an empty value and a missing key read alike.
                 if refresh_ttl is not None:
                     pipe.expire(key, refresh_ttl)
                 else:
                     pipe.pttl(key)
-                pipe.strlen(key)
                 pipe.getrange(key, 0, first - 1)
 
-        replies = self._pipeline(sizes_and_heads)
+        replies = self._pipeline(heads)
         found: list[tuple[bytes | TooLarge | None, float | None]] = []
-        rest: list[int] = []  # values larger than their head and within the limit
+        longer: list[int] = []  # values longer than their head
         for i in range(len(redis_keys)):
-            there, size, head = replies[3 * i : 3 * i + 3]
-            missing = not there if refresh_ttl is not None else there == -2  # EXPIRE's 0, PTTL's -2
+            there, head = replies[2 * i : 2 * i + 2]
             ttl = None if refresh_ttl is not None or there < 0 else there / 1000
-            if missing:
+            if (not there) if refresh_ttl is not None else there == -2:  # EXPIRE's 0, PTTL's -2: no key
                 found.append((None, None))
             elif len(head) < first:
                 found.append((head, ttl))
-            elif size > limit or len(head) > limit:
-                found.append((TooLarge(max(size, len(head)), limit), ttl))
             else:
                 found.append((None, ttl))
-                rest.append(i)
-        if rest:
-            values = self._pipeline(lambda pipe: [pipe.getrange(redis_keys[i], 0, limit) for i in rest])
-            for i, value in zip(rest, values, strict=True):
-                # Longer than the limit: it grew since its size was asked (its size now is unknown, at least that).
-                # Empty: it was deleted in between.
+                longer.append(i)
+        if not longer:
+            return found
+        sizes = self._pipeline(lambda pipe: [pipe.strlen(redis_keys[i]) for i in longer])
+        within = []
+        for i, size in zip(longer, sizes, strict=True):
+            if size > limit:
+                found[i] = (TooLarge(size, limit), found[i][1])
+            elif size:  # else deleted since
+                within.append(i)
+        if within:
+            values = self._pipeline(lambda pipe: [pipe.getrange(redis_keys[i], 0, limit) for i in within])
+            for i, value in zip(within, values, strict=True):
+                # Longer than the limit: it grew since its size was asked (by how much is unknown: at least that).
+                # Empty: deleted since.
                 whole = TooLarge(len(value), limit) if len(value) > limit else value or None
                 found[i] = (whole, found[i][1])
         return found
