@@ -275,8 +275,9 @@ def test_a_hostile_entry_under_a_key_the_compile_needs_costs_what_a_miss_costs(
     assert decode_entry(view.raw(target), UNSIGNED_OK).key_components  # the trace replaced it
 
 
-def test_inspection_reports_an_oversized_entry_without_reading_it(store: Store) -> None:
-    """`inspect verify`, `ls` and `du` name the 65 MiB entry by its size and count its bytes, without holding it."""
+def test_inspection_reports_an_oversized_entry_without_reading_it(store: Store, tmp_path: Path) -> None:
+    """`inspect verify`, `ls` and `du` name the 65 MiB entry by its size and count its bytes, and `export` leaves
+    it out, without holding it."""
     tier = {"NKICACHE_TIER": store.settings["tier"], "NKICACHE_NAMESPACE": store.settings.get("namespace", "nkicache")}
     client = open_tier(Settings(**store.settings))
     BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
@@ -289,6 +290,7 @@ def test_inspection_reports_an_oversized_entry_without_reading_it(store: Store) 
     def inspect_all() -> None:
         for command in ("verify", "ls", "du"):
             results[command] = nkicache(None, "inspect", command, "--json", env=tier)
+        results["export"] = nkicache(None, "inspect", "export", str(tmp_path / "tier.snapshot"), env=tier)
 
     peak = peak_bytes_of(inspect_all)
     assert results["verify"].exit_code == 1, results["verify"].output
@@ -297,6 +299,8 @@ def test_inspection_reports_an_oversized_entry_without_reading_it(store: Store) 
     listed = {row["key"]: row for row in json_of(results["ls"])}
     assert (listed[target]["bytes"], listed[target]["error"]) == (OVERSIZED, reason)
     assert json_of(results["du"])["unreadable"] == {"entries": 1, "bytes": OVERSIZED}
+    assert results["export"].exit_code == 0, results["export"].output
+    assert f"exported {MIXED_DISTINCT_KEYS - 1} entries" in results["export"].stdout
     assert peak < OVERSIZED / 4, peak
 
 
