@@ -400,7 +400,7 @@ def test_a_server_trickling_its_replies_is_given_up_on_within_op_timeout(trickle
         key = sorted(loop.key_use_times)[0]
         started = time.perf_counter()
         assert one.lookup(key) is None
-        assert time.perf_counter() - started < op_timeout + 0.25
+        assert time.perf_counter() - started < op_timeout + 0.5
         assert one.stats.snapshot()["tier_timeouts"] == 1
         one.close(timeout=1)
     finally:
@@ -412,7 +412,7 @@ def test_a_server_trickling_its_replies_is_given_up_on_within_op_timeout(trickle
 
 def test_the_watchdog_aborts_only_what_overran_and_again_until_it_ends() -> None:
     """An operation done in time is never aborted; one that overruns is aborted at its deadline and again every
-    ABORT_AGAIN_SECONDS while it goes on (a client may try again on a new connection); none after it ends."""
+    ABORT_AGAIN_SECONDS while it goes on (a client may try again on a new connection), and no more once it ends."""
     from cachestore.backends.deadline import ABORT_AGAIN_SECONDS, watchdog
 
     aborts: list[float] = []
@@ -421,8 +421,10 @@ def test_the_watchdog_aborts_only_what_overran_and_again_until_it_ends() -> None
     assert not watch.aborted
     started = time.monotonic()
     with watchdog().watching(0.2, lambda: aborts.append(time.monotonic())) as watch:
-        time.sleep(0.2 + 4.5 * ABORT_AGAIN_SECONDS)
-    ended = time.monotonic()
+        time.sleep(0.2 + 10 * ABORT_AGAIN_SECONDS)
+    time.sleep(3 * ABORT_AGAIN_SECONDS)  # an abort decided just before the block ended may still land
+    after_it_ended = len(aborts)
     time.sleep(3 * ABORT_AGAIN_SECONDS)
-    assert watch.aborted and 2 <= len(aborts) <= 6, aborts
-    assert all(started + 0.2 <= at <= ended for at in aborts)
+    assert watch.aborted and 2 <= after_it_ended <= 12, aborts
+    assert len(aborts) == after_it_ended
+    assert all(at >= started + 0.2 for at in aborts)
