@@ -16,7 +16,8 @@ cache key itself is never recomputed from it.
 Entries come from a store others can write to, so reading one costs a bounded time and memory whatever it
 holds: a store hands over no entry larger than its limit (`TooLarge` stands in for it), and `decode_entry`
 checks the size, then the envelope's shape, then the signature over the body bytes, and only then unpacks
-the body, after checking on its headers alone that it holds a bounded number of objects.
+the body, once the number of objects it holds is known to be bounded (by its length, or for a longer body
+by walking its headers alone).
 """
 
 from __future__ import annotations
