@@ -3,7 +3,9 @@ way every command opens one.
 
 A backend moves encoded entries, leases and metrics batches. It raises `TierUnavailable` or `TierTimeout`
 when the store cannot answer, and never decides whether an entry is trustworthy: that is
-`cachestore.entry`'s job, done by the client (compile path) and by inspection (read path) alike.
+`cachestore.entry`'s job, done by the client (compile path) and by inspection (read path) alike. It does
+bound what it reads, since others can write to the store: an entry larger than its `max_entry_bytes` (the
+setting) is never downloaded, and is handed over as a `cachestore.entry.TooLarge` naming its size.
 
 Two protocols, implemented by one class per backend (`cachestore/backends/`):
 
@@ -26,6 +28,7 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from bridge.errors import NkiCacheError
 from bridge.port import PASS_COUNTERS
+from cachestore.entry import TooLarge
 
 if TYPE_CHECKING:
     from cachestore.settings import Settings
@@ -154,7 +157,7 @@ class RawEntry:
     """An entry as stored, still encoded."""
 
     cache_key: str
-    data: bytes
+    data: bytes | TooLarge  # TooLarge: larger than the reader's max_entry_bytes, so not read
     ttl: float | None  # seconds left, None when the store keeps no expiry
     toolchain: str = ""  # the partition it is stored in (bridge.identity)
 
@@ -188,8 +191,10 @@ class Backend(Protocol):
     description: str
     toolchain: str
 
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
-        """Encoded entries for the keys that have one (refreshing their TTL); references are not followed."""
+    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
+        """Encoded entries for the keys that have one (refreshing their TTL); references are not followed. An
+        entry over the backend's max_entry_bytes is not read: its TooLarge stands for it. On the compile path,
+        so the call as a whole returns or raises TierTimeout within the operation timeout."""
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         """Write entries; a binary already stored under another key is written as a reference to it."""
@@ -197,14 +202,16 @@ class Backend(Protocol):
     def apply_metrics(self, batch: MetricsBatch) -> bool:
         """Apply a batch unless one with its id was applied already; True when applied now."""
 
-    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool: ...
+    def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
+        """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
     def release_lease(self, cache_key: str, owner: str) -> None: ...
 
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         """Extend the lease by `ttl` from now if `owner` still holds it; True when it did."""
 
-    def lease_holder(self, cache_key: str) -> str | None: ...
+    def lease_holder(self, cache_key: str) -> str | None:
+        """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
     def close(self) -> None: ...
 
@@ -256,8 +263,9 @@ class Reader(Protocol):
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         """Every live entry, streamed; `with_ttl=False` when the caller has no use for the time left."""
 
-    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
-        """Encoded entries, read without refreshing their TTL (looking does not keep an entry alive)."""
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        """Encoded entries, read without refreshing their TTL (looking does not keep an entry alive); one over
+        the reader's max_entry_bytes as its TooLarge."""
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
         """Cache keys that start with `prefix` (at most `limit`)."""
@@ -289,7 +297,8 @@ def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | 
         timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
         # Background writes may wait for the lock as long as a closing client waits for them to land.
         return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading, toolchain=toolchain,
-                             write_timeout=max(settings.final_flush_timeout, settings.op_timeout))  # fmt: skip
+                             write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
+                             max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 

@@ -44,7 +44,7 @@ from cachestore.api import (
     open_backend,
     redact_url,
 )
-from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry, encode_entry
+from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
 from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings
 
@@ -168,7 +168,8 @@ class TierClient:
 
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
         """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
-        (two when some entries are references). The tier being unavailable looks like all misses."""
+        (two when some entries are references). The tier being unavailable looks like all misses. An entry
+        over max_entry_bytes is not downloaded: the backend says its size, and it is rejected and counted."""
         if not cache_keys:
             return {}, set()
         ok, found = self._guarded(lambda b: b.fetch(cache_keys, self.settings.entry_ttl), "lookup")
@@ -194,7 +195,7 @@ class TierClient:
             return None
         return entry.with_binary(holder.binary)
 
-    def _decode(self, cache_key: str, data: bytes) -> Entry | None:
+    def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         try:
             entry = decode_entry(data, self.policy, self.settings.max_entry_bytes)
         except EntryRejected as exc:

@@ -12,6 +12,12 @@ written as a reference (`binary` empty, `ref` naming that key), so identical bin
 HMAC, when a key is configured, covers the body bytes. Nothing here ever unpickles: key_components hold
 tuples, which msgpack brings back as lists, and `key_components` is informational (reports, explain): the
 cache key itself is never recomputed from it.
+
+Entries come from a store others can write to, so reading one costs a bounded time and memory whatever it
+holds: a store hands over no entry larger than its limit (`TooLarge` stands in for it), and `decode_entry`
+checks the size, then the envelope's shape, then the signature over the body bytes, and only then unpacks
+the body, once the number of objects it holds is known to be bounded (by its length, or for a longer body
+by walking its headers alone).
 """
 
 from __future__ import annotations
@@ -26,10 +32,30 @@ import msgpack
 
 SCHEMA_VERSION = 2  # 2: the body names its toolchain
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
+ENVELOPE_MAX_FIELDS = 8  # the envelope has three; a few more leave a later schema's envelope readable enough to say so
+# A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
+# four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
+MAX_BODY_OBJECTS = 1 << 16
+MAX_BODY_DEPTH = 32
+MAX_STR_BYTES = 1 << 20  # a name or a key component
+MAX_MAP_LEN = 1024
 _BODY_FIELDS = (
     "binary", "input_names", "output_names", "format", "version_identifier", "key_components",
     "producer_host", "producer_worker", "created", "compile_seconds", "digest", "ref", "toolchain",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TooLarge:
+    """An entry a store holds but did not hand over: `size` bytes stored, over the `limit` it was asked to
+    read. It stands where the entry's bytes would, and its len() is the stored size, so listings and byte
+    counts (du, gc) see the entry as it is stored."""
+
+    size: int
+    limit: int
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class EntryRejected(Exception):
@@ -107,26 +133,45 @@ class SignaturePolicy:
     reject_unverifiable: bool = False
 
 
-def decode_entry(data: bytes, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES) -> Entry:
-    """Decode and verify; raises EntryRejected with the reason on any problem."""
+def decode_entry(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES) -> Entry:
+    """Decode and verify; raises EntryRejected with the reason on any problem.
+
+    Nothing is unpacked before it is known to be small, so a hostile entry costs a bounded time and memory
+    whatever its headers declare: the size first, then the envelope (at most a few plain fields), then the
+    signature over the body bytes, and only then the body, whose shape is bounded before msgpack builds it."""
+    if isinstance(data, TooLarge):
+        raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
         raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    envelope = _unpack(data, "envelope")
-    if not isinstance(envelope, dict):
-        raise EntryRejected("envelope is not a map")
-    if envelope.get("schema") != SCHEMA_VERSION:
-        raise EntryRejected(f"schema version {envelope.get('schema')!r}, expected {SCHEMA_VERSION}")
-    body, signature = envelope.get("body"), envelope.get("sig")
+    schema, body, signature = open_envelope(data)
+    if schema != SCHEMA_VERSION:
+        raise EntryRejected(f"schema version {schema!r}, expected {SCHEMA_VERSION}")
     if not isinstance(body, bytes) or not (signature is None or isinstance(signature, bytes)):
         raise EntryRejected("envelope body or signature has the wrong type")
     signed = _check_signature(body, signature, policy)
-    fields = _unpack(body, "body")
+    fields = _unpack(
+        body, "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH, max_str_len=MAX_STR_BYTES,
+        max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
+    )  # fmt: skip
     entry = _entry_from_fields(fields)
     entry.signed = signed
     entry.unverified = signature is not None and not signed
     if not entry.is_reference and binary_digest(entry.binary) != entry.digest:
         raise EntryRejected("binary does not match its digest")
     return entry
+
+
+def open_envelope(data: bytes) -> tuple[object, object, object]:
+    """(schema, body, signature) of an encoded entry, each as stored (None when missing), with the body still
+    packed; raises EntryRejected when `data` is not an envelope. The envelope is a map of at most
+    ENVELOPE_MAX_FIELDS plain values, so a map or a list anywhere inside it is refused before anything is built."""
+    envelope = _unpack(
+        data, "envelope", max_objects=1 + 2 * ENVELOPE_MAX_FIELDS, max_depth=1, max_str_len=len(data),
+        max_array_len=0, max_map_len=ENVELOPE_MAX_FIELDS,
+    )  # fmt: skip
+    if not isinstance(envelope, dict):
+        raise EntryRejected("envelope is not a map")
+    return envelope.get("schema"), envelope.get("body"), envelope.get("sig")
 
 
 def _check_signature(body: bytes, signature: bytes | None, policy: SignaturePolicy) -> bool:
@@ -144,14 +189,99 @@ def _check_signature(body: bytes, signature: bytes | None, policy: SignaturePoli
     return False
 
 
-def _unpack(data: bytes, what: str) -> object:
+def _unpack(
+    data: bytes, what: str, *, max_objects: int, max_depth: int, max_str_len: int, max_array_len: int,
+    max_map_len: int,
+) -> object:  # fmt: skip
+    """One msgpack object of at most `max_objects` objects nested at most `max_depth` deep. The shape of data
+    longer than `max_objects` bytes is checked on the headers alone first: msgpack's own limits bound each
+    container and string, not how many there are, and a few megabytes of one-byte empty lists unpack to
+    gigabytes. Its limits are then bounded by the length of `data` too, so no header can make it allocate for
+    more items than the bytes could hold."""
+    # No shorter data can hold more objects than it has bytes, and msgpack then builds a few MiB at most: the walk
+    # (about 0.2 µs an object, half the cost of decoding a small entry) is left to the longer.
+    problem = _shape_problem(data, max_objects, max_depth) if len(data) > max_objects else None
+    if problem is not None:
+        raise EntryRejected(f"{what} cannot be decoded: {problem}")
+    size = len(data)
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_str_len=1 << 20, max_array_len=1 << 16, max_map_len=1024,
-            max_ext_len=0,
+            data, raw=False, strict_map_key=True, max_str_len=min(max_str_len, size), max_bin_len=size,
+            max_array_len=min(max_array_len, size), max_map_len=min(max_map_len, size // 2), max_ext_len=0,
         )  # fmt: skip
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise EntryRejected(f"{what} cannot be decoded: {type(exc).__name__}") from None
+
+
+# What the first byte of a msgpack object says about it (https://github.com/msgpack/msgpack/blob/master/spec.md):
+# (kind, bytes of its header, count), where the count (bytes of a string or binary, items of a list, pairs of a
+# map) is in the header's bytes after the first when the header has more than one, and for a plain scalar the
+# header is the whole object.
+_SCALAR, _RAW, _ARRAY, _MAP, _EXT, _UNUSED = range(6)
+
+
+def _first_byte(byte: int) -> tuple[int, int, int]:
+    if byte <= 0x7F or byte >= 0xE0 or byte in (0xC0, 0xC2, 0xC3):  # fixint, nil, false, true
+        return _SCALAR, 1, 0
+    if byte <= 0x8F:
+        return _MAP, 1, byte & 0x0F
+    if byte <= 0x9F:
+        return _ARRAY, 1, byte & 0x0F
+    if byte <= 0xBF:
+        return _RAW, 1, byte & 0x1F
+    sized = {0xC4: (_RAW, 2), 0xC5: (_RAW, 3), 0xC6: (_RAW, 5), 0xD9: (_RAW, 2), 0xDA: (_RAW, 3), 0xDB: (_RAW, 5),
+             0xDC: (_ARRAY, 3), 0xDD: (_ARRAY, 5), 0xDE: (_MAP, 3), 0xDF: (_MAP, 5)}  # fmt: skip
+    if byte in sized:
+        return (*sized[byte], 0)
+    numbers = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+    if byte in numbers:
+        return _SCALAR, numbers[byte], 0
+    return (_UNUSED if byte == 0xC1 else _EXT), 1, 0
+
+
+_FIRST_BYTES = [_first_byte(byte) for byte in range(256)]
+
+
+def _shape_problem(data: bytes, max_objects: int, max_depth: int) -> str | None:
+    """Why `data` is not exactly one well-formed msgpack object of at most `max_objects` objects nested at most
+    `max_depth` deep, or None. Reads the headers alone and builds nothing; it stops at the first object over
+    the budget, so it costs at most `max_objects` steps whatever the headers declare (a binary is skipped by
+    its length, not read)."""
+    end, pos, objects = len(data), 0, 0
+    pending = [1]  # objects still to read: at the top level, then in each open list or map, innermost last
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        objects += 1
+        if objects > max_objects:
+            return f"more than {max_objects} objects"
+        if pos >= end:
+            return "truncated"
+        kind, header, count = _FIRST_BYTES[data[pos]]
+        if kind == _EXT:
+            return "extension types are not used in entries"
+        if kind == _UNUSED:
+            return "byte 0xc1 is never used in msgpack"
+        if header > 1 and kind != _SCALAR:
+            count = int.from_bytes(data[pos + 1 : pos + header], "big")
+        pos += header
+        if kind == _RAW:
+            pos += count
+        if pos > end:
+            return "truncated"
+        if kind in (_ARRAY, _MAP) and count:
+            items = 2 * count if kind == _MAP else count
+            if items > end - pos:  # every item takes a byte at least: the header lies about its size
+                declared = f"a map declares {count} pairs" if kind == _MAP else f"a list declares {count} items"
+                return f"{declared} in {end - pos} bytes"
+            if len(pending) > max_depth:
+                return f"nested more than {max_depth} deep"
+            pending.append(items)
+    if pos != end:
+        return f"{end - pos} bytes after the object"
+    return None
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {

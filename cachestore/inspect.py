@@ -16,12 +16,18 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from bridge.errors import NkiCacheError
 from bridge.ir import freeze_key_components
 from cachestore.api import RawEntry, Reader, WriteItem, batched
-from cachestore.entry import MAX_ENTRY_BYTES, Entry, EntryRejected, SignaturePolicy, decode_entry
+from cachestore.entry import (
+    MAX_ENTRY_BYTES,
+    Entry,
+    EntryRejected,
+    SignaturePolicy,
+    TooLarge,
+    decode_entry,
+    open_envelope,
+)
 
 # For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
 # `verify` is where the configured policy is applied.
@@ -73,20 +79,23 @@ def describe_components(components: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def decode_or_reason(data: bytes, policy: SignaturePolicy = LOOKING, max_bytes: int = MAX_ENTRY_BYTES) -> Entry | str:
-    """The entry, or the reason it cannot be read."""
+def decode_or_reason(
+    data: bytes | TooLarge, policy: SignaturePolicy = LOOKING, max_bytes: int = MAX_ENTRY_BYTES
+) -> Entry | str:
+    """The entry, or the reason it cannot be read (a store's TooLarge: its size)."""
     try:
         return decode_entry(data, policy, max_bytes)
     except EntryRejected as exc:
         return exc.reason
 
 
-def _has_signature(data: bytes) -> bool:
-    try:
-        envelope = msgpack.unpackb(data, raw=False)
-    except Exception:  # msgpack raises several unrelated types for bad input
+def _has_signature(data: bytes | TooLarge) -> bool:
+    if isinstance(data, TooLarge):
+        return False  # not read: its size is the problem shown
+    try:  # the envelope alone, bounded: `show` of a hostile entry costs what decoding it does
+        return isinstance(open_envelope(data)[2], bytes)
+    except EntryRejected:
         return False
-    return isinstance(envelope, dict) and isinstance(envelope.get("sig"), bytes)
 
 
 def toolchain_problem(raw: RawEntry, entry: Entry) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import sqlite3
 import sys
 import time
@@ -308,6 +309,16 @@ def _wait_at_barrier(directory: Path, name: str, parties: int) -> None:
         time.sleep(0.001)
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident memory since it started its program, in KiB. Linux's ru_maxrss is no use
+    here: it keeps the high-water mark of the process it was forked from (pytest's) across exec."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+
+
 def main(argv: list[str]) -> None:
     from bridge.codegen import BirCodeGenLoop
     from bridge.graph import load_graph
@@ -338,6 +349,7 @@ def main(argv: list[str]) -> None:
         "stats": tier.stats.snapshot() if tier is not None else {},
         "started": started,
         "finished": finished,
+        "max_rss_kib": peak_rss_kib(),
     }
     print(json.dumps(report))
 

@@ -19,10 +19,10 @@ import redis
 from helpers_graphs import TierView, delete_namespace, stored_entries, wait_until
 
 from cachestore.api import BatchRefused, KeyUsage, MetricsBatch, StoreRequest
-from cachestore.backends.redis import RedisBackend
+from cachestore.backends.redis import FIRST_READ_BYTES, RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
-from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
+from cachestore.entry import Entry, SignaturePolicy, TooLarge, decode_entry, encode_entry
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 
@@ -146,6 +146,26 @@ def test_a_reference_to_an_entry_that_expired_is_not_made(backend, view) -> None
     assert backend.fetch(["key-a"], TTL) == {}
     backend.store([request_for("key-b", entry(binary, shape=2))], TTL)
     assert decoded(backend.fetch(["key-b"], TTL)["key-b"]).binary == binary
+
+
+def test_an_entry_over_the_limit_is_handed_over_as_its_size_and_every_other_read_whole(backend, view) -> None:
+    """fetch, scan_entries and get_entries give an entry over the backend's max_entry_bytes as TooLarge(its
+    stored size), without reading it, and every entry within it whole: small, larger than Redis's first read
+    (a second, bounded round trip), exactly at the limit, and empty (stored: decoding rejects it)."""
+    backend.max_entry_bytes = limit = FIRST_READ_BYTES + 1000
+    values = {"small": b"s" * 100, "mid": b"m" * (FIRST_READ_BYTES + 500), "exact": b"e" * limit, "empty": b""}
+    oversized = {"over": limit + 1, "far-over": 3 * limit}
+    for key, data in values.items():
+        view.put_raw(key, data)
+    for key, size in oversized.items():
+        view.put_raw(key, b"o" * size)
+    expected = {**values, **{key: TooLarge(size, limit) for key, size in oversized.items()}}
+    keys = [*expected, "missing"]
+    assert backend.fetch(keys, TTL) == expected
+    assert backend.get_entries(keys) == expected
+    assert {raw.cache_key: raw.data for raw in backend.scan_entries()} == expected
+    assert {raw.cache_key: raw.data for raw in backend.scan_entries(with_ttl=False)} == expected
+    assert len(backend.fetch(["far-over"], TTL)["far-over"]) == 3 * limit  # its len() is the stored size
 
 
 # -- retention ----------------------------------------------------------------------------------------

@@ -1,14 +1,19 @@
 """The Redis backend: a single server (redis://, rediss://, unix://) or a Redis Cluster (redis+cluster://).
 
-Compile path: entries are plain strings read with GETEX (one round trip, TTL refreshed on use). Stores run
-in the client's background flusher and take up to three pipelined round trips to keep identical binaries
-stored once. Fleet metrics are applied by one Lua script per batch, guarded by a per-batch marker so a
-retried batch counts once; every metrics key shares one hash slot (see `cachestore.keys`) so the script is
-legal on a cluster.
+Compile path: entries are plain strings, read in one round trip that refreshes their TTL (EXPIRE) and reads
+their first FIRST_READ_BYTES (GETRANGE), all of an entry of the usual size; a longer one costs a round trip
+for its size (STRLEN) and, when within `max_entry_bytes`, one for the rest: an entry over the limit is never
+downloaded. Each compile-path call
+(fetch, lease) is bounded as a whole by the operation timeout (`deadline.Watchdog`): the socket timeout
+bounds each read only, and a server trickling its reply would hold the compile. Stores run in the client's
+background flusher and take up to three pipelined round trips to keep identical binaries stored once.
+Fleet metrics are applied by one Lua script per batch, guarded by a per-batch marker so a retried batch
+counts once; every metrics key shares one hash slot (see `cachestore.keys`) so the script is legal on a
+cluster.
 
 Reader side (reports, inspection): everything streams (SCAN/HSCAN/XRANGE pages, pipelines of BATCH keys),
 so memory stays bounded by the batch size, not by the size of the cache. Reading an entry here never
-refreshes its TTL (plain GET, not GETEX): looking does not keep it alive.
+refreshes its TTL: looking does not keep it alive. Entries are read as on the compile path, sizes first.
 
 Every redis-py error, `RedisClusterException` included (it is not a `RedisError`), becomes a `TierError`
 in one place: `redis_errors`.
@@ -47,6 +52,8 @@ from cachestore.api import (
     batched,
     redact_url,
 )
+from cachestore.backends.deadline import watchdog
+from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import KeySpace
 
 if TYPE_CHECKING:
@@ -56,6 +63,9 @@ T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
+# Bytes of an entry read before its size is known: entries a compile writes are smaller (a few to a few hundred
+# KiB) and come in one round trip; a refused oversized one costs no more than this.
+FIRST_READ_BYTES = 1 << 20
 
 # KEYS[1] applied-batch marker   KEYS[2] totals           KEYS[3] workers set     KEYS[4] this worker's totals
 # KEYS[5] kernel call counts     KEYS[6] kernel variants  KEYS[7] key usage       KEYS[8] key first use
@@ -218,12 +228,26 @@ class RedisBackend:
     read_only = False
     keeps_expired = False  # Redis expires entries itself
 
-    def __init__(self, client: Any, keys: KeySpace, description: str = "redis", toolchain: str | None = None):
-        """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's)."""
+    def __init__(
+        self,
+        client: Any,
+        keys: KeySpace,
+        description: str = "redis",
+        toolchain: str | None = None,
+        *,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+        op_timeout: float | None = None,
+    ):
+        """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's).
+        `max_entry_bytes`: larger entries are never downloaded, only their size (TooLarge). `op_timeout`:
+        seconds each compile-path call (fetch, acquire_lease, lease_holder) may take as a whole; None: bounded
+        by the client's socket timeout per read only (reports and inspection)."""
         self.client = client
         self.keys = keys
         self.description = description
         self.toolchain = toolchain or toolchain_id()
+        self.max_entry_bytes = max_entry_bytes
+        self.op_timeout = op_timeout
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
@@ -236,7 +260,8 @@ class RedisBackend:
             connect_timeout, op_timeout = max(connect_timeout, READ_CONNECT_TIMEOUT), max(op_timeout, READ_TIMEOUT)
         client = connect(settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout,
                          password=settings.redis_password)  # fmt: skip
-        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain)
+        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain,
+                   max_entry_bytes=settings.max_entry_bytes, op_timeout=None if reading else op_timeout)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.description}, toolchain {self.toolchain})"
@@ -267,6 +292,29 @@ class RedisBackend:
         with redis_errors(self.description):
             return operation()
 
+    def _within_op_timeout(self, operation: Callable[[], T]) -> T:
+        """A compile-path call, bounded as a whole by `op_timeout`: past it, the watchdog closes the client's
+        connections (the one the call is blocked on among them; later calls connect again), and the call
+        raises TierTimeout whatever redis-py made of the closed socket."""
+        if self.op_timeout is None:
+            return self._call(operation)
+        with watchdog().watching(self.op_timeout, self._drop_connections) as watch:
+            try:
+                return self._call(operation)
+            except Exception:
+                if not watch.aborted:
+                    raise
+        raise TierTimeout(f"{self.description}: no whole answer within the {self.op_timeout} s operation timeout")
+
+    def _drop_connections(self) -> None:
+        """Close every connection of the client, those in use by other threads included (redis-py supports it):
+        a read blocked on one of them fails at once. A background write on one fails too and is retried, as
+        after any failure; by then the tier is counted as timed out and its breaker is open anyway."""
+        if isinstance(self.client, RedisCluster):
+            self.client.disconnect_connection_pools()
+        else:
+            self.client.connection_pool.disconnect()
+
     def _pipeline(self, fill: Callable[[Any], object]) -> list:
         def run() -> list:
             pipe = self.client.pipeline(transaction=False)
@@ -288,12 +336,67 @@ class RedisBackend:
             yield item
 
     # -- entries ----------------------------------------------------------------------------------
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
-        if len(cache_keys) == 1:
-            value = self._call(lambda: self.client.getex(self._entry(cache_keys[0]), ex=ttl))
-            return {} if value is None else {cache_keys[0]: value}
-        values = self._pipeline(lambda pipe: [pipe.getex(self._entry(key), ex=ttl) for key in cache_keys])
-        return {key: value for key, value in zip(cache_keys, values, strict=True) if value is not None}
+    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
+        def read() -> dict[str, bytes | TooLarge]:
+            values = self._read_entries([self._entry(key) for key in cache_keys], refresh_ttl=ttl)
+            return {key: value for key, (value, _) in zip(cache_keys, values, strict=True) if value is not None}
+
+        return self._within_op_timeout(read)
+
+    def _read_entries(
+        self, redis_keys: Sequence[str], refresh_ttl: int | None = None
+    ) -> list[tuple[bytes | TooLarge | None, float | None]]:
+        """(value, seconds left) of each key: None for a key with no value, TooLarge for a value over
+        max_entry_bytes, and seconds left when not refreshing (None: the key never expires).
+
+        Never more than max_entry_bytes of a value is downloaded, and without a script (a cluster pipeline runs
+        none): one round trip reads the first FIRST_READ_BYTES of each value, which is all of a value of the
+        usual size, with one more command per key (EXPIRE refreshing the TTL of an entry used, as GETEX did, or
+        PTTL); only values longer than that cost a second (their size) and a third (the value, still bounded).
+        A value shorter than asked for is whole whatever happened in between, and one that grew past the limit
+        after its size was asked comes back longer than the limit, so it is refused all the same."""
+        limit = self.max_entry_bytes
+        first = min(FIRST_READ_BYTES, limit + 1)
+
+        def heads(pipe: Any) -> None:
+            for key in redis_keys:
+                # Both say whether the key is there: an empty value and a missing key read alike.
+                if refresh_ttl is not None:
+                    pipe.expire(key, refresh_ttl)
+                else:
+                    pipe.pttl(key)
+                pipe.getrange(key, 0, first - 1)
+
+        replies = self._pipeline(heads)
+        found: list[tuple[bytes | TooLarge | None, float | None]] = []
+        longer: list[int] = []  # values longer than their head
+        for i in range(len(redis_keys)):
+            there, head = replies[2 * i : 2 * i + 2]
+            ttl = None if refresh_ttl is not None or there < 0 else there / 1000
+            if (not there) if refresh_ttl is not None else there == -2:  # EXPIRE's 0, PTTL's -2: no key
+                found.append((None, None))
+            elif len(head) < first:
+                found.append((head, ttl))
+            else:
+                found.append((None, ttl))
+                longer.append(i)
+        if not longer:
+            return found
+        sizes = self._pipeline(lambda pipe: [pipe.strlen(redis_keys[i]) for i in longer])
+        within = []
+        for i, size in zip(longer, sizes, strict=True):
+            if size > limit:
+                found[i] = (TooLarge(size, limit), found[i][1])
+            elif size:  # else deleted since
+                within.append(i)
+        if within:
+            values = self._pipeline(lambda pipe: [pipe.getrange(redis_keys[i], 0, limit) for i in within])
+            for i, value in zip(within, values, strict=True):
+                # Longer than the limit: it grew since its size was asked (by how much is unknown: at least that).
+                # Empty: deleted since.
+                whole = TooLarge(len(value), limit) if len(value) > limit else value or None
+                found[i] = (whole, found[i][1])
+        return found
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         if not requests:
@@ -330,7 +433,9 @@ class RedisBackend:
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        return bool(self._call(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000))))
+        return bool(
+            self._within_op_timeout(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000)))
+        )
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         self._call(lambda: self._release_lease(keys=[self._lease(cache_key)], args=[owner]))
@@ -339,7 +444,7 @@ class RedisBackend:
         return bool(self._call(lambda: self._renew_lease(keys=[self._lease(cache_key)], args=[owner, int(ttl * 1000)])))
 
     def lease_holder(self, cache_key: str) -> str | None:
-        return text(self._call(lambda: self.client.get(self._lease(cache_key))))
+        return text(self._within_op_timeout(lambda: self.client.get(self._lease(cache_key))))
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
@@ -470,23 +575,17 @@ class RedisBackend:
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         pattern = self.keys.entry_pattern(self.toolchain)
         redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=1000))
-        step = 2 if with_ttl else 1
         for batch in batched(text(key) for key in redis_keys):
-            values = self._pipeline(
-                lambda pipe, b=batch: [(pipe.get(key), pipe.pttl(key)) if with_ttl else pipe.get(key) for key in b]
-            )
-            for i, redis_key in enumerate(batch):
-                data, ttl_ms = values[step * i], values[step * i + 1] if with_ttl else None
+            for redis_key, (data, ttl) in zip(batch, self._read_entries(batch), strict=True):
                 if data is not None:
-                    ttl = ttl_ms / 1000 if ttl_ms is not None and ttl_ms >= 0 else None
-                    yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl, self.toolchain)
+                    yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl if with_ttl else None, self.toolchain)
 
-    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
-        found: dict[str, bytes] = {}
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        found: dict[str, bytes | TooLarge] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
-            values = self._pipeline(lambda pipe, c=chunk: [pipe.get(self._entry(key)) for key in c])
-            found.update((key, value) for key, value in zip(chunk, values, strict=True) if value is not None)
+            values = self._read_entries([self._entry(key) for key in chunk])
+            found.update((key, value) for key, (value, _) in zip(chunk, values, strict=True) if value is not None)
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:

@@ -27,7 +27,7 @@ import msgpack
 from bridge.errors import NkiCacheError
 from bridge.identity import toolchain_id
 from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched
-from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION
+from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION, TooLarge
 
 SNAPSHOT_VERSION = 2  # 2: records name their toolchain
 HEADER_KEY = "nkicache_snapshot"
@@ -260,7 +260,8 @@ def _is_usage(usage: object) -> bool:
 
 def write_snapshot(reader: Reader, path: str | Path) -> int:
     """Every entry of `reader`, of every toolchain, with its usage, into a snapshot file; returns the number
-    of entries."""
+    of entries. An entry over the reader's max_entry_bytes is left out: it was not read, and no tier would
+    take it back."""
     writer = SnapshotWriter(path, reader.description)
     try:
         for toolchain in reader.entry_toolchains():
@@ -269,7 +270,8 @@ def write_snapshot(reader: Reader, path: str | Path) -> int:
                 keys = [entry.cache_key for entry in batch]
                 usage, hosts = reader.key_records(keys), reader.key_hosts(keys)
                 for entry in batch:
-                    writer.add(entry, usage.get(entry.cache_key), hosts.get(entry.cache_key, ()))
+                    if not isinstance(entry.data, TooLarge):
+                        writer.add(entry, usage.get(entry.cache_key), hosts.get(entry.cache_key, ()))
     except BaseException:
         writer.abort()
         raise

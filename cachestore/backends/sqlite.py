@@ -33,6 +33,7 @@ from cachestore.api import (
     WriteItem,
     batch_problem,
 )
+from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
 # no compiler could ever take them again: upgrading drops those three tables and keeps the fleet metrics.
@@ -84,18 +85,20 @@ class SqliteBackend:
         create: bool = True,
         toolchain: str | None = None,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         """`timeout`: seconds a compiling thread waits for SQLite's lock (a lease, a TTL refresh) and for a
         read. `write_timeout`: seconds the background writes (entries, lease releases, metrics) and admin
         writes wait for it: several processes of one machine take turns, and a write that waits a little
         longer delays no compile. `create=False` (reports, inspection): a missing file is an error, not a
         new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
-        this compiler's)."""
+        this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge)."""
         self.path = Path(path).expanduser()
         self.description = f"local:{self.path}"
         self.timeout = timeout
         self.write_timeout = max(timeout, write_timeout)
         self.toolchain = toolchain or toolchain_id()
+        self.max_entry_bytes = max_entry_bytes
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -188,21 +191,30 @@ class SqliteBackend:
             raise TierUnavailable(f"local tier {self.path}: {exc}") from None
 
     # -- entries ----------------------------------------------------------------------------------
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes]:
+    # The stored size, and the data only when it is within max_entry_bytes (the first parameter): SQLite
+    # answers length() of a blob from its header, without reading the blob's pages.
+    _SIZE_AND_DATA = "length(data), CASE WHEN length(data) <= ? THEN data END"
+
+    def _value(self, size: int, data: bytes | None) -> bytes | TooLarge:
+        return TooLarge(size, self.max_entry_bytes) if data is None else bytes(data)
+
+    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
         now = time.time()
-        found: dict[str, bytes] = {}
+        found: dict[str, bytes | TooLarge] = {}
         stale: list[str] = []
         for start in range(0, len(cache_keys), 500):
             chunk = list(cache_keys[start : start + 500])
             marks = ",".join("?" * len(chunk))
             rows = self._read(
-                f"SELECT cache_key, data, expires FROM entries WHERE toolchain = ? AND cache_key IN ({marks}) "
-                "AND expires > ?",
-                (self.toolchain, *chunk, now),
+                f"SELECT cache_key, {self._SIZE_AND_DATA}, expires FROM entries WHERE toolchain = ? "
+                f"AND cache_key IN ({marks}) AND expires > ?",
+                (self.max_entry_bytes, self.toolchain, *chunk, now),
             )
-            for key, data, expires in rows:
-                found[key] = bytes(data)
-                if expires < now + ttl * TTL_REFRESH_FRACTION:
+            for key, size, data, expires in rows:
+                found[key] = self._value(size, data)
+                # An entry too large to read is not kept alive by being asked for; refreshing it would also cost
+                # SQLite rewriting its whole row, blob included.
+                if data is not None and expires < now + ttl * TTL_REFRESH_FRACTION:
                     stale.append(key)
         if stale:
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
@@ -431,26 +443,26 @@ class SqliteBackend:
         while True:
             now = time.time()
             rows = self._read(
-                "SELECT cache_key, data, expires FROM entries WHERE toolchain = ? AND cache_key > ? AND expires > ? "
-                "ORDER BY cache_key LIMIT ?",
-                (self.toolchain, last, now, BATCH),
+                f"SELECT cache_key, {self._SIZE_AND_DATA}, expires FROM entries WHERE toolchain = ? "
+                "AND cache_key > ? AND expires > ? ORDER BY cache_key LIMIT ?",
+                (self.max_entry_bytes, self.toolchain, last, now, BATCH),
             )
-            for key, data, expires in rows:
-                yield RawEntry(key, bytes(data), expires - now, self.toolchain)
+            for key, size, data, expires in rows:
+                yield RawEntry(key, self._value(size, data), expires - now, self.toolchain)
             if len(rows) < BATCH:
                 return
             last = rows[-1][0]
 
-    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
-        found: dict[str, bytes] = {}
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        found: dict[str, bytes | TooLarge] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
             rows = self._read(
-                "SELECT cache_key, data FROM entries WHERE toolchain = ? "
+                f"SELECT cache_key, {self._SIZE_AND_DATA} FROM entries WHERE toolchain = ? "
                 f"AND cache_key IN ({','.join('?' * len(chunk))}) AND expires > ?",
-                (self.toolchain, *chunk, time.time()),
+                (self.max_entry_bytes, self.toolchain, *chunk, time.time()),
             )
-            found.update((key, bytes(data)) for key, data in rows)
+            found.update((key, self._value(size, data)) for key, size, data in rows)
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
