@@ -1,0 +1,73 @@
+"""Bad input and a Redis that is down give one line on stderr (`nkicache: error: ...`) and exit code 2 (or the
+command's documented code), never a traceback: each case of issue 15 run through the real command line, in a
+process of its own, so that what is checked is exactly what a user sees."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers_graphs import mixed_graph, write_graph
+
+from cachestore.entry import SignaturePolicy, decode_entry
+from cachestore.settings import load_settings
+
+NKICACHE = str(Path(sys.executable).with_name("nkicache"))
+PROCESS_TIMEOUT = 120
+BINARY_KEY = bytes(range(256))[-32:]  # not UTF-8 (bytes >= 0x80), as a key from /dev/urandom usually is
+
+
+def nkicache(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([NKICACHE, *map(str, args)], capture_output=True, text=True, timeout=PROCESS_TIMEOUT,
+                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The one error line of a command that failed as it should: exit `code`, that line alone on stderr."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == code, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nkicache: error: "), result.stderr
+    return lines[0]
+
+
+# -- settings ---------------------------------------------------------------------------------------------
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "nkicache.toml"
+    config.write_bytes(b'tier = "off"\n# caf\xe9\n')  # Latin-1, as an editor may save it
+    line = one_line_error(nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out",
+                                   env={"NKICACHE_CONFIG": str(config)}))  # fmt: skip
+    assert str(config) in line and "UTF-8" in line
+
+
+def test_a_binary_hmac_key_file_is_the_key_s_raw_bytes(tmp_path: Path) -> None:
+    """A random key is binary: a key file that is not text is taken whole, as bytes, and signs and verifies."""
+    key_file = tmp_path / "hmac.key"
+    key_file.write_bytes(BINARY_KEY)
+    assert load_settings(environ={"NKICACHE_HMAC_KEY_FILE": str(key_file)}).hmac_key == BINARY_KEY
+    tier = tmp_path / "tier.sqlite"
+    env = {"NKICACHE_HMAC_KEY_FILE": str(key_file), "NKICACHE_TIER": f"local:{tier}"}
+    compiled = nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out", env=env)
+    assert compiled.returncode == 0 and "Traceback" not in compiled.stderr, compiled.stderr
+    verified = nkicache("inspect", "verify", env=env)
+    assert verified.returncode == 0 and verified.stderr == "" and ": 6 ok, 0 problems" in verified.stdout, verified
+
+    from cachestore.backends.sqlite import SqliteBackend
+
+    backend = SqliteBackend(tier, create=False)
+    try:
+        stored = [raw.data for raw in backend.scan_entries()]
+    finally:
+        backend.close()
+    assert stored and all(decode_entry(data, SignaturePolicy(BINARY_KEY)).signed for data in stored)
+    key_file.write_text("  text-key\n")  # a text key file is still its text, without the newline
+    assert load_settings(environ={"NKICACHE_HMAC_KEY_FILE": str(key_file)}).hmac_key == b"text-key"
+
+
+def test_a_redis_password_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_bytes(BINARY_KEY)
+    line = one_line_error(nkicache("report", env={"NKICACHE_REDIS_PASSWORD_FILE": str(password_file)}))
+    assert str(password_file) in line and "UTF-8" in line
