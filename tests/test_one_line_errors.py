@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from helpers_graphs import mixed_graph, write_graph
 
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.settings import load_settings
+from workers.dev_redis import RedisServer
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
 PROCESS_TIMEOUT = 120
@@ -71,3 +74,18 @@ def test_a_redis_password_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> N
     password_file.write_bytes(BINARY_KEY)
     line = one_line_error(nkicache("report", env={"NKICACHE_REDIS_PASSWORD_FILE": str(password_file)}))
     assert str(password_file) in line and "UTF-8" in line
+
+
+# -- the fleet with its Redis down --------------------------------------------------------------------------
+@pytest.fixture
+def down_redis_url(private_redis_server: Callable[[], RedisServer]) -> str:
+    """The URL of a Redis that was there and is stopped: nothing listens on its port."""
+    server = private_redis_server()
+    server.stop()
+    return server.url
+
+
+@pytest.mark.parametrize("concurrency", ["1", "2"])
+def test_a_worker_started_while_redis_is_down_is_one_line(down_redis_url: str, concurrency: str) -> None:
+    result = nkicache("worker", "--tier", down_redis_url, "--max-jobs", "1", "--concurrency", concurrency)
+    assert "ConnectionError" in one_line_error(result)
