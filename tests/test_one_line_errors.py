@@ -4,14 +4,16 @@ process of its own, so that what is checked is exactly what a user sees."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers_graphs import mixed_graph, write_graph
+import redis
+from helpers_graphs import delete_namespace, mixed_graph, unique_namespace, write_graph
 
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.settings import load_settings
@@ -89,3 +91,49 @@ def down_redis_url(private_redis_server: Callable[[], RedisServer]) -> str:
 def test_a_worker_started_while_redis_is_down_is_one_line(down_redis_url: str, concurrency: str) -> None:
     result = nkicache("worker", "--tier", down_redis_url, "--max-jobs", "1", "--concurrency", concurrency)
     assert "ConnectionError" in one_line_error(result)
+
+
+# -- submit: every graph is checked before any is enqueued ----------------------------------------------------
+def submit_problems(folder: Path) -> dict[str, Path]:
+    """A graph file for each way `submit` must refuse one: too large, not UTF-8, not JSON, not a graph."""
+    folder.mkdir(parents=True, exist_ok=True)
+    from workers.fleet import MAX_GRAPH_BYTES
+
+    graph = mixed_graph("oversized")
+    problems = {
+        "oversized": json.dumps(graph) + " " * MAX_GRAPH_BYTES,  # valid JSON, valid graph: only too large
+        "not-utf8": json.dumps(mixed_graph("latin")).replace('"latin"', '"caf\xe9"').encode("latin-1"),
+        "not-json": '{"name": "broken", "ops": [}',
+        "not-a-graph": json.dumps({"name": "no-ops", "tensors": {}}),
+        "missing": None,
+    }
+    paths = {}
+    for name, content in problems.items():
+        paths[name] = folder / f"{name}.json"
+        if isinstance(content, str):
+            paths[name].write_text(content)
+        elif content is not None:
+            paths[name].write_bytes(content)
+    return paths
+
+
+@pytest.fixture
+def namespace(redis_client: redis.Redis) -> Iterator[str]:
+    """A key namespace of this test's own on the shared Redis, deleted afterwards."""
+    name = unique_namespace()
+    yield name
+    delete_namespace(redis_client, name)
+
+
+@pytest.mark.parametrize("problem", ["oversized", "not-utf8", "not-json", "not-a-graph", "missing"])
+def test_submit_enqueues_nothing_when_one_graph_is_bad(
+    problem: str, tmp_path: Path, redis_url: str, redis_client: redis.Redis, namespace: str
+) -> None:
+    """Good graphs before and after the bad one: none of them is enqueued, and the error names the bad file."""
+    good = [write_graph(tmp_path, mixed_graph(f"good-{i}")) for i in range(2)]
+    bad = submit_problems(tmp_path / "bad")[problem]
+    result = nkicache("submit", good[0], bad, good[1], "--tier", redis_url, env={"NKICACHE_NAMESPACE": namespace})
+    line = one_line_error(result)
+    assert str(bad) in line and str(good[0]) not in line
+    for pattern in (f"{namespace}:*", f"{{{namespace}:*"):
+        assert list(redis_client.scan_iter(match=pattern)) == []  # nothing enqueued, nothing written at all

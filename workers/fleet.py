@@ -33,13 +33,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
-from bridge.graph import GraphError, parse_graph_json
+from bridge.graph import GraphError, load_graph, parse_graph_json
 from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url
 from cachestore.backends.redis import connect, text
@@ -129,7 +128,33 @@ class Submission:
     names: dict[str, str] = field(default_factory=dict)  # job id -> graph file
 
 
+def read_graphs(paths: Sequence[str]) -> list[str]:
+    """The text of every graph file, each checked as its job will be: readable, at most MAX_GRAPH_BYTES, UTF-8,
+    JSON, and a graph `load_graph` accepts. The first file that is not is a FleetError or GraphError naming it.
+    A job is a graph's text, so a file that cannot be one fails here, on the submitter's machine, instead of
+    as a dead letter after job_max_attempts compiles."""
+    graphs = []
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                data = file.read(MAX_GRAPH_BYTES + 1)  # bounded: a device or a huge file is not read whole
+        except OSError as exc:
+            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
+        if len(data) > MAX_GRAPH_BYTES:
+            raise FleetError(f"{path}: graph file of more than {MAX_GRAPH_BYTES} bytes (the limit of a job)")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FleetError(f"{path}: graph file is not UTF-8 text: byte {exc.start} is invalid") from None
+        load_graph(parse_graph_json(text, str(path)), source=str(path))
+        graphs.append(text)
+    return graphs
+
+
 def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submission:
+    """One job per graph file. Every file is read and checked before the first job is enqueued: a bad one
+    fails the submission with nothing enqueued, never a batch cut short and left unrecorded."""
+    graphs = read_graphs(paths)
     toolchain = toolchain_id()
     stream = keys.job_stream(toolchain)
     # The group exists before the first job, so a worker that starts later still reads from the beginning;
@@ -137,15 +162,9 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submi
     ensure_group(client, keys, toolchain)
     client.hset(keys.job_toolchains, toolchain, time.time())
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
-    for path in paths:
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
-        if len(data) > MAX_GRAPH_BYTES:
-            raise FleetError(f"{path}: graph file of {len(data)} bytes exceeds {MAX_GRAPH_BYTES}")
+    for path, graph in zip(paths, graphs, strict=True):
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
-        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": data.decode(), "attempt": 1,
+        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": graph, "attempt": 1,
                "toolchain": toolchain}  # fmt: skip
         client.xadd(stream, {"job": json.dumps(job)})
         submission.job_ids.append(job_id)

@@ -58,6 +58,8 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     (`--wait --out DIR` downloads them for `nkicache run`). Only a worker with the same toolchain (`nkicache
     --version`) takes the jobs; with --wait, a warning on stderr says so when no live worker has it, and
     the jobs keep waiting for one. Without --wait it prints the batch id and the toolchain and returns.
+    Every file is checked before the first job is enqueued: one that cannot be read, is larger than 16 MiB,
+    is not UTF-8 JSON or is not a valid graph is an error naming it, and nothing is submitted.
 
     --json keys: batch, toolchain, submitted, completed, failed, dead_letter, unfinished, jobs ({id: {file,
     status, error}}), artifacts (with --out).
