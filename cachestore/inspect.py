@@ -343,7 +343,8 @@ def import_snapshot(
 ) -> dict:
     """Write a snapshot's entries into a tier, each into its toolchain's partition and verified first
     (decoded with the policy, traced by that toolchain, key components hashing to its key); entries holding
-    a binary go first, then references whose target now holds the same binary. Metrics are not imported.
+    a binary go first, then references whose target now holds the same binary, each with the time it had left
+    (at most `default_ttl`). Metrics are not imported.
     Returns {imported, rejected: [{key, reason}]}."""
     result: dict = {"imported": 0, "rejected": []}
     for partition in partitions(snapshot):
@@ -359,7 +360,9 @@ def _import_partition(
     rejected: list[dict] = result["rejected"]
 
     def ttl_of(raw: RawEntry) -> float:
-        return raw.ttl if raw.ttl is not None and raw.ttl > 0 else default_ttl
+        # At most the tier's own entry TTL, the longest it keeps an unused entry: a snapshot's TTL is only as
+        # trustworthy as the file, and Redis refuses an expiry beyond its range.
+        return min(raw.ttl, default_ttl) if raw.ttl is not None and raw.ttl > 0 else default_ttl
 
     def problem_of(raw: RawEntry, entry: Entry | str) -> str | None:
         if isinstance(entry, str):

@@ -5,12 +5,14 @@ process of its own, so that what is checked is exactly what a user sees."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis
 from helpers_graphs import delete_namespace, mixed_graph, unique_namespace, write_graph
@@ -137,3 +139,62 @@ def test_submit_enqueues_nothing_when_one_graph_is_bad(
     assert str(bad) in line and str(good[0]) not in line
     for pattern in (f"{namespace}:*", f"{{{namespace}:*"):
         assert list(redis_client.scan_iter(match=pattern)) == []  # nothing enqueued, nothing written at all
+
+
+# -- inspect ------------------------------------------------------------------------------------------------
+def snapshot_with_ttl(tmp_path: Path, ttl: float) -> Path:
+    """An exported snapshot of a compiled graph's entries, its first record's TTL set to `ttl`."""
+    tier = f"local:{tmp_path / 'source.sqlite'}"
+    assert (
+        nkicache("compile", write_graph(tmp_path, mixed_graph()), "--tier", tier, "--out", tmp_path / "out").returncode
+        == 0
+    )
+    exported = tmp_path / "exported.snapshot"
+    assert nkicache("inspect", "export", exported, "--tier", tier).returncode == 0
+    objects = list(msgpack.Unpacker(exported.open("rb"), raw=False))
+    objects[1]["ttl"] = ttl  # objects[0] is the header
+    edited = tmp_path / "edited.snapshot"
+    edited.write_bytes(b"".join(msgpack.packb(o, use_bin_type=True) for o in objects))
+    return edited
+
+
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+def import_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """(tier URL, environment) of an empty tier to import into."""
+    if request.param == "local":
+        from cachestore.backends.sqlite import SqliteBackend
+
+        SqliteBackend(tmp_path / "target.sqlite").close()  # created: a command reading a tier needs it to exist
+        yield f"local:{tmp_path / 'target.sqlite'}", {}
+        return
+    client = request.getfixturevalue("redis_client")
+    name = unique_namespace()
+    try:
+        yield request.getfixturevalue("redis_url"), {"NKICACHE_NAMESPACE": name}
+    finally:
+        delete_namespace(client, name)
+
+
+@pytest.mark.parametrize("ttl", [math.inf, math.nan, -math.inf])
+def test_inspect_import_of_a_snapshot_with_a_non_finite_ttl_is_one_line(
+    tmp_path: Path, import_tier: tuple[str, dict[str, str]], ttl: float
+) -> None:
+    snapshot = snapshot_with_ttl(tmp_path, ttl)
+    url, env = import_tier
+    line = one_line_error(nkicache("inspect", "import", snapshot, "--tier", url, env=env))
+    assert str(snapshot) in line and "ttl" in line and "finite" in line
+    assert nkicache("inspect", "ls", "--json", "--tier", url, env=env).stdout.strip() == "[\n]"  # nothing imported
+
+
+def test_inspect_import_keeps_a_snapshot_ttl_within_the_entry_ttl(
+    tmp_path: Path, import_tier: tuple[str, dict[str, str]]
+) -> None:
+    """A TTL past any expiry Redis takes is imported as the tier's entry_ttl, the longest it keeps an entry."""
+    snapshot = snapshot_with_ttl(tmp_path, 1e300)
+    url, env = import_tier
+    env = {**env, "NKICACHE_ENTRY_TTL": "3600"}
+    done = nkicache("inspect", "import", snapshot, "--tier", url, "--json", env=env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads(done.stdout)["imported"] == 6
+    rows = json.loads(nkicache("inspect", "ls", "--json", "--tier", url, env=env).stdout)
+    assert len(rows) == 6 and all(0 < row["ttl"] <= 3600 for row in rows), rows

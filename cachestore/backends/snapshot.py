@@ -16,6 +16,7 @@ and `inspect verify` decode and check each one.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -140,6 +141,10 @@ class SnapshotReader:
                     return
                 if not _is_record(record):
                     raise SnapshotError(f"{self.path}: record {count} is malformed")
+                if not _finite_ttl(record["ttl"]):
+                    # An infinite TTL would never expire once imported (Redis refuses it with an OverflowError
+                    # on the way), and no JSON output can hold it: the file was not written by `inspect export`.
+                    raise SnapshotError(f"{self.path}: record {count} has ttl {record['ttl']!r}, not a finite number")
                 count += 1
                 yield offset, record
 
@@ -252,6 +257,10 @@ def _is_record(record: object) -> bool:
         and isinstance(record.get("ttl"), int | float | type(None))
         and (record.get("usage") is None or _is_usage(record["usage"]))
     )
+
+
+def _finite_ttl(ttl: float | None) -> bool:
+    return ttl is None or math.isfinite(ttl)
 
 
 def _is_usage(usage: object) -> bool:
