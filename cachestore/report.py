@@ -142,7 +142,7 @@ def per_host(reader: Reader) -> dict[str, dict]:
 
 def top_variants(reader: Reader, top: int) -> list[Variant]:
     """The `top` most used cache keys, with their shapes from the stored entries."""
-    from cachestore.inspect import LOOKING, decode_or_reason, describe_components
+    from cachestore.inspect import LOOKING, components_problem, decode_or_reason, describe_components
 
     best = heapq.nlargest(top, reader.key_usage(), key=lambda item: (item[1], item[0]))
     keys = [key for key, _ in best]
@@ -155,7 +155,8 @@ def top_variants(reader: Reader, top: int) -> list[Variant]:
         variant = Variant(key, record.kernel_name if record else "", usage, record.first_use if record else None,
                           record.last_use if record else None, hosts.get(key, []))  # fmt: skip
         entry = decode_or_reason(entries[key], LOOKING) if key in entries else None
-        if entry is not None and not isinstance(entry, str):
+        # An entry that cannot be read, or whose components are malformed, shows as one that is not stored.
+        if entry is not None and not isinstance(entry, str) and components_problem(entry.key_components) is None:
             info = describe_components(entry.key_components)
             variant.kernel_name = variant.kernel_name or info["kernel_name"]
             for name in ("operand_shapes", "operand_dtypes", "result_shapes", "result_dtypes", "attrs", "target"):

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -198,3 +199,80 @@ def test_inspect_import_keeps_a_snapshot_ttl_within_the_entry_ttl(
     assert json.loads(done.stdout)["imported"] == 6
     rows = json.loads(nkicache("inspect", "ls", "--json", "--tier", url, env=env).stdout)
     assert len(rows) == 6 and all(0 < row["ttl"] <= 3600 for row in rows), rows
+
+
+MALFORMED_COMPONENTS = {
+    "operands-not-a-map": {"kernel_name": "softmax", "operands": [[32, 48]]},
+    "shapes-not-a-list": {"kernel_name": "softmax", "operands": {"shapes": 5, "dtypes": ["float32"]}},
+    "shape-of-strings": {"kernel_name": "softmax", "results": {"shapes": [["a"]], "dtypes": ["float32"]}},
+    "kernel-name-a-map": {"kernel_name": {"a": 1}, "target": "Trn2"},
+    "kernel-name-bytes": {"kernel_name": b"softmax"},
+    "attrs-a-list": {"kernel_name": "softmax", "attrs": [1, 2]},
+    "deeply-nested": {"kernel_name": "softmax", "attrs": {"x": json.loads("[" * 40 + "]" * 40)}},
+}
+
+
+def tier_with_malformed_entries(tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """A local tier holding a compiled graph's 6 entries and one entry per MALFORMED_COMPONENTS, each intact
+    (its digest matches) with key components no loop would build; (tier URL, {case: cache key})."""
+    from bridge.identity import toolchain_id
+    from cachestore.api import KeyUsage, MetricsBatch, WriteItem
+    from cachestore.backends.sqlite import SqliteBackend
+    from cachestore.entry import Entry, encode_entry
+
+    url = f"local:{tmp_path / 'tier.sqlite'}"
+    assert (
+        nkicache("compile", write_graph(tmp_path, mixed_graph()), "--tier", url, "--out", tmp_path / "out").returncode
+        == 0
+    )
+    backend = SqliteBackend(tmp_path / "tier.sqlite")
+    keys = {}
+    try:
+        for i, (case, components) in enumerate(MALFORMED_COMPONENTS.items()):
+            entry = Entry(binary=b"binary %d" % i, input_names=["x"], output_names=["out"], format="bir",
+                          version_identifier="bir-1", key_components=components, toolchain=toolchain_id())  # fmt: skip
+            keys[case] = f"{i:x}" * 64
+            backend.put_entries([WriteItem(keys[case], encode_entry(entry), entry.digest, 3600)])
+        # The most used keys of all, so that the report's top variants read their components.
+        now = time.time()
+        usage = {key: KeyUsage("softmax", 100, now, now) for key in keys.values()}
+        assert backend.apply_metrics(MetricsBatch("malformed", "host", "worker", keys=usage))
+    finally:
+        backend.close()
+    return url, keys
+
+
+def test_inspect_ls_lists_an_entry_with_malformed_components_with_its_error_and_goes_on(tmp_path: Path) -> None:
+    url, keys = tier_with_malformed_entries(tmp_path)
+    listed = nkicache("inspect", "ls", "--json", "--tier", url)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    rows = {row["key"]: row for row in json.loads(listed.stdout)}
+    assert len(rows) == 6 + len(keys)
+    for case, key in keys.items():
+        assert rows[key]["error"].startswith("key components are malformed: "), (case, rows[key])
+    assert sum(row["error"] is None and row["kernel_name"] in ("softmax", "rmsnorm", "matmul_tiled")
+               for row in rows.values()) == 6  # fmt: skip
+
+    text = nkicache("inspect", "ls", "--tier", url)
+    assert text.returncode == 0 and text.stderr == f"{6 + len(keys)} entries\n", text.stderr
+    assert text.stdout.count("UNREADABLE (key components are malformed") == len(keys)
+    assert len(text.stdout.splitlines()) == 6 + len(keys)
+    filtered = nkicache("inspect", "ls", "--json", "--kernel", "softmax", "--tier", url)
+    assert filtered.returncode == 0 and len(json.loads(filtered.stdout)) == 2  # the good softmax entries only
+
+
+def test_other_readers_of_key_components_take_a_malformed_one_in_their_stride(tmp_path: Path) -> None:
+    """explain skips it, show shows it, the report lists its usage without shapes, and explain refuses such
+    components given on its command line in one line."""
+    url, keys = tier_with_malformed_entries(tmp_path)
+    explained = nkicache("inspect", "explain", '{"kernel_name": "softmax"}', "--json", "--tier", url)
+    assert explained.returncode == 0 and "Traceback" not in explained.stderr, explained.stderr
+    assert {near["key"] for near in json.loads(explained.stdout)["nearest"]}.isdisjoint(keys.values())
+    for key in keys.values():
+        shown = nkicache("inspect", "show", key, "--json", "--tier", url)
+        assert shown.returncode == 0 and shown.stderr == "", shown.stderr
+    for output in ([], ["--json"], ["--prometheus"], ["--html", tmp_path / "report.html"]):
+        report = nkicache("report", "--tier", url, *output)
+        assert report.returncode == 0 and report.stderr == "", (output, report.stderr)
+    one_line_error(nkicache("inspect", "explain", '{"kernel_name": "softmax", "operands": {"shapes": 5}}',
+                            "--tier", url))  # fmt: skip
