@@ -383,6 +383,16 @@ def plot_kernel_usage(report: FleetReport, limit: int = 25) -> str | None:
     return _svg(figure)
 
 
+def _plain_text_plots(report: FleetReport) -> tuple[str | None, str | None]:
+    """The two plots, every label drawn as plain text. matplotlib reads text between two `$` as mathtext: a
+    kernel name such as `a$\\frac{$b` (any name the fleet recorded) would fail the whole page with a parse error,
+    and one that parses would be drawn as a formula, not as its name."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return plot_hit_rate(report), plot_kernel_usage(report)
+
+
 def _cell(tag: str, value: Any, numeric: bool) -> str:
     return (
         f'<{tag} class="n">{html.escape(str(value))}</{tag}>'
@@ -418,7 +428,7 @@ def render_html(report: FleetReport) -> str:
                   for k, v in cards)
         + "</div>",
     ]  # fmt: skip
-    hit_plot = plot_hit_rate(report)
+    hit_plot, usage_plot = _plain_text_plots(report)
     parts.append("<h2>Hit rate over time</h2>")
     if hit_plot:
         parts.append(f'<figure id="plot-hit-rate">{hit_plot}<figcaption>{_width(report.bucket_seconds)} buckets by '
@@ -426,7 +436,6 @@ def render_html(report: FleetReport) -> str:
                      "</figcaption></figure>")  # fmt: skip
     else:
         parts.append("<p>No passes in the pass log.</p>")
-    usage_plot = plot_kernel_usage(report)
     parts.append("<h2>Usage per kernel</h2>")
     if usage_plot:
         parts.append(f'<figure id="plot-kernel-usage">{usage_plot}</figure>')

@@ -276,3 +276,34 @@ def test_other_readers_of_key_components_take_a_malformed_one_in_their_stride(tm
         assert report.returncode == 0 and report.stderr == "", (output, report.stderr)
     one_line_error(nkicache("inspect", "explain", '{"kernel_name": "softmax", "operands": {"shapes": 5}}',
                             "--tier", url))  # fmt: skip
+
+
+# -- report -------------------------------------------------------------------------------------------------
+def local_tier_with_metrics(tmp_path: Path, kernel_calls: dict[str, int]) -> str:
+    """A local tier that one pass told about these kernels (names as the fleet may have recorded them)."""
+    from cachestore.api import KeyUsage, MetricsBatch
+    from cachestore.backends.sqlite import SqliteBackend
+
+    backend = SqliteBackend(tmp_path / "metrics.sqlite")
+    now = time.time()
+    keys = {f"{i:x}" * 64: KeyUsage(name, calls, now, now) for i, (name, calls) in enumerate(kernel_calls.items())}
+    totals = {"passes": 1, "kernels": sum(kernel_calls.values()), "cache_misses": sum(kernel_calls.values())}
+    record = {"pass_id": "p1", "graph": "g", "finished": now, **totals}
+    try:
+        assert backend.apply_metrics(MetricsBatch("p1", "host", "worker", totals, kernel_calls, keys, record))
+    finally:
+        backend.close()
+    return f"local:{tmp_path / 'metrics.sqlite'}"
+
+
+def test_report_html_draws_kernel_names_as_plain_text_not_mathtext(tmp_path: Path) -> None:
+    names = {"a$\\frac{$b": 3, "$x^2$": 2, "softmax": 1}  # a mathtext parse error, a formula, a plain name
+    url = local_tier_with_metrics(tmp_path, names)
+    page = tmp_path / "report.html"
+    done = nkicache("report", "--tier", url, "--html", page)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    html = page.read_text()
+    usage_plot = html[html.index('<figure id="plot-kernel-usage">') :]
+    for name in names:
+        assert f"<!-- {name} -->" in usage_plot  # the label the SVG draws, as matplotlib notes it
+        assert f"<td>{name}</td>" in html  # and the per-kernel table
