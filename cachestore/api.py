@@ -149,6 +149,21 @@ def number_problem(value: object, *, whole: bool = False) -> str | None:
     return None
 
 
+def stored_number(value: object) -> float:
+    """A number of the fleet metrics as a tier gives it back (bytes or text from Redis, any value SQLite
+    holds) as a finite float; anything else, a word, NaN and the infinities included, counts as 0. Batches are
+    checked before they are applied, but a tier written by an older build or by hand may hold such a value,
+    and one must not fail every report of the fleet, nor every scrape of serve-metrics."""
+    if isinstance(value, bytes | str):
+        try:
+            value = float(value)
+        except ValueError:
+            return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) else 0.0
+
+
 @dataclass
 class RawEntry:
     """An entry as stored, still encoded."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from bridge.port import hit_rate
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.report import FleetReport
 
+logger = logging.getLogger(__name__)
 TOTALS_SHOWN_FIRST = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
                       "compile_seconds", "saved_seconds")  # fmt: skip
 TOTAL_LABELS = {
@@ -264,16 +266,20 @@ class FleetCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        from bridge.errors import NkiCacheError
-
         started = time.perf_counter()
         try:
             report = self.build()
-        except NkiCacheError:
+            families = list(_metric_families(report))  # all of them or none: never half a scrape, then a 500
+        except Exception as exc:
+            # A scrape always answers: prometheus_client turns an exception into an HTTP 500, and Prometheus
+            # then sees no series at all instead of a tier that is down. What is not the tier's own error
+            # (a value no reader expected) is logged, once per scrape.
+            if not isinstance(exc, NkiCacheError):
+                logger.warning("reading the tier for a scrape failed: %s: %s", type(exc).__name__, exc)
             yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=0)
             return
         yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=1)
-        yield from _metric_families(report)
+        yield from families
         yield GaugeMetricFamily("nkicache_report_seconds", "Seconds it took to read the tier for this scrape.",
                                 value=time.perf_counter() - started)  # fmt: skip
 

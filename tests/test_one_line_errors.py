@@ -307,3 +307,93 @@ def test_report_html_draws_kernel_names_as_plain_text_not_mathtext(tmp_path: Pat
     for name in names:
         assert f"<!-- {name} -->" in usage_plot  # the label the SVG draws, as matplotlib notes it
         assert f"<td>{name}</td>" in html  # and the per-kernel table
+
+
+def corrupt_redis_metrics(client: redis.Redis, namespace: str) -> None:
+    """One field of each metrics hash set to a word or a NaN, as a hand or an older build may have left it."""
+    from cachestore.keys import KeySpace
+
+    keys = KeySpace(namespace)
+    [worker] = list(client.smembers(keys.workers))
+    host, _, name = worker.decode().partition(":")
+    client.hset(keys.totals, "passes", "abc")
+    client.hset(keys.worker_metrics(host, name), "kernels", "nan")
+    for hash_name in (keys.kernel_calls, keys.kernel_variants, keys.key_usage, keys.key_first, keys.key_last):
+        client.hset(hash_name, client.hkeys(hash_name)[0], "abc")
+
+
+@pytest.mark.redis
+def test_a_non_numeric_metrics_value_counts_as_zero_in_every_report(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, namespace: str
+) -> None:
+    env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
+    assert nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out", env=env).returncode == 0
+    corrupt_redis_metrics(redis_client, namespace)
+    for output in ([], ["--json"], ["--prometheus"], ["--html", tmp_path / "report.html"]):
+        report = nkicache("report", *output, env=env)
+        assert report.returncode == 0 and report.stderr == "", (output, report.stderr)
+        if output == ["--json"]:
+            totals = json.loads(report.stdout)["totals"]
+            assert (totals["passes"], totals["kernels"]) == (0, 8)  # the word counts 0, the rest as it was
+    for command in (["ls"], ["gc", "--dry-run"], ["du"]):
+        done = nkicache("inspect", *command, env=env)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
+
+
+def test_a_text_value_in_sqlite_metrics_counts_as_zero_in_every_report(tmp_path: Path) -> None:
+    import sqlite3
+
+    url = f"local:{tmp_path / 'tier.sqlite'}"
+    assert (
+        nkicache("compile", write_graph(tmp_path, mixed_graph()), "--tier", url, "--out", tmp_path / "out").returncode
+        == 0
+    )
+    db = sqlite3.connect(tmp_path / "tier.sqlite")
+    for table, column in (("totals", "value"), ("worker_totals", "value"), ("kernels", "call_count"),
+                          ("kernels", "variants"), ("key_usage", "usage"), ("key_usage", "last_use")):  # fmt: skip
+        db.execute(f"UPDATE {table} SET {column} = 'abc' WHERE rowid = (SELECT min(rowid) FROM {table})")
+    db.commit()
+    db.close()
+    for output in ([], ["--json"], ["--prometheus"], ["--html", tmp_path / "report.html"]):
+        report = nkicache("report", "--tier", url, *output)
+        assert report.returncode == 0 and report.stderr == "", (output, report.stderr)
+    for command in (["ls"], ["gc", "--dry-run"], ["show", "0"]):
+        done = nkicache("inspect", *command, "--tier", url)
+        assert "Traceback" not in done.stderr, (command, done.stderr)
+
+
+@pytest.mark.redis
+def test_serve_metrics_scrapes_a_tier_holding_a_non_numeric_value(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, namespace: str
+) -> None:
+    import urllib.request
+
+    env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
+    assert nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out", env=env).returncode == 0
+    corrupt_redis_metrics(redis_client, namespace)
+    server = subprocess.Popen([NKICACHE, "serve-metrics", "--port", "0"], env={**os.environ, **env},
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        started = server.stderr.readline()
+        port = started.split("http://127.0.0.1:")[1].split("/")[0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            assert response.status == 200
+            scraped = response.read().decode()
+    finally:
+        server.terminate()
+        rest = server.communicate(timeout=10)[1]
+    assert "nkicache_tier_up 1.0" in scraped and "nkicache_kernels_total 8.0" in scraped
+    assert server.returncode == 0 and rest == "", rest
+
+
+def test_a_scrape_whose_report_fails_unexpectedly_is_tier_up_0_not_http_500(caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import generate_latest
+
+    from cachestore.report_render import prometheus_registry
+
+    def unexpected() -> None:
+        raise ValueError("could not convert string to float: b'abc'")
+
+    scraped = generate_latest(prometheus_registry(unexpected)).decode()
+    assert "nkicache_tier_up 0.0" in scraped and "nkicache_passes_total" not in scraped
+    assert "ValueError: could not convert string to float" in caplog.text

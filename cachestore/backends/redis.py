@@ -46,6 +46,7 @@ from cachestore.api import (
     WriteItem,
     batched,
     redact_url,
+    stored_number,
 )
 from cachestore.keys import KeySpace
 
@@ -370,7 +371,7 @@ class RedisBackend:
 
     # -- fleet metrics ------------------------------------------------------------------------------
     def _float_hash(self, name: str) -> dict[str, float]:
-        return {text(k): float(v) for k, v in self._stream(lambda: self.client.hscan_iter(name, count=1000))}
+        return {text(k): stored_number(v) for k, v in self._stream(lambda: self.client.hscan_iter(name, count=1000))}
 
     def totals(self) -> dict[str, float]:
         return self._float_hash(self.keys.totals)
@@ -381,7 +382,7 @@ class RedisBackend:
             pairs = [member.partition(":")[::2] for member in batch]
             hashes = self._pipeline(lambda pipe, p=pairs: [pipe.hgetall(self.keys.worker_metrics(h, w)) for h, w in p])
             for (host, worker), values in zip(pairs, hashes, strict=True):
-                yield host, worker, {text(k): float(v) for k, v in values.items()}
+                yield host, worker, {text(k): stored_number(v) for k, v in values.items()}
 
     def toolchains(self) -> dict[str, dict[str, float]]:
         members = self._stream(lambda: self.client.sscan_iter(self.keys.toolchains, count=1000))
@@ -389,7 +390,7 @@ class RedisBackend:
         for batch in batched(text(m) for m in members):
             hashes = self._pipeline(lambda pipe, b=batch: [pipe.hgetall(self.keys.toolchain_metrics(t)) for t in b])
             for toolchain, values in zip(batch, hashes, strict=True):
-                found[toolchain] = {text(k): float(v) for k, v in values.items()}
+                found[toolchain] = {text(k): stored_number(v) for k, v in values.items()}
         return dict(sorted(found.items()))
 
     def kernels(self) -> dict[str, dict[str, int]]:
@@ -402,7 +403,7 @@ class RedisBackend:
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         for key, usage in self._stream(lambda: self.client.hscan_iter(self.keys.key_usage, count=1000)):
-            yield text(key), int(usage)
+            yield text(key), int(stored_number(usage))
 
     def key_count(self) -> int:
         with redis_errors(self.description):
@@ -417,8 +418,8 @@ class RedisBackend:
             usage, kernel, first, last = self._pipeline(lambda pipe, c=chunk: [pipe.hmget(h, c) for h in hashes])
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
-                    found[key] = KeyRecord(key, text(kernel[i]) or "", int(usage[i]), float(first[i] or 0),
-                                           float(last[i] or 0))  # fmt: skip
+                    found[key] = KeyRecord(key, text(kernel[i]) or "", int(stored_number(usage[i])),
+                                           stored_number(first[i]), stored_number(last[i]))  # fmt: skip
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
@@ -525,7 +526,8 @@ class RedisBackend:
 
 def text(value: bytes | str | None) -> str | None:
     """A Redis reply as text (redis-py returns bytes unless the client decodes responses)."""
-    return value.decode() if isinstance(value, bytes) else value
+    # Replacing what is not UTF-8: a name written by hand must not fail a whole report or listing.
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
 
 
 def _pass_record(fields: dict) -> dict | None:

@@ -32,6 +32,7 @@ from cachestore.api import (
     TierUnavailable,
     WriteItem,
     batch_problem,
+    stored_number,
 )
 
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
@@ -320,7 +321,7 @@ class SqliteBackend:
 
     # -- fleet metrics ------------------------------------------------------------------------------
     def totals(self) -> dict[str, float]:
-        return dict(self._read("SELECT name, value FROM totals"))
+        return {name: stored_number(value) for name, value in self._read("SELECT name, value FROM totals")}
 
     def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         current: tuple[str, str] | None = None
@@ -332,7 +333,7 @@ class SqliteBackend:
                 if current is not None:
                     yield *current, values
                 current, values = (host, worker), {}
-            values[name] = value
+            values[name] = stored_number(value)
         if current is not None:
             yield *current, values
 
@@ -345,12 +346,13 @@ class SqliteBackend:
         for toolchain, name, value in self._read(
             "SELECT toolchain, name, value FROM toolchain_totals ORDER BY toolchain, name"
         ):
-            found.setdefault(toolchain, {})[name] = value
+            found.setdefault(toolchain, {})[name] = stored_number(value)
         return found
 
     def kernels(self) -> dict[str, dict[str, int]]:
         rows = self._read("SELECT kernel_name, call_count, variants FROM kernels ORDER BY kernel_name")
-        return {name: {"call_count": int(calls), "variants": int(variants)} for name, calls, variants in rows}
+        return {name: {"call_count": int(stored_number(calls)), "variants": int(stored_number(variants))}
+                for name, calls, variants in rows}  # fmt: skip
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         last = ""
@@ -358,7 +360,7 @@ class SqliteBackend:
             rows = self._read(
                 "SELECT cache_key, usage FROM key_usage WHERE cache_key > ? ORDER BY cache_key LIMIT ?", (last, BATCH)
             )
-            yield from ((key, int(usage)) for key, usage in rows)
+            yield from ((key, int(stored_number(usage))) for key, usage in rows)
             if len(rows) < BATCH:
                 return
             last = rows[-1][0]
@@ -375,7 +377,8 @@ class SqliteBackend:
                 f"WHERE cache_key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            found.update((row[0], KeyRecord(row[0], row[1], int(row[2]), row[3], row[4])) for row in rows)
+            found.update((row[0], KeyRecord(row[0], row[1], int(stored_number(row[2])), stored_number(row[3]),
+                                            stored_number(row[4]))) for row in rows)  # fmt: skip
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
