@@ -227,7 +227,9 @@ def compile_command(
     --json keys: passes, compiled, kernels, cache_hits, cache_misses, remote_hits, traces (beta3
     compiles actually run), compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, hit_rate, seconds, workers, tier, tier_mode, interrupted, artifacts,
-    failed ([{file, error}]) and graphs (the same figures per pass).
+    failed ([{file, error}]) and graphs (the same figures per pass). tier_dropped counts every write that did
+    not reach the tier, the ones still queued when the compile ends with the tier down included: those are
+    in the totals only, no pass's figures hold them.
     """
     import os
 
