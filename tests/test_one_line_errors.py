@@ -397,3 +397,18 @@ def test_a_scrape_whose_report_fails_unexpectedly_is_tier_up_0_not_http_500(capl
     scraped = generate_latest(prometheus_registry(unexpected)).decode()
     assert "nkicache_tier_up 0.0" in scraped and "nkicache_passes_total" not in scraped
     assert "ValueError: could not convert string to float" in caplog.text
+
+
+# -- found going through every command with bad input ---------------------------------------------------------
+@pytest.mark.parametrize("command", ["compile", "workload", "quickstart"])
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path: Path, command: str) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    folder = blocker / "out"  # inside a regular file: no folder can be made there, root or not
+    args = {
+        "compile": ["compile", write_graph(tmp_path, mixed_graph()), "--out", folder, "--tier", "off"],
+        "workload": ["workload", "--out", folder, "--models", "1"],
+        "quickstart": ["quickstart", "--dir", folder, "--models", "1"],
+    }[command]
+    line = one_line_error(nkicache(*args))
+    assert str(folder) in line and "cannot" in line

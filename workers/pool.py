@@ -113,7 +113,12 @@ def compile_run(
     on_result: Callable[[PassResult], None] = lambda result: None,
 ) -> CompileRun:
     """Compile every path, and close the tier clients the compile opened."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    from bridge.artifact import ArtifactError
+
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # before any pass: every artifact would fail the same way
+        raise ArtifactError(f"{out_dir}: cannot create the output folder: {exc.strerror or exc}") from None
     refused = duplicate_names(paths)
     run = _compile_all([p for p in paths if p not in refused], settings=settings, workers=workers,
                        out_dir=out_dir, target_name=target_name, on_result=on_result)  # fmt: skip
