@@ -27,9 +27,9 @@ PROCESS_TIMEOUT = 120
 BINARY_KEY = bytes(range(256))[-32:]  # not UTF-8 (bytes >= 0x80), as a key from /dev/urandom usually is
 
 
-def nkicache(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def nkicache(*args: object, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([NKICACHE, *map(str, args)], capture_output=True, text=True, timeout=PROCESS_TIMEOUT,
-                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})  # fmt: skip
+                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
 
 
 def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -412,3 +412,21 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path: Path, comman
     }[command]
     line = one_line_error(nkicache(*args))
     assert str(folder) in line and "cannot" in line
+
+
+def usage_error(result: subprocess.CompletedProcess) -> str:
+    """click's usage error, the documented form for a bad option (exit 2): the usage, a hint, one error line."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and result.stderr.startswith("Usage: "), result.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", [["demo"], ["run", "out"], ["workload", "--out", "graphs"],
+                                     ["quickstart"], ["inspect", "verify", "--execute", "1"]])  # fmt: skip
+def test_a_negative_seed_is_a_usage_error(tmp_path: Path, command: list[str]) -> None:
+    """numpy takes no negative seed: it failed deep inside each command (or every executed entry of verify)."""
+    env = {"NKICACHE_TIER": f"local:{tmp_path / 'tier'}"}
+    line = usage_error(nkicache(*command, "--seed", "-1", env=env, cwd=tmp_path))  # relative paths land in tmp_path
+    assert "'--seed'" in line

@@ -18,6 +18,7 @@ from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
     EXIT_PROJECT_ERROR,
+    SEED,
     compile_and_summarize,
     echo_json,
     expand,
@@ -114,7 +115,7 @@ def _describe(names_and_shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
     show_default=True,
     help="Internal kernel to compile and run.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a line.")
 def demo(func_name: str, seed: int, as_json: bool) -> None:
     """Compile one internal kernel, run the binary and check it against the numpy reference.
@@ -250,7 +251,7 @@ def compile_command(
 # -- run ------------------------------------------------------------------------------------------
 @main.command("run")
 @click.argument("compiled", nargs=-1, required=True, metavar="COMPILED...")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--check", is_flag=True, help="Compare every kernel's outputs with its numpy reference.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
 def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool) -> None:

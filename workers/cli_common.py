@@ -19,6 +19,8 @@ from cachestore.api import redact_url
 EXIT_CHECK_FAILED = 1
 EXIT_PROJECT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+# Every --seed: numpy's generators refuse a negative seed, with a ValueError deep inside a command.
+SEED = click.IntRange(min=0)
 
 
 def tier_options(command: Callable) -> Callable:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, echo_json, load_cli_settings
+from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -349,7 +349,7 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
               help="Also re-trace N sampled entries from their key components and compare the bytes.")  # fmt: skip
 @click.option("--execute", type=click.IntRange(min=0), default=0, metavar="N",
               help="Also run N sampled entries on random inputs against the numpy references.")  # fmt: skip
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample and of the inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sample and of the inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print {checked, ok, bad: [{key, reason}], ...}.")
 @source_options
 @click.pass_context
