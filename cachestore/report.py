@@ -220,7 +220,10 @@ def parse_duration(text: str) -> float:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
     if not match:
         raise ValueError(f"{text!r} is not a duration (like 90s, 30m, 12h, 7d)")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    if not math.isfinite(seconds):  # 400 digits read as infinity, which no bucket width or cutoff can be
+        raise ValueError(f"{text!r} is too long a duration")
+    return seconds
 
 
 def parse_since(text: str, now: float | None = None) -> float:
@@ -229,13 +232,19 @@ def parse_since(text: str, now: float | None = None) -> float:
     now = time.time() if now is None else now
     stripped = text.strip()
     if re.fullmatch(r"\d+(\.\d+)?[smhdw]", stripped.lower()):
-        return now - parse_duration(stripped)
-    if re.fullmatch(r"\d{9,}(\.\d+)?", stripped):
-        return float(stripped)
+        when = now - parse_duration(stripped)
+    elif re.fullmatch(r"\d{9,}(\.\d+)?", stripped):
+        when = float(stripped)
+    else:
+        try:
+            return datetime.fromisoformat(stripped).timestamp()
+        except (ValueError, OverflowError, OSError):
+            raise ValueError(f"{text!r} is not a time: use 2h / 7d (ago), Unix seconds, or 2024-05-01T12:00") from None
     try:
-        return datetime.fromisoformat(stripped).timestamp()
-    except ValueError:
-        raise ValueError(f"{text!r} is not a time: use 2h / 7d (ago), Unix seconds, or 2024-05-01T12:00") from None
+        datetime.fromtimestamp(when)  # the report prints it as a date: one this platform can show
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"{text!r} is out of the range of dates") from None
+    return when
 
 
 def parse_size(text: str) -> int:
@@ -243,4 +252,7 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
     if not match or match.group(2) not in _SIZES:
         raise ValueError(f"{text!r} is not a size (like 500M, 64MiB, 2G)")
-    return int(float(match.group(1)) * _SIZES[match.group(2)])
+    size = float(match.group(1)) * _SIZES[match.group(2)]
+    if not math.isfinite(size):  # 400 digits read as infinity, which is no number of bytes
+        raise ValueError(f"{text!r} is too large a size")
+    return int(size)

@@ -430,3 +430,25 @@ def test_a_negative_seed_is_a_usage_error(tmp_path: Path, command: list[str]) ->
     env = {"NKICACHE_TIER": f"local:{tmp_path / 'tier'}"}
     line = usage_error(nkicache(*command, "--seed", "-1", env=env, cwd=tmp_path))  # relative paths land in tmp_path
     assert "'--seed'" in line
+
+
+DIGITS_400 = "9" * 400  # read as a float: infinity
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "value"),
+    [
+        (["report"], "--since", "99999999999999999999"),  # Unix seconds past any date the platform can show
+        (["report"], "--since", "99999999999999999999d"),  # as long ago
+        (["report"], "--since", DIGITS_400),
+        (["report"], "--bucket", DIGITS_400),
+        (["inspect", "gc", "--dry-run"], "--max-bytes", DIGITS_400),
+        (["inspect", "gc", "--dry-run"], "--unused-for", DIGITS_400 + "d"),
+    ],
+)
+def test_a_time_duration_or_size_out_of_range_is_a_usage_error(
+    tmp_path: Path, command: list[str], option: str, value: str
+) -> None:
+    url = local_tier_with_metrics(tmp_path, {"softmax": 1})
+    line = usage_error(nkicache(*command, option, value, "--tier", url))
+    assert option in line and ("range" in line or "too" in line), line
