@@ -452,3 +452,16 @@ def test_a_time_duration_or_size_out_of_range_is_a_usage_error(
     url = local_tier_with_metrics(tmp_path, {"softmax": 1})
     line = usage_error(nkicache(*command, option, value, "--tier", url))
     assert option in line and ("range" in line or "too" in line), line
+
+
+@pytest.mark.parametrize("via", ["file", "stdin"])
+def test_inspect_explain_of_components_that_are_not_utf8_is_a_usage_error(tmp_path: Path, via: str) -> None:
+    components = tmp_path / "components.json"
+    components.write_bytes('{"kernel_name": "caf\xe9"}'.encode("latin-1"))
+    url = local_tier_with_metrics(tmp_path, {"softmax": 1})
+    if via == "file":
+        result = nkicache("inspect", "explain", components, "--tier", url)
+    else:
+        result = subprocess.run([NKICACHE, "inspect", "explain", "-", "--tier", url], capture_output=True, text=True,
+                                timeout=PROCESS_TIMEOUT, stdin=components.open("rb"))  # fmt: skip
+    assert "is not valid JSON" in usage_error(result)

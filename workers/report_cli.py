@@ -436,16 +436,18 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
 
 def _load_components(text: str) -> dict:
     source = "COMPONENTS"
+    data: str | bytes = text
     if text == "-":
-        text, source = sys.stdin.read(), "stdin"
+        data, source = sys.stdin.buffer.read(), "stdin"
     elif not text.lstrip().startswith("{"):
         try:
-            source, text = text, Path(text).read_text()
+            source, data = text, Path(text).read_bytes()
         except OSError as exc:
             raise click.BadParameter(f"cannot read {text}: {exc.strerror or exc}", param_hint="COMPONENTS") from None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        # Bytes, decoded by json itself: a file that is not UTF-8 is bad JSON, not a UnicodeDecodeError traceback.
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise click.BadParameter(f"{source} is not valid JSON: {exc}", param_hint="COMPONENTS") from None
     if not isinstance(value, dict):
         raise click.BadParameter(f"{source} must be a JSON object of key components", param_hint="COMPONENTS")
