@@ -194,9 +194,17 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError(value)
             return lowered in ("1", "true", "yes", "on")
-        return kind(value)
+        coerced = kind(value)
     except (TypeError, ValueError):
         raise SettingsError(f"{source}: {name} must be a {kind.__name__}, got {value!r}") from None
+    if isinstance(coerced, str) and not coerced.startswith("local:"):  # a local path may be any bytes
+        try:
+            # Bytes that are not UTF-8 reach Python escaped (in the environment and on the command line alike):
+            # a host, worker or namespace, or a Redis URL, holding them would fail every write to the tier.
+            coerced.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SettingsError(f"{source}: {name} is not UTF-8 text") from None
+    return coerced
 
 
 def _validate(settings: Settings, sources: Mapping[str, str]) -> None:

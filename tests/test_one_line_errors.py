@@ -465,3 +465,22 @@ def test_inspect_explain_of_components_that_are_not_utf8_is_a_usage_error(tmp_pa
         result = subprocess.run([NKICACHE, "inspect", "explain", "-", "--tier", url], capture_output=True, text=True,
                                 timeout=PROCESS_TIMEOUT, stdin=components.open("rb"))  # fmt: skip
     assert "is not valid JSON" in usage_error(result)
+
+
+NOT_UTF8 = "a\udcffb"  # how Python hands over the bytes a\xffb from the environment or the command line
+
+
+@pytest.mark.parametrize("setting", ["NKICACHE_HOST", "NKICACHE_WORKER", "NKICACHE_NAMESPACE", "NKICACHE_TIER"])
+def test_a_setting_that_is_not_utf8_is_one_line(tmp_path: Path, setting: str, redis_url: str, namespace: str) -> None:
+    """A host, worker, namespace or Redis URL that is not UTF-8 failed every write to the tier, in a background
+    thread (a traceback, exit 0) or as an internal error of every graph."""
+    env = {"NKICACHE_TIER": redis_url, "NKICACHE_NAMESPACE": namespace, setting: NOT_UTF8}
+    if setting == "NKICACHE_TIER":
+        env[setting] = f"redis://{NOT_UTF8}:6379/0"
+    line = one_line_error(nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out",
+                                   env=env))  # fmt: skip
+    assert f"${setting}" in line and "UTF-8" in line
+
+
+def test_a_worker_name_that_is_not_utf8_is_a_usage_error(down_redis_url: str) -> None:
+    assert "--name" in usage_error(nkicache("worker", "--name", NOT_UTF8, "--tier", down_redis_url))

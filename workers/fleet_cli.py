@@ -144,6 +144,10 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> Non
     import multiprocessing
 
     base = name or os.environ.get("NKICACHE_WORKER") or f"{socket.gethostname()}-{os.getpid()}"
+    try:
+        base.encode("utf-8")  # bytes that are not UTF-8 arrive escaped; Redis could not be sent them
+    except UnicodeEncodeError:
+        raise click.BadParameter("the worker's name is not UTF-8 text", param_hint="--name") from None
     if concurrency == 1:
         _run_worker(tier, tier_mode, base, max_jobs, out_dir)
         return
