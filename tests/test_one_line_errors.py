@@ -484,3 +484,10 @@ def test_a_setting_that_is_not_utf8_is_one_line(tmp_path: Path, setting: str, re
 
 def test_a_worker_name_that_is_not_utf8_is_a_usage_error(down_redis_url: str) -> None:
     assert "--name" in usage_error(nkicache("worker", "--name", NOT_UTF8, "--tier", down_redis_url))
+
+
+@pytest.mark.parametrize("url", ["down", "bogus", "redis+cluster://127.0.0.1:1"])
+def test_bench_against_a_redis_that_is_down_or_no_redis_url_is_one_line(down_redis_url: str, url: str) -> None:
+    """Checked before measuring: the bench failed on it only after the first measurements and many warnings."""
+    url = down_redis_url if url == "down" else url
+    assert url.partition("://")[0] in one_line_error(nkicache("bench", "--quick", "--redis-url", url))
