@@ -491,3 +491,30 @@ def test_bench_against_a_redis_that_is_down_or_no_redis_url_is_one_line(down_red
     """Checked before measuring: the bench failed on it only after the first measurements and many warnings."""
     url = down_redis_url if url == "down" else url
     assert url.partition("://")[0] in one_line_error(nkicache("bench", "--quick", "--redis-url", url))
+
+
+@pytest.mark.redis
+def test_queue_and_its_liveness_probe_skip_a_heartbeat_that_is_not_one(
+    redis_url: str, redis_client: redis.Redis, namespace: str
+) -> None:
+    """A heartbeat (or a count) written by hand or corrupt failed every `queue`, and every `queue --live-check`
+    liveness probe with it: each worker would be restarted for one bad field."""
+    from cachestore.keys import KeySpace
+
+    keys = KeySpace(namespace)
+    beats = {"w-good": json.dumps({"time": time.time(), "host": "h", "pid": 1, "job": None, "done": 0}),
+             "w-not-json": "garbage", "w-list": "[1]", "w-no-time": '{"host": "h"}', "w-word-time": '{"time": "x"}',
+             "w-nan-time": '{"time": NaN}', "w-partial": json.dumps({"time": time.time()})}  # fmt: skip
+    redis_client.hset(keys.worker_heartbeats, mapping=beats)
+    redis_client.hset(keys.job_counts, mapping={"completed": "abc", "failed": "2"})
+    env = {"NKICACHE_NAMESPACE": namespace}
+    done = nkicache("queue", "--tier", redis_url, "--json", env=env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    status = json.loads(done.stdout)
+    assert [w["name"] for w in status["workers"]] == ["w-good", "w-partial"]
+    assert (status["completed"], status["failed"]) == (0, 2)
+    text = nkicache("queue", "--tier", redis_url, env=env)
+    assert text.returncode == 0 and text.stderr == "" and "2 live workers" in text.stdout, text.stderr
+    for name, code in (("w-good", 0), ("w-not-json", 1)):
+        probe = nkicache("queue", "--tier", redis_url, "--live-check", "--name", name, env=env)
+        assert probe.returncode == code and probe.stderr == "", probe.stderr

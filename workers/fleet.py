@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -40,7 +41,7 @@ import redis.exceptions as rex
 from bridge.errors import NkiCacheError
 from bridge.graph import GraphError, load_graph, parse_graph_json
 from bridge.identity import toolchain_id
-from cachestore.api import REDIS_SCHEMES, redact_url
+from cachestore.api import REDIS_SCHEMES, redact_url, stored_number
 from cachestore.backends.redis import connect, text
 from cachestore.client import open_tier
 from cachestore.keys import KeySpace
@@ -213,10 +214,26 @@ def live_workers(client: Any, keys: KeySpace, heartbeat_interval: float) -> list
     now = time.time()
     workers = []
     for name, beat in client.hgetall(keys.worker_heartbeats).items():
-        info = json.loads(beat)
-        if now - info["time"] <= 3 * heartbeat_interval:
+        info = _heartbeat(beat)
+        if info is not None and now - info["time"] <= 3 * heartbeat_interval:
             workers.append({"name": text(name), "toolchain": None, **info})
     return sorted(workers, key=lambda w: w["name"])
+
+
+def _heartbeat(beat: bytes | str) -> dict[str, Any] | None:
+    """A heartbeat as a worker writes it (a JSON object with a finite `time`), its other fields defaulted, or
+    None. One written by hand or corrupt is no live worker; it must not fail every `queue`, and with it
+    every `queue --live-check` liveness probe, which would have each worker restarted."""
+    try:
+        info = json.loads(beat)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    when = info.get("time")
+    if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
+        return None
+    return {"host": "", "pid": None, "job": None, "done": 0, **info}
 
 
 def _group_of(client: Any, stream: str) -> dict:
@@ -247,7 +264,7 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
         if any(row.values()):
             toolchains[toolchain] = row
     unserved = {tc: row["pending"] + row["in_flight"] for tc, row in toolchains.items() if not row["live_workers"]}
-    counts = {text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
+    counts = {text(k): int(stored_number(v)) for k, v in client.hgetall(keys.job_counts).items()}
     return {
         "pending": sum(row["pending"] for row in toolchains.values()),
         "in_flight": sum(row["in_flight"] for row in toolchains.values()),
