@@ -518,3 +518,18 @@ def test_queue_and_its_liveness_probe_skip_a_heartbeat_that_is_not_one(
     for name, code in (("w-good", 0), ("w-not-json", 1)):
         probe = nkicache("queue", "--tier", redis_url, "--live-check", "--name", name, env=env)
         assert probe.returncode == code and probe.stderr == "", probe.stderr
+
+
+def test_report_html_that_cannot_be_written_and_a_port_in_use_are_one_line_exit_2(tmp_path: Path) -> None:
+    """Project errors like any other (they were click's `Error:` with exit 1, the code of a failed check)."""
+    import socket
+
+    url = local_tier_with_metrics(tmp_path, {"softmax": 1})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "cannot write" in one_line_error(nkicache("report", "--tier", url, "--html", blocker / "report.html"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "cannot listen" in one_line_error(nkicache("serve-metrics", "--tier", url, "--port", port))

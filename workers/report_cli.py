@@ -119,13 +119,16 @@ def _terminal_width() -> int | None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    from bridge.errors import NkiCacheError
+
     partial = path.with_name(path.name + ".partial")
     try:
         partial.write_text(text, encoding="utf-8")
         partial.replace(path)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+        with contextlib.suppress(OSError):  # under a path that is no folder, unlinking fails too
+            partial.unlink(missing_ok=True)
+        raise NkiCacheError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 # -- serve-metrics --------------------------------------------------------------------------------
@@ -138,6 +141,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     scrape (totals, per worker, per kernel). A tier that cannot be read gives nkicache_tier_up 0."""
     from prometheus_client import start_http_server
 
+    from bridge.errors import NkiCacheError
     from cachestore.api import open_backend, redact_url
     from cachestore.report import build_report
     from cachestore.report_render import prometheus_registry
@@ -154,7 +158,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     try:
         server, _thread = start_http_server(port, addr=host, registry=prometheus_registry(build))
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise NkiCacheError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     click.echo(f"serving http://{host}:{server.server_port}/metrics for {redact_url(settings.tier)}", err=True)
     _wait_for_signal()
     server.shutdown()
