@@ -47,7 +47,10 @@ def label(name: str) -> str:
 def when(timestamp: float | None) -> str:
     if timestamp is None:
         return "-"
-    return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OverflowError, OSError):  # a stored time no date is (1e300, NaN, a word)
+        return f"{timestamp!r} (not a date)"
 
 
 def shapes(values: list | None) -> str:

@@ -533,3 +533,38 @@ def test_report_html_that_cannot_be_written_and_a_port_in_use_are_one_line_exit_
         taken.listen()
         port = taken.getsockname()[1]
         assert "cannot listen" in one_line_error(nkicache("serve-metrics", "--tier", url, "--port", port))
+
+
+@pytest.mark.parametrize(("field", "value"), [("last_use", "abc"), ("last_use", 1e300), ("first_use", math.nan),
+                                              ("usage", "abc"), ("hosts", "abc")])  # fmt: skip
+def test_a_snapshot_whose_usage_holds_a_non_number_lists_and_shows(tmp_path: Path, field: str, value: object) -> None:
+    """A snapshot's usage is read as a tier's metrics are: what is not a number counts 0, and a time no date
+    is printed as such, instead of a traceback in ls and show."""
+    snapshot = snapshot_with_ttl(tmp_path, 60.0)
+    objects = list(msgpack.Unpacker(snapshot.open("rb"), raw=False))
+    objects[1]["usage"][field] = value
+    snapshot.write_bytes(b"".join(msgpack.packb(o, use_bin_type=True) for o in objects))
+    key = objects[1]["key"]
+    for command in (["ls"], ["ls", "--json"], ["show", key], ["show", key, "--json"]):
+        done = nkicache("inspect", *command, "--snapshot", snapshot)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
+        assert done.stderr in ("", "6 entries\n"), (command, done.stderr)
+    shown = json.loads(nkicache("inspect", "show", key, "--json", "--snapshot", snapshot).stdout)
+    expected = {field: {"usage": 0, "hosts": []}.get(field, value if value == 1e300 else 0.0)}
+    assert {name: shown[name] for name in expected} == expected  # a list of hosts, numbers: never the word
+
+
+@pytest.mark.redis
+def test_a_last_use_that_is_no_date_is_printed_as_such(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, namespace: str
+) -> None:
+    from cachestore.keys import KeySpace
+
+    env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
+    assert nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out", env=env).returncode == 0
+    keys = KeySpace(namespace)
+    redis_client.hset(keys.key_last, mapping=dict.fromkeys(redis_client.hkeys(keys.key_last), "1e300"))
+    for command in (["report"], ["report", "--html", tmp_path / "report.html"], ["inspect", "ls"]):
+        done = nkicache(*command, env=env)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
+    assert "1e+300 (not a date)" in nkicache("inspect", "ls", env=env).stdout

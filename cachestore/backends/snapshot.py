@@ -27,7 +27,7 @@ import msgpack
 
 from bridge.errors import NkiCacheError
 from bridge.identity import toolchain_id
-from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched
+from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched, stored_number
 from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION
 
 SNAPSHOT_VERSION = 2  # 2: records name their toolchain
@@ -183,7 +183,7 @@ class SnapshotReader:
     def key_usage(self) -> Iterator[tuple[str, int]]:
         for _, record in self._own_records():
             if record.get("usage"):
-                yield record["key"], record["usage"]["usage"]
+                yield record["key"], int(stored_number(record["usage"]["usage"]))
 
     def key_count(self) -> int:
         return sum(1 for _ in self.key_usage())
@@ -221,15 +221,17 @@ class SnapshotReader:
         for key in cache_keys:
             usage = self._usage(key)
             if usage:
-                found[key] = KeyRecord(key, usage["kernel_name"], usage["usage"], usage["first_use"], usage["last_use"])
+                # Read as a tier's metrics are read: a number that is not one counts 0 (the file is not trusted).
+                found[key] = KeyRecord(key, str(usage["kernel_name"]), int(stored_number(usage["usage"])),
+                                       stored_number(usage["first_use"]), stored_number(usage["last_use"]))  # fmt: skip
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
         found = {}
         for key in cache_keys:
             usage = self._usage(key)
-            if usage and usage["hosts"]:
-                found[key] = list(usage["hosts"])
+            if usage and isinstance(usage["hosts"], list) and usage["hosts"]:
+                found[key] = [str(host) for host in usage["hosts"]]
         return found
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
