@@ -164,6 +164,20 @@ def stored_number(value: object) -> float:
     return float(value) if math.isfinite(value) else 0.0
 
 
+CLOCK_SKEW_SECONDS = 86400.0  # how far ahead of the tier's clock a host's clock may run, generously
+
+
+def pass_time(finished: object, appended: float) -> float:
+    """When a pass-log record's pass ended: its `finished` when that is a time the pass can have ended at (a
+    finite number from 1970 on, not after the record was appended, give or take a day of clock skew between
+    hosts), else `appended`, when the tier appended the record. A NaN would misplace the whole timeline, and
+    a time centuries away would stretch it past any date the report can print."""
+    usable = isinstance(finished, int | float) and not isinstance(finished, bool) and math.isfinite(finished)
+    if usable and 0 <= finished <= appended + CLOCK_SKEW_SECONDS:
+        return float(finished)
+    return appended
+
+
 @dataclass
 class RawEntry:
     """An entry as stored, still encoded."""

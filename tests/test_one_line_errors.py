@@ -568,3 +568,27 @@ def test_a_last_use_that_is_no_date_is_printed_as_such(
         done = nkicache(*command, env=env)
         assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
     assert "1e+300 (not a date)" in nkicache("inspect", "ls", env=env).stdout
+
+
+@pytest.mark.parametrize("finished", [1e300, -1e300, 1e15])
+def test_a_pass_that_says_it_finished_centuries_away_is_placed_when_it_was_logged(
+    tmp_path: Path, finished: float
+) -> None:
+    """A batch's numbers only need to be finite: a host whose clock is wrong can log such a pass. It broke the
+    timeline (an IndexError) or the HTML plot (no year 10000); the pass is placed when the tier logged it."""
+    from cachestore.api import MetricsBatch
+    from cachestore.backends.sqlite import SqliteBackend
+
+    url = local_tier_with_metrics(tmp_path, {"softmax": 1})
+    backend = SqliteBackend(tmp_path / "metrics.sqlite")
+    try:
+        record = {"pass_id": "p2", "graph": "g", "finished": finished, "passes": 1, "kernels": 1}
+        assert backend.apply_metrics(MetricsBatch("p2", "host", "worker", {"passes": 1}, pass_record=record))
+    finally:
+        backend.close()
+    for output in ([], ["--html", tmp_path / "report.html"]):
+        done = nkicache("report", "--tier", url, *output)
+        assert done.returncode == 0 and done.stderr == "", (output, done.stderr)
+    timeline = json.loads(nkicache("report", "--tier", url, "--json").stdout)["timeline"]
+    assert sum(bucket["passes"] for bucket in timeline) == 2
+    assert all(abs(bucket["start"] - time.time()) < 86400 for bucket in timeline)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -45,6 +44,7 @@ from cachestore.api import (
     TierUnavailable,
     WriteItem,
     batched,
+    pass_time,
     redact_url,
     stored_number,
 )
@@ -542,7 +542,4 @@ def _pass_record(fields: dict) -> dict | None:
 def _record_time(stream_id: bytes | str, fields: dict) -> float:
     """When the pass ended (its record's `finished`), else when it was appended (the stream id)."""
     record = _pass_record(fields) or {}
-    finished = record.get("finished")
-    if isinstance(finished, int | float) and math.isfinite(finished):  # a NaN would misplace the whole timeline
-        return float(finished)
-    return int(text(stream_id).partition("-")[0]) / 1000
+    return pass_time(record.get("finished"), int(text(stream_id).partition("-")[0]) / 1000)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import sqlite3
 import threading
 import time
@@ -32,6 +31,7 @@ from cachestore.api import (
     TierUnavailable,
     WriteItem,
     batch_problem,
+    pass_time,
     stored_number,
 )
 
@@ -510,6 +510,4 @@ def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
         return ts, None
     if not isinstance(record, dict):
         return ts, None
-    finished = record.get("finished")
-    usable = isinstance(finished, int | float) and math.isfinite(finished)  # a NaN would misplace the timeline
-    return (float(finished) if usable else ts), record
+    return pass_time(record.get("finished"), ts), record
