@@ -592,3 +592,29 @@ def test_a_pass_that_says_it_finished_centuries_away_is_placed_when_it_was_logge
     timeline = json.loads(nkicache("report", "--tier", url, "--json").stdout)["timeline"]
     assert sum(bucket["passes"] for bucket in timeline) == 2
     assert all(abs(bucket["start"] - time.time()) < 86400 for bucket in timeline)
+
+
+@pytest.mark.redis
+def test_a_stream_message_that_is_no_job_is_dead_lettered_and_the_worker_goes_on(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, namespace: str
+) -> None:
+    """A message written by hand or corrupt killed the worker with a traceback, and then every worker that
+    reclaimed it: it is dead-lettered under its message id, and the next job is compiled."""
+    from bridge.identity import toolchain_id
+    from cachestore.keys import KeySpace
+
+    keys = KeySpace(namespace)
+    stream = keys.job_stream(toolchain_id())
+    malformed = [{"job": "garbage"}, {"other": "x"}, {"job": '{"file": "x.json", "graph": "{}"}'}, {"job": "[1]"},
+                 {"job": json.dumps({"id": "j", "file": "x.json", "graph": {"name": "not text"}})}]  # fmt: skip
+    message_ids = [redis_client.xadd(stream, fields).decode() for fields in malformed]
+    env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
+    submitted = nkicache("submit", write_graph(tmp_path, mixed_graph()), "--json", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    worker = nkicache("worker", "--max-jobs", "1", "--name", "w1", env=env)
+    assert worker.returncode == 0 and "Traceback" not in worker.stderr, worker.stderr
+    assert worker.stderr.count("dead-lettered") == len(malformed) and "w1: 1 jobs, exiting" in worker.stderr
+    status = json.loads(nkicache("queue", "--dead-letters", "--json", env=env).stdout)
+    assert (status["completed"], status["dead_letter"], status["pending"], status["in_flight"]) == (1, 5, 0, 0)
+    assert [letter["job"] for letter in status["dead_letters"]] == message_ids
+    assert "no job field" in status["dead_letters"][1]["error"] and "'id'" in status["dead_letters"][2]["error"]

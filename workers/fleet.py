@@ -101,6 +101,19 @@ return 0
 """
 
 
+# KEYS[1] job stream  KEYS[2] dead-letter stream  KEYS[3] counts
+# ARGV[1] message id  ARGV[2] error  ARGV[3] the message's job field as it is
+# A message that is no job (hand-written, corrupt) has no job id to record a result or count attempts under:
+# dead-letter it under its message id, once (only the worker whose XACK acknowledged it), and acknowledge it.
+DEAD_LETTER_MESSAGE_LUA = """
+if redis.call('XACK', KEYS[1], 'nkicache-workers', ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[1], 'error', ARGV[2], 'attempts', 0, 'payload', ARGV[3])
+  redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
+end
+return 1
+"""
+
+
 class FleetError(NkiCacheError):
     """A fleet operation cannot proceed (a graph too large to submit, a tier that is not Redis)."""
 
@@ -304,6 +317,7 @@ class Worker:
         self._complete = self.client.register_script(COMPLETE_JOB_LUA)
         self._fail = self.client.register_script(FAIL_JOB_LUA)
         self._touch = self.client.register_script(TOUCH_JOB_LUA)
+        self._dead_letter_message = self.client.register_script(DEAD_LETTER_MESSAGE_LUA)
         self.stopping = False
         self.current: str | None = None
         self._current_message: str | None = None
@@ -369,7 +383,14 @@ class Worker:
         return None
 
     def _process(self, message_id: str, fields: dict) -> None:
-        job = json.loads(fields.get(b"job") or fields.get("job"))
+        raw = fields.get(b"job", fields.get("job"))
+        job = _job(raw)
+        if isinstance(job, str):
+            # Not a job: it would kill this worker, then every worker that reclaimed it after it.
+            logger.warning("worker %s: message %s is no job (%s); dead-lettered", self.name, message_id, job)
+            keys = [self.stream, self.keys.dead_letter_stream, self.keys.job_counts]
+            self._dead_letter_message(keys=keys, args=[message_id, job, raw if isinstance(raw, bytes | str) else ""])
+            return
         self.current, self._current_message = job["id"], message_id
         try:
             self._heartbeat()
@@ -442,6 +463,23 @@ class Worker:
 
     def _leave(self) -> None:
         self.client.hdel(self.keys.worker_heartbeats, self.name)
+
+
+def _job(raw: object) -> dict | str:
+    """A stream message's job (a JSON object naming its id, file and graph text, as `submit` writes it), or
+    what is wrong with it."""
+    if raw is None:
+        return "the message has no job field"
+    try:
+        job = json.loads(raw)
+    except (TypeError, ValueError, RecursionError):
+        return "the message's job field is not JSON"
+    if not isinstance(job, dict):
+        return f"the job is a JSON {type(job).__name__}, not an object"
+    for name in ("id", "file", "graph"):
+        if not isinstance(job.get(name), str):
+            return f"the job's {name!r} is not a string"
+    return job
 
 
 def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
