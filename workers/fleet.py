@@ -6,7 +6,8 @@
              the artifact and XACKs;
              XAUTOCLAIM takes over jobs whose worker went quiet for `job_claim_idle` seconds
     failure  the job is re-queued with its attempt count; after `job_max_attempts` it goes to the
-             dead-letter stream with its error
+             dead-letter stream with its error; a message that is no job at all goes there at once, under
+             its message id
     results  a hash job id -> result, written with HSETNX, so a job completes exactly once even when a
              reclaimed job was also finished by the worker that was thought dead
 
