@@ -28,7 +28,9 @@ _process_tier = None  # the tier client of a pool process, opened by _init_proce
 _process_passes_dropped = 0  # tier_dropped the passes of this pool process counted in their own results
 
 
-def _init_process(settings: Settings, dropped_outside_passes: Any) -> None:
+def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> None:
+    """A pool process's start: its own tier client, closed as the process ends; what the client drops outside
+    the passes is added to `dropped_outside_passes` (a shared multiprocessing Value) when one is given."""
     global _process_tier
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _process_tier = open_tier(settings.replace(worker=f"pid{os.getpid()}"))
@@ -42,6 +44,8 @@ def _close_process_tier(dropped_outside_passes: Any) -> None:
     """Close this process's tier client and add what it dropped outside every pass (at close above all: the
     writes still queued when the tier is down) to the parent's shared counter, which no result carries."""
     _process_tier.close()
+    if dropped_outside_passes is None:
+        return
     unreported = _process_tier.counts()["tier_dropped"] - _process_passes_dropped
     with dropped_outside_passes.get_lock():
         dropped_outside_passes.value += unreported
