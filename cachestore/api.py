@@ -152,6 +152,35 @@ def number_problem(value: object, *, whole: bool = False) -> str | None:
     return None
 
 
+def stored_number(value: object) -> float:
+    """A number of the fleet metrics as a tier gives it back (bytes or text from Redis, any value SQLite
+    holds) as a finite float; anything else, a word, NaN and the infinities included, counts as 0. Batches are
+    checked before they are applied, but a tier written by an older build or by hand may hold such a value,
+    and one must not fail every report of the fleet, nor every scrape of serve-metrics."""
+    if isinstance(value, bytes | str):
+        try:
+            value = float(value)
+        except ValueError:
+            return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) else 0.0
+
+
+CLOCK_SKEW_SECONDS = 86400.0  # how far ahead of the tier's clock a host's clock may run, generously
+
+
+def pass_time(finished: object, appended: float) -> float:
+    """When a pass-log record's pass ended: its `finished` when that is a time the pass can have ended at (a
+    finite number from 1970 on, not after the record was appended, give or take a day of clock skew between
+    hosts), else `appended`, when the tier appended the record. A NaN would misplace the whole timeline, and
+    a time centuries away would stretch it past any date the report can print."""
+    usable = isinstance(finished, int | float) and not isinstance(finished, bool) and math.isfinite(finished)
+    if usable and 0 <= finished <= appended + CLOCK_SKEW_SECONDS:
+        return float(finished)
+    return appended
+
+
 @dataclass
 class RawEntry:
     """An entry as stored, still encoded."""

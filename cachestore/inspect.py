@@ -60,11 +60,66 @@ def _json_value(value: Any) -> Any:
         return [_json_value(v) for v in value]
     if isinstance(value, Mapping):
         return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return repr(value)  # msgpack's only type JSON has not: a stored entry's components may hold anything
     return value
 
 
+MAX_COMPONENTS_NESTING = 32  # levels of maps and lists; the loop's components need about 5
+
+
+def components_problem(components: Mapping[str, Any]) -> str | None:
+    """Why stored key components do not have the shape the codegen loop gives them, or None. An entry's
+    digest and signature say it is intact, not that its components are well formed (any msgpack map
+    decodes): listings, reports and explain read these fields, and must not fail on one bad entry."""
+    if _nesting(components) > MAX_COMPONENTS_NESTING:
+        return f"nested deeper than {MAX_COMPONENTS_NESTING} levels"
+    for name in ("kernel_name", "target"):
+        if not isinstance(components.get(name, ""), str):
+            return f"{name} is {type(components[name]).__name__}, not a string"
+    cores = components.get("num_neuroncores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)):
+        return f"num_neuroncores is {type(cores).__name__}, not an integer"
+    for name in ("operands", "results"):
+        part = components.get(name) or {}
+        if not isinstance(part, Mapping):
+            return f"{name} is {type(part).__name__}, not a map"
+        for field, items in part.items():
+            if not isinstance(items, list | tuple):
+                return f"{name}.{field} is {type(items).__name__}, not a list"
+        shapes, dtypes = part.get("shapes", []), part.get("dtypes", [])
+        if not all(isinstance(shape, list | tuple) and all(_is_int(d) for d in shape) for shape in shapes):
+            return f"{name}.shapes is not a list of shapes (lists of integers)"
+        if not all(isinstance(dtype, str) for dtype in dtypes):
+            return f"{name}.dtypes is not a list of strings"
+    if not isinstance(components.get("attrs") or {}, Mapping):
+        return f"attrs is {type(components['attrs']).__name__}, not a map"
+    return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _nesting(value: object) -> int:
+    """How deep maps and lists nest in `value`, found without recursing (deep nesting is the problem)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_COMPONENTS_NESTING:
+            return depth
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list | tuple) else ()
+        pending.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple))
+    return deepest
+
+
 def describe_components(components: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields reports and listings show, JSON-ready."""
+    """The fields reports and listings show, JSON-ready; InspectError when the components are malformed
+    (`components_problem`)."""
+    problem = components_problem(components)
+    if problem is not None:
+        raise InspectError(f"key components are malformed: {problem}")
     operands = components.get("operands") or {}
     results = components.get("results") or {}
     return {
@@ -129,7 +184,14 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                     yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
                            "bytes": len(raw.data), "error": entry}  # fmt: skip
                 continue
-            info = describe_components(entry.key_components)
+            try:
+                info = describe_components(entry.key_components)
+            except InspectError as exc:
+                # Listed with its error like an entry that cannot be decoded; the listing goes on.
+                if kernel is None and target is None:
+                    yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
+                           "bytes": len(raw.data), "error": str(exc)}  # fmt: skip
+                continue
             if kernel not in (None, info["kernel_name"]) or target not in (None, info["target"]):
                 continue
             record = usage.get(raw.cache_key)
@@ -315,8 +377,8 @@ def explain(reader: Reader, components: Mapping[str, Any], key_of: KeyOf, top: i
     present = False
     for raw in reader.scan_entries(with_ttl=False):
         entry = decode_or_reason(raw.data)
-        if isinstance(entry, str):
-            continue
+        if isinstance(entry, str) or components_problem(entry.key_components):
+            continue  # nothing to compare with: what cannot be read is not a variant a lookup could find
         if raw.cache_key == cache_key:
             present = True
         diff = differences(wanted, freeze_key_components(entry.key_components))
@@ -352,7 +414,8 @@ def import_snapshot(
 ) -> dict:
     """Write a snapshot's entries into a tier, each into its toolchain's partition and verified first
     (decoded with the policy, traced by that toolchain, key components hashing to its key); entries holding
-    a binary go first, then references whose target now holds the same binary. Metrics are not imported.
+    a binary go first, then references whose target now holds the same binary, each with the time it had left
+    (at most `default_ttl`). Metrics are not imported.
     Returns {imported, rejected: [{key, reason}]}."""
     result: dict = {"imported": 0, "rejected": []}
     for partition in partitions(snapshot):
@@ -368,7 +431,9 @@ def _import_partition(
     rejected: list[dict] = result["rejected"]
 
     def ttl_of(raw: RawEntry) -> float:
-        return raw.ttl if raw.ttl is not None and raw.ttl > 0 else default_ttl
+        # At most the tier's own entry TTL, the longest it keeps an unused entry: a snapshot's TTL is only as
+        # trustworthy as the file, and Redis refuses an expiry beyond its range.
+        return min(raw.ttl, default_ttl) if raw.ttl is not None and raw.ttl > 0 else default_ttl
 
     def problem_of(raw: RawEntry, entry: Entry | str) -> str | None:
         if isinstance(entry, str):

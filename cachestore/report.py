@@ -142,7 +142,7 @@ def per_host(reader: Reader) -> dict[str, dict]:
 
 def top_variants(reader: Reader, top: int) -> list[Variant]:
     """The `top` most used cache keys, with their shapes from the stored entries."""
-    from cachestore.inspect import LOOKING, decode_or_reason, describe_components
+    from cachestore.inspect import LOOKING, components_problem, decode_or_reason, describe_components
 
     best = heapq.nlargest(top, reader.key_usage(), key=lambda item: (item[1], item[0]))
     keys = [key for key, _ in best]
@@ -155,7 +155,8 @@ def top_variants(reader: Reader, top: int) -> list[Variant]:
         variant = Variant(key, record.kernel_name if record else "", usage, record.first_use if record else None,
                           record.last_use if record else None, hosts.get(key, []))  # fmt: skip
         entry = decode_or_reason(entries[key], LOOKING) if key in entries else None
-        if entry is not None and not isinstance(entry, str):
+        # An entry that cannot be read, or whose components are malformed, shows as one that is not stored.
+        if entry is not None and not isinstance(entry, str) and components_problem(entry.key_components) is None:
             info = describe_components(entry.key_components)
             variant.kernel_name = variant.kernel_name or info["kernel_name"]
             for name in ("operand_shapes", "operand_dtypes", "result_shapes", "result_dtypes", "attrs", "target"):
@@ -219,7 +220,10 @@ def parse_duration(text: str) -> float:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
     if not match:
         raise ValueError(f"{text!r} is not a duration (like 90s, 30m, 12h, 7d)")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    if not math.isfinite(seconds):  # 400 digits read as infinity, which no bucket width or cutoff can be
+        raise ValueError(f"{text!r} is too long a duration")
+    return seconds
 
 
 def parse_since(text: str, now: float | None = None) -> float:
@@ -228,13 +232,19 @@ def parse_since(text: str, now: float | None = None) -> float:
     now = time.time() if now is None else now
     stripped = text.strip()
     if re.fullmatch(r"\d+(\.\d+)?[smhdw]", stripped.lower()):
-        return now - parse_duration(stripped)
-    if re.fullmatch(r"\d{9,}(\.\d+)?", stripped):
-        return float(stripped)
+        when = now - parse_duration(stripped)
+    elif re.fullmatch(r"\d{9,}(\.\d+)?", stripped):
+        when = float(stripped)
+    else:
+        try:
+            return datetime.fromisoformat(stripped).timestamp()
+        except (ValueError, OverflowError, OSError):
+            raise ValueError(f"{text!r} is not a time: use 2h / 7d (ago), Unix seconds, or 2024-05-01T12:00") from None
     try:
-        return datetime.fromisoformat(stripped).timestamp()
-    except ValueError:
-        raise ValueError(f"{text!r} is not a time: use 2h / 7d (ago), Unix seconds, or 2024-05-01T12:00") from None
+        datetime.fromtimestamp(when)  # the report prints it as a date: one this platform can show
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"{text!r} is out of the range of dates") from None
+    return when
 
 
 def parse_size(text: str) -> int:
@@ -242,4 +252,7 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
     if not match or match.group(2) not in _SIZES:
         raise ValueError(f"{text!r} is not a size (like 500M, 64MiB, 2G)")
-    return int(float(match.group(1)) * _SIZES[match.group(2)])
+    size = float(match.group(1)) * _SIZES[match.group(2)]
+    if not math.isfinite(size):  # 400 digits read as infinity, which is no number of bytes
+        raise ValueError(f"{text!r} is too large a size")
+    return int(size)

@@ -10,6 +10,7 @@ import html
 import importlib
 import io
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from bridge.port import hit_rate
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.report import FleetReport
 
+logger = logging.getLogger(__name__)
 TOTALS_SHOWN_FIRST = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
                       "compile_seconds", "saved_seconds")  # fmt: skip
 TOTAL_LABELS = {
@@ -49,7 +51,10 @@ def label(name: str) -> str:
 def when(timestamp: float | None) -> str:
     if timestamp is None:
         return "-"
-    return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OverflowError, OSError):  # a stored time no date is (1e300, NaN, a word)
+        return f"{timestamp!r} (not a date)"
 
 
 def shapes(values: list | None) -> str:
@@ -268,16 +273,20 @@ class FleetCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        from bridge.errors import NkiCacheError
-
         started = time.perf_counter()
         try:
             report = self.build()
-        except NkiCacheError:
+            families = list(_metric_families(report))  # all of them or none: never half a scrape, then a 500
+        except Exception as exc:
+            # A scrape always answers: prometheus_client turns an exception into an HTTP 500, and Prometheus
+            # then sees no series at all instead of a tier that is down. What is not the tier's own error
+            # (a value no reader expected) is logged, once per scrape.
+            if not isinstance(exc, NkiCacheError):
+                logger.warning("reading the tier for a scrape failed: %s: %s", type(exc).__name__, exc)
             yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=0)
             return
         yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=1)
-        yield from _metric_families(report)
+        yield from families
         yield GaugeMetricFamily("nkicache_report_seconds", "Seconds it took to read the tier for this scrape.",
                                 value=time.perf_counter() - started)  # fmt: skip
 
@@ -401,6 +410,16 @@ def plot_kernel_usage(report: FleetReport, limit: int = 25) -> str | None:
     return _svg(figure)
 
 
+def _plain_text_plots(report: FleetReport) -> tuple[str | None, str | None]:
+    """The two plots, every label drawn as plain text. matplotlib reads text between two `$` as mathtext: a
+    kernel name such as `a$\\frac{$b` (any name the fleet recorded) would fail the whole page with a parse error,
+    and one that parses would be drawn as a formula, not as its name."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return plot_hit_rate(report), plot_kernel_usage(report)
+
+
 def _cell(tag: str, value: Any, numeric: bool) -> str:
     return (
         f'<{tag} class="n">{html.escape(str(value))}</{tag}>'
@@ -437,7 +456,7 @@ def render_html(report: FleetReport) -> str:
                   for k, v in cards)
         + "</div>",
     ]  # fmt: skip
-    hit_plot = plot_hit_rate(report)
+    hit_plot, usage_plot = _plain_text_plots(report)
     parts.append("<h2>Hit rate over time</h2>")
     if hit_plot:
         parts.append(f'<figure id="plot-hit-rate">{hit_plot}<figcaption>{_width(report.bucket_seconds)} buckets by '
@@ -445,7 +464,6 @@ def render_html(report: FleetReport) -> str:
                      "</figcaption></figure>")  # fmt: skip
     else:
         parts.append("<p>No passes in the pass log.</p>")
-    usage_plot = plot_kernel_usage(report)
     parts.append("<h2>Usage per kernel</h2>")
     if usage_plot:
         parts.append(f'<figure id="plot-kernel-usage">{usage_plot}</figure>')

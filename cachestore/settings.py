@@ -102,9 +102,13 @@ def _config_path(environ: Mapping[str, str]) -> Path | None:
 
 def _from_file(path: Path) -> dict[str, Any]:
     try:
-        document = tomllib.loads(path.read_text())
+        # Read as bytes and decoded here: read_text() would raise a UnicodeDecodeError (no OSError, and a
+        # traceback) for a file that is not UTF-8, and would decode with the locale's encoding, not TOML's.
+        document = tomllib.loads(path.read_bytes().decode("utf-8"))
     except OSError as exc:
         raise SettingsError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: config file is not UTF-8 text (TOML is): byte {exc.start} is invalid") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from None
     document = {key.replace("-", "_"): value for key, value in document.items()}
@@ -119,25 +123,61 @@ def _from_environment(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     values: dict[str, tuple[Any, str]] = {}
     for field in dataclasses.fields(Settings):
         name = "NKICACHE_" + field.name.upper()
-        if field.name in _SECRETS:
+        if field.name == "hmac_key":
+            key = _hmac_key(environ, name)
+            if key is not None:
+                values[field.name] = (key, f"${name}")
+        elif field.name in _SECRETS:
             secret = _secret(environ, name)
             if secret is not None:
-                values[field.name] = (secret.encode() if field.name == "hmac_key" else secret, f"${name}")
+                values[field.name] = (secret, f"${name}")
         elif environ.get(name):
             values[field.name] = (_coerce(field.name, environ[name], f"${name}"), f"${name}")
     return values
 
 
-def _secret(environ: Mapping[str, str], name: str) -> str | None:
+def _hmac_key(environ: Mapping[str, str], name: str) -> bytes | None:
+    """The HMAC key as bytes. A key is bytes to HMAC, and a random one (`head -c32 /dev/urandom`) is binary:
+    a key file that is UTF-8 text is read as text (surrounding whitespace, such as the newline `echo` adds,
+    is not part of the key), any other is the key's raw bytes, whole. A variable holding bytes that are not
+    UTF-8 reaches Python with them escaped (surrogateescape): os.fsencode gives the bytes back."""
     if environ.get(name):
-        return environ[name]
-    file_name = environ.get(name + "_FILE")
-    if file_name:
+        return os.fsencode(environ[name])
+    data = _secret_file(environ, name)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8").strip().encode()
+    except UnicodeDecodeError:
+        return data
+
+
+def _secret(environ: Mapping[str, str], name: str) -> str | None:
+    """A text secret (the Redis password: redis-py sends it as UTF-8 text)."""
+    if environ.get(name):
         try:
-            return Path(file_name).read_text().strip()
-        except OSError as exc:
-            raise SettingsError(f"${name}_FILE: cannot read {file_name}: {exc.strerror or exc}") from None
-    return None
+            environ[name].encode("utf-8")  # bytes that are not UTF-8 come escaped, and fail at the first AUTH
+        except UnicodeEncodeError:
+            raise SettingsError(f"${name} is not UTF-8 text") from None
+        return environ[name]
+    data = _secret_file(environ, name)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise SettingsError(f"${name}_FILE: {environ[name + '_FILE']} is not UTF-8 text") from None
+
+
+def _secret_file(environ: Mapping[str, str], name: str) -> bytes | None:
+    """The bytes of the file $NAME_FILE names, or None when it names none."""
+    file_name = environ.get(name + "_FILE")
+    if not file_name:
+        return None
+    try:
+        return Path(file_name).read_bytes()
+    except OSError as exc:
+        raise SettingsError(f"${name}_FILE: cannot read {file_name}: {exc.strerror or exc}") from None
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -154,9 +194,17 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError(value)
             return lowered in ("1", "true", "yes", "on")
-        return kind(value)
+        coerced = kind(value)
     except (TypeError, ValueError):
         raise SettingsError(f"{source}: {name} must be a {kind.__name__}, got {value!r}") from None
+    if isinstance(coerced, str) and not coerced.startswith("local:"):  # a local path may be any bytes
+        try:
+            # Bytes that are not UTF-8 reach Python escaped (in the environment and on the command line alike):
+            # a host, worker or namespace, or a Redis URL, holding them would fail every write to the tier.
+            coerced.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SettingsError(f"{source}: {name} is not UTF-8 text") from None
+    return coerced
 
 
 def _validate(settings: Settings, sources: Mapping[str, str]) -> None:

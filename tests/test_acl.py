@@ -170,7 +170,10 @@ def test_worker_runs_fleet_jobs(acl_server: int, worker_env: dict, tmp_path: Pat
     graphs.mkdir()
     for i in range(2):
         write_graph(graphs, mixed_graph(f"acl-job-{i}", rows=32 + 32 * i))
-    (graphs / "broken.json").write_text("{ not json")  # fails twice, then is dead-lettered
+    # A valid graph no kernel compiles (`submit` refuses a file that is not one): fails twice, then is dead-lettered.
+    broken = mixed_graph("broken")
+    broken["ops"][0]["func_name"] = "FlashAttention"
+    write_graph(graphs, broken)
     env = {"NKICACHE_JOB_MAX_ATTEMPTS": "2", "NKICACHE_HEARTBEAT_INTERVAL": "0.2", "NKICACHE_JOB_CLAIM_IDLE": "30"}
     worker = subprocess.Popen(
         nkicache_argv("worker", "--name", "acl-worker", "--max-jobs", "4"),

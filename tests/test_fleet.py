@@ -285,9 +285,24 @@ def test_poison_jobs_go_to_the_dead_letter_stream_after_max_attempts(fleet, tmp_
     f.start_worker("w2")
     f.wait_live("w1", "w2")
 
-    from workers.cli_common import EXIT_CHECK_FAILED
+    from workers.cli_common import EXIT_CHECK_FAILED, EXIT_PROJECT_ERROR
 
-    report = f.submit(*good, *poison.values(), expect_code=EXIT_CHECK_FAILED)
+    # `submit` refuses a file that is not JSON, with nothing of its batch enqueued; a job holding one can still
+    # reach the stream (written by hand, or by another build's submit), and must be dead-lettered all the same.
+    refused = f.run("submit", *good, poison["not-json"], "--tier", f.url, check=False)
+    assert refused.returncode == EXIT_PROJECT_ERROR and str(poison["not-json"]) in refused.stderr, refused.stderr
+    assert f.queue()["pending"] == 0
+    hand_job = {"id": "hand-00000", "batch": "hand", "file": str(poison["not-json"]),
+                "graph": poison["not-json"].read_text(), "attempt": 1, "toolchain": toolchain_id()}  # fmt: skip
+    f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(hand_job)})
+    submitted = [*good, *(path for name, path in poison.items() if name != "not-json")]
+    report = f.submit(*submitted, expect_code=EXIT_CHECK_FAILED)
+    wait_until(lambda: "hand-00000" in f.results())
+    hand = f.results()["hand-00000"]
+    report["jobs"]["hand-00000"] = {"file": hand_job["file"], "status": hand["status"], "error": hand["error"]}
+    report["submitted"] += 1
+    report["dead_letter"] += hand["status"] == "dead_letter"
+    report["failed"] += hand.get("attempts", 0)
     assert (report["submitted"], report["completed"], report["dead_letter"], report["unfinished"]) == (6, 3, 3, 0)
     assert report["failed"] == 3 * 2  # every poison job failed job_max_attempts times
     by_file = {Path(job["file"]).stem: job for job in report["jobs"].values()}

@@ -34,9 +34,23 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed
     package has none, so they are reported as skipped and the command exits 1 (the others still run).
     """
+    from bridge.errors import NkiCacheError
+    from cachestore.api import redact_url, tier_url_problem
     from workers.benchmarks import BenchConfig, run_benchmarks
-    from workers.dev_redis import start_private_server
+    from workers.dev_redis import answers_ping, start_private_server
 
+    if redis_url:
+        # Checked first: the measurements would fail on it, after the first ones ran and printed many warnings.
+        single = ("redis://", "rediss://", "unix://")  # the bench talks to one server, with redis-py's from_url
+        problem = (
+            tier_url_problem(redis_url)
+            if redis_url.startswith(single)
+            else "is not a redis://, rediss:// or unix:// URL"
+        )
+        if problem:
+            raise NkiCacheError(f"--redis-url {redact_url(redis_url)} {problem}")
+        if not answers_ping(redis_url):
+            raise NkiCacheError(f"--redis-url {redact_url(redis_url)} does not answer PING")
     config = BenchConfig.for_mode(quick)
     server = None if redis_url else start_private_server()
     try:

@@ -18,6 +18,7 @@ from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
     EXIT_PROJECT_ERROR,
+    SEED,
     compile_and_summarize,
     echo_json,
     expand,
@@ -114,7 +115,7 @@ def _describe(names_and_shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
     show_default=True,
     help="Internal kernel to compile and run.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a line.")
 def demo(func_name: str, seed: int, as_json: bool) -> None:
     """Compile one internal kernel, run the binary and check it against the numpy reference.
@@ -227,7 +228,9 @@ def compile_command(
     --json keys: passes, compiled, kernels, cache_hits, cache_misses, remote_hits, traces (beta3
     compiles actually run), compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, hit_rate, seconds, workers, tier, tier_mode, interrupted, artifacts,
-    failed ([{file, error}]) and graphs (the same figures per pass).
+    failed ([{file, error}]) and graphs (the same figures per pass). tier_dropped counts every write that did
+    not reach the tier, the ones still queued when the compile ends with the tier down included: those are
+    in the totals only, no pass's figures hold them.
     """
     import os
 
@@ -248,7 +251,7 @@ def compile_command(
 # -- run ------------------------------------------------------------------------------------------
 @main.command("run")
 @click.argument("compiled", nargs=-1, required=True, metavar="COMPILED...")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--check", is_flag=True, help="Compare every kernel's outputs with its numpy reference.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
 def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool) -> None:

@@ -19,6 +19,8 @@ from cachestore.api import redact_url
 EXIT_CHECK_FAILED = 1
 EXIT_PROJECT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+# Every --seed: numpy's generators refuse a negative seed, with a ValueError deep inside a command.
+SEED = click.IntRange(min=0)
 
 
 def tier_options(command: Callable) -> Callable:
@@ -76,8 +78,8 @@ def summary_line(passes: int, failed: int, totals: dict, seconds: float) -> str:
         f"compile {totals['compile_seconds']:.2f} s, saved {totals['saved_seconds']:.2f} s, {seconds:.2f} s"
         + (
             f", tier: {totals['tier_errors']} errors, {totals['tier_timeouts']} timeouts, "
-            f"{totals['tier_rejected']} rejected"
-            if totals["tier_errors"] or totals["tier_timeouts"] or totals["tier_rejected"]
+            f"{totals['tier_rejected']} rejected, {totals['tier_dropped']} writes dropped"
+            if totals["tier_errors"] or totals["tier_timeouts"] or totals["tier_rejected"] or totals["tier_dropped"]
             else ""
         )
     )
@@ -127,22 +129,26 @@ def compile_and_summarize(
 ) -> tuple[dict, bool]:
     """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed)."""
     from workers.passes import add_counts
-    from workers.pool import compile_paths
+    from workers.pool import compile_run
 
     started = time.perf_counter()
     progress = Progress(len(files), "compiling", quiet=as_json)
     try:
-        results, interrupted = compile_paths(
+        run = compile_run(
             files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
             on_result=lambda r: progress.advance(_pass_line(r)),
         )  # fmt: skip
     finally:
         progress.close()
+    results, interrupted = run.results, run.interrupted
     seconds = time.perf_counter() - started
     failed = [r for r in results if r.error]
     for result in failed:
         click.echo(f"nkicache: error: {result.error}", err=True)
     totals = add_counts(results)
+    # Every write that did not reach the tier, the ones the clients dropped as they closed included (with the
+    # tier down, all of them): no pass's own figures hold those.
+    totals["tier_dropped"] += run.tier_dropped_outside_passes
     summary = {
         "passes": len(results),
         "compiled": len(results) - len(failed),

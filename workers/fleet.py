@@ -6,7 +6,8 @@
              the artifact and XACKs;
              XAUTOCLAIM takes over jobs whose worker went quiet for `job_claim_idle` seconds
     failure  the job is re-queued with its attempt count; after `job_max_attempts` it goes to the
-             dead-letter stream with its error
+             dead-letter stream with its error; a message that is no job at all goes there at once, under
+             its message id
     results  a hash job id -> result, written with HSETNX, so a job completes exactly once even when a
              reclaimed job was also finished by the worker that was thought dead
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -33,15 +35,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
-from bridge.graph import GraphError, parse_graph_json
+from bridge.graph import GraphError, load_graph, parse_graph_json
 from bridge.identity import toolchain_id
-from cachestore.api import REDIS_SCHEMES, redact_url
+from cachestore.api import REDIS_SCHEMES, redact_url, stored_number
 from cachestore.backends.redis import connect, text
 from cachestore.client import open_tier
 from cachestore.keys import KeySpace
@@ -101,6 +102,19 @@ return 0
 """
 
 
+# KEYS[1] job stream  KEYS[2] dead-letter stream  KEYS[3] counts
+# ARGV[1] message id  ARGV[2] error  ARGV[3] the message's job field as it is
+# A message that is no job (hand-written, corrupt) has no job id to record a result or count attempts under:
+# dead-letter it under its message id, once (only the worker whose XACK acknowledged it), and acknowledge it.
+DEAD_LETTER_MESSAGE_LUA = """
+if redis.call('XACK', KEYS[1], 'nkicache-workers', ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[1], 'error', ARGV[2], 'attempts', 0, 'payload', ARGV[3])
+  redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
+end
+return 1
+"""
+
+
 class FleetError(NkiCacheError):
     """A fleet operation cannot proceed (a graph too large to submit, a tier that is not Redis)."""
 
@@ -129,7 +143,33 @@ class Submission:
     names: dict[str, str] = field(default_factory=dict)  # job id -> graph file
 
 
+def read_graphs(paths: Sequence[str]) -> list[str]:
+    """The text of every graph file, each checked as its job will be: readable, at most MAX_GRAPH_BYTES, UTF-8,
+    JSON, and a graph `load_graph` accepts. The first file that is not is a FleetError or GraphError naming it.
+    A job is a graph's text, so a file that cannot be one fails here, on the submitter's machine, instead of
+    as a dead letter after job_max_attempts compiles."""
+    graphs = []
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                data = file.read(MAX_GRAPH_BYTES + 1)  # bounded: a device or a huge file is not read whole
+        except OSError as exc:
+            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
+        if len(data) > MAX_GRAPH_BYTES:
+            raise FleetError(f"{path}: graph file of more than {MAX_GRAPH_BYTES} bytes (the limit of a job)")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FleetError(f"{path}: graph file is not UTF-8 text: byte {exc.start} is invalid") from None
+        load_graph(parse_graph_json(text, str(path)), source=str(path))
+        graphs.append(text)
+    return graphs
+
+
 def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submission:
+    """One job per graph file. Every file is read and checked before the first job is enqueued: a bad one
+    fails the submission with nothing enqueued, never a batch cut short and left unrecorded."""
+    graphs = read_graphs(paths)
     toolchain = toolchain_id()
     stream = keys.job_stream(toolchain)
     # The group exists before the first job, so a worker that starts later still reads from the beginning;
@@ -137,15 +177,9 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submi
     ensure_group(client, keys, toolchain)
     client.hset(keys.job_toolchains, toolchain, time.time())
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
-    for path in paths:
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
-        if len(data) > MAX_GRAPH_BYTES:
-            raise FleetError(f"{path}: graph file of {len(data)} bytes exceeds {MAX_GRAPH_BYTES}")
+    for path, graph in zip(paths, graphs, strict=True):
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
-        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": data.decode(), "attempt": 1,
+        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": graph, "attempt": 1,
                "toolchain": toolchain}  # fmt: skip
         client.xadd(stream, {"job": json.dumps(job)})
         submission.job_ids.append(job_id)
@@ -194,10 +228,26 @@ def live_workers(client: Any, keys: KeySpace, heartbeat_interval: float) -> list
     now = time.time()
     workers = []
     for name, beat in client.hgetall(keys.worker_heartbeats).items():
-        info = json.loads(beat)
-        if now - info["time"] <= 3 * heartbeat_interval:
+        info = _heartbeat(beat)
+        if info is not None and now - info["time"] <= 3 * heartbeat_interval:
             workers.append({"name": text(name), "toolchain": None, **info})
     return sorted(workers, key=lambda w: w["name"])
+
+
+def _heartbeat(beat: bytes | str) -> dict[str, Any] | None:
+    """A heartbeat as a worker writes it (a JSON object with a finite `time`), its other fields defaulted, or
+    None. One written by hand or corrupt is no live worker; it must not fail every `queue`, and with it
+    every `queue --live-check` liveness probe, which would have each worker restarted."""
+    try:
+        info = json.loads(beat)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    when = info.get("time")
+    if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
+        return None
+    return {"host": "", "pid": None, "job": None, "done": 0, **info}
 
 
 def _group_of(client: Any, stream: str) -> dict:
@@ -228,7 +278,7 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
         if any(row.values()):
             toolchains[toolchain] = row
     unserved = {tc: row["pending"] + row["in_flight"] for tc, row in toolchains.items() if not row["live_workers"]}
-    counts = {text(k): int(v) for k, v in client.hgetall(keys.job_counts).items()}
+    counts = {text(k): int(stored_number(v)) for k, v in client.hgetall(keys.job_counts).items()}
     return {
         "pending": sum(row["pending"] for row in toolchains.values()),
         "in_flight": sum(row["in_flight"] for row in toolchains.values()),
@@ -268,6 +318,7 @@ class Worker:
         self._complete = self.client.register_script(COMPLETE_JOB_LUA)
         self._fail = self.client.register_script(FAIL_JOB_LUA)
         self._touch = self.client.register_script(TOUCH_JOB_LUA)
+        self._dead_letter_message = self.client.register_script(DEAD_LETTER_MESSAGE_LUA)
         self.stopping = False
         self.current: str | None = None
         self._current_message: str | None = None
@@ -333,7 +384,14 @@ class Worker:
         return None
 
     def _process(self, message_id: str, fields: dict) -> None:
-        job = json.loads(fields.get(b"job") or fields.get("job"))
+        raw = fields.get(b"job", fields.get("job"))
+        job = _job(raw)
+        if isinstance(job, str):
+            # Not a job: it would kill this worker, then every worker that reclaimed it after it.
+            logger.warning("worker %s: message %s is no job (%s); dead-lettered", self.name, message_id, job)
+            keys = [self.stream, self.keys.dead_letter_stream, self.keys.job_counts]
+            self._dead_letter_message(keys=keys, args=[message_id, job, raw if isinstance(raw, bytes | str) else ""])
+            return
         self.current, self._current_message = job["id"], message_id
         try:
             self._heartbeat()
@@ -406,6 +464,23 @@ class Worker:
 
     def _leave(self) -> None:
         self.client.hdel(self.keys.worker_heartbeats, self.name)
+
+
+def _job(raw: object) -> dict | str:
+    """A stream message's job (a JSON object naming its id, file and graph text, as `submit` writes it), or
+    what is wrong with it."""
+    if raw is None:
+        return "the message has no job field"
+    try:
+        job = json.loads(raw)
+    except (TypeError, ValueError, RecursionError):
+        return "the message's job field is not JSON"
+    if not isinstance(job, dict):
+        return f"the job is a JSON {type(job).__name__}, not an object"
+    for name in ("id", "file", "graph"):
+        if not isinstance(job.get(name), str):
+            return f"the job's {name!r} is not a string"
+    return job
 
 
 def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:

@@ -10,7 +10,14 @@ import time
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, echo_json, expand, load_cli_settings, tier_options
+from workers.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_PROJECT_ERROR,
+    echo_json,
+    expand,
+    load_cli_settings,
+    tier_options,
+)
 
 
 def _fleet(tier: str | None, tier_mode: str | None = None, **extra) -> tuple:
@@ -51,6 +58,8 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     (`--wait --out DIR` downloads them for `nkicache run`). Only a worker with the same toolchain (`nkicache
     --version`) takes the jobs; with --wait, a warning on stderr says so when no live worker has it, and
     the jobs keep waiting for one. Without --wait it prints the batch id and the toolchain and returns.
+    Every file is checked before the first job is enqueued: one that cannot be read, is larger than 16 MiB,
+    is not UTF-8 JSON or is not a valid graph is an error naming it, and nothing is submitted.
 
     --json keys: batch, toolchain, submitted, completed, failed, dead_letter, unfinished, jobs ({id: {file,
     status, error}}), artifacts (with --out).
@@ -122,6 +131,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
 @click.option("--max-jobs", type=click.IntRange(min=1), default=None, help="Exit after this many jobs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Also write each artifact into this folder (artifacts always go to Redis).")  # fmt: skip
+@_redis_errors
 def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> None:
     """Compile jobs from the fleet's stream until SIGTERM or Ctrl-C.
 
@@ -134,11 +144,19 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> Non
     import multiprocessing
 
     base = name or os.environ.get("NKICACHE_WORKER") or f"{socket.gethostname()}-{os.getpid()}"
+    try:
+        base.encode("utf-8")  # bytes that are not UTF-8 arrive escaped; Redis could not be sent them
+    except UnicodeEncodeError:
+        raise click.BadParameter("the worker's name is not UTF-8 text", param_hint="--name") from None
     if concurrency == 1:
         _run_worker(tier, tier_mode, base, max_jobs, out_dir)
         return
+    # A Redis that is down at start is one error line here, before any process starts, not one per process.
+    _settings, client, _keys = _fleet(tier, tier_mode)
+    client.ping()
+    client.close()
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_run_worker, args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir))
+    processes = [context.Process(target=_worker_process, args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir))
                  for i in range(concurrency)]  # fmt: skip
 
     def forward(signum: int, frame: object) -> None:
@@ -166,6 +184,20 @@ def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> None:
     worker.install_signal_handlers()
     done = worker.run()
     click.echo(f"worker {name}: {done} jobs, exiting", err=True)
+
+
+def _worker_process(tier, tier_mode, name, max_jobs, out_dir) -> None:
+    """One process of `worker --concurrency N`. Its errors are one line and exit 2, as in the command's own
+    process: multiprocessing would print the traceback of an error that ends the process."""
+    from bridge.errors import NkiCacheError
+    from cachestore.backends.redis import redis_errors
+
+    try:
+        with redis_errors("the fleet's Redis"):
+            _run_worker(tier, tier_mode, name, max_jobs, out_dir)
+    except NkiCacheError as exc:
+        click.echo(f"nkicache: error: {exc}", err=True)
+        sys.exit(EXIT_PROJECT_ERROR)
 
 
 @click.command("queue")

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +25,36 @@ from cachestore.settings import Settings
 from workers.passes import PassResult, compile_graph
 
 _process_tier = None  # the tier client of a pool process, opened by _init_process
+_process_passes_dropped = 0  # tier_dropped the passes of this pool process counted in their own results
 
 
-def _init_process(settings: Settings) -> None:
+def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> None:
+    """A pool process's start: its own tier client, closed as the process ends; what the client drops outside
+    the passes is added to `dropped_outside_passes` (a shared multiprocessing Value) when one is given."""
     global _process_tier
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _process_tier = open_tier(settings.replace(worker=f"pid{os.getpid()}"))
     if _process_tier is not None:
-        # Pool processes end without running atexit; a multiprocessing finalizer still runs.
-        multiprocessing.util.Finalize(None, _process_tier.close, exitpriority=10)
+        # Pool processes end without running atexit; a multiprocessing finalizer still runs, before the
+        # process exits and so before the parent's shutdown(wait=True) returns.
+        multiprocessing.util.Finalize(None, _close_process_tier, args=(dropped_outside_passes,), exitpriority=10)
+
+
+def _close_process_tier(dropped_outside_passes: Any) -> None:
+    """Close this process's tier client and add what it dropped outside every pass (at close above all: the
+    writes still queued when the tier is down) to the parent's shared counter, which no result carries."""
+    _process_tier.close()
+    if dropped_outside_passes is None:
+        return
+    unreported = _process_tier.counts()["tier_dropped"] - _process_passes_dropped
+    with dropped_outside_passes.get_lock():
+        dropped_outside_passes.value += unreported
 
 
 def _compile_in_process(path: str, target_name: str | None, out_dir: str) -> PassResult:
+    global _process_passes_dropped
     result, _ = compile_graph(path, tier=_process_tier, target_name=target_name, out_dir=out_dir)
+    _process_passes_dropped += int(result.counts.get("tier_dropped", 0))
     return result
 
 
@@ -64,6 +82,15 @@ def duplicate_names(paths: Sequence[str]) -> dict[str, str]:
     return errors
 
 
+@dataclass
+class CompileRun:
+    results: list[PassResult]  # in input order
+    interrupted: bool
+    # Tier writes dropped outside every pass, so in no result: above all those still queued when the tier
+    # clients closed after the last pass (the tier being down), but also any refused between passes.
+    tier_dropped_outside_passes: int = 0
+
+
 def compile_paths(
     paths: Sequence[str],
     *,
@@ -73,13 +100,33 @@ def compile_paths(
     target_name: str | None = None,
     on_result: Callable[[PassResult], None] = lambda result: None,
 ) -> tuple[list[PassResult], bool]:
-    """Compile every path; returns (results in input order, interrupted)."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    """Compile every path; returns (results in input order, interrupted). `compile_run` also says what the
+    tier dropped outside the passes."""
+    run = compile_run(paths, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
+                      on_result=on_result)  # fmt: skip
+    return run.results, run.interrupted
+
+
+def compile_run(
+    paths: Sequence[str],
+    *,
+    settings: Settings,
+    workers: int,
+    out_dir: str,
+    target_name: str | None = None,
+    on_result: Callable[[PassResult], None] = lambda result: None,
+) -> CompileRun:
+    """Compile every path, and close the tier clients the compile opened."""
+    from bridge.artifact import ArtifactError
+
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # before any pass: every artifact would fail the same way
+        raise ArtifactError(f"{out_dir}: cannot create the output folder: {exc.strerror or exc}") from None
     refused = duplicate_names(paths)
-    compiled, interrupted = _compile_all([p for p in paths if p not in refused], settings=settings,
-                                         workers=workers, out_dir=out_dir, target_name=target_name,
-                                         on_result=on_result)  # fmt: skip
-    by_path = {result.file: result for result in compiled}
+    run = _compile_all([p for p in paths if p not in refused], settings=settings, workers=workers,
+                       out_dir=out_dir, target_name=target_name, on_result=on_result)  # fmt: skip
+    by_path = {result.file: result for result in run.results}
     results = []
     for path in paths:
         if path in refused:
@@ -87,7 +134,8 @@ def compile_paths(
             on_result(results[-1])
         elif path in by_path:
             results.append(by_path[path])
-    return results, interrupted
+    run.results = results
+    return run
 
 
 def _compile_all(
@@ -98,14 +146,18 @@ def _compile_all(
     out_dir: str,
     target_name: str | None,
     on_result: Callable[[PassResult], None],
-) -> tuple[list[PassResult], bool]:
+) -> CompileRun:
     if workers <= 1 or len(paths) <= 1:
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
     results: dict[int, PassResult] = {}
     context = pool_context()
     pending: dict[Future, int] = {}
+    # Each process's client is closed by a finalizer as the process ends, after its last result came back:
+    # what it drops then reaches this process through shared memory, complete once shutdown() has joined them.
+    dropped_outside_passes = context.Value("q", 0)
     with CtrlC() as ctrl_c:
-        executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process, initargs=(settings,))
+        executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process,
+                                       initargs=(settings, dropped_outside_passes))  # fmt: skip
         try:
             for index, path in enumerate(paths):
                 pending[executor.submit(_compile_in_process, path, target_name, out_dir)] = index
@@ -121,7 +173,7 @@ def _compile_all(
         for future, index in pending.items():
             if not future.cancelled() and future.exception() is None:
                 results[index] = future.result()
-    return [results[i] for i in sorted(results)], ctrl_c.pressed
+    return CompileRun([results[i] for i in sorted(results)], ctrl_c.pressed, dropped_outside_passes.value)
 
 
 CTRL_C_POLL_SECONDS = 0.1
@@ -178,7 +230,7 @@ def _compile_serially(
     out_dir: str,
     target_name: str | None,
     on_result: Callable[[PassResult], None],
-) -> tuple[list[PassResult], bool]:
+) -> CompileRun:
     tier = open_tier(settings)
     results: list[PassResult] = []
     try:
@@ -192,4 +244,9 @@ def _compile_serially(
     finally:
         if tier is not None:
             tier.close()
-    return results, ctrl_c.pressed
+    run = CompileRun(results, ctrl_c.pressed)
+    if tier is not None:
+        # The client counts every drop of its life; the passes counted theirs: the rest happened outside them.
+        passes_dropped = sum(int(r.counts.get("tier_dropped", 0)) for r in results)
+        run.tier_dropped_outside_passes = tier.counts()["tier_dropped"] - passes_dropped
+    return run

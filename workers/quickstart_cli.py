@@ -11,6 +11,7 @@ import click
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
+    SEED,
     compile_and_summarize,
     echo_json,
     load_cli_settings,
@@ -21,7 +22,7 @@ from workers.cli_common import (
 @click.command("workload")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the graphs.")
 @click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graph files to write.")
-@click.option("--seed", type=int, default=0, show_default=True, help="The same seed writes the same files.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="The same seed writes the same files.")
 def workload_command(out_dir: str, models: int, seed: int) -> None:
     """Write realistic graph files: MoE transformer layers and UNet-like blocks, with layers repeated
     inside a model and shapes shared across models in a Zipf-like way (docs/workload.md)."""
@@ -36,7 +37,7 @@ def workload_command(out_dir: str, models: int, seed: int) -> None:
               show_default=True, help="Folder for the graphs, the artifacts and the tier file.")  # fmt: skip
 @click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graphs to generate.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Pool processes.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Workload and input seed.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Workload and input seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with cold, warm and check.")
 def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_json: bool) -> None:
     """The main job on the embedded tier, end to end: generate a workload, compile it cold with a pool

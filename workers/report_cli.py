@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, echo_json, load_cli_settings
+from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -122,13 +122,16 @@ def _terminal_width() -> int | None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    from bridge.errors import NkiCacheError
+
     partial = path.with_name(path.name + ".partial")
     try:
         partial.write_text(text, encoding="utf-8")
         partial.replace(path)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+        with contextlib.suppress(OSError):  # under a path that is no folder, unlinking fails too
+            partial.unlink(missing_ok=True)
+        raise NkiCacheError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 # -- serve-metrics --------------------------------------------------------------------------------
@@ -141,6 +144,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     scrape (totals, per worker, per kernel). A tier that cannot be read gives nkicache_tier_up 0."""
     from prometheus_client import start_http_server
 
+    from bridge.errors import NkiCacheError
     from cachestore.api import open_backend, redact_url
     from cachestore.report import build_report
     from cachestore.report_render import prometheus_registry
@@ -157,7 +161,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     try:
         server, _thread = start_http_server(port, addr=host, registry=prometheus_registry(build))
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise NkiCacheError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     click.echo(f"serving http://{host}:{server.server_port}/metrics for {redact_url(settings.tier)}", err=True)
     _wait_for_signal()
     server.shutdown()
@@ -352,7 +356,7 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
               help="Also re-trace N sampled entries from their key components and compare the bytes.")  # fmt: skip
 @click.option("--execute", type=click.IntRange(min=0), default=0, metavar="N",
               help="Also run N sampled entries on random inputs against the numpy references.")  # fmt: skip
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample and of the inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sample and of the inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print {checked, ok, bad: [{key, reason}], ...}.")
 @source_options
 @click.pass_context
@@ -439,16 +443,18 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
 
 def _load_components(text: str) -> dict:
     source = "COMPONENTS"
+    data: str | bytes = text
     if text == "-":
-        text, source = sys.stdin.read(), "stdin"
+        data, source = sys.stdin.buffer.read(), "stdin"
     elif not text.lstrip().startswith("{"):
         try:
-            source, text = text, Path(text).read_text()
+            source, data = text, Path(text).read_bytes()
         except OSError as exc:
             raise click.BadParameter(f"cannot read {text}: {exc.strerror or exc}", param_hint="COMPONENTS") from None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        # Bytes, decoded by json itself: a file that is not UTF-8 is bad JSON, not a UnicodeDecodeError traceback.
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise click.BadParameter(f"{source} is not valid JSON: {exc}", param_hint="COMPONENTS") from None
     if not isinstance(value, dict):
         raise click.BadParameter(f"{source} must be a JSON object of key components", param_hint="COMPONENTS")

@@ -25,7 +25,7 @@ from bridge.sampling import sample_inputs
 from bridge.targets import Target, get_platform_target, make_target
 from cachestore.api import BATCH, Reader, batched
 from cachestore.entry import MAX_ENTRY_BYTES, Entry, SignaturePolicy
-from cachestore.inspect import InspectError, decode_or_reason, key_problem, toolchain_problem
+from cachestore.inspect import InspectError, components_problem, decode_or_reason, key_problem, toolchain_problem
 
 
 @dataclass
@@ -251,6 +251,9 @@ def components_for(components: Mapping[str, Any], target_name: str | None = None
     if target_name or "num_neuroncores" not in completed:
         completed["num_neuroncores"] = make_target(str(completed["target"])).num_neuroncores_per_sengine
     completed.setdefault("attrs", {})
+    problem = components_problem(completed)
+    if problem is not None:
+        raise InspectError(f"key components are malformed: {problem}")
     return freeze_key_components(completed)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bridge.errors import NkiCacheError
 from bridge.ir import Tensor
 from bridge.registry import get_internal_kernel_registry
 
@@ -159,12 +160,15 @@ def generate_model(index: int, rng: np.random.Generator) -> dict:
 def generate_workload(out_dir: str | Path, models: int, seed: int) -> list[Path]:
     """Write `models` graph files into `out_dir`; the same seed gives the same files."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     paths = []
-    for index in range(models):
-        document = generate_model(index, rng)
-        path = out / f"{document['name']}.json"
-        path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-        paths.append(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for index in range(models):
+            document = generate_model(index, rng)
+            path = out / f"{document['name']}.json"
+            path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+            paths.append(path)
+    except OSError as exc:  # a folder that cannot be made or written: one line naming it, not a traceback
+        raise NkiCacheError(f"{out}: cannot write the workload's graphs: {exc.strerror or exc}") from None
     return paths

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -50,7 +49,9 @@ from cachestore.api import (
     TierUnavailable,
     WriteItem,
     batched,
+    pass_time,
     redact_url,
+    stored_number,
 )
 from cachestore.backends.deadline import watchdog
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
@@ -485,7 +486,7 @@ class RedisBackend:
 
     # -- fleet metrics ------------------------------------------------------------------------------
     def _float_hash(self, name: str) -> dict[str, float]:
-        return {text(k): float(v) for k, v in self._stream(lambda: self.client.hscan_iter(name, count=1000))}
+        return {text(k): stored_number(v) for k, v in self._stream(lambda: self.client.hscan_iter(name, count=1000))}
 
     def totals(self) -> dict[str, float]:
         return self._float_hash(self.keys.totals)
@@ -496,7 +497,7 @@ class RedisBackend:
             pairs = [member.partition(":")[::2] for member in batch]
             hashes = self._pipeline(lambda pipe, p=pairs: [pipe.hgetall(self.keys.worker_metrics(h, w)) for h, w in p])
             for (host, worker), values in zip(pairs, hashes, strict=True):
-                yield host, worker, {text(k): float(v) for k, v in values.items()}
+                yield host, worker, {text(k): stored_number(v) for k, v in values.items()}
 
     def toolchains(self) -> dict[str, dict[str, float]]:
         members = self._stream(lambda: self.client.sscan_iter(self.keys.toolchains, count=1000))
@@ -504,7 +505,7 @@ class RedisBackend:
         for batch in batched(text(m) for m in members):
             hashes = self._pipeline(lambda pipe, b=batch: [pipe.hgetall(self.keys.toolchain_metrics(t)) for t in b])
             for toolchain, values in zip(batch, hashes, strict=True):
-                found[toolchain] = {text(k): float(v) for k, v in values.items()}
+                found[toolchain] = {text(k): stored_number(v) for k, v in values.items()}
         return dict(sorted(found.items()))
 
     def kernels(self) -> dict[str, dict[str, int]]:
@@ -517,7 +518,7 @@ class RedisBackend:
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         for key, usage in self._stream(lambda: self.client.hscan_iter(self.keys.key_usage, count=1000)):
-            yield text(key), int(usage)
+            yield text(key), int(stored_number(usage))
 
     def key_count(self) -> int:
         with redis_errors(self.description):
@@ -532,8 +533,8 @@ class RedisBackend:
             usage, kernel, first, last = self._pipeline(lambda pipe, c=chunk: [pipe.hmget(h, c) for h in hashes])
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
-                    found[key] = KeyRecord(key, text(kernel[i]) or "", int(usage[i]), float(first[i] or 0),
-                                           float(last[i] or 0))  # fmt: skip
+                    found[key] = KeyRecord(key, text(kernel[i]) or "", int(stored_number(usage[i])),
+                                           stored_number(first[i]), stored_number(last[i]))  # fmt: skip
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
@@ -634,7 +635,8 @@ class RedisBackend:
 
 def text(value: bytes | str | None) -> str | None:
     """A Redis reply as text (redis-py returns bytes unless the client decodes responses)."""
-    return value.decode() if isinstance(value, bytes) else value
+    # Replacing what is not UTF-8: a name written by hand must not fail a whole report or listing.
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
 
 
 def _pass_record(fields: dict) -> dict | None:
@@ -649,7 +651,4 @@ def _pass_record(fields: dict) -> dict | None:
 def _record_time(stream_id: bytes | str, fields: dict) -> float:
     """When the pass ended (its record's `finished`), else when it was appended (the stream id)."""
     record = _pass_record(fields) or {}
-    finished = record.get("finished")
-    if isinstance(finished, int | float) and math.isfinite(finished):  # a NaN would misplace the whole timeline
-        return float(finished)
-    return int(text(stream_id).partition("-")[0]) / 1000
+    return pass_time(record.get("finished"), int(text(stream_id).partition("-")[0]) / 1000)

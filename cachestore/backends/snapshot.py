@@ -16,6 +16,7 @@ and `inspect verify` decode and check each one.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,7 @@ import msgpack
 
 from bridge.errors import NkiCacheError
 from bridge.identity import toolchain_id
-from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched
+from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched, stored_number
 from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION, TooLarge
 
 SNAPSHOT_VERSION = 2  # 2: records name their toolchain
@@ -140,6 +141,10 @@ class SnapshotReader:
                     return
                 if not _is_record(record):
                     raise SnapshotError(f"{self.path}: record {count} is malformed")
+                if not _finite_ttl(record["ttl"]):
+                    # An infinite TTL would never expire once imported (Redis refuses it with an OverflowError
+                    # on the way), and no JSON output can hold it: the file was not written by `inspect export`.
+                    raise SnapshotError(f"{self.path}: record {count} has ttl {record['ttl']!r}, not a finite number")
                 count += 1
                 yield offset, record
 
@@ -178,7 +183,7 @@ class SnapshotReader:
     def key_usage(self) -> Iterator[tuple[str, int]]:
         for _, record in self._own_records():
             if record.get("usage"):
-                yield record["key"], record["usage"]["usage"]
+                yield record["key"], int(stored_number(record["usage"]["usage"]))
 
     def key_count(self) -> int:
         return sum(1 for _ in self.key_usage())
@@ -216,15 +221,17 @@ class SnapshotReader:
         for key in cache_keys:
             usage = self._usage(key)
             if usage:
-                found[key] = KeyRecord(key, usage["kernel_name"], usage["usage"], usage["first_use"], usage["last_use"])
+                # Read as a tier's metrics are read: a number that is not one counts 0 (the file is not trusted).
+                found[key] = KeyRecord(key, str(usage["kernel_name"]), int(stored_number(usage["usage"])),
+                                       stored_number(usage["first_use"]), stored_number(usage["last_use"]))  # fmt: skip
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
         found = {}
         for key in cache_keys:
             usage = self._usage(key)
-            if usage and usage["hosts"]:
-                found[key] = list(usage["hosts"])
+            if usage and isinstance(usage["hosts"], list) and usage["hosts"]:
+                found[key] = [str(host) for host in usage["hosts"]]
         return found
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
@@ -252,6 +259,10 @@ def _is_record(record: object) -> bool:
         and isinstance(record.get("ttl"), int | float | type(None))
         and (record.get("usage") is None or _is_usage(record["usage"]))
     )
+
+
+def _finite_ttl(ttl: float | None) -> bool:
+    return ttl is None or math.isfinite(ttl)
 
 
 def _is_usage(usage: object) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import sqlite3
 import threading
 import time
@@ -32,6 +31,8 @@ from cachestore.api import (
     TierUnavailable,
     WriteItem,
     batch_problem,
+    pass_time,
+    stored_number,
 )
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 
@@ -341,7 +342,7 @@ class SqliteBackend:
 
     # -- fleet metrics ------------------------------------------------------------------------------
     def totals(self) -> dict[str, float]:
-        return dict(self._read("SELECT name, value FROM totals"))
+        return {name: stored_number(value) for name, value in self._read("SELECT name, value FROM totals")}
 
     def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         current: tuple[str, str] | None = None
@@ -353,7 +354,7 @@ class SqliteBackend:
                 if current is not None:
                     yield *current, values
                 current, values = (host, worker), {}
-            values[name] = value
+            values[name] = stored_number(value)
         if current is not None:
             yield *current, values
 
@@ -366,12 +367,13 @@ class SqliteBackend:
         for toolchain, name, value in self._read(
             "SELECT toolchain, name, value FROM toolchain_totals ORDER BY toolchain, name"
         ):
-            found.setdefault(toolchain, {})[name] = value
+            found.setdefault(toolchain, {})[name] = stored_number(value)
         return found
 
     def kernels(self) -> dict[str, dict[str, int]]:
         rows = self._read("SELECT kernel_name, call_count, variants FROM kernels ORDER BY kernel_name")
-        return {name: {"call_count": int(calls), "variants": int(variants)} for name, calls, variants in rows}
+        return {name: {"call_count": int(stored_number(calls)), "variants": int(stored_number(variants))}
+                for name, calls, variants in rows}  # fmt: skip
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         last = ""
@@ -379,7 +381,7 @@ class SqliteBackend:
             rows = self._read(
                 "SELECT cache_key, usage FROM key_usage WHERE cache_key > ? ORDER BY cache_key LIMIT ?", (last, BATCH)
             )
-            yield from ((key, int(usage)) for key, usage in rows)
+            yield from ((key, int(stored_number(usage))) for key, usage in rows)
             if len(rows) < BATCH:
                 return
             last = rows[-1][0]
@@ -396,7 +398,8 @@ class SqliteBackend:
                 f"WHERE cache_key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            found.update((row[0], KeyRecord(row[0], row[1], int(row[2]), row[3], row[4])) for row in rows)
+            found.update((row[0], KeyRecord(row[0], row[1], int(stored_number(row[2])), stored_number(row[3]),
+                                            stored_number(row[4]))) for row in rows)  # fmt: skip
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
@@ -528,6 +531,4 @@ def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
         return ts, None
     if not isinstance(record, dict):
         return ts, None
-    finished = record.get("finished")
-    usable = isinstance(finished, int | float) and math.isfinite(finished)  # a NaN would misplace the timeline
-    return (float(finished) if usable else ts), record
+    return pass_time(record.get("finished"), ts), record
