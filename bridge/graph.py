@@ -72,21 +72,22 @@ def parse_graph_json(data: bytes | str, source: str) -> Mapping:
         raise GraphError(f"{source}: JSON nested deeper than {MAX_GRAPH_NESTING} levels") from None
     if not isinstance(document, Mapping):
         raise GraphError(f"{source}: a graph file holds a JSON object, got {type(document).__name__}")
-    if _nesting(document) > MAX_GRAPH_NESTING:
+    if nesting(document, MAX_GRAPH_NESTING) > MAX_GRAPH_NESTING:
         raise GraphError(f"{source}: JSON nested deeper than {MAX_GRAPH_NESTING} levels")
     return document
 
 
-def _nesting(document: object) -> int:
-    """How deep lists and objects nest in `document` (iteratively: the point is not to recurse)."""
-    deepest, pending = 0, [(document, 1)]
+def nesting(value: object, limit: int) -> int:
+    """How deep maps and lists (or tuples) nest in `value`, found without recursing (deep nesting is the
+    problem being guarded against); counting stops once it passes `limit`."""
+    deepest, pending = 0, [(value, 1)]
     while pending:
-        value, depth = pending.pop()
+        item, depth = pending.pop()
         deepest = max(deepest, depth)
-        if depth > MAX_GRAPH_NESTING:
+        if depth > limit:
             return depth
-        children = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
-        pending.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list))
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list | tuple) else ()
+        pending.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple))
     return deepest
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.errors import NkiCacheError
+from bridge.graph import nesting
 from bridge.ir import freeze_key_components
 from cachestore.api import RawEntry, Reader, WriteItem, batched
 from cachestore.entry import (
@@ -72,7 +73,7 @@ def components_problem(components: Mapping[str, Any]) -> str | None:
     """Why stored key components do not have the shape the codegen loop gives them, or None. An entry's
     digest and signature say it is intact, not that its components are well formed (any msgpack map
     decodes): listings, reports and explain read these fields, and must not fail on one bad entry."""
-    if _nesting(components) > MAX_COMPONENTS_NESTING:
+    if nesting(components, MAX_COMPONENTS_NESTING) > MAX_COMPONENTS_NESTING:
         return f"nested deeper than {MAX_COMPONENTS_NESTING} levels"
     for name in ("kernel_name", "target"):
         if not isinstance(components.get(name, ""), str):
@@ -99,19 +100,6 @@ def components_problem(components: Mapping[str, Any]) -> str | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _nesting(value: object) -> int:
-    """How deep maps and lists nest in `value`, found without recursing (deep nesting is the problem)."""
-    deepest, pending = 0, [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        deepest = max(deepest, depth)
-        if depth > MAX_COMPONENTS_NESTING:
-            return depth
-        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list | tuple) else ()
-        pending.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple))
-    return deepest
 
 
 def describe_components(components: Mapping[str, Any]) -> dict[str, Any]:
