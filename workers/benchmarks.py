@@ -355,14 +355,22 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
         return json.loads(done.stdout)
 
     old = nkicache("compile", str(graphs), "--out", str(work / "upgrade-old"), "--tier", tier, new=False)
-    variants = old["traces"]
+    # The variants seen: the old compiler's entries (its trace count can be lower: with 2 pool processes a
+    # variant one traced is a remote hit for the other).
+    from cachestore.api import open_backend
+
+    reader = open_backend(load_settings({"tier": tier}), reading=True)
+    try:
+        variants = sum(1 for _ in reader.scan_entries(with_ttl=False))
+    finally:
+        reader.close()
     warmed = nkicache("warm", "--tier", tier, "--top", str(variants), "--workers", "2", new=True)
     first = nkicache("compile", str(graphs), "--out", str(work / "upgrade-new"), "--tier", tier, new=True)
     lookups = first["cache_misses"]  # every in-pass miss asks the tier
     return {
         "upgrade_first_pass_hit_rate": first["remote_hits"] / lookups if lookups else 0.0,
         "warm_seconds_per_variant": warmed["seconds"] / max(1, warmed["traced"]),
-        "cold_seconds_per_trace": old["compile_seconds"] / max(1, variants),
+        "cold_seconds_per_trace": old["compile_seconds"] / max(1, old["traces"]),
         "variants": variants,
         "warmed": warmed["traced"],
         "first_pass_traces": first["traces"],
