@@ -116,7 +116,7 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
 
 # -- the pool's start-up alone ----------------------------------------------------------------------
 def probe_startup() -> None:
-    """Run in a fresh process: a 2-process pool up and answering, as `compile_paths` starts it."""
+    """Run in a fresh process: a 2-process pool up and answering, as `workers.pool.compile_run` starts it."""
     from concurrent.futures import ProcessPoolExecutor
 
     from cachestore.settings import load_settings

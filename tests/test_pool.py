@@ -171,7 +171,7 @@ def test_ctrl_c_while_the_pool_starts_is_a_clean_interrupt(tmp_path: Path, monke
     from concurrent.futures import ProcessPoolExecutor
 
     from cachestore.settings import load_settings
-    from workers.pool import compile_paths
+    from workers.pool import compile_run
 
     paths = [str(p) for p in generate_workload(tmp_path / "graphs", 8, seed=2)]
     real_submit = ProcessPoolExecutor.submit
@@ -186,7 +186,8 @@ def test_ctrl_c_while_the_pool_starts_is_a_clean_interrupt(tmp_path: Path, monke
 
     monkeypatch.setattr(ProcessPoolExecutor, "submit", submit_then_ctrl_c)
     out = tmp_path / "out"
-    results, interrupted = compile_paths(paths, settings=load_settings({"tier": "off"}), workers=2, out_dir=str(out))
+    run = compile_run(paths, settings=load_settings({"tier": "off"}), workers=2, out_dir=str(out))
+    results, interrupted = run.results, run.interrupted
     assert sent and interrupted
     assert len(results) < len(paths)
     assert all(r.error is None and Path(r.artifact).exists() for r in results)
@@ -197,7 +198,7 @@ def test_ctrl_c_while_the_pool_starts_is_a_clean_interrupt(tmp_path: Path, monke
 def test_ctrl_c_with_one_worker_finishes_the_running_pass_and_stops(tmp_path: Path) -> None:
     """--workers 1 compiles in the command's own process: Ctrl-C there also lets the running pass finish."""
     from cachestore.settings import load_settings
-    from workers.pool import compile_paths
+    from workers.pool import compile_run
 
     paths = [str(p) for p in generate_workload(tmp_path / "graphs", 4, seed=2)]
     seen = []
@@ -208,9 +209,10 @@ def test_ctrl_c_with_one_worker_finishes_the_running_pass_and_stops(tmp_path: Pa
             os.kill(os.getpid(), signal.SIGINT)
 
     out = tmp_path / "out"
-    results, interrupted = compile_paths(
+    run = compile_run(
         paths, settings=load_settings({"tier": "off"}), workers=1, out_dir=str(out), on_result=ctrl_c_after_the_first
     )
+    results, interrupted = run.results, run.interrupted
     assert interrupted and len(results) == 1 and results[0].error is None
     assert [p.name for p in out.iterdir()] == [Path(results[0].artifact).name]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -91,22 +91,6 @@ class CompileRun:
     tier_dropped_outside_passes: int = 0
 
 
-def compile_paths(
-    paths: Sequence[str],
-    *,
-    settings: Settings,
-    workers: int,
-    out_dir: str,
-    target_name: str | None = None,
-    on_result: Callable[[PassResult], None] = lambda result: None,
-) -> tuple[list[PassResult], bool]:
-    """Compile every path; returns (results in input order, interrupted). `compile_run` also says what the
-    tier dropped outside the passes."""
-    run = compile_run(paths, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
-                      on_result=on_result)  # fmt: skip
-    return run.results, run.interrupted
-
-
 def compile_run(
     paths: Sequence[str],
     *,
@@ -116,7 +100,8 @@ def compile_run(
     target_name: str | None = None,
     on_result: Callable[[PassResult], None] = lambda result: None,
 ) -> CompileRun:
-    """Compile every path, and close the tier clients the compile opened."""
+    """Compile every path (results in input order, whether Ctrl-C stopped it, what the tier dropped outside
+    the passes), and close the tier clients the compile opened."""
     from bridge.artifact import ArtifactError
 
     try:
