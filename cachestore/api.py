@@ -260,6 +260,9 @@ class Reader(Protocol):
     def in_toolchain(self, toolchain: str) -> Reader:
         """The same store, in `toolchain`'s partition."""
 
+    def entry_keys(self) -> Iterator[tuple[str, str]]:
+        """(toolchain, cache key) of every live entry of every toolchain, streamed; no value is read."""
+
     # fleet metrics
     def totals(self) -> dict[str, float]: ...
 

@@ -67,6 +67,19 @@ class Bucket:
 
 
 @dataclass
+class Coverage:
+    """How warm one toolchain is for another's workload: of the variants the other holds, how many this one
+    holds too, counted and weighted by their fleet usage (an upgrade's operators switch traffic when the
+    new compiler covers nearly all of the old one's usage)."""
+
+    variants: int  # the other toolchain's stored variants
+    covered_variants: int  # of those, the ones this toolchain holds as well
+    usage: int  # their summed fleet usage
+    covered_usage: int
+    share: float  # covered_usage / usage, or covered_variants / variants when none has any usage yet
+
+
+@dataclass
 class FleetReport:
     tier: str
     generated: float
@@ -80,6 +93,9 @@ class FleetReport:
     bucket_seconds: int = 0
     timeline: list[Bucket] = field(default_factory=list)
     window: dict[str, float] = field(default_factory=dict)  # the pass log summed over the timeline's span
+    # {toolchain: {other toolchain: Coverage}}: how much of each other toolchain's stored variants (weighted
+    # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
+    coverage: dict[str, dict[str, Coverage]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +112,7 @@ class FleetReport:
             "bucket_seconds": self.bucket_seconds,
             "timeline": [b.as_json() for b in self.timeline],
             "window": self.window,
+            "coverage": {tc: {other: asdict(c) for other, c in of.items()} for tc, of in self.coverage.items()},
         }
 
 
@@ -106,9 +123,11 @@ def build_report(
     top: int = TOP_VARIANTS,
     bucket_seconds: int | None = None,
     timeline: bool = True,
+    coverage: bool = True,
     now: float | None = None,
 ) -> FleetReport:
-    """Read the fleet metrics (and, for the top variants, their entries) into a report."""
+    """Read the fleet metrics (and, for the top variants, their entries) into a report. `coverage` scans the
+    entry keys (no values), which a Prometheus scrape leaves out to stay cheap at any cache size."""
     report = FleetReport(
         tier=reader.description,
         generated=time.time() if now is None else now,
@@ -119,6 +138,8 @@ def build_report(
         per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
         variants=reader.key_count(),
     )
+    if coverage:
+        report.coverage = toolchain_coverage(reader)
     if top > 0:
         report.top_variants = top_variants(reader, top)
     if timeline:
@@ -163,6 +184,32 @@ def top_variants(reader: Reader, top: int) -> list[Variant]:
                 setattr(variant, name, info[name])
         variants.append(variant)
     return variants
+
+
+def toolchain_coverage(reader: Reader) -> dict[str, dict[str, Coverage]]:
+    """Every toolchain's coverage of every other one's stored variants (one scan of the entry keys; the usage
+    is read only when more than one toolchain holds entries, which is when an upgrade is under way)."""
+    held: dict[str, set[str]] = {}
+    for toolchain, cache_key in reader.entry_keys():
+        held.setdefault(toolchain, set()).add(cache_key)
+    if len(held) < 2:
+        return {}
+    every_key = set().union(*held.values())
+    usage = {key: count for key, count in reader.key_usage() if key in every_key}
+    coverage: dict[str, dict[str, Coverage]] = {}
+    for toolchain, keys in sorted(held.items()):
+        for other, other_keys in sorted(held.items()):
+            if other != toolchain:
+                coverage.setdefault(toolchain, {})[other] = _coverage(keys, other_keys, usage)
+    return coverage
+
+
+def _coverage(keys: set[str], other_keys: set[str], usage: dict[str, int]) -> Coverage:
+    covered = keys & other_keys
+    total_usage = sum(usage.get(key, 0) for key in other_keys)
+    covered_usage = sum(usage.get(key, 0) for key in covered)
+    share = covered_usage / total_usage if total_usage else len(covered) / len(other_keys)
+    return Coverage(len(other_keys), len(covered), total_usage, covered_usage, round(share, 6))
 
 
 def choose_bucket(span: float) -> int:

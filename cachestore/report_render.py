@@ -158,6 +158,16 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             toolchains.add_row(_toolchain_label(toolchain), *_worker_cells(values))
         yield toolchains
 
+    if report.coverage:
+        yield Text("Coverage (of another toolchain's stored variants, weighted by fleet usage: how warm each is)",
+                   style="bold")  # fmt: skip
+        coverage = Table()
+        for column in COVERAGE_HEADERS:
+            coverage.add_column(column, no_wrap=column != "share", justify="right" if column == "share" else "left")
+        for row in _coverage_rows(report):
+            coverage.add_row(*row)
+        yield coverage
+
     yield Text("Per kernel (as _export_new_nki_fe_metrics, fleet-wide)", style="bold")
 
     kernels = Table()
@@ -211,6 +221,18 @@ def _worker_cells(values: dict) -> list[str]:
     return [*(_value(name, values[name]) for name in WORKER_COUNTERS), tier]
 
 
+COVERAGE_HEADERS = ("toolchain", "covers", "variants held", "usage held", "share")
+
+
+def _coverage_rows(report: FleetReport) -> list[list[str]]:
+    return [
+        [_toolchain_label(toolchain), other, f"{c.covered_variants:,} of {c.variants:,}",
+         f"{c.covered_usage:,} of {c.usage:,}", f"{c.share:.1%}"]
+        for toolchain, of in report.coverage.items()
+        for other, c in of.items()
+    ]  # fmt: skip
+
+
 def _toolchain_label(toolchain: str) -> str:
     from bridge.identity import toolchain_id
 
@@ -261,6 +283,15 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
     for toolchain, values in report.per_toolchain.items():
         ratio.add_metric([toolchain], values["hit_rate"])
     yield ratio
+    coverage = GaugeMetricFamily(
+        "nkicache_toolchain_coverage",
+        "Share of toolchain `of`'s stored variants, weighted by fleet usage, that `toolchain` holds too.",
+        labels=["toolchain", "of"],
+    )
+    for toolchain, of in report.coverage.items():
+        for other, c in of.items():
+            coverage.add_metric([toolchain, other], c.share)
+    yield coverage
 
 
 class FleetCollector:
@@ -483,6 +514,9 @@ def render_html(report: FleetReport) -> str:
         parts.append(_table(["toolchain", *WORKER_HEADERS], rows, set(range(1, 1 + len(WORKER_HEADERS)))))
     else:
         parts.append("<p>No pass named its toolchain.</p>")
+    if report.coverage:
+        parts.append('<h2 id="coverage">Coverage of other toolchains</h2>')
+        parts.append(_table(list(COVERAGE_HEADERS), _coverage_rows(report), {4}))
     parts.append("<h2>Per kernel</h2>")
     parts.append(_table(["kernel", "call_count", "variants"],
                         [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],

@@ -25,6 +25,7 @@ TTL = 3600
 FULL, REFERENCE, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
 FINISHED = (1000.0, 2000.0)  # when the two passes ended, as their records say
 TOOLCHAINS = ("0123456789abcdef", "fedcba9876543210")  # the compilers that ran the two passes
+OTHER_TOOLCHAIN = "00000000000000ff"  # a compiler that holds no entries until a test writes some
 
 
 def populate(backend: Any) -> dict[str, bytes]:
@@ -72,6 +73,33 @@ def test_scan_streams_every_entry_with_the_time_it_has_left(reader: Reader) -> N
     assert decoded(raws[REFERENCE].data).ref == FULL
     assert decoded(raws[FULL].data).binary == b"alpha" * 50
     assert {raw.cache_key: raw.data for raw in reader.scan_entries(with_ttl=False)} == stored(reader)
+
+
+def test_entry_keys_name_every_entry_of_every_toolchain_without_reading_values(reader: Reader) -> None:
+    listed = list(reader.entry_keys())
+    assert sorted(listed) == sorted((reader.toolchain, key) for key in (FULL, REFERENCE, OTHER))
+    if reader.read_only:
+        return
+    elsewhere = reader.in_toolchain(OTHER_TOOLCHAIN)
+    elsewhere.put_entries([WriteItem(OTHER, stored(reader)[OTHER], None, TTL)])
+    assert (OTHER_TOOLCHAIN, OTHER) in set(reader.entry_keys())
+    assert len(list(reader.entry_keys())) == 4
+
+
+def test_coverage_weighs_each_toolchains_variants_by_fleet_usage(reader: Reader) -> None:
+    from cachestore.report import Coverage, build_report
+    from cachestore.report_render import render_text
+
+    assert build_report(reader, top=0, timeline=False).coverage == {}  # one toolchain: nothing to compare
+    if reader.read_only:
+        return
+    reader.in_toolchain(OTHER_TOOLCHAIN).put_entries([WriteItem(FULL, stored(reader)[FULL], None, TTL)])
+    coverage = build_report(reader, top=0, timeline=False).coverage
+    # FULL was used 5 times, OTHER once, REFERENCE never: the other toolchain holds 5 of the 6 uses.
+    assert coverage[OTHER_TOOLCHAIN] == {reader.toolchain: Coverage(3, 1, 6, 5, round(5 / 6, 6))}
+    assert coverage[reader.toolchain] == {OTHER_TOOLCHAIN: Coverage(1, 1, 5, 5, 1.0)}
+    text = render_text(build_report(reader, top=0, timeline=False), width=160)
+    assert f"│ {OTHER_TOOLCHAIN}" in text and "5 of 6" in text and "83.3%" in text
 
 
 def test_get_entries_returns_only_what_is_there(reader: Reader) -> None:

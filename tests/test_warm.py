@@ -60,6 +60,10 @@ def test_a_new_compiler_warmed_from_the_old_ones_entries_traces_nothing(tmp_path
     assert report["toolchain"] == fingerprint(new / "bridge") and report["source"] == toolchain_id()
     assert report["traced"] == report["considered"] and report["skipped"] == report["failed"] == []
 
+    shown = nkicache(None, tmp_path, "report", "--tier", tier, "--json")
+    coverage = json.loads(shown.stdout)["coverage"]
+    assert coverage[report["toolchain"]][toolchain_id()]["share"] == 1.0  # warm: switch traffic
+
     first = compiled(new, tmp_path, graphs, "new", tier)
     assert first["traces"] == 0 and first["remote_hits"] == first["cache_misses"]
     alone = compiled(new, tmp_path, graphs, "new-off", "off")

@@ -87,7 +87,10 @@ def report_command(
     {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the passes of each compiler, so an
     upgrade's cold start shows as such), per_kernel ({name: {call_count, variants}}), variants,
     kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits,
-    cache_misses, remote_hits, traces, hit_rate}]), window (the timeline's summed counts).
+    cache_misses, remote_hits, traces, hit_rate}]), window (the timeline's summed counts), coverage ({toolchain: {other
+    toolchain: {variants, covered_variants, usage, covered_usage, share}}}: how much of each other toolchain's
+    stored variants, weighted by fleet usage, a toolchain holds too; while upgrading, switch traffic when the
+    new compiler's share of the old one is near 1).
     """
     from cachestore.api import open_backend
     from cachestore.report import build_report
@@ -154,7 +157,7 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     def build() -> Any:
         reader = open_backend(settings, reading=True)  # one per scrape: scrapes run on the server's threads
         try:
-            return build_report(reader, top=0, timeline=False)
+            return build_report(reader, top=0, timeline=False, coverage=False)
         finally:
             reader.close()
 

@@ -280,6 +280,10 @@ class RedisBackend:
             found.add(self.keys.parse_entry(text(redis_key) or "")[0])
         return sorted(found)
 
+    def entry_keys(self) -> Iterator[tuple[str, str]]:
+        for redis_key in self._stream(lambda: self.client.scan_iter(match=self.keys.entry_pattern(), count=10_000)):
+            yield self.keys.parse_entry(text(redis_key) or "")
+
     def _entry(self, cache_key: str) -> str:
         return self.keys.entry(self.toolchain, cache_key)
 

@@ -164,6 +164,9 @@ class SnapshotReader:
     def entry_toolchains(self) -> list[str]:
         return sorted({record["toolchain"] for _, record in self.records()})
 
+    def entry_keys(self) -> Iterator[tuple[str, str]]:
+        return ((record["toolchain"], record["key"]) for _, record in self.records())
+
     def in_toolchain(self, toolchain: str) -> SnapshotReader:
         return SnapshotReader(self.path, toolchain)
 

@@ -149,6 +149,16 @@ class SqliteBackend:
         return [tc for (tc,) in self._read("SELECT DISTINCT toolchain FROM entries WHERE expires > ? ORDER BY 1",
                                            (time.time(),))]  # fmt: skip
 
+    def entry_keys(self) -> Iterator[tuple[str, str]]:
+        now, last = time.time(), ("", "")
+        while True:  # in pages, so that no read holds the file for the whole scan
+            rows = self._read("SELECT toolchain, cache_key FROM entries WHERE (toolchain, cache_key) > (?, ?) "
+                              "AND expires > ? ORDER BY 1, 2 LIMIT ?", (*last, now, BATCH))  # fmt: skip
+            yield from rows
+            if len(rows) < BATCH:
+                return
+            last = rows[-1]
+
     # -- connections ------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
