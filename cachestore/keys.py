@@ -5,13 +5,18 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     NS:vV:tc:TC:entry:{KEY}      string   encoded entry for cache key KEY (TTL, refreshed on use)
     NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
     NS:vV:tc:TC:digest:{DIGEST}  string   the cache key whose entry holds the binary with this SHA-256 (TTL)
-    {NS:vV:metrics}:...        fleet metrics, all in one hash slot so one Lua script applies a batch
+    NS:vV:metrics-shards       string   S, the number of metrics shards (set once, by the first batch)
+    {NS:vV:metrics}:...        fleet metrics, shard 0; shard i > 0 is {NS:vV:metrics:i}:... A pass's own
+                               counts go to the shard of its batch id, each cache key's to the shard of
+                               the key: one script per shard applies the batch's part there
     {NS:vV:jobs}:...           the fleet's job queue (one stream with a consumer group per toolchain, and a
                                hash of those toolchains), results, dead letters, artifacts and worker
                                heartbeats, all in one slot so job scripts are atomic
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
-every metrics key shares the metrics slot, which is what lets a batch apply atomically and exactly once.
+every key of a metrics shard shares that shard's slot, which is what lets the part of a batch that goes to a
+shard apply atomically and exactly once (each shard keeps its own applied-batch marker). The shards spread
+the metrics over a cluster's nodes: with one slot, every pass's batch and every variant's usage sat on one.
 
 Entries, leases and the digest index are partitioned by toolchain: two compilers (a rolling upgrade) share
 one Redis without ever reading, deduplicating against or evicting each other's binaries, while the fleet
@@ -20,9 +25,13 @@ metrics and the job queue stay shared. The specification's SHA-256 stays the cac
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 LAYOUT_VERSION = 1  # of the key layout; the entry format has its own (cachestore.entry.SCHEMA_VERSION)
+# Shards of a new namespace's metrics: on a cluster of tens of nodes, each node holds one or a few.
+DEFAULT_METRICS_SHARDS = 64
+MAX_METRICS_SHARDS = 1024  # a report reads every shard: more would cost it more than any cluster gains
 
 
 @dataclass(frozen=True)
@@ -53,13 +62,71 @@ class KeySpace:
         toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
         return toolchain, tagged[1:-1]
 
-    # -- metrics (one slot) -----------------------------------------------------------------------
+    # -- metrics (S shards, one slot each) ---------------------------------------------------------
     @property
-    def metrics_tag(self) -> str:
-        return f"{{{self.prefix}:metrics}}"
+    def metrics_shard_count(self) -> str:
+        """The namespace's number of metrics shards, fixed when its first batch is applied (a count that
+        changed later would move every cache key's usage to another shard)."""
+        return f"{self.prefix}:metrics-shards"
+
+    def metrics_shard(self, shard: int) -> MetricsKeys:
+        return MetricsKeys(f"{{{self.prefix}:metrics}}" if shard == 0 else f"{{{self.prefix}:metrics:{shard}}}")
+
+    # -- the fleet's job queue (one slot) ---------------------------------------------------------
+    @property
+    def jobs_tag(self) -> str:
+        return f"{{{self.prefix}:jobs}}"
+
+    def jobs(self, name: str) -> str:
+        return f"{self.jobs_tag}:{name}"
+
+    def job_stream(self, toolchain: str) -> str:
+        """The stream (with its consumer group) of the jobs submitted under one toolchain: a worker reads
+        only its own compiler's stream, so it never compiles a job that another compiler submitted."""
+        return self.jobs(f"stream:{toolchain}")
+
+    @property
+    def job_toolchains(self) -> str:
+        """A hash toolchain -> when a job was last submitted under it: `nkicache queue` finds every stream
+        (with a waiting job or not) by one HGETALL, which both ACL users may run, instead of a SCAN."""
+        return self.jobs("toolchains")
+
+    @property
+    def dead_letter_stream(self) -> str:
+        return self.jobs("dead-letter")
+
+    @property
+    def job_results(self) -> str:
+        return self.jobs("results")
+
+    @property
+    def job_failures(self) -> str:
+        return self.jobs("failures")
+
+    @property
+    def job_counts(self) -> str:
+        return self.jobs("counts")
+
+    @property
+    def worker_heartbeats(self) -> str:
+        return self.jobs("workers")
+
+    def job_batch(self, batch_id: str) -> str:
+        return self.jobs(f"batch:{batch_id}")
+
+    def job_artifact(self, job_id: str) -> str:
+        return self.jobs(f"artifact:{job_id}")
+
+
+@dataclass(frozen=True)
+class MetricsKeys:
+    """The keys of one metrics shard, all in its hash slot (`tag`), so that one script applies a batch's part
+    atomically. Shard 0 is the tag of the layout before sharding, so a namespace from then reads as 1 shard."""
+
+    tag: str
 
     def metrics(self, name: str) -> str:
-        return f"{self.metrics_tag}:{name}"
+        return f"{self.tag}:{name}"
 
     def applied_batch(self, batch_id: str) -> str:
         return self.metrics(f"applied:{batch_id}")
@@ -115,47 +182,14 @@ class KeySpace:
         """One toolchain's totals (a hash, like a worker's)."""
         return self.metrics(f"toolchain:{toolchain}")
 
-    # -- the fleet's job queue (one slot) ---------------------------------------------------------
-    @property
-    def jobs_tag(self) -> str:
-        return f"{{{self.prefix}:jobs}}"
 
-    def jobs(self, name: str) -> str:
-        return f"{self.jobs_tag}:{name}"
+def pass_shard(batch_id: str, shards: int) -> int:
+    """The shard of a pass's own counts (totals, worker, toolchain, kernel calls, pass log): a function of
+    the batch id, so a retried batch goes where its first attempt went."""
+    return zlib.crc32(batch_id.encode()) % shards
 
-    def job_stream(self, toolchain: str) -> str:
-        """The stream (with its consumer group) of the jobs submitted under one toolchain: a worker reads
-        only its own compiler's stream, so it never compiles a job that another compiler submitted."""
-        return self.jobs(f"stream:{toolchain}")
 
-    @property
-    def job_toolchains(self) -> str:
-        """A hash toolchain -> when a job was last submitted under it: `nkicache queue` finds every stream
-        (with a waiting job or not) by one HGETALL, which both ACL users may run, instead of a SCAN."""
-        return self.jobs("toolchains")
-
-    @property
-    def dead_letter_stream(self) -> str:
-        return self.jobs("dead-letter")
-
-    @property
-    def job_results(self) -> str:
-        return self.jobs("results")
-
-    @property
-    def job_failures(self) -> str:
-        return self.jobs("failures")
-
-    @property
-    def job_counts(self) -> str:
-        return self.jobs("counts")
-
-    @property
-    def worker_heartbeats(self) -> str:
-        return self.jobs("workers")
-
-    def job_batch(self, batch_id: str) -> str:
-        return self.jobs(f"batch:{batch_id}")
-
-    def job_artifact(self, job_id: str) -> str:
-        return self.jobs(f"artifact:{job_id}")
+def key_shard(cache_key: str, shards: int) -> int:
+    """The one shard holding everything about a cache key (usage, first/last use, kernel, hosts), so a
+    variant is counted once and per-key data is split S ways."""
+    return zlib.crc32(cache_key.encode()) % shards

@@ -18,6 +18,7 @@ from typing import Any
 
 from bridge.errors import NkiCacheError
 from cachestore.api import redact_url, tier_url_problem
+from cachestore.keys import DEFAULT_METRICS_SHARDS, MAX_METRICS_SHARDS
 
 TIER_MODES = ("read-through", "mirror", "off")
 DAY = 24 * 3600
@@ -55,6 +56,9 @@ class Settings:
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
     host: str = dataclasses.field(default_factory=socket.gethostname)
     worker: str = dataclasses.field(default_factory=lambda: f"pid{os.getpid()}")
+    # Shards of the fleet metrics in Redis, each in its own slot (a cluster spreads them over its nodes). Used
+    # once, when a namespace's first batch is applied; the namespace keeps that count from then on.
+    metrics_shards: int = DEFAULT_METRICS_SHARDS
     # Secrets: environment or files only.
     hmac_key: bytes | None = dataclasses.field(default=None, repr=False)
     redis_password: str | None = dataclasses.field(default=None, repr=False)
@@ -226,6 +230,8 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     ):  # fmt: skip
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")
+    if not 1 <= settings.metrics_shards <= MAX_METRICS_SHARDS:
+        fail("metrics_shards", f"must be from 1 to {MAX_METRICS_SHARDS}, got {settings.metrics_shards}")
     if settings.final_flush_timeout < 0:
         fail("final_flush_timeout", f"must not be negative, got {settings.final_flush_timeout}")
     if not settings.namespace or any(c in settings.namespace for c in "{}: "):

@@ -125,6 +125,20 @@ def stored_entries(backend: Any) -> dict[str, bytes]:
     return {raw.cache_key: raw.data for raw in backend.scan_entries()}
 
 
+def metrics_shards(client: Any, keys: Any) -> list[Any]:
+    """The keys of every metrics shard of a namespace on a Redis (its stored count; 1 when none is stored)."""
+    return [keys.metrics_shard(i) for i in range(int(client.get(keys.metrics_shard_count) or 1))]
+
+
+def summed_metrics_hash(client: Any, keys: Any, name_of: Any) -> dict[str, float]:
+    """One metrics hash (`name_of(shard)`) read raw from every shard and summed field by field."""
+    summed: dict[str, float] = {}
+    for shard in metrics_shards(client, keys):
+        for field, value in client.hgetall(name_of(shard)).items():
+            summed[field.decode()] = summed.get(field.decode(), 0.0) + float(value)
+    return summed
+
+
 class TierView:
     """Reads (and for fault injection, writes) a backend's storage directly, the same way for every backend."""
 
@@ -214,32 +228,53 @@ class RedisView(TierView):
     def _decoded(mapping: dict) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in mapping.items()}
 
+    def _shards(self) -> list[Any]:
+        return self.backend._metric_shards()
+
+    def _shard_of(self, cache_key: str) -> Any:
+        from cachestore.keys import key_shard
+
+        return self._k.metrics_shard(key_shard(cache_key, len(self._shards())))
+
+    def _summed(self, name_of: Any, kind: type = float) -> dict[str, Any]:
+        """A hash summed over every metrics shard, read raw."""
+        summed: dict[str, Any] = {}
+        for shard in self._shards():
+            for k, v in self._decoded(self._r.hgetall(name_of(shard))).items():
+                summed[k] = summed.get(k, 0) + kind(float(v))
+        return summed
+
     def totals(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self._decoded(self._r.hgetall(self._k.totals)).items()}
+        return self._summed(lambda shard: shard.totals)
 
     def worker_totals(self, host: str, worker: str) -> dict[str, float]:
-        raw = self._decoded(self._r.hgetall(self._k.worker_metrics(host, worker)))
-        return {k: float(v) for k, v in raw.items()}
+        return self._summed(lambda shard: shard.worker_metrics(host, worker))
 
     def kernel_calls(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self._decoded(self._r.hgetall(self._k.kernel_calls)).items()}
+        return self._summed(lambda shard: shard.kernel_calls, int)
 
     def variants(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self._decoded(self._r.hgetall(self._k.kernel_variants)).items()}
+        return self._summed(lambda shard: shard.kernel_variants, int)
 
     def key_usage(self, cache_key: str) -> tuple[int, float, float] | None:
-        usage = self._r.hget(self._k.key_usage, cache_key)
+        shard = self._shard_of(cache_key)
+        usage = self._r.hget(shard.key_usage, cache_key)
         if usage is None:
             return None
-        first = self._r.hget(self._k.key_first, cache_key)
-        last = self._r.hget(self._k.key_last, cache_key)
+        first = self._r.hget(shard.key_first, cache_key)
+        last = self._r.hget(shard.key_last, cache_key)
         return int(usage), float(first), float(last)
 
     def key_hosts(self, cache_key: str) -> set[str]:
-        return {h.decode() for h in self._r.smembers(self._k.key_hosts(cache_key))}
+        return {h.decode() for h in self._r.smembers(self._shard_of(cache_key).key_hosts(cache_key))}
 
     def pass_log(self) -> list[dict]:
-        return [json.loads(fields[b"pass"]) for _, fields in self._r.xrange(self._k.pass_log)]
+        """Every shard's pass log, in the order the records were added."""
+        records = [
+            (stream_id, fields) for shard in self._shards() for stream_id, fields in self._r.xrange(shard.pass_log)
+        ]
+        records.sort(key=lambda item: tuple(int(part) for part in item[0].split(b"-")))
+        return [json.loads(fields[b"pass"]) for _, fields in records]
 
     def ttl(self, cache_key: str) -> float | None:
         ms = self._r.pttl(self._k.entry(self.backend.toolchain, cache_key))

@@ -25,7 +25,14 @@ import msgpack
 import pytest
 import redis
 from click.testing import CliRunner
-from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph, wait_until, write_graph
+from helpers_graphs import (
+    MIXED_DISTINCT_KEYS,
+    metrics_shards,
+    mixed_graph,
+    summed_metrics_hash,
+    wait_until,
+    write_graph,
+)
 from redis_cluster import ServerProcess, start_server, unavailable
 
 from bridge.identity import toolchain_id
@@ -125,7 +132,7 @@ def compile_json(*args: str) -> dict:
 
 
 def totals(client: redis.Redis) -> dict[str, float]:
-    return {k.decode(): float(v) for k, v in client.hgetall(KEYS.totals).items()}
+    return summed_metrics_hash(client, KEYS, lambda shard: shard.totals)
 
 
 # -- the worker user ------------------------------------------------------------------------------------
@@ -275,19 +282,23 @@ def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env
         entry_key = next(iter(reader.scan_iter(match=KEYS.entry_pattern(), count=1000)))
         assert reader.get(entry_key) is not None and reader.ttl(entry_key) > 0
         assert totals(reader)["passes"] == 1
-        assert reader.xrange(KEYS.pass_log)
-        assert reader.hgetall(KEYS.kernel_calls)
+        shards = metrics_shards(reader, KEYS)
+        assert len(shards) == 64 and reader.get(KEYS.metrics_shard_count) == b"64"
+        assert any(reader.xrange(shard.pass_log) for shard in shards)
+        assert any(reader.hgetall(shard.kernel_calls) for shard in shards)
+        home = KEYS.metrics_shard(0)
         writes = [
             ("SET", entry_key, "x"),
             ("GETEX", entry_key, "EX", "1"),
             ("DEL", entry_key),
             ("EXPIRE", entry_key, "1"),
-            ("HSET", KEYS.totals, "passes", "0"),
-            ("HINCRBY", KEYS.totals, "x", "1"),
-            ("XADD", KEYS.pass_log, "*", "pass", "{}"),
+            ("HSET", home.totals, "passes", "0"),
+            ("HINCRBY", home.totals, "x", "1"),
+            ("XADD", home.pass_log, "*", "pass", "{}"),
+            ("SET", KEYS.metrics_shard_count, "1"),
             ("XGROUP", "CREATE", KEYS.job_stream(toolchain_id()), "g", "0", "MKSTREAM"),
             ("SCRIPT", "LOAD", "return 1"),
-            ("EVALSHA", "0" * 40, "1", KEYS.totals),
+            ("EVALSHA", "0" * 40, "1", home.totals),
             ("EVAL", "return 1", "0"),
             ("FLUSHALL",),
             ("KEYS", "*"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,9 +28,11 @@ from helpers_graphs import (
     assert_outputs_correct,
     binary_digests,
     delete_namespace,
+    metrics_shards,
     mixed_graph,
     slow_graph,
     stored_entries,
+    summed_metrics_hash,
     unique_namespace,
     wait_until,
     write_graph,
@@ -90,11 +93,13 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
 
     for cache_key in ("0" * 64, "f" * 64, "a3" * 32):
         assert slot(k.entry(TC, cache_key)) == slot(k.lease(TC, cache_key)) == slot(k.entry("b" * 16, cache_key))
-    metrics = [k.applied_batch("b1"), k.totals, k.workers, k.worker_metrics("host", "w"), k.kernel_calls,
-               k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
-               k.key_hosts("0" * 64), k.key_hosts("f" * 64)]  # fmt: skip
-    assert len({slot(key) for key in metrics}) == 1
-    assert {slot(k.toolchains), slot(k.toolchain_metrics("0123456789abcdef"))} == {slot(k.totals)}
+    for m in (k.metrics_shard(0), k.metrics_shard(37)):  # every key of one metrics shard: one script's keys
+        metrics = [m.applied_batch("b1"), m.totals, m.workers, m.worker_metrics("host", "w"), m.kernel_calls,
+                   m.kernel_variants, m.key_usage, m.key_first, m.key_last, m.key_kernel, m.pass_log,
+                   m.key_hosts("0" * 64), m.key_hosts("f" * 64), m.toolchains,
+                   m.toolchain_metrics("0" * 16)]  # fmt: skip
+        assert len({slot(key) for key in metrics}) == 1
+    assert len({slot(k.metrics_shard(i).totals) for i in range(64)}) == 64
     # Every toolchain's job stream too: the complete and fail scripts touch a stream with the shared keys.
     jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_results,
             k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1"),
@@ -120,6 +125,31 @@ def test_entries_spread_over_every_master_and_scan_finds_them_all(backend: Redis
     assert stored_entries(backend).keys() == items.keys()
 
 
+def test_metrics_spread_over_every_master_and_read_back_summed(backend: RedisBackend) -> None:
+    from cachestore.api import KeyUsage, MetricsBatch
+
+    keys = [f"{i:064x}" for i in range(200)]
+    for n in range(20):  # 20 passes of 10 variants each, every variant used twice a pass
+        usage = {key: KeyUsage("softmax", 2, 100.0 + n, 100.0 + n) for key in keys[n * 10 : n * 10 + 10]}
+        batch = MetricsBatch(f"pass-{n}", "host", f"w{n % 3}", {"passes": 1, "kernels": 20}, {"softmax": 20}, usage,
+                             {"graph": f"g{n}", "finished": 1000.0 + n}, TC)  # fmt: skip
+        assert backend.apply_metrics(batch)
+        assert not backend.apply_metrics(batch)  # a retry counts once, in every shard it touched
+    per_master = {}
+    for node in backend.client.get_primaries():
+        direct = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+        try:
+            per_master[node.port] = sum(1 for _ in direct.scan_iter(match=f"{{{backend.keys.prefix}:metrics*"))
+        finally:
+            direct.close()
+    assert len(per_master) == 3 and all(count > 20 for count in per_master.values()), per_master
+    assert backend.totals()["passes"] == 20 and backend.totals()["kernels"] == 400
+    assert backend.key_count() == 200 and backend.kernels()["softmax"] == {"call_count": 400, "variants": 200}
+    assert dict(backend.key_usage()) == dict.fromkeys(keys, 2)
+    assert [record["graph"] for _, record in backend.pass_log(None)] == [f"g{n}" for n in range(20)]
+    assert {worker for _, worker, _ in backend.workers()} == {"w0", "w1", "w2"}
+
+
 # -- a fleet run: submit and two worker processes --------------------------------------------------------
 def nkicache_argv(*args: str) -> list[str]:
     script = Path(sys.executable).parent / "nkicache"
@@ -133,13 +163,12 @@ def fleet_graphs(directory: Path) -> list[Path]:
 
 
 def read_fleet_totals(url: str, namespace: str) -> dict[str, float]:
-    """The raw totals hash, to check the report against."""
+    """The raw totals hashes summed over the metrics shards, to check the report against."""
     client = cluster_client(url)
     try:
-        raw = client.hgetall(KeySpace(namespace).totals)
+        return summed_metrics_hash(client, KeySpace(namespace), lambda shard: shard.totals)
     finally:
         client.close()
-    return {k.decode(): float(v) for k, v in raw.items()}
 
 
 def live_workers(env: dict[str, str]) -> list[str]:
@@ -204,7 +233,8 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
         assert fleet["tier_errors"] == fleet["tier_timeouts"] == 0
         per_worker = {w for host in report["per_host"].values() for w in host["workers"]}
         assert per_worker == {"cluster-w0", "cluster-w1"}
-        workers_seen = {member.decode() for member in client.smembers(keys.workers)}
+        shards = metrics_shards(client, keys)
+        workers_seen = {member.decode() for shard in shards for member in client.smembers(shard.workers)}
         assert {member.rsplit(":", 1)[1] for member in workers_seen} == {"cluster-w0", "cluster-w1"}
     finally:
         delete_namespace(client, namespace)
@@ -213,7 +243,7 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
 
 def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: str, tmp_path: Path) -> None:
     """After compiles and a fleet job, every key of the namespace is an entry, a digest index, a lease or one
-    of the two tagged families; and all keys of each family sit on one master."""
+    of the two tagged families; the jobs sit on one master, the metrics shards on several."""
     namespace = unique_namespace()
     keys = KeySpace(namespace)
     settings = Settings(tier=redis_cluster, namespace=namespace, host="layout-host", heartbeat_interval=0.5)
@@ -235,7 +265,8 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
             finally:
                 direct.close()
         assert set(by_family) == {"entry", "digest", "metrics", "jobs"}, by_family
-        assert len(by_family["metrics"]) == 1 and len(by_family["jobs"]) == 1
+        # The jobs share one slot; the metrics are sharded, so even one job's pass spreads over the masters.
+        assert len(by_family["jobs"]) == 1 and len(by_family["metrics"]) > 1
     finally:
         delete_namespace(client, namespace)
         client.close()
@@ -247,9 +278,10 @@ def key_family(key: str, keys: KeySpace) -> str:
     for family in ("entry", "lease", "digest"):
         if partitioned and len(toolchain) == 16 and rest.startswith(f"{family}:{{") and key.endswith("}"):
             return family
-    for family, tag in (("metrics", keys.metrics_tag), ("jobs", keys.jobs_tag)):
-        if key.startswith(tag + ":"):
-            return family
+    if key == keys.metrics_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:metrics(:\d+)?\}}:", key):
+        return "metrics"
+    if key.startswith(keys.jobs_tag + ":"):
+        return "jobs"
     raise AssertionError(f"{key} is not in the documented key layout (docs/tiers.md)")
 
 

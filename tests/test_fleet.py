@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers_graphs import summed_metrics_hash
 
 from bridge.artifact import load_artifact
 from bridge.identity import toolchain_id
@@ -99,7 +100,7 @@ class Fleet:
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.job_counts).items()}
 
     def totals(self) -> dict[str, float]:
-        return {k.decode(): float(v) for k, v in self.redis.hgetall(self.keys.totals).items()}
+        return summed_metrics_hash(self.redis, self.keys, lambda shard: shard.totals)
 
     def in_flight(self) -> int:
         # The workers here are `nkicache worker` processes: they compile with this process's toolchain.

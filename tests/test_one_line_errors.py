@@ -314,12 +314,17 @@ def corrupt_redis_metrics(client: redis.Redis, namespace: str) -> None:
     from cachestore.keys import KeySpace
 
     keys = KeySpace(namespace)
-    [worker] = list(client.smembers(keys.workers))
+    shards = [keys.metrics_shard(i) for i in range(int(client.get(keys.metrics_shard_count)))]
+    home = next(shard for shard in shards if client.exists(shard.totals))  # the pass's own counts
+    [worker] = list(client.smembers(home.workers))
     host, _, name = worker.decode().partition(":")
-    client.hset(keys.totals, "passes", "abc")
-    client.hset(keys.worker_metrics(host, name), "kernels", "nan")
-    for hash_name in (keys.kernel_calls, keys.kernel_variants, keys.key_usage, keys.key_first, keys.key_last):
-        client.hset(hash_name, client.hkeys(hash_name)[0], "abc")
+    client.hset(home.totals, "passes", "abc")
+    client.hset(home.worker_metrics(host, name), "kernels", "nan")
+    client.hset(home.kernel_calls, client.hkeys(home.kernel_calls)[0], "abc")
+    for shard in shards:  # a variant's own counts
+        for hash_name in (shard.kernel_variants, shard.key_usage, shard.key_first, shard.key_last):
+            if client.exists(hash_name):
+                client.hset(hash_name, client.hkeys(hash_name)[0], "abc")
 
 
 @pytest.mark.redis
@@ -563,7 +568,9 @@ def test_a_last_use_that_is_no_date_is_printed_as_such(
     env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
     assert nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out", env=env).returncode == 0
     keys = KeySpace(namespace)
-    redis_client.hset(keys.key_last, mapping=dict.fromkeys(redis_client.hkeys(keys.key_last), "1e300"))
+    for shard in (keys.metrics_shard(i) for i in range(int(redis_client.get(keys.metrics_shard_count)))):
+        if redis_client.exists(shard.key_last):
+            redis_client.hset(shard.key_last, mapping=dict.fromkeys(redis_client.hkeys(shard.key_last), "1e300"))
     for command in (["report"], ["report", "--html", tmp_path / "report.html"], ["inspect", "ls"]):
         done = nkicache(*command, env=env)
         assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)

@@ -346,7 +346,7 @@ def metrics_state(backend: SqliteBackend | RedisBackend) -> dict:
             db.close()
     client = backend.client
     readers = {b"hash": client.hgetall, b"set": client.smembers, b"string": client.get, b"stream": client.xrange}
-    return {key: readers[client.type(key)](key) for key in client.scan_iter(match=backend.keys.metrics_tag + "*")}
+    return {key: readers[client.type(key)](key) for key in client.scan_iter(match=f"{{{backend.keys.prefix}:metrics*")}
 
 
 def pass_batch(batch_id: str) -> MetricsBatch:

@@ -17,7 +17,9 @@ from helpers_graphs import (
     MIXED_DISTINCT_KEYS,
     assert_outputs_correct,
     binary_digests,
+    metrics_shards,
     mixed_graph,
+    summed_metrics_hash,
     unique_namespace,
     wait_until,
 )
@@ -95,10 +97,9 @@ def compile_pass(graph: dict, client: Any) -> tuple[BirCodeGenLoop, Any]:
 def fleet_totals(url: str, namespace: str) -> dict[str, float]:
     client = redis.Redis.from_url(url, socket_timeout=5)
     try:
-        raw = client.hgetall(KeySpace(namespace).totals)
+        return summed_metrics_hash(client, KeySpace(namespace), lambda shard: shard.totals)
     finally:
         client.close()
-    return {k.decode(): float(v) for k, v in raw.items()}
 
 
 def assert_totals_equal(fleet: dict[str, float], expected: dict[str, float]) -> None:
@@ -189,7 +190,8 @@ def test_killed_and_restarted_mid_run_metrics_arrive_exactly_once(server: Any) -
     assert_totals_equal(fleet, recorder.summed())
     assert fleet["passes"] == 6
     reader = redis.Redis.from_url(server.url, socket_timeout=5)
-    log = [json.loads(fields[b"pass"]) for _, fields in reader.xrange(KeySpace(namespace).pass_log)]
+    shards = metrics_shards(reader, KeySpace(namespace))
+    log = [json.loads(fields[b"pass"]) for shard in shards for _, fields in reader.xrange(shard.pass_log)]
     reader.close()
     assert sorted(record["graph"] for record in log) == [f"pass{i}" for i in range(6)]
 

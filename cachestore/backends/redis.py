@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import heapq
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -45,9 +46,11 @@ from cachestore.api import (
     MetricsBatch,
     RawEntry,
     StoreRequest,
+    TierError,
     TierTimeout,
     TierUnavailable,
     WriteItem,
+    batch_problem,
     batched,
     pass_time,
     redact_url,
@@ -55,7 +58,14 @@ from cachestore.api import (
 )
 from cachestore.backends.deadline import watchdog
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
-from cachestore.keys import KeySpace
+from cachestore.keys import (
+    DEFAULT_METRICS_SHARDS,
+    MAX_METRICS_SHARDS,
+    KeySpace,
+    MetricsKeys,
+    key_shard,
+    pass_shard,
+)
 
 if TYPE_CHECKING:
     from cachestore.settings import Settings
@@ -73,7 +83,11 @@ FIRST_READ_BYTES = 1 << 20
 # KEYS[9] key last use           KEYS[10] key -> kernel   KEYS[11] pass log       KEYS[12] toolchains set
 # KEYS[13] this toolchain's totals                                                KEYS[13+i] hosts of key i
 # ARGV[1] JSON {totals, kernel_calls, keys: [[key, kernel, usage, first, last]...], host, member, toolchain,
-#               pass, ttl, maxlen}
+#               pass, ttl, maxlen, pass_part}
+# Every key is one metrics shard's. A batch is applied as one part per shard it touches: the pass's own counts
+# (totals, worker, toolchain, kernel calls, pass log; `pass_part` true) in the shard of its batch id, each
+# cache key's usage in the shard of the key. Each part has its own applied marker, so it applies exactly once
+# however often the batch is retried.
 # Every check comes before the first write (the applied marker included): a batch applies wholly or not at
 # all, and a refused one leaves nothing behind, so its id can still be applied once the batch is valid. The
 # checks are cachestore.api.batch_problem's, made again here because a command that fails half-way through a
@@ -119,6 +133,7 @@ if p.pass ~= '' then
 end
 
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', p.ttl) then return 0 end
+if p.pass_part then
 for name, value in pairs(p.totals) do
   redis.call('HINCRBYFLOAT', KEYS[2], name, value)
   redis.call('HINCRBYFLOAT', KEYS[4], name, value)
@@ -127,6 +142,10 @@ end
 redis.call('SADD', KEYS[3], p.member)
 if p.toolchain ~= '' then redis.call('SADD', KEYS[12], p.toolchain) end
 for name, calls in pairs(p.kernel_calls) do redis.call('HINCRBY', KEYS[5], name, calls) end
+if p.pass ~= '' then
+  redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
+end
+end
 for i, k in ipairs(p.keys) do
   local key, kernel, usage, first, last = k[1], k[2], k[3], k[4], k[5]
   if redis.call('HSETNX', KEYS[8], key, first) == 1 then
@@ -138,9 +157,6 @@ for i, k in ipairs(p.keys) do
   if last > tonumber(redis.call('HGET', KEYS[9], key) or '0') then redis.call('HSET', KEYS[9], key, last) end
   redis.call('HINCRBY', KEYS[7], key, usage)
   redis.call('SADD', KEYS[13 + i], p.host)
-end
-if p.pass ~= '' then
-  redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
 end
 return 1
 """.replace("MAX_BATCH_NUMBER", str(MAX_BATCH_NUMBER)).replace("INVALID_BATCH", json.dumps(INVALID_BATCH))
@@ -238,6 +254,7 @@ class RedisBackend:
         *,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
         op_timeout: float | None = None,
+        metrics_shards: int = DEFAULT_METRICS_SHARDS,
     ):
         """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's).
         `max_entry_bytes`: larger entries are never downloaded, only their size (TooLarge). `op_timeout`:
@@ -249,6 +266,9 @@ class RedisBackend:
         self.toolchain = toolchain or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
         self.op_timeout = op_timeout
+        self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
+        self._shards: int | None = None
+        self.cluster = isinstance(client, RedisCluster)
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
@@ -262,7 +282,8 @@ class RedisBackend:
         client = connect(settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout,
                          password=settings.redis_password)  # fmt: skip
         return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain,
-                   max_entry_bytes=settings.max_entry_bytes, op_timeout=None if reading else op_timeout)  # fmt: skip
+                   max_entry_bytes=settings.max_entry_bytes, op_timeout=None if reading else op_timeout,
+                   metrics_shards=settings.metrics_shards)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.description}, toolchain {self.toolchain})"
@@ -453,88 +474,181 @@ class RedisBackend:
 
     # -- metrics ----------------------------------------------------------------------------------
     def apply_metrics(self, batch: MetricsBatch) -> bool:
-        """Apply the batch in one script run; BatchRefused (nothing written) when the script finds it invalid.
-        A NaN is sent as it is, not checked here first: the script guards the metrics against every sender."""
-        k = self.keys
-        ordered = sorted(batch.keys.items())
-        keys = [
-            k.applied_batch(batch.batch_id), k.totals, k.workers, k.worker_metrics(batch.host, batch.worker),
-            k.kernel_calls, k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
-            k.toolchains, k.toolchain_metrics(batch.toolchain), *(k.key_hosts(key) for key, _ in ordered),
-        ]  # fmt: skip
+        """Apply the batch, one script run per shard it touches (pipelined on one server); True when its pass
+        part was new. BatchRefused (nothing written) for an invalid batch: it is checked here before any part
+        is sent, and each part's script checks its own again against every other sender."""
+        problem = batch_problem(batch)
+        if problem is not None:
+            raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {problem}")
         try:
             pass_text = json.dumps(batch.pass_record, sort_keys=True) if batch.pass_record is not None else ""
         except (TypeError, ValueError) as exc:  # not JSON at all: nothing the script could be handed
             raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {exc}") from None
-        payload = {
-            "totals": batch.totals,
-            "kernel_calls": batch.kernel_calls,
-            "keys": [[key, u.kernel_name, u.usage, u.first_use, u.last_use] for key, u in ordered],
-            "host": batch.host,
-            "member": f"{batch.host}:{batch.worker}",
-            "toolchain": batch.toolchain,
-            "pass": pass_text,
-            "ttl": APPLIED_MARKER_TTL,
-            "maxlen": PASS_LOG_MAXLEN,
-        }
+        parts = self._metrics_parts(batch, pass_text, self._shard_count(writing=True))
 
-        def run() -> object:
-            try:  # default=str: a value JSON cannot hold reaches the script as a string, which it refuses
-                return self._apply_metrics(keys=keys, args=[json.dumps(payload, default=str)])
+        def run() -> list:
+            try:
+                return self._run_script(self._apply_metrics, parts, self._keep_shard_count)
             except rex.ResponseError as exc:
                 if INVALID_BATCH not in str(exc):
                     raise  # a failure of the tier itself, translated by redis_errors
                 raise BatchRefused(f"{self.description}: metrics batch {batch.batch_id} refused: {exc}") from None
 
-        return bool(self._call(run))
+        return bool(self._call(run)[0])
 
-    # -- fleet metrics ------------------------------------------------------------------------------
+    def _keep_shard_count(self, pipe: Any) -> None:
+        """Store the shard count again if it is gone (a server restarted without persistence, a FLUSHALL) while
+        this process goes on writing every shard: readers learn it from that key."""
+        pipe.set(self.keys.metrics_shard_count, self._shard_count(), nx=True)
+
+    def _run_script(
+        self, script: Any, calls: Sequence[tuple[list[str], list[str]]], prelude: Callable[[Any], None]
+    ) -> list:
+        """Run `script` once per (KEYS, ARGV), pipelined after the `prelude` command(s): one round trip on a
+        server; on a cluster, one per master that holds a call's slot (redis-py's cluster pipeline refuses
+        scripts, so each master gets a pipeline of its own) and one for the prelude, however many calls."""
+        if not self.cluster:
+            return _pipelined_script(self.client, script, calls, prelude)
+        fill = self.client.pipeline()
+        prelude(fill)
+        fill.execute()
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, (keys, _) in enumerate(calls):
+            node = self.client.get_node_from_key(keys[0])
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        results: list = [None] * len(calls)
+        for node, indices in by_node.values():
+            try:
+                replies = _pipelined_script(
+                    self.client.get_redis_connection(node), script, [calls[i] for i in indices], lambda pipe: None
+                )
+            except rex.ResponseError as exc:
+                if not str(exc).startswith(("MOVED", "ASK")):
+                    raise
+                # The slot moved since the client learnt the layout: through the cluster client, which follows.
+                replies = [script(keys=calls[i][0], args=calls[i][1]) for i in indices]
+            for i, reply in zip(indices, replies, strict=True):
+                results[i] = reply
+        return results
+
+    def _metrics_parts(self, batch: MetricsBatch, pass_text: str, shards: int) -> list[tuple[list[str], list[str]]]:
+        """(KEYS, ARGV) of each shard's script run, the pass part first."""
+        home = pass_shard(batch.batch_id, shards)
+        by_shard: dict[int, list] = {home: []}
+        for key, usage in sorted(batch.keys.items()):
+            by_shard.setdefault(key_shard(key, shards), []).append((key, usage))
+        parts = []
+        for shard, ordered in by_shard.items():
+            k = self.keys.metrics_shard(shard)
+            keys = [
+                k.applied_batch(batch.batch_id), k.totals, k.workers, k.worker_metrics(batch.host, batch.worker),
+                k.kernel_calls, k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
+                k.toolchains, k.toolchain_metrics(batch.toolchain), *(k.key_hosts(key) for key, _ in ordered),
+            ]  # fmt: skip
+            payload = {
+                "totals": batch.totals if shard == home else {},
+                "kernel_calls": batch.kernel_calls if shard == home else {},
+                "keys": [[key, u.kernel_name, u.usage, u.first_use, u.last_use] for key, u in ordered],
+                "host": batch.host,
+                "member": f"{batch.host}:{batch.worker}",
+                "toolchain": batch.toolchain,
+                "pass": pass_text if shard == home else "",
+                "ttl": APPLIED_MARKER_TTL,
+                "maxlen": PASS_LOG_MAXLEN,
+                "pass_part": shard == home,
+            }
+            # default=str: a value JSON cannot hold reaches the script as a string, which it refuses
+            parts.append((keys, [json.dumps(payload, default=str)]))
+        return parts
+
+    def _shard_count(self, *, writing: bool = False) -> int:
+        """The namespace's number of metrics shards. The first writer fixes it: this backend's setting for a new
+        namespace, 1 for one whose metrics predate sharding (they are shard 0). A reader of a namespace that no
+        batch has reached yet reads 1 shard, and asks again next time."""
+        if self._shards is not None:
+            return self._shards
+        stored = self._call(lambda: self.client.get(self.keys.metrics_shard_count))
+        if stored is None and writing:
+            old = self.keys.metrics_shard(0)
+            before_shards = self._call(lambda: self.client.exists(old.totals) or self.client.exists(old.key_usage))
+            count = 1 if before_shards else self.metrics_shards
+            self._call(lambda: self.client.set(self.keys.metrics_shard_count, count, nx=True))
+            stored = self._call(lambda: self.client.get(self.keys.metrics_shard_count))
+        if stored is None:
+            return 1
+        self._shards = _parsed_shard_count(stored, self.keys.metrics_shard_count)
+        return self._shards
+
+    def _metric_shards(self) -> list[MetricsKeys]:
+        return [self.keys.metrics_shard(i) for i in range(self._shard_count())]
+
+    # -- fleet metrics (summed over the shards) ----------------------------------------------------
     def _float_hash(self, name: str) -> dict[str, float]:
         return {text(k): stored_number(v) for k, v in self._stream(lambda: self.client.hscan_iter(name, count=1000))}
 
+    def _summed_hashes(self, names: Sequence[str]) -> dict[str, float]:
+        """Field-wise sums of the hashes `names` (one per shard), read in one pipeline."""
+        return _summed(self._pipeline(lambda pipe: [pipe.hgetall(name) for name in names]))
+
+    def _members(self, name_of: Callable[[MetricsKeys], str]) -> list[str]:
+        """The union of one set per shard, sorted."""
+        found: set[str] = set()
+        for shard in self._metric_shards():
+            found.update(text(m) for m in self._stream(lambda s=shard: self.client.sscan_iter(name_of(s), count=1000)))
+        return sorted(found)
+
     def totals(self) -> dict[str, float]:
-        return self._float_hash(self.keys.totals)
+        return self._summed_hashes([shard.totals for shard in self._metric_shards()])
 
     def workers(self) -> Iterator[tuple[str, str, dict[str, float]]]:
-        members = self._stream(lambda: self.client.sscan_iter(self.keys.workers, count=1000))
-        for batch in batched(text(m) for m in members):
-            pairs = [member.partition(":")[::2] for member in batch]
-            hashes = self._pipeline(lambda pipe, p=pairs: [pipe.hgetall(self.keys.worker_metrics(h, w)) for h, w in p])
-            for (host, worker), values in zip(pairs, hashes, strict=True):
-                yield host, worker, {text(k): stored_number(v) for k, v in values.items()}
+        shards = self._metric_shards()
+        # Many workers' hashes per pipeline: one round trip per batch of workers, not per worker.
+        for group in batched(self._members(lambda shard: shard.workers), max(1, BATCH // len(shards))):
+            pairs = [member.partition(":")[::2] for member in group]
+            names = [shard.worker_metrics(host, worker) for host, worker in pairs for shard in shards]
+            hashes = iter(self._pipeline(lambda pipe, n=names: [pipe.hgetall(name) for name in n]))
+            for host, worker in pairs:
+                yield host, worker, _summed([next(hashes) for _ in shards])
 
     def toolchains(self) -> dict[str, dict[str, float]]:
-        members = self._stream(lambda: self.client.sscan_iter(self.keys.toolchains, count=1000))
-        found: dict[str, dict[str, float]] = {}
-        for batch in batched(text(m) for m in members):
-            hashes = self._pipeline(lambda pipe, b=batch: [pipe.hgetall(self.keys.toolchain_metrics(t)) for t in b])
-            for toolchain, values in zip(batch, hashes, strict=True):
-                found[toolchain] = {text(k): stored_number(v) for k, v in values.items()}
-        return dict(sorted(found.items()))
+        shards = self._metric_shards()
+        return {toolchain: self._summed_hashes([shard.toolchain_metrics(toolchain) for shard in shards])
+                for toolchain in self._members(lambda shard: shard.toolchains)}  # fmt: skip
 
     def kernels(self) -> dict[str, dict[str, int]]:
-        calls = self._float_hash(self.keys.kernel_calls)
-        variants = self._float_hash(self.keys.kernel_variants)
+        shards = self._metric_shards()
+        calls = self._summed_hashes([shard.kernel_calls for shard in shards])
+        # A cache key's usage lives in one shard only, so its variant is counted there once: the sum is exact.
+        variants = self._summed_hashes([shard.kernel_variants for shard in shards])
         return {
             name: {"call_count": int(calls.get(name, 0)), "variants": int(variants.get(name, 0))}
             for name in sorted(set(calls) | set(variants))
         }
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
-        for key, usage in self._stream(lambda: self.client.hscan_iter(self.keys.key_usage, count=1000)):
-            yield text(key), int(stored_number(usage))
+        for shard in self._metric_shards():
+            for key, usage in self._stream(lambda s=shard: self.client.hscan_iter(s.key_usage, count=1000)):
+                yield text(key), int(stored_number(usage))
 
     def key_count(self) -> int:
-        with redis_errors(self.description):
-            return int(self.client.hlen(self.keys.key_usage))
+        lengths = self._pipeline(lambda pipe: [pipe.hlen(shard.key_usage) for shard in self._metric_shards()])
+        return int(sum(lengths))
+
+    def _by_key_shard(self, cache_keys: Sequence[str]) -> Iterator[tuple[MetricsKeys, list[str]]]:
+        """The keys grouped by the shard that holds them, in chunks of at most BATCH."""
+        count = self._shard_count()
+        groups: dict[int, list[str]] = {}
+        for key in cache_keys:
+            groups.setdefault(key_shard(key, count), []).append(key)
+        for shard, keys in sorted(groups.items()):
+            for chunk in batched(keys):
+                yield self.keys.metrics_shard(shard), chunk
 
     def key_records(self, cache_keys: Sequence[str]) -> dict[str, KeyRecord]:
         found: dict[str, KeyRecord] = {}
-        k = self.keys
-        hashes = (k.key_usage, k.key_kernel, k.key_first, k.key_last)
-        for start in range(0, len(cache_keys), BATCH):
-            chunk = list(cache_keys[start : start + BATCH])
-            usage, kernel, first, last = self._pipeline(lambda pipe, c=chunk: [pipe.hmget(h, c) for h in hashes])
+        for k, chunk in self._by_key_shard(cache_keys):
+            hashes = (k.key_usage, k.key_kernel, k.key_first, k.key_last)
+            usage, kernel, first, last = self._pipeline(lambda pipe, c=chunk, h=hashes: [pipe.hmget(n, c) for n in h])
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
                     found[key] = KeyRecord(key, text(kernel[i]) or "", int(stored_number(usage[i])),
@@ -543,9 +657,8 @@ class RedisBackend:
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
-        for start in range(0, len(cache_keys), BATCH):
-            chunk = list(cache_keys[start : start + BATCH])
-            members = self._pipeline(lambda pipe, c=chunk: [pipe.smembers(self.keys.key_hosts(key)) for key in c])
+        for k, chunk in self._by_key_shard(cache_keys):
+            members = self._pipeline(lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c])
             for key, hosts in zip(chunk, members, strict=True):
                 if hosts:
                     found[key] = sorted(text(h) for h in hosts)
@@ -556,22 +669,32 @@ class RedisBackend:
         return "-" if since is None else str(max(0, int(since * 1000)))
 
     def pass_log_span(self, since: float | None) -> tuple[float, float] | None:
-        with redis_errors(self.description):
-            first = self.client.xrange(self.keys.pass_log, min=self._stream_id(since), count=1)
-            last = self.client.xrevrange(self.keys.pass_log, count=1)
-        if not first or not last:
+        spans = []
+        for shard in self._metric_shards():
+            with redis_errors(self.description):
+                first = self.client.xrange(shard.pass_log, min=self._stream_id(since), count=1)
+                last = self.client.xrevrange(shard.pass_log, count=1)
+            if first and last:
+                spans.append((_record_time(*first[0]), _record_time(*last[0])))
+        if not spans:
             return None
-        return _record_time(*first[0]), _record_time(*last[0])
+        return min(first for first, _ in spans), max(last for _, last in spans)
 
     def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
+        """The shards' logs merged in the order their records were added (each log is in that order)."""
+        logs = [self._shard_pass_log(shard, since) for shard in self._metric_shards()]
+        for _, when, record in heapq.merge(*logs, key=lambda item: item[0]):
+            yield when, record
+
+    def _shard_pass_log(self, shard: MetricsKeys, since: float | None) -> Iterator[tuple[tuple[int, int], float, dict]]:
         start = self._stream_id(since)
         while True:
             with redis_errors(self.description):
-                page = self.client.xrange(self.keys.pass_log, min=start, count=1000)
+                page = self.client.xrange(shard.pass_log, min=start, count=1000)
             for stream_id, fields in page:
                 record = _pass_record(fields)
                 if record is not None:
-                    yield _record_time(stream_id, fields), record
+                    yield _stream_order(stream_id), _record_time(stream_id, fields), record
             if len(page) < 1000:
                 return
             start = "(" + text(page[-1][0])
@@ -635,6 +758,63 @@ class RedisBackend:
 
     def close(self) -> None:
         self._call(self.client.close)
+
+
+def _parsed_shard_count(stored: bytes | str, name: str) -> int:
+    try:
+        count = int(stored)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_METRICS_SHARDS:
+        raise TierError(f"{name} holds {text(stored)!r}, not a shard count from 1 to {MAX_METRICS_SHARDS}")
+    return count
+
+
+def _pipelined_script(
+    client: Any, script: Any, calls: Sequence[tuple[list[str], list[str]]], prelude: Callable[[Any], None]
+) -> list:
+    """EVALSHA of `script` per call in one pipeline of a plain client, after the `prelude` command(s); a server
+    that lacks the script gets it loaded and runs again only the calls it refused. Any other error is raised."""
+    results: list = [None] * len(calls)
+    pending = list(range(len(calls)))
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        if attempt == 0:
+            prelude(pipe)
+        first = len(pipe.command_stack)
+        for i in pending:
+            keys, args = calls[i]
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        missing = []
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies[:first]:
+            if isinstance(reply, Exception):
+                raise reply
+        for i, reply in zip(pending, replies[first:], strict=True):
+            if isinstance(reply, rex.NoScriptError) and attempt == 0:
+                missing.append(i)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                results[i] = reply
+        if not missing:
+            break
+        client.script_load(script.script)
+        pending = missing
+    return results
+
+
+def _summed(hashes: Sequence[dict]) -> dict[str, float]:
+    summed: dict[str, float] = {}
+    for values in hashes:
+        for field, value in values.items():
+            summed[text(field)] = summed.get(text(field), 0.0) + stored_number(value)
+    return summed
+
+
+def _stream_order(stream_id: bytes | str) -> tuple[int, int]:
+    milliseconds, _, sequence = (text(stream_id) or "0-0").partition("-")
+    return int(milliseconds), int(sequence or 0)
 
 
 def text(value: bytes | str | None) -> str | None:

@@ -1,0 +1,144 @@
+"""The Redis tier's fleet metrics in S shards: a pass's own counts go to the shard of its batch id, each cache
+key's to the shard of the key (cachestore.keys). Every part applies exactly once, the readers sum the shards,
+a namespace keeps the shard count its first batch fixed, and one written before sharding reads as 1 shard."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import fakeredis
+import pytest
+from helpers_graphs import metrics_shards
+
+from cachestore.api import KeyUsage, MetricsBatch, TierError
+from cachestore.backends.redis import RedisBackend
+from cachestore.keys import KeySpace, key_shard, pass_shard
+from cachestore.settings import SettingsError, load_settings
+
+KEYS = [f"{i:064x}" for i in range(40)]
+
+
+def backend(server: fakeredis.FakeServer, namespace: str, shards: int = 8) -> RedisBackend:
+    return RedisBackend(fakeredis.FakeRedis(server=server), KeySpace(namespace), metrics_shards=shards)
+
+
+def a_pass(n: int, keys: list[str]) -> MetricsBatch:
+    usage = {key: KeyUsage("softmax", 2, 100.0 + n, 200.0 + n) for key in keys}
+    return MetricsBatch(f"pass-{n}", "host", "w", {"passes": 1, "kernels": 2 * len(keys)},
+                        {"softmax": 2 * len(keys)}, usage, {"graph": f"g{n}", "finished": 1000.0 + n})  # fmt: skip
+
+
+def test_a_batch_spreads_over_the_shards_and_reads_back_summed() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}")
+    for n in range(6):
+        assert tier.apply_metrics(a_pass(n, KEYS[n * 5 : n * 5 + 10]))  # passes overlap by 5 keys
+    shards = metrics_shards(tier.client, tier.keys)
+    assert len(shards) == 8
+    holding = {key: [i for i, s in enumerate(shards) if tier.client.hexists(s.key_usage, key)] for key in KEYS[:35]}
+    assert all(found == [key_shard(key, 8)] for key, found in holding.items())  # each key in its one shard
+    assert len({found[0] for found in holding.values()}) > 4
+    assert tier.totals() == {"passes": 6, "kernels": 120}
+    assert tier.key_count() == 35 and tier.kernels() == {"softmax": {"call_count": 120, "variants": 35}}
+    assert dict(tier.key_usage())[KEYS[5]] == 4 and tier.key_records([KEYS[5]])[KEYS[5]].first_use == 100.0
+    assert [record["graph"] for _, record in tier.pass_log(None)] == [f"g{n}" for n in range(6)]
+    assert tier.pass_log_span(None) is not None
+
+
+def test_a_batch_whose_apply_stopped_half_way_counts_each_part_once_when_retried() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}")
+    batch = a_pass(0, KEYS[:20])
+    parts = tier._metrics_parts(batch, json.dumps(batch.pass_record), tier._shard_count(writing=True))
+    assert len(parts) > 2
+    for keys, args in parts[:2]:  # the process died after two of the parts reached Redis
+        tier._apply_metrics(keys=keys, args=args)
+    assert tier.apply_metrics(batch) is False  # its pass part was applied already
+    assert tier.apply_metrics(batch) is False
+    assert tier.totals() == {"passes": 1, "kernels": 40}
+    assert dict(tier.key_usage()) == dict.fromkeys(KEYS[:20], 2)
+
+
+def test_the_pass_part_goes_to_the_shard_of_the_batch_id() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}", shards=16)
+    tier.apply_metrics(a_pass(3, KEYS[:3]))
+    home = tier.keys.metrics_shard(pass_shard("pass-3", 16))
+    assert tier.client.hgetall(home.totals) == {b"passes": b"1", b"kernels": b"6"}
+    assert [s for s in metrics_shards(tier.client, tier.keys) if tier.client.exists(s.totals)] == [home]
+
+
+def test_the_first_batch_fixes_the_count_and_later_settings_do_not_move_it() -> None:
+    server, namespace = fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}"
+    backend(server, namespace, shards=4).apply_metrics(a_pass(0, KEYS[:10]))
+    later = backend(server, namespace, shards=32)
+    later.apply_metrics(a_pass(1, KEYS[:10]))
+    assert later.client.get(later.keys.metrics_shard_count) == b"4"
+    assert later.key_count() == 10 and dict(later.key_usage()) == dict.fromkeys(KEYS[:10], 4)
+
+
+def test_a_namespace_from_before_sharding_stays_one_shard() -> None:
+    server, namespace = fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}"
+    old = backend(server, namespace)
+    shard0 = old.keys.metrics_shard(0)
+    assert shard0.tag == f"{{{namespace}:v1:metrics}}"  # the tag every key had before sharding
+    old.client.hset(shard0.totals, mapping={"passes": 5, "kernels": 50})
+    old.client.hset(shard0.key_usage, KEYS[0], 7)
+    tier = backend(server, namespace, shards=16)
+    tier.apply_metrics(a_pass(9, KEYS[:2]))
+    assert tier.client.get(tier.keys.metrics_shard_count) == b"1"
+    assert tier.totals() == {"passes": 6, "kernels": 54} and dict(tier.key_usage())[KEYS[0]] == 9
+
+
+def test_a_reader_of_a_new_namespace_reads_one_shard_and_writes_nothing() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}")
+    assert tier.totals() == {} and tier.key_count() == 0 and list(tier.pass_log(None)) == []
+    assert tier.client.keys("*") == []
+
+
+def test_a_shard_count_that_is_no_count_is_a_one_line_error() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}")
+    tier.client.set(tier.keys.metrics_shard_count, "lots")
+    with pytest.raises(TierError, match=r"metrics-shards holds 'lots', not a shard count from 1 to 1024"):
+        tier.totals()
+
+
+@pytest.mark.parametrize("value", ["0", "1025", "two"])
+def test_the_setting_is_checked(value: str) -> None:
+    with pytest.raises(SettingsError, match="metrics_shards"):
+        load_settings(environ={"NKICACHE_METRICS_SHARDS": value})
+
+
+def test_a_server_that_lost_the_script_gets_it_again_and_counts_each_part_once() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}")
+    tier.apply_metrics(a_pass(0, KEYS[:10]))
+    tier.client.script_flush()  # a restarted server, or a failover to a replica that never ran it
+    assert tier.apply_metrics(a_pass(1, KEYS[:10])) is True
+    assert tier.totals() == {"passes": 2, "kernels": 40} and dict(tier.key_usage()) == dict.fromkeys(KEYS[:10], 4)
+
+
+def test_one_round_trip_per_pass_however_many_variants_it_used() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}", shards=64)
+    tier.apply_metrics(a_pass(0, KEYS[:1]))  # fixes the shard count (two reads and a write, once per process)
+    sent: list[int] = []
+    execute = tier.client.pipeline
+
+    def counting_pipeline(*args, **kwargs):
+        pipe = execute(*args, **kwargs)
+        run = pipe.execute
+        pipe.execute = lambda *a, **k: (sent.append(len(pipe.command_stack)), run(*a, **k))[1]
+        return pipe
+
+    tier.client.pipeline = counting_pipeline
+    for n, variants in enumerate((1, 10, 40), start=1):
+        tier.apply_metrics(a_pass(n, KEYS[:variants]))
+    assert len(sent) == 3  # one pipeline per pass: the shard count kept, then one script run per shard touched
+    assert sent[0] <= 3 < sent[1] < sent[2]
+
+
+def test_a_flushed_server_learns_the_shard_count_again_from_the_next_batch() -> None:
+    tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}", shards=16)
+    tier.apply_metrics(a_pass(0, KEYS[:10]))
+    tier.client.flushall()  # a restart without persistence: this process still writes 16 shards
+    tier.apply_metrics(a_pass(1, KEYS[:10]))
+    reader = backend(fakeredis.FakeServer(), "unused")
+    reader.client, reader.keys = tier.client, tier.keys
+    assert reader.key_count() == 10 and reader.totals() == {"passes": 1, "kernels": 20}
