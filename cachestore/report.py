@@ -1,8 +1,9 @@
 """The fleet report: what every pass on every machine told the tier, read back and summed.
 
 Totals and the per-worker counters are the fleet metrics' sums (`cachestore.client` applies one batch
-per pass, exactly once). The hit rate is computed from summed counts, (cache_hits + remote_hits) / kernels,
-never averaged from rates. Per kernel name, `call_count` and `variants` are what the specification's
+per pass, exactly once). The two hit rates (bridge.port) are computed from summed counts, never averaged from
+rates: the shared cache's, remote_hits / tier_lookups, and the in-pass one, cache_hits / kernels.
+Per kernel name, `call_count` and `variants` are what the specification's
 `_export_new_nki_fe_metrics` records, fleet-wide. The top variants carry their operand and result shapes
 from the stored entries, like the specification's statistics report. The timeline buckets the pass log.
 
@@ -19,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from bridge.port import hit_rate
+from bridge.port import hit_rates
 from cachestore.api import TOTAL_COUNTERS, Reader
 
 SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
-TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces")
+TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits", "traces")
 # Bucket widths the timeline chooses from: the smallest giving at most MAX_BUCKETS buckets.
 BUCKET_WIDTHS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)
 MAX_BUCKETS = 48
@@ -31,13 +32,13 @@ TOP_VARIANTS = 10
 
 
 def counters(values: dict[str, float]) -> dict[str, float]:
-    """Every total counter (0 when absent), integers as int, seconds as float, and the hit rate."""
+    """Every total counter (0 when absent), integers as int, seconds as float, and the two hit rates (the
+    shared cache's None when nothing asked the tier)."""
     out: dict[str, float] = {}
     for name in TOTAL_COUNTERS:
         value = _number(values.get(name, 0))
         out[name] = round(value, 6) if name in SECONDS_COUNTERS else round(value)
-    out["hit_rate"] = round(hit_rate(out), 6)
-    return out
+    return out | hit_rates(out)
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Bucket:
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
 
     def as_json(self) -> dict:
-        return {"start": self.start, "end": self.end, **self.counts, "hit_rate": round(hit_rate(self.counts), 6)}
+        return {"start": self.start, "end": self.end, **self.counts, **hit_rates(self.counts)}
 
 
 @dataclass

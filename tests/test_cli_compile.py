@@ -128,8 +128,9 @@ def test_compile_text_summary(tmp_path: Path) -> None:
     assert lines[0].startswith(
         f"[1/1] {GRAPHS / 'attention_tiles.json'} -> {tmp_path / 'attention-tiles.nkibb'}: Trn2, "
     )
-    assert "5 kernels, 2 hits, 3 misses, 0 remote hits, 3 traces" in lines[0]
-    assert lines[1].startswith("1 pass (1 compiled, 0 failed): 5 kernels, 2 hits, 3 misses, 0 remote hits, 3 traces")
+    assert "5 kernels, 2 in-pass hits, 0 remote hits, 3 traces" in lines[0]
+    assert lines[1].startswith("1 pass (1 compiled, 0 failed): 5 kernels, 2 in-pass hits, 0 remote hits, 3 traces; "
+                               "shared-cache hit rate 0% (0 of 3 tier lookups), in-pass hit rate 40%; ")  # fmt: skip
 
 
 def test_compile_failures_are_one_line_each_and_others_still_compile(tmp_path: Path) -> None:

@@ -83,7 +83,8 @@ def test_two_workers_compile_a_workload_and_a_second_run_traces_nothing(tmp_path
     assert warm["traces"] == 0 and warm["compile_seconds"] == 0
     assert warm["remote_hits"] == warm["cache_misses"] == cold["cache_misses"]
     assert (warm["kernels"], warm["cache_hits"]) == (cold["kernels"], cold["cache_hits"])
-    assert warm["hit_rate"] == 1.0
+    assert warm["shared_hit_rate"] == 1.0 and warm["tier_lookups"] == warm["cache_misses"]
+    assert warm["in_pass_hit_rate"] == round(warm["cache_hits"] / warm["kernels"], 4)
     for cold_pass, warm_pass in zip(cold["graphs"], warm["graphs"], strict=True):
         assert warm_pass["file"] == cold_pass["file"]
         assert (warm_pass["traces"], warm_pass["remote_hits"]) == (0, cold_pass["cache_misses"])

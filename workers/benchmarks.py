@@ -366,9 +366,8 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
         reader.close()
     warmed = nkicache("warm", "--tier", tier, "--top", str(variants), "--workers", "2", new=True)
     first = nkicache("compile", str(graphs), "--out", str(work / "upgrade-new"), "--tier", tier, new=True)
-    lookups = first["cache_misses"]  # every in-pass miss asks the tier
     return {
-        "upgrade_first_pass_hit_rate": first["remote_hits"] / lookups if lookups else 0.0,
+        "upgrade_first_pass_hit_rate": first["shared_hit_rate"] or 0.0,
         "warm_seconds_per_variant": warmed["seconds"] / max(1, warmed["traced"]),
         "cold_seconds_per_trace": old["compile_seconds"] / max(1, old["traces"]),
         "variants": variants,

@@ -225,9 +225,14 @@ def compile_command(
     one line on stderr naming the file, the op and the cause; the other graphs are still compiled and
     the exit code is 1. A tier that is down costs counted errors, never a failed compile.
 
-    --json keys: passes, compiled, kernels, cache_hits, cache_misses, remote_hits, traces (beta3
+    Two hit rates, never mixed: the shared-cache hit rate (remote_hits / tier_lookups: what the tier answered
+    of the in-pass misses that asked it; n/a, null in JSON, when none did, as with --tier off) and the in-pass
+    hit rate (the specification's cache_hits / kernels: the pass's own cache, which needs no tier).
+
+    --json keys: passes, compiled, kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces (beta3
     compiles actually run), compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
-    tier_rejected, tier_dropped, hit_rate, seconds, workers, tier, tier_mode, interrupted, artifacts,
+    tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, seconds, workers, tier, tier_mode,
+    interrupted, artifacts,
     failed ([{file, error}]) and graphs (the same figures per pass). tier_dropped counts every write that did
     not reach the tier, the ones still queued when the compile ends with the tier down included: those are
     in the totals only, no pass's figures hold them.

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from bridge.port import hit_rate
+from bridge.port import HIT_RATE_WORDS, IN_PASS_HIT_RATE, SHARED_HIT_RATE, format_rate, hit_rates
 from cachestore.api import redact_url
 
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
@@ -69,15 +69,31 @@ def plural(count: float, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"
 
 
+def rates_text(counts: dict) -> str:
+    """The two hit rates in words, the shared cache's first: 'shared-cache hit rate 75% (3 of 4 tier lookups),
+    in-pass hit rate 40%'; n/a when nothing asked the tier."""
+    rates = hit_rates(counts)
+    lookups = int(counts.get("tier_lookups", 0))
+    shared = (
+        f"{format_rate(rates[SHARED_HIT_RATE], 0)} ({int(counts.get('remote_hits', 0))} of {lookups} tier lookups)"
+        if lookups
+        else "n/a (no tier lookups)"
+    )
+    return (
+        f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {shared}, "
+        f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(rates[IN_PASS_HIT_RATE], 0)}"
+    )
+
+
 def summary_line(passes: int, failed: int, totals: dict, seconds: float) -> str:
     return (
         f"{plural(passes, 'pass')} ({passes - failed} compiled, {failed} failed): "
-        f"{plural(totals['kernels'], 'kernel')}, {plural(totals['cache_hits'], 'hit')}, "
-        f"{plural(totals['cache_misses'], 'miss')}, {plural(totals['remote_hits'], 'remote hit')}, "
-        f"{plural(totals['traces'], 'trace')}, hit rate {hit_rate(totals):.0%}, "
-        f"compile {totals['compile_seconds']:.2f} s, saved {totals['saved_seconds']:.2f} s, {seconds:.2f} s"
+        f"{plural(totals['kernels'], 'kernel')}, {plural(totals['cache_hits'], 'in-pass hit')}, "
+        f"{plural(totals['remote_hits'], 'remote hit')}, {plural(totals['traces'], 'trace')}; {rates_text(totals)}; "
+        f"compile time {totals['compile_seconds']:.2f} s, saved {totals['saved_seconds']:.2f} s, "
+        f"wall time {seconds:.2f} s"
         + (
-            f", tier: {totals['tier_errors']} errors, {totals['tier_timeouts']} timeouts, "
+            f"; tier: {totals['tier_errors']} errors, {totals['tier_timeouts']} timeouts, "
             f"{totals['tier_rejected']} rejected, {totals['tier_dropped']} writes dropped"
             if totals["tier_errors"] or totals["tier_timeouts"] or totals["tier_rejected"] or totals["tier_dropped"]
             else ""
@@ -119,8 +135,8 @@ def _pass_line(result: Any) -> str:
     c = result.counts
     return (
         f"{result.file} -> {result.artifact}: {result.target}, {plural(c['kernels'], 'kernel')}, "
-        f"{plural(c['cache_hits'], 'hit')}, {plural(c['cache_misses'], 'miss')}, "
-        f"{plural(c['remote_hits'], 'remote hit')}, {plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
+        f"{plural(c['cache_hits'], 'in-pass hit')}, {plural(c['remote_hits'], 'remote hit')}, "
+        f"{plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
     )
 
 
@@ -153,7 +169,7 @@ def compile_and_summarize(
         "passes": len(results),
         "compiled": len(results) - len(failed),
         **totals,
-        "hit_rate": round(hit_rate(totals), 4),
+        **hit_rates(totals, digits=4),
         "seconds": seconds,
         "workers": workers,
         "tier": redact_url(settings.tier) if settings.tier_mode != "off" else "off",

@@ -78,16 +78,18 @@ def report_command(
     toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
     variants with their shapes, and the hit rate over time from the pass log.
 
-    Hit rates are (cache_hits + remote_hits) / kernels from summed counts. Totals cover every pass;
-    --since limits the timeline.
+    Two hit rates, from summed counts: the shared-cache hit rate (remote_hits / tier_lookups, the headline;
+    n/a, null in JSON, when nothing asked the tier) and the in-pass hit rate (the specification's
+    cache_hits / kernels). Totals cover every pass; --since limits the timeline.
 
     --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
-    traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts, tier_rejected,
-    tier_dropped, hit_rate, as `nkicache compile --json`), per_host ({host: {totals, workers: {worker:
-    {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the passes of each compiler, so an
-    upgrade's cold start shows as such), per_kernel ({name: {call_count, variants}}), variants,
-    kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits,
-    cache_misses, remote_hits, traces, hit_rate}]), window (the timeline's summed counts).
+    tier_lookups, traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
+    tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, as `nkicache compile --json`), per_host
+    ({host: {totals, workers: {worker: {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the
+    passes of each compiler, so an upgrade's cold start shows as such), per_kernel ({name: {call_count,
+    variants}}), variants, kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes,
+    kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces, shared_hit_rate,
+    in_pass_hit_rate}]), window (the timeline's summed counts).
     """
     from cachestore.api import open_backend
     from cachestore.report import build_report
@@ -112,7 +114,7 @@ def report_command(
     elif html_file:
         click.echo(f"wrote {html_file}")
     else:
-        click.echo(render_text(report, width=_terminal_width()), nl=False)
+        click.echo(render_text(report, width=_terminal_width(), ascii_only=not sys.stdout.isatty()), nl=False)
 
 
 def _terminal_width() -> int | None:
@@ -333,7 +335,12 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     if as_json:
         echo_json(usage, indent=2)
         return
-    table = Table(title="Storage by kernel", title_justify="left")
+    from rich import box
+
+    # Box drawing on a terminal; ASCII when piped or redirected, where it may reach a file or another program.
+    table = Table(
+        title="Storage by kernel", title_justify="left", box=box.HEAVY_HEAD if sys.stdout.isatty() else box.ASCII
+    )
     columns = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
     table.add_column("kernel")
     for column in columns:
