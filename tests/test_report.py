@@ -366,11 +366,19 @@ def test_json_text_refuses_a_non_finite_number_by_name() -> None:
             json_text(bad)
 
 
-def test_a_missing_local_tier_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = nkicache(None, "report", "--tier", f"local:{tmp_path / 'nothing.sqlite'}")
-    assert result.exit_code == 2
-    assert result.stderr.strip() == f"nkicache: error: no local tier at {tmp_path / 'nothing.sqlite'}"
+def test_a_fresh_machine_reports_zeros_in_every_format(tmp_path: Path) -> None:
+    """No local tier yet (nothing compiled): zeros and exit 0, as sccache -s, not an error."""
+    missing = f"local:{tmp_path / 'nothing.sqlite'}"
+    text = nkicache(None, "report", "--tier", missing)
+    assert text.exit_code == 0, text.output
+    assert "not created yet" in text.stdout and "No passes in the pass log." in text.stdout
+    report = json.loads(nkicache(None, "report", "--tier", missing, "--json").stdout)
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    exposition = nkicache(None, "report", "--tier", missing, "--prometheus")
+    assert exposition.exit_code == 0 and "nkicache_passes_total 0.0" in exposition.stdout
     assert not (tmp_path / "nothing.sqlite").exists()  # reading never creates a tier
+    # The default tier of a fresh machine (no config, nothing compiled) the same.
+    assert nkicache(None, "report", "--json").exit_code == 0
 
 
 def test_report_flags_are_checked(tmp_path: Path) -> None:

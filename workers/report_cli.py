@@ -91,7 +91,6 @@ def report_command(
     kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces, shared_hit_rate,
     in_pass_hit_rate}]), window (the timeline's summed counts).
     """
-    from cachestore.api import open_backend
     from cachestore.report import build_report
     from cachestore.report_render import render_html, render_json, render_prometheus, render_text, require_matplotlib
 
@@ -99,12 +98,9 @@ def report_command(
         raise click.UsageError("--json and --prometheus are two different outputs; choose one")
     if html_file:
         require_matplotlib()  # before reading the tier, which can take a while, only to fail at the end
-    reader = open_backend(_settings(tier), reading=True)
-    try:
+    with _report_reader(_settings(tier)) as reader:
         report = build_report(reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None,
                               timeline=not prometheus)  # fmt: skip
-    finally:
-        reader.close()
     if html_file:
         _write_atomically(Path(html_file), render_html(report))
     if as_json:
@@ -115,6 +111,33 @@ def report_command(
         click.echo(f"wrote {html_file}")
     else:
         click.echo(render_text(report, width=_terminal_width(), ascii_only=not sys.stdout.isatty()), nl=False)
+
+
+@contextlib.contextmanager
+def _report_reader(settings: Any) -> Iterator[Any]:
+    """The tier to report on. A local tier that does not exist yet (a fresh machine: nothing compiled) reports
+    zeros, as sccache -s does, instead of an error; reading still never creates it where it was named: an empty
+    one is made in a temporary folder and read instead."""
+    import tempfile
+
+    from cachestore.api import open_backend
+    from cachestore.backends.sqlite import SqliteBackend
+
+    path = Path(settings.tier[len("local:") :]).expanduser() if settings.tier.startswith("local:") else None
+    if path is None or path.exists():
+        reader = open_backend(settings, reading=True)
+        try:
+            yield reader
+        finally:
+            reader.close()
+        return
+    with tempfile.TemporaryDirectory(prefix="nkicache-empty-") as folder:
+        reader = SqliteBackend(Path(folder) / "tier.sqlite")
+        reader.description = f"local:{path} (not created yet: nothing compiled with it)"
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 def _terminal_width() -> int | None:
@@ -188,8 +211,11 @@ def source_options(command: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable: bool = False) -> Iterator[Any]:
-    """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier."""
+def _source(
+    ctx: click.Context, tier: str | None, snapshot: str | None, writable: bool = False, create: bool = False
+) -> Iterator[Any]:
+    """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier.
+    `create`: a local tier that does not exist yet is made (import into a new file), not an error."""
     from cachestore.api import open_backend
     from cachestore.backends.snapshot import SnapshotReader
 
@@ -204,7 +230,7 @@ def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable
             raise click.UsageError("a snapshot is read-only; name a --tier")
         reader = SnapshotReader(snapshot, toolchain)
     else:
-        reader = open_backend(_settings(tier), reading=True, toolchain=toolchain)
+        reader = open_backend(_settings(tier), reading=not create, toolchain=toolchain)
     try:
         yield reader
     finally:
@@ -488,14 +514,15 @@ def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: st
 @click.pass_context
 def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | None) -> None:
     """Write a snapshot's entries into the tier, verifying each first (signature policy, digest, key);
-    entries that fail are reported and skipped (exit 1). Metrics are not imported."""
+    entries that fail are reported and skipped (exit 1). Metrics are not imported. A local tier that does not
+    exist yet is created."""
     from bridge.codegen import cache_key_of_stored
     from cachestore.backends.snapshot import SnapshotReader
     from cachestore.inspect import import_snapshot
 
     policy, settings = _policy(tier)
     snapshot = SnapshotReader(file)
-    with _source(ctx, tier, None, writable=True) as target:
+    with _source(ctx, tier, None, writable=True, create=True) as target:
         result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
                                  max_bytes=settings.max_entry_bytes)  # fmt: skip
     if as_json:
