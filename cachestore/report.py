@@ -81,6 +81,7 @@ class FleetReport:
     bucket_seconds: int = 0
     timeline: list[Bucket] = field(default_factory=list)
     window: dict[str, float] = field(default_factory=dict)  # the pass log summed over the timeline's span
+    zeroed: list[dict] = field(default_factory=list)  # `report --zero` records in the pass log: {when, host, worker}
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +98,7 @@ class FleetReport:
             "bucket_seconds": self.bucket_seconds,
             "timeline": [b.as_json() for b in self.timeline],
             "window": self.window,
+            "zeroed": self.zeroed,
         }
 
 
@@ -123,7 +125,8 @@ def build_report(
     if top > 0:
         report.top_variants = top_variants(reader, top)
     if timeline:
-        report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds)
+        report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds,
+                                                                              report.zeroed)  # fmt: skip
     return report
 
 
@@ -173,11 +176,21 @@ def choose_bucket(span: float) -> int:
     return BUCKET_WIDTHS[-1]
 
 
+ZEROED_EVENT = "zeroed"  # the pass-log record `report --zero` leaves: {"event": "zeroed", "finished", "host", ...}
+
+
+def zero_record(host: str, worker: str, previous: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """What the pass log keeps of a `report --zero`: when, by whom, and the counters it zeroed."""
+    return {"event": ZEROED_EVENT, "finished": time.time() if now is None else now, "host": host, "worker": worker,
+            "previous": previous}  # fmt: skip
+
+
 def pass_timeline(
-    reader: Reader, since: float | None, bucket_seconds: int | None = None
+    reader: Reader, since: float | None, bucket_seconds: int | None = None, zeroed: list[dict] | None = None
 ) -> tuple[int, list[Bucket], dict[str, float]]:
     """(bucket width, buckets from the first to the last pass, the window's summed counts): passes are
-    placed by when they finished; empty buckets are kept, so the time axis is even."""
+    placed by when they finished; empty buckets are kept, so the time axis is even. The `report --zero`
+    records found on the way are appended to `zeroed` (they count nothing)."""
     span = reader.pass_log_span(since)
     if span is None:
         return bucket_seconds or 0, [], counters({})
@@ -192,6 +205,12 @@ def pass_timeline(
     window: dict[str, float] = {}
     for when, record in reader.pass_log(since):
         if since is not None and when < since:
+            continue
+        if record.get("event") == ZEROED_EVENT:
+            if zeroed is not None:
+                zeroed.append(
+                    {"when": when, "host": str(record.get("host", "")), "worker": str(record.get("worker", ""))}
+                )
             continue
         index = min(max(int((when - origin) // width), 0), count - 1)
         for name in TIMELINE_COUNTERS:

@@ -208,6 +208,8 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             timeline.add_row(when(bucket.start), *_timeline_cells(bucket.counts), bar)
         yield timeline
         window = report.window
+        for event in report.zeroed:
+            yield f"Counters zeroed {when(event['when'])} by {event['host']}/{event['worker']} (nkicache report --zero)"
         yield (f"In these buckets: {window['passes']:,} passes, {window['kernels']:,} kernels, "
                f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
                f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}")  # fmt: skip

@@ -451,3 +451,33 @@ def test_durations_times_and_sizes() -> None:
     for bad, parse in (("soon", parse_duration), ("yesterday", parse_since), ("12 apples", parse_size)):
         with pytest.raises(ValueError):
             parse(bad)
+
+
+# -- report --zero ----------------------------------------------------------------------------------------------
+def test_zero_resets_the_counters_and_the_pass_log_shows_it(fleet: tuple[Tier, list]) -> None:
+    tier, _ = fleet
+    zeroed = nkicache(tier, "report", "--zero", "--json", env={"NKICACHE_HOST": "ops", "NKICACHE_WORKER": "alice"})
+    assert zeroed.exit_code == 0, zeroed.output
+    answer = json.loads(zeroed.stdout)
+    assert answer["zeroed"] is True
+    assert {name: answer["previous"][name] for name in EXPECTED_TOTALS} == EXPECTED_TOTALS
+
+    report = report_json(tier)
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    assert report["per_host"] == {} and report["per_toolchain"] == {}
+    # History and what gc and warm rank by are kept: the pass log, the per-kernel counts, the key usage.
+    assert sum(b["passes"] for b in report["timeline"]) == 3
+    assert report["per_kernel"] == EXPECTED_KERNELS and report["variants"] == EXPECTED_VARIANTS
+    assert [(z["host"], z["worker"]) for z in report["zeroed"]] == [("ops", "alice")]
+    assert report["zeroed"][0]["when"] == pytest.approx(answer["when"], abs=1)
+    assert "Counters zeroed " in nkicache(tier, "report").stdout and "by ops/alice" in nkicache(tier, "report").stdout
+
+    run_known_fleet(tier)  # counting starts again from 0
+    after = report_json(tier)
+    # The same passes, now warm: every tier lookup is a remote hit, nothing is traced.
+    warm = {**EXPECTED_TOTALS, "remote_hits": EXPECTED_TOTALS["tier_lookups"], "traces": 0}
+    assert {name: after["totals"][name] for name in EXPECTED_TOTALS} == warm
+
+
+def test_zero_makes_no_report(tmp_path: Path) -> None:
+    assert nkicache(None, "report", "--zero", "--prometheus").exit_code == 2

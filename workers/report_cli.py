@@ -70,13 +70,21 @@ def _size(value: str) -> int:
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Write a self-contained HTML page with plots to FILE (needs the html extra: "
                    "pip install 'nkicache[html]').")  # fmt: skip
+@click.option("--zero", is_flag=True,
+              help="Zero the fleet counters (as sccache -z / ccache -z) instead of reporting; the pass log records "
+                   "when and by whom. Entries, key usage and per-kernel counts are kept.")  # fmt: skip
 def report_command(
     tier: str | None, since: float | None, top: int, bucket: float | None, as_json: bool, prometheus: bool,
-    html_file: str | None,
+    html_file: str | None, zero: bool,
 ) -> None:  # fmt: skip
     """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
     toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
     variants with their shapes, and the hit rate over time from the pass log.
+
+    --zero zeroes the counters instead (as sccache -z): totals, per host and worker and per toolchain start
+    again from 0, and the pass log keeps a record of it, which the report's timeline shows ("zeroed" in
+    --json: [{when, host, worker}]). Entries, key usage (which gc and warm rank by) and per-kernel counts
+    are kept.
 
     Two hit rates, from summed counts: the shared-cache hit rate (remote_hits / tier_lookups, the headline;
     n/a, null in JSON, when nothing asked the tier) and the in-pass hit rate (the specification's
@@ -96,6 +104,11 @@ def report_command(
 
     if as_json and prometheus:
         raise click.UsageError("--json and --prometheus are two different outputs; choose one")
+    if zero:
+        if prometheus or html_file:
+            raise click.UsageError("--zero prints what it zeroed (or --json); it makes no report")
+        _zero(_settings(tier), as_json)
+        return
     if html_file:
         require_matplotlib()  # before reading the tier, which can take a while, only to fail at the end
     with _report_reader(_settings(tier)) as reader:
@@ -111,6 +124,26 @@ def report_command(
         click.echo(f"wrote {html_file}")
     else:
         click.echo(render_text(report, width=_terminal_width(), ascii_only=not sys.stdout.isatty()), nl=False)
+
+
+def _zero(settings: Any, as_json: bool) -> None:
+    """`report --zero`: the fleet counters start again from 0; the pass log keeps a record of it (and of the
+    counters it zeroed), so the report's history shows when the counts were reset and by whom."""
+    from cachestore.api import open_backend
+    from cachestore.report import counters, zero_record
+
+    reader = open_backend(settings, reading=True)
+    try:
+        previous = counters(reader.totals())
+        record = zero_record(settings.host, settings.worker, previous)
+        reader.zero_counters(record)
+    finally:
+        reader.close()
+    if as_json:
+        echo_json({"zeroed": True, "tier": reader.description, "when": record["finished"], "previous": previous})
+    else:
+        click.echo(f"zeroed the fleet counters of {reader.description} (they held {int(previous['passes']):,} passes, "
+                   f"{int(previous['kernels']):,} kernels); the pass log records it")  # fmt: skip
 
 
 @contextlib.contextmanager

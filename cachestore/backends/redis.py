@@ -64,6 +64,12 @@ T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
+# `report --zero`: KEYS[1] the pass log, KEYS[2..] the counter hashes and the sets naming them; ARGV[1] the record.
+ZERO_COUNTERS_LUA = """
+redis.call('DEL', unpack(KEYS, 2))
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'pass', ARGV[1])
+return 1
+"""
 # Bytes of an entry read before its size is known: entries a compile writes are smaller (a few to a few hundred
 # KiB) and come in one round trip; a refused oversized one costs no more than this.
 FIRST_READ_BYTES = 1 << 20
@@ -252,6 +258,7 @@ class RedisBackend:
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
+        self._zero_counters = client.register_script(ZERO_COUNTERS_LUA)
 
     @classmethod
     def open(cls, settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> RedisBackend:
@@ -571,6 +578,18 @@ class RedisBackend:
             if len(page) < 1000:
                 return
             start = "(" + text(page[-1][0])
+
+    def zero_counters(self, record: dict) -> None:
+        """Zero the fleet counters (totals, per worker, per toolchain) and append `record` to the pass log, in one
+        script run (every key declared, all in the metrics slot); entries, key usage, per-kernel counts and the
+        pass log are kept."""
+        k = self.keys
+        workers = [text(m) for m in self._call(lambda: self.client.smembers(k.workers))]
+        toolchains = [text(m) for m in self._call(lambda: self.client.smembers(k.toolchains))]
+        hashes = [k.worker_metrics(*m.partition(":")[::2]) for m in workers]
+        hashes += [k.toolchain_metrics(t) for t in toolchains]
+        keys = [k.pass_log, k.totals, k.workers, k.toolchains, *hashes]
+        self._call(lambda: self._zero_counters(keys=keys, args=[json.dumps(record, sort_keys=True), PASS_LOG_MAXLEN]))
 
     # -- entries ------------------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
