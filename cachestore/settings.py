@@ -54,7 +54,9 @@ class Settings:
     require_signed: bool = True  # with an HMAC key: reject unsigned entries
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
     host: str = dataclasses.field(default_factory=socket.gethostname)
-    worker: str = dataclasses.field(default_factory=lambda: f"pid{os.getpid()}")
+    # The metrics' worker label: stable, so local runs add to one series per host instead of one per process
+    # (a pid would make a new Prometheus series every run). Fleet workers are named by `worker --name`.
+    worker: str = "local"
     # Secrets: environment or files only.
     hmac_key: bytes | None = dataclasses.field(default=None, repr=False)
     redis_password: str | None = dataclasses.field(default=None, repr=False)
