@@ -96,7 +96,25 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
     ctx.exit()
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+ENVIRONMENT_HELP = """\b
+Settings (`nkicache config` shows each one's value and source), later winning:
+  defaults < a TOML config file < NKICACHE_* environment variables < flags.
+  Config file: $NKICACHE_CONFIG, else ./nkicache.toml, else ~/.config/nkicache/config.toml.
+\b
+Environment variables (NKICACHE_ + the setting's name in capitals):
+  NKICACHE_TIER, NKICACHE_TIER_MODE, NKICACHE_NAMESPACE,
+  NKICACHE_CONNECT_TIMEOUT, NKICACHE_OP_TIMEOUT, NKICACHE_ENTRY_TTL, NKICACHE_MAX_ENTRY_BYTES,
+  NKICACHE_SINGLE_FLIGHT, NKICACHE_LEASE_TTL, NKICACHE_LEASE_WAIT, NKICACHE_BREAKER_COOLDOWN,
+  NKICACHE_FLUSH_INTERVAL, NKICACHE_FINAL_FLUSH_TIMEOUT, NKICACHE_OUTBOX_LIMIT, NKICACHE_JOB_CLAIM_IDLE,
+  NKICACHE_JOB_MAX_ATTEMPTS, NKICACHE_HEARTBEAT_INTERVAL, NKICACHE_REQUIRE_SIGNED,
+  NKICACHE_REJECT_UNVERIFIABLE, NKICACHE_HOST, NKICACHE_WORKER.
+  Secrets, only from the environment: NKICACHE_HMAC_KEY, NKICACHE_REDIS_PASSWORD
+  (or NKICACHE_HMAC_KEY_FILE, NKICACHE_REDIS_PASSWORD_FILE naming a file).
+  NKICACHE_TARGET: the compile target (Trn1, Trn2) of a graph that names none.
+"""
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=ENVIRONMENT_HELP)
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and the toolchain id (the tier keeps binaries apart by it).")  # fmt: skip
 def main() -> None:
@@ -313,13 +331,15 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
 
 def _register() -> None:
     from workers.bench_cli import bench_command
+    from workers.config_cli import config_command
     from workers.fleet_cli import queue_command, submit_command, worker_command
     from workers.quickstart_cli import quickstart_command, workload_command
     from workers.report_cli import inspect_group, report_command, serve_metrics_command
     from workers.warm_cli import warm_command
 
     for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
-                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command):  # fmt: skip
+                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command,
+                    config_command):  # fmt: skip
         main.add_command(command)
 
 
