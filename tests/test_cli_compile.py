@@ -339,3 +339,29 @@ def test_artifacts_are_written_with_the_umask_like_any_output(tmp_path: Path, um
     done = subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(umask), check=False)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "g.nkibb").stat().st_mode & 0o777 == mode
+
+
+def test_on_a_terminal_the_per_graph_lines_stay_when_the_progress_bar_goes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from workers.cli_common import Progress
+
+    class Terminal:
+        def isatty(self) -> bool:
+            return True
+
+        def write(self, text: str) -> int:
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    progress = Progress(2, "compiling", quiet=False)
+    assert progress._bar is not None  # the terminal path: a rich progress bar
+    progress.advance("a.json -> out/a.nkibb: Trn2, 5 kernels")
+    progress.advance("b.json -> out/b.nkibb: Trn2, 3 kernels")
+    progress.close()
+    out = capsys.readouterr().out
+    assert "[1/2] a.json -> out/a.nkibb: Trn2, 5 kernels" in out
+    assert "[2/2] b.json -> out/b.nkibb: Trn2, 3 kernels" in out

@@ -120,6 +120,11 @@ class Progress:
     def advance(self, line: str) -> None:
         self.done += 1
         if self._bar is not None:
+            # Printed above the bar, and kept when the bar goes: an interactive compile says where each
+            # graph's artifact went, as a piped one does.
+            from rich.text import Text
+
+            self._bar.console.print(Text(f"[{self.done}/{self.total}] {line}"), soft_wrap=True)
             self._bar.advance(self._task)
         elif not self.quiet:
             click.echo(f"[{self.done}/{self.total}] {line}")
@@ -141,9 +146,17 @@ def _pass_line(result: Any) -> str:
 
 
 def compile_and_summarize(
-    files: list[str], *, settings: Any, workers: int, out_dir: str, target_name: str | None, as_json: bool
+    files: list[str],
+    *,
+    settings: Any,
+    workers: int,
+    out_dir: str,
+    target_name: str | None,
+    as_json: bool,
+    print_json: bool = True,
 ) -> tuple[dict, bool]:
-    """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed)."""
+    """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed).
+    `print_json=False`: with `as_json`, print nothing (the caller prints one document holding the summary)."""
     from workers.passes import add_counts
     from workers.pool import compile_run
 
@@ -180,7 +193,8 @@ def compile_and_summarize(
         "graphs": [r.as_json() for r in results],
     }
     if as_json:
-        echo_json(summary)
+        if print_json:
+            echo_json(summary)
     else:
         click.echo(summary_line(len(results), len(failed), totals, seconds))
         if interrupted:
