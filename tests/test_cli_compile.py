@@ -271,7 +271,16 @@ def test_run_text_output(compiled: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"{compiled / 'attention-tiles.nkibb'}: attention-tiles (Trn2), 5 instructions")
     assert lines[0].endswith("-> OK")
-    assert lines[1].startswith("  [0] Matmul matmul_tiled: max abs err ") and lines[1].endswith(" ok")
+    assert lines[1:] == ["1 artifact run, 5 kernel outputs checked against numpy references: all OK"]
+    verbose = invoke("run", compiled / "attention-tiles.nkibb", "--check", "-v").stdout.splitlines()
+    assert verbose[1].startswith("  [0] Matmul matmul_tiled: max abs err ") and verbose[1].endswith(" ok")
+    assert len(verbose) == 1 + 5 + 1
+
+
+def test_run_check_on_a_folder_is_a_line_per_artifact_and_a_summary(compiled: Path) -> None:
+    lines = invoke("run", compiled, "--check").stdout.splitlines()
+    assert len(lines) == len(EXPECTED) + 1
+    assert lines[-1] == "3 artifacts run, 15 kernel outputs checked against numpy references: all OK"
 
 
 def test_run_truncated_artifact_is_a_clear_error(compiled: Path, tmp_path: Path) -> None:
@@ -296,6 +305,8 @@ def test_run_check_mismatch_exits_1(compiled: Path, tmp_path: Path) -> None:
     result = invoke("run", path, "--check")
     assert result.exit_code == 1
     assert "MISMATCH" in result.stdout and result.stdout.splitlines()[0].endswith("-> FAILED")
+    assert result.stdout.splitlines()[-1].endswith(": 1 MISMATCHED in 1 artifact")
+    assert sum(line.split()[-1] == "ok" for line in result.stdout.splitlines()) == 0  # only the mismatch listed
     assert invoke("run", path).exit_code == 0  # without --check nothing is compared
 
 

@@ -276,14 +276,16 @@ def compile_command(
 @click.argument("compiled", nargs=-1, required=True, metavar="COMPILED...")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--check", is_flag=True, help="Compare every kernel's outputs with its numpy reference.")
+@click.option("--verbose", "-v", is_flag=True, help="With --check, a line per kernel, not only per mismatch.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
-def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool) -> None:
+def run_command(compiled: tuple[str, ...], seed: int, check: bool, verbose: bool, as_json: bool) -> None:
     """Execute compiled basic blocks (.nkibb files from `nkicache compile`) on seeded random inputs.
 
     A directory stands for its *.nkibb files, sorted. Inputs are valid for the kernels that read them
     (e.g. BlockwiseMatmul token ids and expert map) and the same for the same seed. With --check every
     kernel instruction's outputs are compared with the kernel's numpy reference (float32 tight,
-    bfloat16/float16 loose).
+    bfloat16/float16 loose). Text output: a line per artifact, a line per kernel that does not match (every
+    kernel with --verbose), and a summary line.
 
     Exit code 1 when a check fails or an artifact cannot be loaded or run (each such file is reported as
     one line on stderr naming it).
@@ -322,11 +324,28 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
             )
             if check:
                 for i in kernels:
+                    if i["ok"] and not verbose:
+                        continue
                     err = "n/a" if i["max_abs_err"] is None else f"{i['max_abs_err']:.1e}"
                     verdict = "ok" if i["ok"] else "MISMATCH" + (f" ({i['error']})" if i["error"] else "")
                     click.echo(f"  [{i['index']}] {i['func_name']} {i['name']}: max abs err {err} {verdict}")
+        click.echo(_run_summary(ran, failed, check))
     if not ok:
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _run_summary(ran: list[dict], failed: list[dict], check: bool) -> str:
+    """'12 artifacts run, 210 kernel outputs checked: all OK' (or how many mismatched, and in how many)."""
+    kernels = [i for r in ran for i in r["instructions"] if i["func_name"] is not None]
+    line = f"{plural(len(ran), 'artifact')} run"
+    if check:
+        bad = sum(1 for i in kernels if not i["ok"])
+        bad_artifacts = sum(1 for r in ran if not r["ok"])
+        verdict = "all OK" if not bad else f"{bad} MISMATCHED in {plural(bad_artifacts, 'artifact')}"
+        line += f", {len(kernels)} kernel outputs checked against numpy references: {verdict}"
+    if failed:
+        line += f"; {len(failed)} could not be loaded or run"
+    return line
 
 
 def _register() -> None:
