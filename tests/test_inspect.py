@@ -568,7 +568,8 @@ def test_export_and_import_keep_each_toolchain_apart(fleet: Tier, tmp_path: Path
 def test_import_into_a_new_local_file_creates_the_tier(fleet: Tier, tmp_path: Path) -> None:
     """A fresh machine seeded from a snapshot: the local tier file does not exist yet, and import makes it."""
     snapshot = tmp_path / "seed.snapshot"
-    assert nkicache(fleet, "inspect", "export", str(snapshot)).exit_code == 0
+    exported = nkicache(fleet, "inspect", "export", str(snapshot), "--json")
+    assert json.loads(exported.stdout) == {"exported": EXPECTED_VARIANTS, "file": str(snapshot)}
     into = tmp_path / "new" / "tier.sqlite"
     result = nkicache(None, "inspect", "import", str(snapshot), "--tier", f"local:{into}", "--json",
                       env={"NKICACHE_NAMESPACE": fleet.namespace})  # fmt: skip

@@ -24,13 +24,17 @@ from workers.cli_common import (
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the graphs.")
 @click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graph files to write.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="The same seed writes the same files.")
-def workload_command(out_dir: str, models: int, seed: int) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print {out, models, seed, graphs: [path]}.")
+def workload_command(out_dir: str, models: int, seed: int, as_json: bool) -> None:
     """Write realistic graph files: MoE transformer layers and UNet-like blocks, with layers repeated
     inside a model and shapes shared across models in a Zipf-like way (docs/workload.md)."""
     from workers.workload import generate_workload
 
     paths = generate_workload(out_dir, models, seed)
-    click.echo(f"{len(paths)} graphs written to {out_dir}")
+    if as_json:
+        echo_json({"out": str(out_dir), "models": models, "seed": seed, "graphs": [str(p) for p in paths]})
+    else:
+        click.echo(f"{len(paths)} graphs written to {out_dir}")
 
 
 @click.command("quickstart")

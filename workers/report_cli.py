@@ -529,15 +529,19 @@ def _load_components(text: str) -> dict:
 
 @inspect_group.command("export")
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print {exported, file}.")
 @source_options
 @click.pass_context
-def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: str | None) -> None:
+def export_command(ctx: click.Context, file: str, as_json: bool, tier: str | None, snapshot: str | None) -> None:
     """Write every entry (still encoded, signatures kept) and its usage to a msgpack snapshot FILE."""
     from cachestore.backends.snapshot import write_snapshot
 
     with _source(ctx, tier, snapshot) as reader:
         count = write_snapshot(reader, file)
-    click.echo(f"exported {count} entries to {file}")
+    if as_json:
+        echo_json({"exported": count, "file": file})
+    else:
+        click.echo(f"exported {count} entries to {file}")
 
 
 @inspect_group.command("import")
