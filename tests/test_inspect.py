@@ -141,7 +141,9 @@ def test_du_counts_storage_by_kernel_and_the_dedupe_saving(fleet: Tier) -> None:
     assert usage["total"]["bytes"] == sum(len(v) for v in raw_values(fleet).values())
     assert usage["distinct_binaries"] == EXPECTED_VARIANTS and usage["dangling_references"] == 0
     assert usage["kernels"]["matmul_tiled"]["entries"] == 4
-    assert "softmax" in nkicache(fleet, "inspect", "du").stdout
+    du = nkicache(fleet, "inspect", "du").stdout
+    assert "softmax" in du
+    assert "| softmax" in du and not any(c in du for c in "│┃━")  # piped: an ASCII table
     assert cli_json(fleet, "show", duplicate)["binary_bytes"] == binary
 
 

@@ -79,7 +79,7 @@ def report_command(
 ) -> None:  # fmt: skip
     """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
     toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
-    variants with their shapes, and the hit rate over time from the pass log.
+    variants with their shapes, and the hit rates over time from the pass log.
 
     --zero zeroes the counters instead (as sccache -z): totals, per host and worker and per toolchain start
     again from 0, and the pass log keeps a record of it, which the report's timeline shows ("zeroed" in
