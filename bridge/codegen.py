@@ -63,6 +63,7 @@ class BirCodeGenLoop:
         self.nki_frontend_setting: str | None = None
         # The persistent tier (a bridge.port.KernelStore): read-through before tracing, mirror after.
         self.remote_hits = 0
+        self.tier_lookups = 0  # in-pass misses that asked the tier: the shared-cache hit rate's denominator
         self.lease_waits = 0
         self.saved_seconds = 0.0
         self.key_use_times: dict[str, tuple[float, float]] = {}
@@ -209,6 +210,7 @@ class BirCodeGenLoop:
         # The key names the kernel, not the func_name: resolve the op first so that an unknown func_name
         # or a kernel_name the registry would not select fails as it would without a tier.
         self._resolve_kernel_config(inst)
+        self.tier_lookups += 1
         if cache_key in self._prefetched:
             stored = self._accepted(cache_key, self._prefetched.pop(cache_key))
             held = cache_key in self._prefetch_stored
@@ -310,6 +312,7 @@ class BirCodeGenLoop:
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "remote_hits": self.remote_hits,
+            "tier_lookups": self.tier_lookups,
             "traces": self.traces,
             "compile_seconds": round(self.trace_seconds, 6),
             "saved_seconds": round(self.saved_seconds, 6),

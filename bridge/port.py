@@ -15,22 +15,63 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # What one pass counts, in the order reports show them. `kernels` = cache_hits + cache_misses (the
-# specification's counters); `traces` are the misses that neither the in-pass cache nor the tier answered.
+# specification's counters, the in-pass cache); `tier_lookups` are the in-pass misses that asked the shared
+# tier (none with the tier off or in mirror mode), `remote_hits` the ones it answered; `traces` are the misses
+# that neither the in-pass cache nor the tier answered.
 PASS_COUNTERS = (
     "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds",
     "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
+    "tier_lookups",
 )  # fmt: skip
 # The store's own share of those counts: faults and refusals, counted apart from misses.
 TIER_COUNTERS = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")
 
+# The two hit rates, under the names every JSON output, report and metric uses, and the words every text, table
+# and plot uses for them. The shared cache's is the headline (as sccache's "cache hits rate": what the tier
+# answered of what it was asked); the in-pass rate is the specification's cache_hits / kernels, which a pass
+# gets with no tier at all (a model repeats its layers).
+SHARED_HIT_RATE = "shared_hit_rate"
+IN_PASS_HIT_RATE = "in_pass_hit_rate"
+HIT_RATE_WORDS = {
+    SHARED_HIT_RATE: "shared-cache hit rate",
+    IN_PASS_HIT_RATE: "in-pass hit rate",
+}
+HIT_RATE_FORMULAS = {
+    SHARED_HIT_RATE: "remote_hits / tier_lookups",
+    IN_PASS_HIT_RATE: "cache_hits / kernels",
+}
 
-def hit_rate(counts: Mapping[str, float]) -> float:
-    """Share of kernel lookups answered without a trace (in-pass hits and tier hits), from summed counts:
-    a fleet's hit rate is computed from its totals, never averaged over passes."""
+
+def shared_hit_rate(counts: Mapping[str, float]) -> float | None:
+    """Share of tier lookups the shared tier answered (remote_hits / tier_lookups), from summed counts: a
+    fleet's rate is computed from its totals, never averaged over passes. None when nothing asked the tier
+    (tier off, mirror only): no rate, rather than a 0% that would read as a cache that never hits."""
+    lookups = counts.get("tier_lookups", 0)
+    if not lookups:
+        return None
+    return counts.get("remote_hits", 0) / lookups
+
+
+def in_pass_hit_rate(counts: Mapping[str, float]) -> float:
+    """The specification's rate: the share of kernels the pass's own cache answered (cache_hits / kernels)."""
     kernels = counts.get("kernels", 0)
     if not kernels:
         return 0.0
-    return (counts.get("cache_hits", 0) + counts.get("remote_hits", 0)) / kernels
+    return counts.get("cache_hits", 0) / kernels
+
+
+def hit_rates(counts: Mapping[str, float], digits: int = 6) -> dict[str, float | None]:
+    """Both rates, rounded, under their names: what every JSON output and report adds to its counts."""
+    shared = shared_hit_rate(counts)
+    return {
+        SHARED_HIT_RATE: None if shared is None else round(shared, digits),
+        IN_PASS_HIT_RATE: round(in_pass_hit_rate(counts), digits),
+    }
+
+
+def format_rate(rate: float | None, digits: int = 1) -> str:
+    """A rate as a percentage, or 'n/a' when there is none (no tier lookups)."""
+    return "n/a" if rate is None else f"{rate:.{digits}%}"
 
 
 @dataclass(frozen=True)

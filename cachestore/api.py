@@ -291,6 +291,9 @@ class Reader(Protocol):
     def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
         """(time the pass ended, pass record), oldest first, streamed."""
 
+    def zero_counters(self, record: dict) -> None:
+        """Zero the fleet counters (totals, per worker, per toolchain) and log `record` (`report --zero`)."""
+
     # entries
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         """Every live entry, streamed; `with_ttl=False` when the caller has no use for the time left."""

@@ -53,6 +53,11 @@ class KeySpace:
     def digest(self, toolchain: str, digest: str) -> str:
         return f"{self.prefix}:tc:{toolchain}:digest:{{{digest}}}"
 
+    def namespace_patterns(self) -> tuple[str, str]:
+        """SCAN patterns that together match every key of this namespace (and layout version): the
+        partitioned keys and the hash-tagged metrics and jobs keys."""
+        return f"{self.prefix}:*", f"{{{self.prefix}:*"
+
     def entry_pattern(self, toolchain: str | None = None) -> str:
         """SCAN pattern of one toolchain's entries, or of every toolchain's."""
         return f"{self.prefix}:tc:{toolchain or '*'}:entry:*"

@@ -1,8 +1,9 @@
 """The fleet report: what every pass on every machine told the tier, read back and summed.
 
 Totals and the per-worker counters are the fleet metrics' sums (`cachestore.client` applies one batch
-per pass, exactly once). The hit rate is computed from summed counts, (cache_hits + remote_hits) / kernels,
-never averaged from rates. Per kernel name, `call_count` and `variants` are what the specification's
+per pass, exactly once). The two hit rates (bridge.port) are computed from summed counts, never averaged from
+rates: the shared cache's, remote_hits / tier_lookups, and the in-pass one, cache_hits / kernels.
+Per kernel name, `call_count` and `variants` are what the specification's
 `_export_new_nki_fe_metrics` records, fleet-wide. The top variants carry their operand and result shapes
 from the stored entries, like the specification's statistics report. The timeline buckets the pass log.
 
@@ -19,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from bridge.port import hit_rate
+from bridge.port import hit_rates
 from cachestore.api import TOTAL_COUNTERS, Reader
 
 SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
-TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces")
+TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits", "traces")
 # Bucket widths the timeline chooses from: the smallest giving at most MAX_BUCKETS buckets.
 BUCKET_WIDTHS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)
 MAX_BUCKETS = 48
@@ -31,13 +32,13 @@ TOP_VARIANTS = 10
 
 
 def counters(values: dict[str, float]) -> dict[str, float]:
-    """Every total counter (0 when absent), integers as int, seconds as float, and the hit rate."""
+    """Every total counter (0 when absent), integers as int, seconds as float, and the two hit rates (the
+    shared cache's None when nothing asked the tier)."""
     out: dict[str, float] = {}
     for name in TOTAL_COUNTERS:
         value = _number(values.get(name, 0))
         out[name] = round(value, 6) if name in SECONDS_COUNTERS else round(value)
-    out["hit_rate"] = round(hit_rate(out), 6)
-    return out
+    return out | hit_rates(out)
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Bucket:
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
 
     def as_json(self) -> dict:
-        return {"start": self.start, "end": self.end, **self.counts, "hit_rate": round(hit_rate(self.counts), 6)}
+        return {"start": self.start, "end": self.end, **self.counts, **hit_rates(self.counts)}
 
 
 @dataclass
@@ -96,6 +97,7 @@ class FleetReport:
     # {toolchain: {other toolchain: Coverage}}: how much of each other toolchain's stored variants (weighted
     # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
     coverage: dict[str, dict[str, Coverage]] = field(default_factory=dict)
+    zeroed: list[dict] = field(default_factory=list)  # `report --zero` records in the pass log: {when, host, worker}
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -113,6 +115,7 @@ class FleetReport:
             "timeline": [b.as_json() for b in self.timeline],
             "window": self.window,
             "coverage": {tc: {other: asdict(c) for other, c in of.items()} for tc, of in self.coverage.items()},
+            "zeroed": self.zeroed,
         }
 
 
@@ -143,7 +146,8 @@ def build_report(
     if top > 0:
         report.top_variants = top_variants(reader, top)
     if timeline:
-        report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds)
+        report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds,
+                                                                              report.zeroed)  # fmt: skip
     return report
 
 
@@ -219,11 +223,21 @@ def choose_bucket(span: float) -> int:
     return BUCKET_WIDTHS[-1]
 
 
+ZEROED_EVENT = "zeroed"  # the pass-log record `report --zero` leaves: {"event": "zeroed", "finished", "host", ...}
+
+
+def zero_record(host: str, worker: str, previous: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """What the pass log keeps of a `report --zero`: when, by whom, and the counters it zeroed."""
+    return {"event": ZEROED_EVENT, "finished": time.time() if now is None else now, "host": host, "worker": worker,
+            "previous": previous}  # fmt: skip
+
+
 def pass_timeline(
-    reader: Reader, since: float | None, bucket_seconds: int | None = None
+    reader: Reader, since: float | None, bucket_seconds: int | None = None, zeroed: list[dict] | None = None
 ) -> tuple[int, list[Bucket], dict[str, float]]:
     """(bucket width, buckets from the first to the last pass, the window's summed counts): passes are
-    placed by when they finished; empty buckets are kept, so the time axis is even."""
+    placed by when they finished; empty buckets are kept, so the time axis is even. The `report --zero`
+    records found on the way are appended to `zeroed` (they count nothing)."""
     span = reader.pass_log_span(since)
     if span is None:
         return bucket_seconds or 0, [], counters({})
@@ -238,6 +252,12 @@ def pass_timeline(
     window: dict[str, float] = {}
     for when, record in reader.pass_log(since):
         if since is not None and when < since:
+            continue
+        if record.get("event") == ZEROED_EVENT:
+            if zeroed is not None:
+                zeroed.append(
+                    {"when": when, "host": str(record.get("host", "")), "worker": str(record.get("worker", ""))}
+                )
             continue
         index = min(max(int((when - origin) // width), 0), count - 1)
         for name in TIMELINE_COUNTERS:

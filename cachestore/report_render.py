@@ -18,21 +18,32 @@ from datetime import datetime
 from typing import Any
 
 from bridge.errors import NkiCacheError
-from bridge.port import hit_rate
+from bridge.port import (
+    HIT_RATE_FORMULAS,
+    HIT_RATE_WORDS,
+    IN_PASS_HIT_RATE,
+    SHARED_HIT_RATE,
+    format_rate,
+    hit_rates,
+)
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.report import FleetReport
 
 logger = logging.getLogger(__name__)
-TOTALS_SHOWN_FIRST = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
-                      "compile_seconds", "saved_seconds")  # fmt: skip
+RATES = (SHARED_HIT_RATE, IN_PASS_HIT_RATE)
+TOTALS_SHOWN_FIRST = (*RATES, "passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits",
+                      "traces", "compile_seconds", "saved_seconds")  # fmt: skip
+# One word for each count, in every table, plot and metric help: "in-pass" is the pass's own cache (the
+# specification's), "remote" the shared tier; a trace is a miss that neither answered.
 TOTAL_LABELS = {
     "passes": "passes",
     "kernels": "kernels (internal kernel ops compiled)",
-    "cache_hits": "local hits (the pass's own cache)",
-    "remote_hits": "remote hits (from the tier)",
-    "cache_misses": "misses (local)",
-    "traces": "traces (beta3 compiles run)",
-    "hit_rate": "hit rate (local + remote) / kernels",
+    "cache_hits": "in-pass hits (the pass's own cache)",
+    "cache_misses": "in-pass misses",
+    "tier_lookups": "tier lookups (in-pass misses that asked the shared tier)",
+    "remote_hits": "remote hits (answered by the shared tier)",
+    "traces": "traces (misses neither cache answered; beta3 compiles run)",
+    **{name: f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]})" for name in RATES},
     "compile_seconds": "compile seconds spent",
     "saved_seconds": "compile seconds saved",
     "lease_waits": "lease waits",
@@ -63,9 +74,9 @@ def shapes(values: list | None) -> str:
     return " ".join("[" + ",".join(str(d) for d in shape) + "]" for shape in values) or "-"
 
 
-def _value(name: str, value: float) -> str:
-    if name == "hit_rate":
-        return f"{value:.1%}"
+def _value(name: str, value: float | None) -> str:
+    if name in RATES:
+        return format_rate(value)
     if name.endswith("seconds"):
         return f"{value:,.2f}"
     return f"{int(value):,}"
@@ -102,14 +113,19 @@ def non_finite_path(value: Any, path: str = "$") -> str | None:
 
 
 # -- text -------------------------------------------------------------------------------------------
-def render_text(report: FleetReport, width: int | None = None) -> str:
-    """Tables for a terminal (plain text when not on one)."""
+def render_text(report: FleetReport, width: int | None = None, ascii_only: bool = False) -> str:
+    """Tables for a terminal (plain text when not on one); `ascii_only` draws them with ASCII characters, for
+    output that goes to a file, a pipe or a terminal that cannot show box drawing."""
+    from rich import box
     from rich.console import Console
+    from rich.table import Table
     from rich.text import Text
 
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width or 140, force_terminal=False, color_system=None, highlight=False)
+    console = Console(file=buffer, width=width or 160, force_terminal=False, color_system=None, highlight=False)
     for part in text_parts(report):
+        if ascii_only and isinstance(part, Table):
+            part.box = box.ASCII
         console.print(part)
         if not isinstance(part, Text):  # a heading sits right above its table
             console.print()
@@ -191,29 +207,40 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
         yield top
 
     if report.timeline:
-        yield Text(f"Hit rate over time ({_width(report.bucket_seconds)} buckets)", style="bold")
+        yield Text(f"Hit rates over time ({_width(report.bucket_seconds)} buckets)", style="bold")
         timeline = Table()
-        for column in ("from", "passes", "kernels", "local hits", "remote hits", "traces", "hit rate", ""):
+        for column in ("from", *TIMELINE_HEADERS, ""):
             timeline.add_column(column, justify="left" if column in ("from", "") else "right")
         for bucket in report.timeline:
-            c = bucket.counts
-            rate = hit_rate(c)
-            bar = "#" * round(rate * 30) if c["kernels"] else ""
-            timeline.add_row(when(bucket.start), f"{int(c['passes']):,}", f"{int(c['kernels']):,}",
-                             f"{int(c['cache_hits']):,}", f"{int(c['remote_hits']):,}", f"{int(c['traces']):,}",
-                             f"{rate:.1%}" if c["kernels"] else "-", bar)  # fmt: skip
+            rates = hit_rates(bucket.counts)
+            shared = rates[SHARED_HIT_RATE]
+            bar = "#" * round(shared * 30) if shared is not None else ""  # the headline rate, as in the plot
+            timeline.add_row(when(bucket.start), *_timeline_cells(bucket.counts), bar)
         yield timeline
         window = report.window
+        for event in report.zeroed:
+            yield f"Counters zeroed {when(event['when'])} by {event['host']}/{event['worker']} (nkicache report --zero)"
         yield (f"In these buckets: {window['passes']:,} passes, {window['kernels']:,} kernels, "
-               f"hit rate {window['hit_rate']:.1%}")  # fmt: skip
+               f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
+               f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}")  # fmt: skip
     else:
         yield "No passes in the pass log" + (" since then." if report.since is not None else ".")
 
 
-WORKER_COUNTERS = ("passes", "kernels", "cache_hits", "remote_hits", "cache_misses", "traces", "hit_rate",
+WORKER_COUNTERS = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces", *RATES,
                    "compile_seconds", "saved_seconds")  # fmt: skip
-WORKER_HEADERS = ["passes", "kernels", "local hits", "remote hits", "misses", "traces", "hit rate", "compile s",
-                  "saved s", "tier err/tmo/rej"]  # fmt: skip
+# Two-line headers (the same words as the totals, broken where a narrow column would cut them).
+RATE_HEADERS = [HIT_RATE_WORDS[name].replace(" hit rate", "\nhit rate") for name in RATES]
+WORKER_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS,
+                  "compile s", "saved s", "tier err/\ntmo/rej"]  # fmt: skip
+TIMELINE_COUNTERS_SHOWN = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces")
+TIMELINE_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS]
+
+
+def _timeline_cells(counts: dict) -> list[str]:
+    rates = hit_rates(counts)
+    return [*(f"{int(counts.get(name, 0)):,}" for name in TIMELINE_COUNTERS_SHOWN),
+            *(_value(name, rates[name]) if counts["kernels"] else "-" for name in RATES)]  # fmt: skip
 
 
 def _worker_cells(values: dict) -> list[str]:
@@ -253,8 +280,7 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
     for name in TOTAL_COUNTERS:
         yield CounterMetricFamily(f"nkicache_{name}", f"Fleet total of {label(name)}.",
                                   value=report.totals[name])  # fmt: skip
-    yield GaugeMetricFamily("nkicache_hit_ratio", "(cache_hits + remote_hits) / kernels, from summed counts.",
-                            value=report.totals["hit_rate"])  # fmt: skip
+    yield from _rate_families("nkicache_", "Fleet", [], [((), report.totals)])
     yield GaugeMetricFamily("nkicache_variants", "Distinct cache keys the fleet used.", value=report.variants)
     for name in TOTAL_COUNTERS:
         family = CounterMetricFamily(f"nkicache_worker_{name}", f"Per worker: {label(name)}.",
@@ -278,11 +304,8 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
         for toolchain, values in report.per_toolchain.items():
             family.add_metric([toolchain], values[name])
         yield family
-    ratio = GaugeMetricFamily("nkicache_toolchain_hit_ratio", "Per toolchain: (cache_hits + remote_hits) / kernels.",
-                              labels=["toolchain"])  # fmt: skip
-    for toolchain, values in report.per_toolchain.items():
-        ratio.add_metric([toolchain], values["hit_rate"])
-    yield ratio
+    rows = [((toolchain,), values) for toolchain, values in report.per_toolchain.items()]
+    yield from _rate_families("nkicache_toolchain_", "Per toolchain", ["toolchain"], rows)
     coverage = GaugeMetricFamily(
         "nkicache_toolchain_coverage",
         "Share of toolchain `of`'s stored variants, weighted by fleet usage, that `toolchain` holds too.",
@@ -292,6 +315,21 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
         for other, c in of.items():
             coverage.add_metric([toolchain, other], c.share)
     yield coverage
+
+
+def _rate_families(prefix: str, scope: str, labels: list[str], rows: list[tuple[tuple, dict]]) -> Iterator[Any]:
+    """PREFIXshared_hit_ratio and PREFIXin_pass_hit_ratio. A scope that never asked the tier has no shared
+    sample at all: a 0 would read as a cache that never hits."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    for name in RATES:
+        family = GaugeMetricFamily(f"{prefix}{name.removesuffix('_rate')}_ratio",
+                                   f"{scope}: {HIT_RATE_WORDS[name]}, {HIT_RATE_FORMULAS[name]}, from summed counts.",
+                                   labels=labels)  # fmt: skip
+        for label_values, values in rows:
+            if values[name] is not None:
+                family.add_metric(list(label_values), values[name])
+        yield family
 
 
 class FleetCollector:
@@ -377,8 +415,8 @@ def _svg(figure: Any) -> str:
 
 
 def plot_hit_rate(report: FleetReport) -> str | None:
-    """Hit rate per bucket over time, above the kernels per bucket split into local hits, remote hits and
-    traces-or-other misses."""
+    """The two hit rates per bucket over time, above the kernels per bucket split as the tables split them:
+    in-pass hits, remote hits and traces."""
     if not report.timeline:
         return None
     from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
@@ -388,27 +426,29 @@ def plot_hit_rate(report: FleetReport) -> str | None:
     width_days = report.bucket_seconds / 86400 * 0.9
     local = [b.counts["cache_hits"] for b in report.timeline]
     remote = [b.counts["remote_hits"] for b in report.timeline]
-    missed = [b.counts["kernels"] - b.counts["cache_hits"] - b.counts["remote_hits"] for b in report.timeline]
+    traced = [b.counts["traces"] for b in report.timeline]
     centers = [datetime.fromtimestamp(b.start + report.bucket_seconds / 2) for b in report.timeline]
-    rated = [
-        (c, hit_rate(b.counts) * 100) for c, b in zip(centers, report.timeline, strict=True) if b.counts["kernels"]
-    ]
 
     figure = Figure(figsize=(10, 5.5), layout="constrained")
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    top.plot([c for c, _ in rated], [r for _, r in rated], marker="o", color="#1a7f37", linewidth=2,
-             label="hit rate per bucket")  # fmt: skip
-    overall = report.window.get("hit_rate", 0.0) * 100
-    top.axhline(overall, color="#59636e", linestyle="--", linewidth=1, label=f"over the period: {overall:.1f}%")
+    # One colour per cache: the shared tier's rate and its remote hits blue, the in-pass rate and hits green.
+    for name, color, style in ((SHARED_HIT_RATE, "#0550ae", "-"), (IN_PASS_HIT_RATE, "#1a7f37", ":")):
+        rated = [(c, rate * 100) for c, b in zip(centers, report.timeline, strict=True)
+                 if b.counts["kernels"] and (rate := hit_rates(b.counts)[name]) is not None]  # fmt: skip
+        overall = format_rate(report.window.get(name))
+        legend = f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]}), over the period: {overall}"
+        top.plot([c for c, _ in rated], [r for _, r in rated], marker="o", color=color, linestyle=style, linewidth=2,
+                 label=legend)  # fmt: skip
     top.legend(loc="lower right", fontsize="small")
     top.set_ylim(0, 105)
     top.set_ylabel("hit rate (%)")
-    top.set_title("Fleet hit rate over time: (local hits + remote hits) / kernels", loc="left")
+    top.set_title(f"Fleet hit rates over time: {HIT_RATE_WORDS[SHARED_HIT_RATE]} and "
+                  f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]}", loc="left")  # fmt: skip
     top.grid(alpha=0.3)
-    bottom.bar(starts, local, width=width_days, align="edge", label="local hits", color="#1a7f37")
+    bottom.bar(starts, local, width=width_days, align="edge", label="in-pass hits", color="#1a7f37")
     bottom.bar(starts, remote, width=width_days, align="edge", bottom=local, label="remote hits", color="#54aeff")
     stacked = [a + b for a, b in zip(local, remote, strict=True)]
-    bottom.bar(starts, missed, width=width_days, align="edge", bottom=stacked, label="misses", color="#fd8c73")
+    bottom.bar(starts, traced, width=width_days, align="edge", bottom=stacked, label="traces", color="#fd8c73")
     bottom.set_ylabel("kernels")
     bottom.legend(loc="upper left", fontsize="small", ncols=3)
     bottom.grid(alpha=0.3, axis="y")
@@ -447,7 +487,8 @@ def _plain_text_plots(report: FleetReport) -> tuple[str | None, str | None]:
     and one that parses would be drawn as a formula, not as its name."""
     import matplotlib
 
-    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+    # svg.fonttype none: text stays text (the page's font, selectable and searchable), not glyph outlines.
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False, "svg.fonttype": "none"}):
         return plot_hit_rate(report), plot_kernel_usage(report)
 
 
@@ -469,7 +510,9 @@ def render_html(report: FleetReport) -> str:
     """One self-contained page: summary, the two plots as inline SVG, and the report's tables."""
     require_matplotlib()  # even with nothing to plot, so `--html` needs the extra on every tier, not only on a busy one
     t = report.totals
-    cards = [("hit rate", _value("hit_rate", t["hit_rate"])), ("kernels", _value("kernels", t["kernels"])),
+    cards = [(HIT_RATE_WORDS[SHARED_HIT_RATE], _value(SHARED_HIT_RATE, t[SHARED_HIT_RATE])),
+             (HIT_RATE_WORDS[IN_PASS_HIT_RATE], _value(IN_PASS_HIT_RATE, t[IN_PASS_HIT_RATE])),
+             ("kernels", _value("kernels", t["kernels"])),
              ("passes", _value("passes", t["passes"])), ("traces", _value("traces", t["traces"])),
              ("compile s saved", _value("saved_seconds", t["saved_seconds"])),
              ("variants", f"{report.variants:,}")]  # fmt: skip
@@ -488,11 +531,11 @@ def render_html(report: FleetReport) -> str:
         + "</div>",
     ]  # fmt: skip
     hit_plot, usage_plot = _plain_text_plots(report)
-    parts.append("<h2>Hit rate over time</h2>")
+    parts.append("<h2>Hit rates over time</h2>")
     if hit_plot:
         parts.append(f'<figure id="plot-hit-rate">{hit_plot}<figcaption>{_width(report.bucket_seconds)} buckets by '
-                     "when each pass finished; misses are kernels neither in the pass's cache nor in the tier."
-                     "</figcaption></figure>")  # fmt: skip
+                     "when each pass finished; in-pass hits are answered by the pass's own cache, remote hits by the "
+                     "shared tier, traces by neither.</figcaption></figure>")  # fmt: skip
     else:
         parts.append("<p>No passes in the pass log.</p>")
     parts.append("<h2>Usage per kernel</h2>")

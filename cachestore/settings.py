@@ -55,7 +55,9 @@ class Settings:
     require_signed: bool = True  # with an HMAC key: reject unsigned entries
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
     host: str = dataclasses.field(default_factory=socket.gethostname)
-    worker: str = dataclasses.field(default_factory=lambda: f"pid{os.getpid()}")
+    # The metrics' worker label: stable, so local runs add to one series per host instead of one per process
+    # (a pid would make a new Prometheus series every run). Fleet workers are named by `worker --name`.
+    worker: str = "local"
     # Shards of the fleet metrics in Redis, each in its own slot (a cluster spreads them over its nodes). Used
     # once, when a namespace's first batch is applied; the namespace keeps that count from then on.
     metrics_shards: int = DEFAULT_METRICS_SHARDS
@@ -68,10 +70,19 @@ class Settings:
 
 
 _SECRETS = {"hmac_key", "redis_password"}
+SECRET_SETTINGS = frozenset(_SECRETS)  # never printed: `nkicache config` masks them
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from every source; `overrides` are the command-line flags (None = not given)."""
+    return load_settings_with_sources(overrides, environ)[0]
+
+
+def load_settings_with_sources(
+    overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[Settings, dict[str, str]]:
+    """The settings and, for each one not left at its default, where its value came from: the config file's
+    path, `$NKICACHE_NAME` or `command line` (`nkicache config` shows them)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # setting -> where its value came from, for error messages
@@ -92,16 +103,27 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
         sources[name] = "command line"
     settings = Settings(**values)
     _validate(settings, sources)
-    return settings
+    return settings, sources
+
+
+def config_candidates(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """Where a config file is looked for, in order; the first that exists is read ($NKICACHE_CONFIG, when set,
+    is the only one)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("NKICACHE_CONFIG"):
+        return [Path(environ["NKICACHE_CONFIG"])]
+    return [Path("nkicache.toml"), Path.home() / ".config" / "nkicache" / "config.toml"]
+
+
+def config_file(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The config file the settings are read from, or None when there is none."""
+    return _config_path(os.environ if environ is None else environ)
 
 
 def _config_path(environ: Mapping[str, str]) -> Path | None:
     if environ.get("NKICACHE_CONFIG"):
         return Path(environ["NKICACHE_CONFIG"])
-    for candidate in (Path("nkicache.toml"), Path.home() / ".config" / "nkicache" / "config.toml"):
-        if candidate.is_file():
-            return candidate
-    return None
+    return next((candidate for candidate in config_candidates(environ) if candidate.is_file()), None)
 
 
 def _from_file(path: Path) -> dict[str, Any]:
@@ -127,14 +149,15 @@ def _from_environment(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     values: dict[str, tuple[Any, str]] = {}
     for field in dataclasses.fields(Settings):
         name = "NKICACHE_" + field.name.upper()
+        secret_source = f"${name}" if environ.get(name) else f"${name}_FILE"  # where a secret was read
         if field.name == "hmac_key":
             key = _hmac_key(environ, name)
             if key is not None:
-                values[field.name] = (key, f"${name}")
+                values[field.name] = (key, secret_source)
         elif field.name in _SECRETS:
             secret = _secret(environ, name)
             if secret is not None:
-                values[field.name] = (secret, f"${name}")
+                values[field.name] = (secret, secret_source)
         elif environ.get(name):
             values[field.name] = (_coerce(field.name, environ[name], f"${name}"), f"${name}")
     return values

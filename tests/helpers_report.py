@@ -26,13 +26,31 @@ from cachestore.settings import Settings
 #   hostA/w1 rows=96: its 2 Matmul keys are new (traced), the other 4 come from the tier.
 FLEET_RUN = (("hostA", "w1", 64), ("hostB", "w2", 64), ("hostA", "w1", 96))
 EXPECTED_TOTALS = {
-    "passes": 3, "kernels": 24, "cache_hits": 6, "cache_misses": 18, "remote_hits": 10, "traces": 8,
+    "passes": 3, "kernels": 24, "cache_hits": 6, "cache_misses": 18, "tier_lookups": 18, "remote_hits": 10, "traces": 8,
     "lease_waits": 0, "tier_errors": 0, "tier_timeouts": 0, "tier_rejected": 0, "tier_dropped": 0,
 }  # fmt: skip
-EXPECTED_HIT_RATE = (6 + 10) / 24
+# Read-through: every in-pass miss asks the tier.
+EXPECTED_SHARED_HIT_RATE = 10 / 18  # remote_hits / tier_lookups
+EXPECTED_IN_PASS_HIT_RATE = 6 / 24  # cache_hits / kernels
 EXPECTED_WORKERS = {
-    ("hostA", "w1"): {"passes": 2, "kernels": 16, "cache_hits": 4, "cache_misses": 12, "remote_hits": 4, "traces": 8},
-    ("hostB", "w2"): {"passes": 1, "kernels": 8, "cache_hits": 2, "cache_misses": 6, "remote_hits": 6, "traces": 0},
+    ("hostA", "w1"): {
+        "passes": 2,
+        "kernels": 16,
+        "cache_hits": 4,
+        "cache_misses": 12,
+        "tier_lookups": 12,
+        "remote_hits": 4,
+        "traces": 8,
+    },
+    ("hostB", "w2"): {
+        "passes": 1,
+        "kernels": 8,
+        "cache_hits": 2,
+        "cache_misses": 6,
+        "tier_lookups": 6,
+        "remote_hits": 6,
+        "traces": 0,
+    },
 }
 # Per kernel name, as _export_new_nki_fe_metrics would record it over the three passes.
 EXPECTED_KERNELS = {

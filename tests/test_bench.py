@@ -82,3 +82,27 @@ def test_upgrade_measurement(tiny, tmp_path: Path) -> None:
     assert upgrade["variants"] > 0 and upgrade["warmed"] == upgrade["variants"]
     assert upgrade["upgrade_first_pass_hit_rate"] == 1.0 and upgrade["first_pass_traces"] == 0
     assert upgrade["warm_seconds_per_variant"] > 0 and upgrade["cold_seconds_per_trace"] > 0
+
+
+def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
+    tiny, private_redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench --redis-url` may be pointed at a Redis in use: its own nkibench-* keys go, nothing else does."""
+    import redis
+
+    config, _graphs = tiny
+    url = private_redis_server().url
+    client = redis.Redis.from_url(url)
+    client.set("someone-else:key", b"kept")
+
+    def skipped(*args: object) -> dict:
+        raise bench.MeasurementSkipped("not measured in this test")
+
+    for name in ("warm_speedup", "local_hit_cost", "key_throughput", "pool_scaling", "report_scale", "upgrade"):
+        monkeypatch.setattr(bench, name, skipped)
+    results = bench.run_benchmarks(config, url, lambda name: None)
+    # The Redis measurements ran (and wrote entries and metrics), then their keys were deleted.
+    assert results["mirror_overhead"] > 0 and results["storage_ratio"] > 1
+    assert results["remote_hit_vs_raw_get_detail"]["entries"] > 0
+    assert [key.decode() for key in client.scan_iter()] == ["someone-else:key"]
+    client.close()

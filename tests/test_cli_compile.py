@@ -128,8 +128,9 @@ def test_compile_text_summary(tmp_path: Path) -> None:
     assert lines[0].startswith(
         f"[1/1] {GRAPHS / 'attention_tiles.json'} -> {tmp_path / 'attention-tiles.nkibb'}: Trn2, "
     )
-    assert "5 kernels, 2 hits, 3 misses, 0 remote hits, 3 traces" in lines[0]
-    assert lines[1].startswith("1 pass (1 compiled, 0 failed): 5 kernels, 2 hits, 3 misses, 0 remote hits, 3 traces")
+    assert "5 kernels, 2 in-pass hits, 0 remote hits, 3 traces" in lines[0]
+    assert lines[1].startswith("1 pass (1 compiled, 0 failed): 5 kernels, 2 in-pass hits, 0 remote hits, 3 traces; "
+                               "shared-cache hit rate 0% (0 of 3 tier lookups), in-pass hit rate 40%; ")  # fmt: skip
 
 
 def test_compile_failures_are_one_line_each_and_others_still_compile(tmp_path: Path) -> None:
@@ -270,7 +271,16 @@ def test_run_text_output(compiled: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"{compiled / 'attention-tiles.nkibb'}: attention-tiles (Trn2), 5 instructions")
     assert lines[0].endswith("-> OK")
-    assert lines[1].startswith("  [0] Matmul matmul_tiled: max abs err ") and lines[1].endswith(" ok")
+    assert lines[1:] == ["1 artifact run, 5 kernel outputs checked against numpy references: all OK"]
+    verbose = invoke("run", compiled / "attention-tiles.nkibb", "--check", "-v").stdout.splitlines()
+    assert verbose[1].startswith("  [0] Matmul matmul_tiled: max abs err ") and verbose[1].endswith(" ok")
+    assert len(verbose) == 1 + 5 + 1
+
+
+def test_run_check_on_a_folder_is_a_line_per_artifact_and_a_summary(compiled: Path) -> None:
+    lines = invoke("run", compiled, "--check").stdout.splitlines()
+    assert len(lines) == len(EXPECTED) + 1
+    assert lines[-1] == "3 artifacts run, 15 kernel outputs checked against numpy references: all OK"
 
 
 def test_run_truncated_artifact_is_a_clear_error(compiled: Path, tmp_path: Path) -> None:
@@ -295,6 +305,8 @@ def test_run_check_mismatch_exits_1(compiled: Path, tmp_path: Path) -> None:
     result = invoke("run", path, "--check")
     assert result.exit_code == 1
     assert "MISMATCH" in result.stdout and result.stdout.splitlines()[0].endswith("-> FAILED")
+    assert result.stdout.splitlines()[-1].endswith(": 1 MISMATCHED in 1 artifact")
+    assert sum(line.split()[-1] == "ok" for line in result.stdout.splitlines()) == 0  # only the mismatch listed
     assert invoke("run", path).exit_code == 0  # without --check nothing is compared
 
 
@@ -338,3 +350,29 @@ def test_artifacts_are_written_with_the_umask_like_any_output(tmp_path: Path, um
     done = subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(umask), check=False)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "g.nkibb").stat().st_mode & 0o777 == mode
+
+
+def test_on_a_terminal_the_per_graph_lines_stay_when_the_progress_bar_goes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from workers.cli_common import Progress
+
+    class Terminal:
+        def isatty(self) -> bool:
+            return True
+
+        def write(self, text: str) -> int:
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    progress = Progress(2, "compiling", quiet=False)
+    assert progress._bar is not None  # the terminal path: a rich progress bar
+    progress.advance("a.json -> out/a.nkibb: Trn2, 5 kernels")
+    progress.advance("b.json -> out/b.nkibb: Trn2, 3 kernels")
+    progress.close()
+    out = capsys.readouterr().out
+    assert "[1/2] a.json -> out/a.nkibb: Trn2, 5 kernels" in out
+    assert "[2/2] b.json -> out/b.nkibb: Trn2, 3 kernels" in out

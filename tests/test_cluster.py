@@ -236,6 +236,13 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
         shards = metrics_shards(client, keys)
         workers_seen = {member.decode() for shard in shards for member in client.smembers(shard.workers)}
         assert {member.rsplit(":", 1)[1] for member in workers_seen} == {"cluster-w0", "cluster-w1"}
+        # report --zero: one script per metrics shard, every key it touches declared.
+        zeroed = CliRunner().invoke(nkicache, ["report", "--zero", "--json"], env=env)
+        assert zeroed.exit_code == 0, zeroed.output
+        assert json.loads(zeroed.output)["previous"]["passes"] == len(graphs)
+        after = json.loads(CliRunner().invoke(nkicache, ["report", "--json"], env=env).output)
+        assert after["totals"]["passes"] == 0 and after["per_host"] == {} and after["per_toolchain"] == {}
+        assert len(after["zeroed"]) == 1 and sum(b["passes"] for b in after["timeline"]) == len(graphs)
     finally:
         delete_namespace(client, namespace)
         client.close()

@@ -102,7 +102,8 @@ def env_of(container: dict) -> dict[str, dict]:
 # -- Kubernetes ------------------------------------------------------------------------------------------
 def test_kubernetes_yaml_parses_into_the_expected_objects() -> None:
     assert set(kubernetes_objects()) == {
-        ("ConfigMap", "nkicache-config"), ("Secret", "nkicache-secrets"), ("Deployment", "nkicache-worker"),
+        ("ConfigMap", "nkicache-config"), ("Secret", "nkicache-secrets"), ("Secret", "nkicache-reader"),
+        ("Deployment", "nkicache-worker"),
         ("Deployment", "nkicache-metrics"), ("ConfigMap", "nkicache-redis"), ("Service", "nkicache-redis"),
         ("StatefulSet", "nkicache-redis"), ("Job", "nkicache-warm"),
     }  # fmt: skip
@@ -127,14 +128,18 @@ def test_kubernetes_deployments_run_as_non_root_with_secrets_as_files(name: str)
     (container,) = pod["containers"]
     assert container["image"].startswith("nkicache:")
     env = env_of(container)
-    secret_keys = set(objects[("Secret", "nkicache-secrets")]["stringData"])
+    # The workers' credentials and the readers' are two Secrets.
+    secret_keys = {
+        name: set(objects[("Secret", name)]["stringData"]) for name in ("nkicache-secrets", "nkicache-reader")
+    }
     config_keys = set(objects[("ConfigMap", "nkicache-config")]["data"])
     for variable, item in env.items():
         if any(word in variable for word in SECRET_WORDS):
             # A secret travels as a file in the Secret's volume, never as a value in the pod spec.
             assert variable.endswith("_FILE") and "valueFrom" not in item, variable
             volume, file_name = mounted_file(pod, container, item["value"])
-            assert volume["secret"]["secretName"] == "nkicache-secrets" and file_name in secret_keys, variable
+            name = volume["secret"]["secretName"]
+            assert name in secret_keys and file_name in secret_keys[name], variable
     assert {"NKICACHE_REDIS_PASSWORD_FILE", "NKICACHE_TIER", "NKICACHE_CONFIG"} <= set(env)
     volume, file_name = mounted_file(pod, container, env["NKICACHE_CONFIG"]["value"])
     assert volume["configMap"]["name"] == "nkicache-config" and file_name in config_keys
@@ -551,6 +556,8 @@ def test_reader_pods_get_only_reader_credentials() -> None:
         assert readable == named, f"{pod_name} can read {sorted(readable)}; its environment names {sorted(named)}"
         if user == "nkicache-reader":
             assert not named & worker_keys, pod_name
+            # Not even in the Secret it mounts: a reader's Secret holds no worker credential at all.
+            assert not {secret for secret, _ in readable} & {secret for secret, _ in worker_keys}, pod_name
             assert "NKICACHE_HMAC_KEY_FILE" not in env and "NKICACHE_HMAC_KEY" not in env, pod_name
             assert named == {secret_key_behind(pod, container, env["NKICACHE_REDIS_PASSWORD_FILE"]["value"])}
     # The same split in compose: a reader service (and the Redis healthcheck, which pings as the reader) gets
@@ -605,8 +612,8 @@ def test_readme_secrets_script_fills_the_acl_file_and_the_secret(tmp_path: Path)
         (line,) = [line for line in acl.splitlines() if line.startswith(f"user nkicache-{user} ")]
         assert line.split()[3] == "#" + digest
     documents = list(yaml.safe_load_all((tmp_path / "deploy" / "kubernetes" / "worker.yaml").read_text()))
-    (secret,) = [d for d in documents if d["kind"] == "Secret"]
-    assert secret["stringData"] == {name: path.read_text() for name, path in secrets.items()}
+    filled = {key: value for d in documents if d["kind"] == "Secret" for key, value in d["stringData"].items()}
+    assert filled == {name: path.read_text() for name, path in secrets.items()}
     original = [d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "worker.yaml").read_text()) if d]
     assert [d for d in documents if d["kind"] != "Secret"] == [d for d in original if d["kind"] != "Secret"]
 

@@ -562,3 +562,16 @@ def test_a_deeply_nested_graph_fails_its_job_and_the_worker_lives_on(fleet, tmp_
     assert results["deep-00000"]["status"] == "dead_letter" and "nested deeper" in results["deep-00000"]["error"]
     assert results["deep-00001"]["status"] == "completed"
     assert f.stop("w1")[0] == 0  # alive until told to stop
+
+
+def test_worker_json_says_how_many_jobs_it_did(fleet, tmp_path: Path) -> None:
+    f = fleet()
+    graphs = tmp_path / "graphs"
+    generate_workload(graphs, 1, seed=0)
+    f.submit(graphs, wait=False)
+    command = [NKICACHE, "worker", "--tier", f.url, "--name", "wj", "--max-jobs", "1", "--json"]
+    done = subprocess.run(
+        command, env=f.env, capture_output=True, text=True, timeout=WAIT * 2, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"jobs": 1, "workers": [{"name": "wj", "jobs": 1}]}

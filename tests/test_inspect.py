@@ -141,7 +141,9 @@ def test_du_counts_storage_by_kernel_and_the_dedupe_saving(fleet: Tier) -> None:
     assert usage["total"]["bytes"] == sum(len(v) for v in raw_values(fleet).values())
     assert usage["distinct_binaries"] == EXPECTED_VARIANTS and usage["dangling_references"] == 0
     assert usage["kernels"]["matmul_tiled"]["entries"] == 4
-    assert "softmax" in nkicache(fleet, "inspect", "du").stdout
+    du = nkicache(fleet, "inspect", "du").stdout
+    assert "softmax" in du
+    assert "| softmax" in du and not any(c in du for c in "│┃━")  # piped: an ASCII table
     assert cli_json(fleet, "show", duplicate)["binary_bytes"] == binary
 
 
@@ -563,3 +565,21 @@ def test_export_and_import_keep_each_toolchain_apart(fleet: Tier, tmp_path: Path
     assert fresh.entry_toolchains() == sorted([toolchain_id(), other])
     assert sorted(raw.cache_key for raw in fresh.in_toolchain(other).scan_entries()) == keys
     fresh.close()
+
+
+def test_import_into_a_new_local_file_creates_the_tier(fleet: Tier, tmp_path: Path) -> None:
+    """A fresh machine seeded from a snapshot: the local tier file does not exist yet, and import makes it."""
+    snapshot = tmp_path / "seed.snapshot"
+    exported = nkicache(fleet, "inspect", "export", str(snapshot), "--json")
+    assert json.loads(exported.stdout) == {"exported": EXPECTED_VARIANTS, "file": str(snapshot)}
+    into = tmp_path / "new" / "tier.sqlite"
+    result = nkicache(None, "inspect", "import", str(snapshot), "--tier", f"local:{into}", "--json",
+                      env={"NKICACHE_NAMESPACE": fleet.namespace})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"imported": EXPECTED_VARIANTS, "rejected": []}
+    fresh = SqliteBackend(into, create=False)
+    assert len(list(fresh.scan_entries())) == EXPECTED_VARIANTS
+    fresh.close()
+    # gc still never creates a tier it was pointed at by mistake.
+    assert nkicache(None, "inspect", "gc", "--tier", f"local:{tmp_path / 'typo.sqlite'}").exit_code == 2
+    assert not (tmp_path / "typo.sqlite").exists()

@@ -69,9 +69,10 @@ def test_two_workers_compile_a_workload_and_a_second_run_traces_nothing(tmp_path
     entries = tier_rows("SELECT COUNT(*) FROM entries")[0][0]
     assert cold["traces"] == entries and cold["traces"] + cold["remote_hits"] == cold["cache_misses"]
     assert cold["tier_errors"] == cold["tier_timeouts"] == cold["tier_rejected"] == cold["tier_dropped"] == 0
-    # Both pool processes ran passes (each records its own pid as worker), the parent none.
+    # Both pool processes' passes count under one stable worker label (no new metrics series per process).
     workers = {json.loads(record)["worker"] for (record,) in tier_rows("SELECT record FROM pass_log")}
-    assert len(workers) == 2 and all(re.fullmatch(r"pid\d+", w) for w in workers), workers
+    assert workers == {"local"}, workers
+    assert {worker for (worker,) in tier_rows("SELECT DISTINCT worker FROM worker_totals")} == {"local"}
     # The tier's fleet totals are the sum of this run's passes.
     totals = dict(tier_rows("SELECT name, value FROM totals"))
     for key in ("kernels", "cache_hits", "cache_misses", "remote_hits", "traces"):
@@ -83,7 +84,8 @@ def test_two_workers_compile_a_workload_and_a_second_run_traces_nothing(tmp_path
     assert warm["traces"] == 0 and warm["compile_seconds"] == 0
     assert warm["remote_hits"] == warm["cache_misses"] == cold["cache_misses"]
     assert (warm["kernels"], warm["cache_hits"]) == (cold["kernels"], cold["cache_hits"])
-    assert warm["hit_rate"] == 1.0
+    assert warm["shared_hit_rate"] == 1.0 and warm["tier_lookups"] == warm["cache_misses"]
+    assert warm["in_pass_hit_rate"] == round(warm["cache_hits"] / warm["kernels"], 4)
     for cold_pass, warm_pass in zip(cold["graphs"], warm["graphs"], strict=True):
         assert warm_pass["file"] == cold_pass["file"]
         assert (warm_pass["traces"], warm_pass["remote_hits"]) == (0, cold_pass["cache_misses"])

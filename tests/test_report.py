@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from helpers_graphs import unique_namespace
 from helpers_report import (
-    EXPECTED_HIT_RATE,
+    EXPECTED_IN_PASS_HIT_RATE,
     EXPECTED_KERNELS,
+    EXPECTED_SHARED_HIT_RATE,
     EXPECTED_TOTALS,
     EXPECTED_VARIANTS,
     EXPECTED_WORKERS,
@@ -65,10 +66,12 @@ def test_json_totals_per_kernel_per_host_and_top_variants_match_the_run(fleet: t
 
     totals = report["totals"]
     # The same names as `nkicache compile --json` uses for its counters, and nothing else.
-    assert set(totals) == {"passes", *COUNT_KEYS, "hit_rate"} == {*TOTAL_COUNTERS, "hit_rate"}
+    rates = {"shared_hit_rate", "in_pass_hit_rate"}
+    assert set(totals) == {"passes", *COUNT_KEYS, *rates} == {*TOTAL_COUNTERS, *rates}
     for name, value in EXPECTED_TOTALS.items():
         assert totals[name] == value, name
-    assert totals["hit_rate"] == pytest.approx(EXPECTED_HIT_RATE, abs=1e-6)
+    assert totals["shared_hit_rate"] == pytest.approx(EXPECTED_SHARED_HIT_RATE, abs=1e-6)
+    assert totals["in_pass_hit_rate"] == pytest.approx(EXPECTED_IN_PASS_HIT_RATE, abs=1e-6)
     assert totals["compile_seconds"] == pytest.approx(sum(loop.trace_seconds for loop in loops), abs=1e-4)
     assert totals["saved_seconds"] == pytest.approx(sum(loop.saved_seconds for loop in loops), abs=1e-4)
     assert totals["saved_seconds"] > 0
@@ -83,7 +86,7 @@ def test_json_totals_per_kernel_per_host_and_top_variants_match_the_run(fleet: t
         got = report["per_host"][host]["workers"][worker]
         assert {name: got[name] for name in expected} == expected
         assert report["per_host"][host]["totals"]["kernels"] == expected["kernels"]
-    assert report["per_host"]["hostB"]["workers"]["w2"]["hit_rate"] == 1.0
+    assert report["per_host"]["hostB"]["workers"]["w2"]["shared_hit_rate"] == 1.0
 
     first, second = report["top_variants"][:2]
     assert {name: first[name] for name in TOP_VARIANT} == TOP_VARIANT
@@ -97,7 +100,8 @@ def test_json_totals_per_kernel_per_host_and_top_variants_match_the_run(fleet: t
     assert timeline and report["bucket_seconds"] > 0
     assert sum(b["passes"] for b in timeline) == 3
     assert sum(b["kernels"] for b in timeline) == 24
-    assert report["window"]["hit_rate"] == pytest.approx(EXPECTED_HIT_RATE, abs=1e-6)
+    assert report["window"]["shared_hit_rate"] == pytest.approx(EXPECTED_SHARED_HIT_RATE, abs=1e-6)
+    assert report["window"]["in_pass_hit_rate"] == pytest.approx(EXPECTED_IN_PASS_HIT_RATE, abs=1e-6)
     assert report["window"]["remote_hits"] == 10
 
 
@@ -125,7 +129,7 @@ def test_since_limits_the_timeline_not_the_totals(tier: Tier) -> None:
     assert recent["totals"] == everything["totals"]
     assert sum(b["passes"] for b in recent["timeline"]) == 3
     assert recent["window"]["kernels"] == 24
-    assert recent["window"]["hit_rate"] == pytest.approx(EXPECTED_HIT_RATE, abs=1e-6)
+    assert recent["window"]["shared_hit_rate"] == pytest.approx(EXPECTED_SHARED_HIT_RATE, abs=1e-6)
     assert recent["since"] == pytest.approx(now - 86400, abs=60)
 
     later = report_json(tier, "--since", str(int(time.time()) + 3600))
@@ -139,7 +143,8 @@ def test_since_limits_the_timeline_not_the_totals(tier: Tier) -> None:
 # -- text -----------------------------------------------------------------------------------------------
 def _row(text: str, *cells: str) -> bool:
     """Whether a table row holds these cells, in order, in the rich table output."""
-    pattern = r"│\s*" + r"\s*│\s*".join(re.escape(cell) for cell in cells) + r"\s*│"
+    bar = r"[│|]"  # box drawing on a terminal, ASCII when piped
+    pattern = bar + r"\s*" + (r"\s*" + bar + r"\s*").join(re.escape(cell) for cell in cells) + r"\s*" + bar
     return re.search(pattern, text) is not None
 
 
@@ -149,20 +154,24 @@ def test_text_tables_show_the_same_numbers(fleet: tuple[Tier, list]) -> None:
     assert result.exit_code == 0, result.output
     text = result.stdout
     for label, value in (("passes", "3"), ("kernels (internal kernel ops compiled)", "24"),
-                         ("local hits (the pass's own cache)", "6"), ("remote hits (from the tier)", "10"),
-                         ("misses (local)", "18"), ("traces (beta3 compiles run)", "8"),
-                         ("hit rate (local + remote) / kernels", "66.7%"), ("tier errors", "0"),
+                         ("in-pass hits (the pass's own cache)", "6"), ("in-pass misses", "18"),
+                         ("tier lookups (in-pass misses that asked the shared tier)", "18"),
+                         ("remote hits (answered by the shared tier)", "10"),
+                         ("traces (misses neither cache answered; beta3 compiles run)", "8"),
+                         ("shared-cache hit rate (remote_hits / tier_lookups)", "55.6%"),
+                         ("in-pass hit rate (cache_hits / kernels)", "25.0%"), ("tier errors", "0"),
                          ("tier entries rejected", "0"), ("distinct variants (cache keys)", "8")):  # fmt: skip
         assert _row(text, label, value), label
     assert _row(text, "matmul_tiled", "9", "4")
     assert _row(text, "softmax", "9", "2")
     assert _row(text, "rmsnorm", "6", "2")
-    assert _row(text, "hostA", "w1", "2", "16", "4", "4", "12", "8", "50.0%")
-    assert _row(text, "hostB", "w2", "1", "8", "2", "6", "6", "0", "100.0%")
+    # passes, kernels, in-pass hits, tier lookups, remote hits, traces, shared-cache and in-pass hit rates
+    assert _row(text, "hostA", "w1", "2", "16", "4", "12", "4", "8", "33.3%", "25.0%")
+    assert _row(text, "hostB", "w2", "1", "8", "2", "6", "6", "0", "100.0%", "25.0%")
     assert _row(text, "1", "softmax", "6", "[32,48]", "[32,48]", "float32")
     assert _row(text, "2", "matmul_tiled", "4", "[64,32] [64,48]", "[32,48]", "float32")
-    assert "Hit rate over time" in text
-    assert "In these buckets: 3 passes, 24 kernels, hit rate 66.7%" in text
+    assert "Hit rates over time" in text
+    assert "In these buckets: 3 passes, 24 kernels, shared-cache hit rate 55.6%, in-pass hit rate 25.0%" in text
 
 
 # -- Prometheus -----------------------------------------------------------------------------------------
@@ -178,10 +187,11 @@ def assert_prometheus_matches_the_run(text: str) -> None:
     samples = _samples(text)
     families = {family.name: family.type for family in text_string_to_metric_families(text)}
     assert families["nkicache_passes"] == "counter"
-    assert families["nkicache_hit_ratio"] == "gauge"
+    assert families["nkicache_shared_hit_ratio"] == families["nkicache_in_pass_hit_ratio"] == "gauge"
     for name, value in EXPECTED_TOTALS.items():
         assert samples[(f"nkicache_{name}_total", ())] == value, name
-    assert samples[("nkicache_hit_ratio", ())] == pytest.approx(EXPECTED_HIT_RATE, abs=1e-6)
+    assert samples[("nkicache_shared_hit_ratio", ())] == pytest.approx(EXPECTED_SHARED_HIT_RATE, abs=1e-6)
+    assert samples[("nkicache_in_pass_hit_ratio", ())] == pytest.approx(EXPECTED_IN_PASS_HIT_RATE, abs=1e-6)
     assert samples[("nkicache_variants", ())] == EXPECTED_VARIANTS
     assert samples[("nkicache_tier_up", ())] == 1
     for (host, worker), expected in EXPECTED_WORKERS.items():
@@ -246,7 +256,8 @@ def test_a_tier_that_cannot_be_read_is_tier_up_0_not_a_failed_scrape() -> None:
 
 # -- per toolchain --------------------------------------------------------------------------------------
 OLD_TOOLCHAIN = "0123456789abcdef"  # the compiler before an upgrade
-OLD_PASS = {"passes": 1, "kernels": 10, "cache_hits": 4, "cache_misses": 6, "remote_hits": 6, "traces": 0}
+OLD_PASS = {"passes": 1, "kernels": 10, "cache_hits": 4, "cache_misses": 6, "tier_lookups": 6, "remote_hits": 6,
+            "traces": 0}  # fmt: skip
 
 
 def test_the_fleet_is_broken_down_per_toolchain_in_every_output(tier: Tier) -> None:
@@ -260,10 +271,10 @@ def test_the_fleet_is_broken_down_per_toolchain_in_every_output(tier: Tier) -> N
     report = report_json(tier)
     assert list(report["per_toolchain"]) == sorted([this, OLD_TOOLCHAIN])
     ours, old = report["per_toolchain"][this], report["per_toolchain"][OLD_TOOLCHAIN]
-    assert set(ours) == set(report["totals"])  # the same counters, hit_rate included
+    assert set(ours) == set(report["totals"])  # the same counters, the hit rates included
     assert {name: ours[name] for name in EXPECTED_TOTALS} == EXPECTED_TOTALS
-    assert ours["hit_rate"] == pytest.approx(EXPECTED_HIT_RATE, abs=1e-6)
-    assert {name: old[name] for name in OLD_PASS} == OLD_PASS and old["hit_rate"] == 1.0
+    assert ours["shared_hit_rate"] == pytest.approx(EXPECTED_SHARED_HIT_RATE, abs=1e-6)
+    assert {name: old[name] for name in OLD_PASS} == OLD_PASS and old["shared_hit_rate"] == 1.0
     for name in TOTAL_COUNTERS:  # every batch named its toolchain: the toolchains sum to the fleet
         assert ours[name] + old[name] == pytest.approx(report["totals"][name], abs=1e-6), name
     # The pass log says which compiler ran each pass.
@@ -271,20 +282,22 @@ def test_the_fleet_is_broken_down_per_toolchain_in_every_output(tier: Tier) -> N
 
     text = nkicache(tier, "report").stdout
     assert "Per toolchain" in text
-    assert _row(text, f"{this} (this compiler)", "3", "24", "6", "10", "18", "8", "66.7%")
-    assert _row(text, OLD_TOOLCHAIN, "1", "10", "4", "6", "6", "0", "100.0%")
+    assert _row(text, f"{this} (this compiler)", "3", "24", "6", "18", "10", "8", "55.6%", "25.0%")
+    assert _row(text, OLD_TOOLCHAIN, "1", "10", "4", "6", "6", "0", "100.0%", "40.0%")
 
     samples = _samples(nkicache(tier, "report", "--prometheus").stdout)
     for toolchain, expected in ((this, EXPECTED_TOTALS), (OLD_TOOLCHAIN, OLD_PASS)):
         labels = (("toolchain", toolchain),)
         for name, value in expected.items():
             assert samples[(f"nkicache_toolchain_{name}_total", labels)] == value, (toolchain, name)
-    assert samples[("nkicache_toolchain_hit_ratio", (("toolchain", this),))] == pytest.approx(EXPECTED_HIT_RATE)
+    assert samples[("nkicache_toolchain_shared_hit_ratio", (("toolchain", this),))] == pytest.approx(
+        EXPECTED_SHARED_HIT_RATE
+    )
 
     page = render_html(build_report(tier.backend))
     section = page[page.index('<h2 id="per-toolchain">') :]
     assert f"<td>{this} (this compiler)</td>" in section and f"<td>{OLD_TOOLCHAIN}</td>" in section
-    assert '<td class="n">66.7%</td>' in section
+    assert '<td class="n">55.6%</td>' in section
 
 
 def test_without_batches_naming_a_toolchain_there_is_no_breakdown(tier: Tier) -> None:
@@ -297,7 +310,7 @@ def test_without_batches_naming_a_toolchain_there_is_no_breakdown(tier: Tier) ->
 # -- edges ----------------------------------------------------------------------------------------------
 def test_an_empty_tier_reports_zeros(tier: Tier) -> None:
     report = report_json(tier)
-    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "hit_rate": 0.0}
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
     assert report["per_kernel"] == {} and report["timeline"] == [] and report["top_variants"] == []
     assert "No passes in the pass log." in nkicache(tier, "report").stdout
     assert "nkicache_passes_total 0.0" in nkicache(tier, "report", "--prometheus").stdout
@@ -353,11 +366,19 @@ def test_json_text_refuses_a_non_finite_number_by_name() -> None:
             json_text(bad)
 
 
-def test_a_missing_local_tier_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = nkicache(None, "report", "--tier", f"local:{tmp_path / 'nothing.sqlite'}")
-    assert result.exit_code == 2
-    assert result.stderr.strip() == f"nkicache: error: no local tier at {tmp_path / 'nothing.sqlite'}"
+def test_a_fresh_machine_reports_zeros_in_every_format(tmp_path: Path) -> None:
+    """No local tier yet (nothing compiled): zeros and exit 0, as sccache -s, not an error."""
+    missing = f"local:{tmp_path / 'nothing.sqlite'}"
+    text = nkicache(None, "report", "--tier", missing)
+    assert text.exit_code == 0, text.output
+    assert "not created yet" in text.stdout and "No passes in the pass log." in text.stdout
+    report = json.loads(nkicache(None, "report", "--tier", missing, "--json").stdout)
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    exposition = nkicache(None, "report", "--tier", missing, "--prometheus")
+    assert exposition.exit_code == 0 and "nkicache_passes_total 0.0" in exposition.stdout
     assert not (tmp_path / "nothing.sqlite").exists()  # reading never creates a tier
+    # The default tier of a fresh machine (no config, nothing compiled) the same.
+    assert nkicache(None, "report", "--json").exit_code == 0
 
 
 def test_report_flags_are_checked(tmp_path: Path) -> None:
@@ -430,3 +451,33 @@ def test_durations_times_and_sizes() -> None:
     for bad, parse in (("soon", parse_duration), ("yesterday", parse_since), ("12 apples", parse_size)):
         with pytest.raises(ValueError):
             parse(bad)
+
+
+# -- report --zero ----------------------------------------------------------------------------------------------
+def test_zero_resets_the_counters_and_the_pass_log_shows_it(fleet: tuple[Tier, list]) -> None:
+    tier, _ = fleet
+    zeroed = nkicache(tier, "report", "--zero", "--json", env={"NKICACHE_HOST": "ops", "NKICACHE_WORKER": "alice"})
+    assert zeroed.exit_code == 0, zeroed.output
+    answer = json.loads(zeroed.stdout)
+    assert answer["zeroed"] is True
+    assert {name: answer["previous"][name] for name in EXPECTED_TOTALS} == EXPECTED_TOTALS
+
+    report = report_json(tier)
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    assert report["per_host"] == {} and report["per_toolchain"] == {}
+    # History and what gc and warm rank by are kept: the pass log, the per-kernel counts, the key usage.
+    assert sum(b["passes"] for b in report["timeline"]) == 3
+    assert report["per_kernel"] == EXPECTED_KERNELS and report["variants"] == EXPECTED_VARIANTS
+    assert [(z["host"], z["worker"]) for z in report["zeroed"]] == [("ops", "alice")]
+    assert report["zeroed"][0]["when"] == pytest.approx(answer["when"], abs=1)
+    assert "Counters zeroed " in nkicache(tier, "report").stdout and "by ops/alice" in nkicache(tier, "report").stdout
+
+    run_known_fleet(tier)  # counting starts again from 0
+    after = report_json(tier)
+    # The same passes, now warm: every tier lookup is a remote hit, nothing is traced.
+    warm = {**EXPECTED_TOTALS, "remote_hits": EXPECTED_TOTALS["tier_lookups"], "traces": 0}
+    assert {name: after["totals"][name] for name in EXPECTED_TOTALS} == warm
+
+
+def test_zero_makes_no_report(tmp_path: Path) -> None:
+    assert nkicache(None, "report", "--zero", "--prometheus").exit_code == 2

@@ -26,7 +26,7 @@ from cachestore.backends.sqlite import SqliteBackend
 
 CHROMIUM = "/usr/bin/chromium"
 HISTORY_CALLS = {"blockwise_mm": 20, "conv2d_pbp_kxk": 12, "resize_nearest_fixed_dma_kernel": 8}
-# Colours the plots draw with (cachestore/report_render.py): hit-rate line and local hits, kernel usage bars.
+# Colours the plots draw with (cachestore/report_render.py): in-pass rate line and hits, kernel usage bars.
 GREEN = (0x1A, 0x7F, 0x37)
 BLUE = (0x09, 0x69, 0xDA)
 
@@ -56,7 +56,8 @@ def add_history(tier: Tier, hours: int = 24) -> None:
         kernels = 40
         hits = round(kernels * min(0.95, 0.15 + 0.035 * (hours - hour)))
         counts = {"passes": 1, "kernels": kernels, "cache_hits": hits // 3, "remote_hits": hits - hits // 3,
-                  "cache_misses": kernels - hits // 3, "traces": kernels - hits}  # fmt: skip
+                  "cache_misses": kernels - hits // 3, "tier_lookups": kernels - hits // 3,
+                  "traces": kernels - hits}  # fmt: skip
         record = {**counts, "finished": now - hour * 3600, "host": "hist", "worker": "w0"}
         tier.backend.apply_metrics(MetricsBatch(f"history-{hour}", "hist", "w0", dict(counts), HISTORY_CALLS,
                                                 {}, record))  # fmt: skip
@@ -83,7 +84,7 @@ def test_html_report_renders_in_headless_chromium_with_its_plots(tier: Tier, tmp
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)
     assert "<script" not in html
     assert html.count("<svg") == 2
-    assert "<h2>Hit rate over time</h2>" in html and "<h2>Usage per kernel</h2>" in html
+    assert "<h2>Hit rates over time</h2>" in html and "<h2>Usage per kernel</h2>" in html
     for kernel in ("matmul_tiled", "softmax", "rmsnorm", "blockwise_mm"):
         assert kernel in html
 
@@ -104,7 +105,7 @@ def test_html_report_renders_in_headless_chromium_with_its_plots(tier: Tier, tmp
     assert pixels.shape[1] == 1280
     not_white = np.any(pixels < 245, axis=-1).mean()
     assert not_white > 0.05, f"the page is nearly blank ({not_white:.1%} of pixels drawn)"
-    for name, colour in (("hit-rate line / local hits", GREEN), ("kernel usage bars", BLUE)):
+    for name, colour in (("in-pass rate line / in-pass hits", GREEN), ("kernel usage bars", BLUE)):
         drawn = np.all(np.abs(pixels - np.array(colour)) <= 6, axis=-1).sum()
         assert drawn > 2000, f"{name}: only {drawn} pixels in {colour}"
     if os.environ.get("NKICACHE_SCREENSHOT_DIR"):

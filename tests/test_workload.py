@@ -3,6 +3,7 @@ compile, and a distribution with in-pass hits and variants shared across models.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -116,3 +117,11 @@ def test_models_draw_shapes_zipf_like(tmp_path: Path) -> None:
     counts = {config: first_layer_shapes[(config[0], config[1], config[2])] for config in (commonest, rarest)}
     assert counts[commonest] > 3 * counts[rarest], counts
     assert 60 <= sum(first_layer_shapes.values()) <= 140  # about half the models are MoE
+
+
+def test_workload_json_lists_the_graphs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["workload", "--out", str(tmp_path), "--models", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["models"], report["seed"], report["out"]) == (2, 0, str(tmp_path))
+    assert sorted(report["graphs"]) == sorted(str(p) for p in tmp_path.glob("*.json"))

@@ -11,7 +11,7 @@ import hashlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -366,9 +366,8 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
         reader.close()
     warmed = nkicache("warm", "--tier", tier, "--top", str(variants), "--workers", "2", new=True)
     first = nkicache("compile", str(graphs), "--out", str(work / "upgrade-new"), "--tier", tier, new=True)
-    lookups = first["cache_misses"]  # every in-pass miss asks the tier
     return {
-        "upgrade_first_pass_hit_rate": first["remote_hits"] / lookups if lookups else 0.0,
+        "upgrade_first_pass_hit_rate": first["shared_hit_rate"] or 0.0,
         "warm_seconds_per_variant": warmed["seconds"] / max(1, warmed["traced"]),
         "cold_seconds_per_trace": old["compile_seconds"] / max(1, old["traces"]),
         "variants": variants,
@@ -377,9 +376,41 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
     }
 
 
+# The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
+REDIS_NAMESPACES = ("nkibench", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit", "nkibench-storage")
+
+
+def drop_namespaces(redis_url: str, namespaces: Sequence[str] = REDIS_NAMESPACES) -> int:
+    """Delete every key of `namespaces` from the Redis at `redis_url` (the bench's own, never another's);
+    returns how many went."""
+    import redis
+
+    from cachestore.keys import KeySpace
+
+    client = redis.Redis.from_url(redis_url)
+    deleted = 0
+    try:
+        for namespace in namespaces:
+            for pattern in KeySpace(namespace).namespace_patterns():
+                keys = list(client.scan_iter(match=pattern, count=1000))
+                for start in range(0, len(keys), 1000):
+                    deleted += client.delete(*keys[start : start + 1000])
+    finally:
+        client.close()
+    return deleted
+
+
 def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
     """Every measurement: results[name] is the figure, results[name + "_detail"] what it was computed from,
-    and results["skipped"] maps each measurement that could not run here to why (no figure for it)."""
+    and results["skipped"] maps each measurement that could not run here to why (no figure for it). The keys
+    the measurements wrote to the Redis at `redis_url` are deleted at the end, whatever happened."""
+    try:
+        return _run_benchmarks(config, redis_url, progress)
+    finally:
+        drop_namespaces(redis_url)
+
+
+def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
     with tempfile.TemporaryDirectory(prefix="nkibench-") as tmp:
         work = Path(tmp)
         graphs = workload_graphs(work / "graphs", config)

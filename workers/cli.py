@@ -96,7 +96,32 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
     ctx.exit()
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def environment_help() -> str:
+    """The settings' part of `nkicache --help`, with every NKICACHE_* variable named (from the settings
+    themselves, so that a new setting is never missing from it)."""
+    import dataclasses
+    import textwrap
+
+    from cachestore.settings import SECRET_SETTINGS, Settings
+
+    settings = [f.name for f in dataclasses.fields(Settings) if f.name not in SECRET_SETTINGS]
+    names = ", ".join(f"NKICACHE_{name.upper()}" for name in settings)
+    secrets = sorted(f"NKICACHE_{name.upper()}" for name in SECRET_SETTINGS)
+    return "\n".join([
+        "\b",
+        "Settings (`nkicache config` shows each one's value and source), later winning:",
+        "  defaults < a TOML config file < NKICACHE_* environment variables < flags.",
+        "  Config file: $NKICACHE_CONFIG, else ./nkicache.toml, else ~/.config/nkicache/config.toml.",
+        "\b",
+        "Environment variables (NKICACHE_ + the setting's name in capitals):",
+        *textwrap.wrap(names + ".", 100, initial_indent="  ", subsequent_indent="  "),
+        f"  Secrets, only from the environment: {', '.join(secrets)}",
+        f"  (or {', '.join(name + '_FILE' for name in secrets)} naming a file).",
+        "  NKICACHE_TARGET: the compile target (Trn1, Trn2) of a graph that names none.",
+    ])  # fmt: skip
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=environment_help())
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and the toolchain id (the tier keeps binaries apart by it).")  # fmt: skip
 def main() -> None:
@@ -225,9 +250,14 @@ def compile_command(
     one line on stderr naming the file, the op and the cause; the other graphs are still compiled and
     the exit code is 1. A tier that is down costs counted errors, never a failed compile.
 
-    --json keys: passes, compiled, kernels, cache_hits, cache_misses, remote_hits, traces (beta3
+    Two hit rates, never mixed: the shared-cache hit rate (remote_hits / tier_lookups: what the tier answered
+    of the in-pass misses that asked it; n/a, null in JSON, when none did, as with --tier off) and the in-pass
+    hit rate (the specification's cache_hits / kernels: the pass's own cache, which needs no tier).
+
+    --json keys: passes, compiled, kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces (beta3
     compiles actually run), compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
-    tier_rejected, tier_dropped, hit_rate, seconds, workers, tier, tier_mode, interrupted, artifacts,
+    tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, seconds, workers, tier, tier_mode,
+    interrupted, artifacts,
     failed ([{file, error}]) and graphs (the same figures per pass). tier_dropped counts every write that did
     not reach the tier, the ones still queued when the compile ends with the tier down included: those are
     in the totals only, no pass's figures hold them.
@@ -253,14 +283,16 @@ def compile_command(
 @click.argument("compiled", nargs=-1, required=True, metavar="COMPILED...")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--check", is_flag=True, help="Compare every kernel's outputs with its numpy reference.")
+@click.option("--verbose", "-v", is_flag=True, help="With --check, a line per kernel, not only per mismatch.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
-def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool) -> None:
+def run_command(compiled: tuple[str, ...], seed: int, check: bool, verbose: bool, as_json: bool) -> None:
     """Execute compiled basic blocks (.nkibb files from `nkicache compile`) on seeded random inputs.
 
     A directory stands for its *.nkibb files, sorted. Inputs are valid for the kernels that read them
     (e.g. BlockwiseMatmul token ids and expert map) and the same for the same seed. With --check every
     kernel instruction's outputs are compared with the kernel's numpy reference (float32 tight,
-    bfloat16/float16 loose).
+    bfloat16/float16 loose). Text output: a line per artifact, a line per kernel that does not match (every
+    kernel with --verbose), and a summary line.
 
     Exit code 1 when a check fails or an artifact cannot be loaded or run (each such file is reported as
     one line on stderr naming it).
@@ -299,22 +331,41 @@ def run_command(compiled: tuple[str, ...], seed: int, check: bool, as_json: bool
             )
             if check:
                 for i in kernels:
+                    if i["ok"] and not verbose:
+                        continue
                     err = "n/a" if i["max_abs_err"] is None else f"{i['max_abs_err']:.1e}"
                     verdict = "ok" if i["ok"] else "MISMATCH" + (f" ({i['error']})" if i["error"] else "")
                     click.echo(f"  [{i['index']}] {i['func_name']} {i['name']}: max abs err {err} {verdict}")
+        click.echo(_run_summary(ran, failed, check))
     if not ok:
         sys.exit(EXIT_CHECK_FAILED)
 
 
+def _run_summary(ran: list[dict], failed: list[dict], check: bool) -> str:
+    """'12 artifacts run, 210 kernel outputs checked: all OK' (or how many mismatched, and in how many)."""
+    kernels = [i for r in ran for i in r["instructions"] if i["func_name"] is not None]
+    line = f"{plural(len(ran), 'artifact')} run"
+    if check:
+        bad = sum(1 for i in kernels if not i["ok"])
+        bad_artifacts = sum(1 for r in ran if not r["ok"])
+        verdict = "all OK" if not bad else f"{bad} MISMATCHED in {plural(bad_artifacts, 'artifact')}"
+        line += f", {len(kernels)} kernel outputs checked against numpy references: {verdict}"
+    if failed:
+        line += f"; {len(failed)} could not be loaded or run"
+    return line
+
+
 def _register() -> None:
     from workers.bench_cli import bench_command
+    from workers.config_cli import config_command
     from workers.fleet_cli import queue_command, submit_command, worker_command
     from workers.quickstart_cli import quickstart_command, workload_command
     from workers.report_cli import inspect_group, report_command, serve_metrics_command
     from workers.warm_cli import warm_command
 
     for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
-                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command):  # fmt: skip
+                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command,
+                    config_command):  # fmt: skip
         main.add_command(command)
 
 

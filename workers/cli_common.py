@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from bridge.port import hit_rate
+from bridge.port import HIT_RATE_WORDS, IN_PASS_HIT_RATE, SHARED_HIT_RATE, format_rate, hit_rates
 from cachestore.api import redact_url
 
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
@@ -69,15 +69,31 @@ def plural(count: float, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"
 
 
+def rates_text(counts: dict) -> str:
+    """The two hit rates in words, the shared cache's first: 'shared-cache hit rate 75% (3 of 4 tier lookups),
+    in-pass hit rate 40%'; n/a when nothing asked the tier."""
+    rates = hit_rates(counts)
+    lookups = int(counts.get("tier_lookups", 0))
+    shared = (
+        f"{format_rate(rates[SHARED_HIT_RATE], 0)} ({int(counts.get('remote_hits', 0))} of {lookups} tier lookups)"
+        if lookups
+        else "n/a (no tier lookups)"
+    )
+    return (
+        f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {shared}, "
+        f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(rates[IN_PASS_HIT_RATE], 0)}"
+    )
+
+
 def summary_line(passes: int, failed: int, totals: dict, seconds: float) -> str:
     return (
         f"{plural(passes, 'pass')} ({passes - failed} compiled, {failed} failed): "
-        f"{plural(totals['kernels'], 'kernel')}, {plural(totals['cache_hits'], 'hit')}, "
-        f"{plural(totals['cache_misses'], 'miss')}, {plural(totals['remote_hits'], 'remote hit')}, "
-        f"{plural(totals['traces'], 'trace')}, hit rate {hit_rate(totals):.0%}, "
-        f"compile {totals['compile_seconds']:.2f} s, saved {totals['saved_seconds']:.2f} s, {seconds:.2f} s"
+        f"{plural(totals['kernels'], 'kernel')}, {plural(totals['cache_hits'], 'in-pass hit')}, "
+        f"{plural(totals['remote_hits'], 'remote hit')}, {plural(totals['traces'], 'trace')}; {rates_text(totals)}; "
+        f"compile time {totals['compile_seconds']:.2f} s, saved {totals['saved_seconds']:.2f} s, "
+        f"wall time {seconds:.2f} s"
         + (
-            f", tier: {totals['tier_errors']} errors, {totals['tier_timeouts']} timeouts, "
+            f"; tier: {totals['tier_errors']} errors, {totals['tier_timeouts']} timeouts, "
             f"{totals['tier_rejected']} rejected, {totals['tier_dropped']} writes dropped"
             if totals["tier_errors"] or totals["tier_timeouts"] or totals["tier_rejected"] or totals["tier_dropped"]
             else ""
@@ -104,6 +120,11 @@ class Progress:
     def advance(self, line: str) -> None:
         self.done += 1
         if self._bar is not None:
+            # Printed above the bar, and kept when the bar goes: an interactive compile says where each
+            # graph's artifact went, as a piped one does.
+            from rich.text import Text
+
+            self._bar.console.print(Text(f"[{self.done}/{self.total}] {line}"), soft_wrap=True)
             self._bar.advance(self._task)
         elif not self.quiet:
             click.echo(f"[{self.done}/{self.total}] {line}")
@@ -119,15 +140,23 @@ def _pass_line(result: Any) -> str:
     c = result.counts
     return (
         f"{result.file} -> {result.artifact}: {result.target}, {plural(c['kernels'], 'kernel')}, "
-        f"{plural(c['cache_hits'], 'hit')}, {plural(c['cache_misses'], 'miss')}, "
-        f"{plural(c['remote_hits'], 'remote hit')}, {plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
+        f"{plural(c['cache_hits'], 'in-pass hit')}, {plural(c['remote_hits'], 'remote hit')}, "
+        f"{plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
     )
 
 
 def compile_and_summarize(
-    files: list[str], *, settings: Any, workers: int, out_dir: str, target_name: str | None, as_json: bool
+    files: list[str],
+    *,
+    settings: Any,
+    workers: int,
+    out_dir: str,
+    target_name: str | None,
+    as_json: bool,
+    print_json: bool = True,
 ) -> tuple[dict, bool]:
-    """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed)."""
+    """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed).
+    `print_json=False`: with `as_json`, print nothing (the caller prints one document holding the summary)."""
     from workers.passes import add_counts
     from workers.pool import compile_run
 
@@ -153,7 +182,7 @@ def compile_and_summarize(
         "passes": len(results),
         "compiled": len(results) - len(failed),
         **totals,
-        "hit_rate": round(hit_rate(totals), 4),
+        **hit_rates(totals, digits=4),
         "seconds": seconds,
         "workers": workers,
         "tier": redact_url(settings.tier) if settings.tier_mode != "off" else "off",
@@ -164,7 +193,8 @@ def compile_and_summarize(
         "graphs": [r.as_json() for r in results],
     }
     if as_json:
-        echo_json(summary)
+        if print_json:
+            echo_json(summary)
     else:
         click.echo(summary_line(len(results), len(failed), totals, seconds))
         if interrupted:

@@ -131,8 +131,10 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
 @click.option("--max-jobs", type=click.IntRange(min=1), default=None, help="Exit after this many jobs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Also write each artifact into this folder (artifacts always go to Redis).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True,
+              help="When the workers exit, print {jobs, workers: [{name, jobs}]} on stdout.")  # fmt: skip
 @_redis_errors
-def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> None:
+def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir, as_json) -> None:
     """Compile jobs from the fleet's stream until SIGTERM or Ctrl-C.
 
     Reads with the consumer group, compiles with a fresh codegen loop per job (reading and mirroring the
@@ -149,14 +151,16 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> Non
     except UnicodeEncodeError:
         raise click.BadParameter("the worker's name is not UTF-8 text", param_hint="--name") from None
     if concurrency == 1:
-        _run_worker(tier, tier_mode, base, max_jobs, out_dir)
+        _print_done([(base, _run_worker(tier, tier_mode, base, max_jobs, out_dir))], as_json)
         return
     # A Redis that is down at start is one error line here, before any process starts, not one per process.
     _settings, client, _keys = _fleet(tier, tier_mode)
     client.ping()
     client.close()
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_worker_process, args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir))
+    done = context.SimpleQueue()  # (name, jobs) from each process that exits cleanly
+    processes = [context.Process(target=_worker_process,
+                                 args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir, done))
                  for i in range(concurrency)]  # fmt: skip
 
     def forward(signum: int, frame: object) -> None:
@@ -172,11 +176,21 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir) -> Non
         process.start()
     for process in processes:
         process.join()
+    finished = []
+    while not done.empty():
+        finished.append(done.get())
+    _print_done(sorted(finished), as_json)
     if any(process.exitcode != 0 for process in processes):
         sys.exit(EXIT_CHECK_FAILED)
 
 
-def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> None:
+def _print_done(finished: list[tuple[str, int]], as_json: bool) -> None:
+    if as_json:
+        echo_json({"jobs": sum(jobs for _, jobs in finished),
+                   "workers": [{"name": name, "jobs": jobs} for name, jobs in finished]})  # fmt: skip
+
+
+def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> int:
     from workers.fleet import Worker
 
     settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
@@ -184,9 +198,10 @@ def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> None:
     worker.install_signal_handlers()
     done = worker.run()
     click.echo(f"worker {name}: {done} jobs, exiting", err=True)
+    return done
 
 
-def _worker_process(tier, tier_mode, name, max_jobs, out_dir) -> None:
+def _worker_process(tier, tier_mode, name, max_jobs, out_dir, done) -> None:
     """One process of `worker --concurrency N`. Its errors are one line and exit 2, as in the command's own
     process: multiprocessing would print the traceback of an error that ends the process."""
     from bridge.errors import NkiCacheError
@@ -194,7 +209,7 @@ def _worker_process(tier, tier_mode, name, max_jobs, out_dir) -> None:
 
     try:
         with redis_errors("the fleet's Redis"):
-            _run_worker(tier, tier_mode, name, max_jobs, out_dir)
+            done.put((name, _run_worker(tier, tier_mode, name, max_jobs, out_dir)))
     except NkiCacheError as exc:
         click.echo(f"nkicache: error: {exc}", err=True)
         sys.exit(EXIT_PROJECT_ERROR)

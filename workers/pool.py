@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
-import os
 import signal
 import sys
 import threading
@@ -33,7 +32,7 @@ def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> Non
     the passes is added to `dropped_outside_passes` (a shared multiprocessing Value) when one is given."""
     global _process_tier
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _process_tier = open_tier(settings.replace(worker=f"pid{os.getpid()}"))
+    _process_tier = open_tier(settings)  # one metrics series per host and worker name, however many processes
     if _process_tier is not None:
         # Pool processes end without running atexit; a multiprocessing finalizer still runs, before the
         # process exits and so before the parent's shutdown(wait=True) returns.

@@ -70,42 +70,53 @@ def _size(value: str) -> int:
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Write a self-contained HTML page with plots to FILE (needs the html extra: "
                    "pip install 'nkicache[html]').")  # fmt: skip
+@click.option("--zero", is_flag=True,
+              help="Zero the fleet counters (as sccache -z / ccache -z) instead of reporting; the pass log records "
+                   "when and by whom. Entries, key usage and per-kernel counts are kept.")  # fmt: skip
 def report_command(
     tier: str | None, since: float | None, top: int, bucket: float | None, as_json: bool, prometheus: bool,
-    html_file: str | None,
+    html_file: str | None, zero: bool,
 ) -> None:  # fmt: skip
     """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
     toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
-    variants with their shapes, and the hit rate over time from the pass log.
+    variants with their shapes, and the hit rates over time from the pass log.
 
-    Hit rates are (cache_hits + remote_hits) / kernels from summed counts. Totals cover every pass;
-    --since limits the timeline.
+    --zero zeroes the counters instead (as sccache -z): totals, per host and worker and per toolchain start
+    again from 0, and the pass log keeps a record of it, which the report's timeline shows ("zeroed" in
+    --json: [{when, host, worker}]). Entries, key usage (which gc and warm rank by) and per-kernel counts
+    are kept.
+
+    Two hit rates, from summed counts: the shared-cache hit rate (remote_hits / tier_lookups, the headline;
+    n/a, null in JSON, when nothing asked the tier) and the in-pass hit rate (the specification's
+    cache_hits / kernels). Totals cover every pass; --since limits the timeline.
 
     --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
-    traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts, tier_rejected,
-    tier_dropped, hit_rate, as `nkicache compile --json`), per_host ({host: {totals, workers: {worker:
-    {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the passes of each compiler, so an
-    upgrade's cold start shows as such), per_kernel ({name: {call_count, variants}}), variants,
-    kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes, kernels, cache_hits,
-    cache_misses, remote_hits, traces, hit_rate}]), window (the timeline's summed counts), coverage ({toolchain: {other
+    tier_lookups, traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
+    tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, as `nkicache compile --json`), per_host
+    ({host: {totals, workers: {worker: {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the
+    passes of each compiler, so an upgrade's cold start shows as such), per_kernel ({name: {call_count,
+    variants}}), variants, kernel_types, top_variants, bucket_seconds, timeline ([{start, end, passes,
+    kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces, shared_hit_rate,
+    in_pass_hit_rate}]), window (the timeline's summed counts), zeroed, coverage ({toolchain: {other
     toolchain: {variants, covered_variants, usage, covered_usage, share}}}: how much of each other toolchain's
     stored variants, weighted by fleet usage, a toolchain holds too; while upgrading, switch traffic when the
     new compiler's share of the old one is near 1).
     """
-    from cachestore.api import open_backend
     from cachestore.report import build_report
     from cachestore.report_render import render_html, render_json, render_prometheus, render_text, require_matplotlib
 
     if as_json and prometheus:
         raise click.UsageError("--json and --prometheus are two different outputs; choose one")
+    if zero:
+        if prometheus or html_file:
+            raise click.UsageError("--zero prints what it zeroed (or --json); it makes no report")
+        _zero(_settings(tier), as_json)
+        return
     if html_file:
         require_matplotlib()  # before reading the tier, which can take a while, only to fail at the end
-    reader = open_backend(_settings(tier), reading=True)
-    try:
+    with _report_reader(_settings(tier)) as reader:
         report = build_report(reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None,
                               timeline=not prometheus)  # fmt: skip
-    finally:
-        reader.close()
     if html_file:
         _write_atomically(Path(html_file), render_html(report))
     if as_json:
@@ -115,7 +126,54 @@ def report_command(
     elif html_file:
         click.echo(f"wrote {html_file}")
     else:
-        click.echo(render_text(report, width=_terminal_width()), nl=False)
+        click.echo(render_text(report, width=_terminal_width(), ascii_only=not sys.stdout.isatty()), nl=False)
+
+
+def _zero(settings: Any, as_json: bool) -> None:
+    """`report --zero`: the fleet counters start again from 0; the pass log keeps a record of it (and of the
+    counters it zeroed), so the report's history shows when the counts were reset and by whom."""
+    from cachestore.api import open_backend
+    from cachestore.report import counters, zero_record
+
+    reader = open_backend(settings, reading=True)
+    try:
+        previous = counters(reader.totals())
+        record = zero_record(settings.host, settings.worker, previous)
+        reader.zero_counters(record)
+    finally:
+        reader.close()
+    if as_json:
+        echo_json({"zeroed": True, "tier": reader.description, "when": record["finished"], "previous": previous})
+    else:
+        click.echo(f"zeroed the fleet counters of {reader.description} (they held {int(previous['passes']):,} passes, "
+                   f"{int(previous['kernels']):,} kernels); the pass log records it")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _report_reader(settings: Any) -> Iterator[Any]:
+    """The tier to report on. A local tier that does not exist yet (a fresh machine: nothing compiled) reports
+    zeros, as sccache -s does, instead of an error; reading still never creates it where it was named: an empty
+    one is made in a temporary folder and read instead."""
+    import tempfile
+
+    from cachestore.api import open_backend
+    from cachestore.backends.sqlite import SqliteBackend
+
+    path = Path(settings.tier[len("local:") :]).expanduser() if settings.tier.startswith("local:") else None
+    if path is None or path.exists():
+        reader = open_backend(settings, reading=True)
+        try:
+            yield reader
+        finally:
+            reader.close()
+        return
+    with tempfile.TemporaryDirectory(prefix="nkicache-empty-") as folder:
+        reader = SqliteBackend(Path(folder) / "tier.sqlite")
+        reader.description = f"local:{path} (not created yet: nothing compiled with it)"
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 def _terminal_width() -> int | None:
@@ -189,8 +247,11 @@ def source_options(command: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable: bool = False) -> Iterator[Any]:
-    """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier."""
+def _source(
+    ctx: click.Context, tier: str | None, snapshot: str | None, writable: bool = False, create: bool = False
+) -> Iterator[Any]:
+    """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier.
+    `create`: a local tier that does not exist yet is made (import into a new file), not an error."""
     from cachestore.api import open_backend
     from cachestore.backends.snapshot import SnapshotReader
 
@@ -205,7 +266,7 @@ def _source(ctx: click.Context, tier: str | None, snapshot: str | None, writable
             raise click.UsageError("a snapshot is read-only; name a --tier")
         reader = SnapshotReader(snapshot, toolchain)
     else:
-        reader = open_backend(_settings(tier), reading=True, toolchain=toolchain)
+        reader = open_backend(_settings(tier), reading=not create, toolchain=toolchain)
     try:
         yield reader
     finally:
@@ -336,7 +397,12 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     if as_json:
         echo_json(usage, indent=2)
         return
-    table = Table(title="Storage by kernel", title_justify="left")
+    from rich import box
+
+    # Box drawing on a terminal; ASCII when piped or redirected, where it may reach a file or another program.
+    table = Table(
+        title="Storage by kernel", title_justify="left", box=box.HEAVY_HEAD if sys.stdout.isatty() else box.ASCII
+    )
     columns = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
     table.add_column("kernel")
     for column in columns:
@@ -466,15 +532,19 @@ def _load_components(text: str) -> dict:
 
 @inspect_group.command("export")
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print {exported, file}.")
 @source_options
 @click.pass_context
-def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: str | None) -> None:
+def export_command(ctx: click.Context, file: str, as_json: bool, tier: str | None, snapshot: str | None) -> None:
     """Write every entry (still encoded, signatures kept) and its usage to a msgpack snapshot FILE."""
     from cachestore.backends.snapshot import write_snapshot
 
     with _source(ctx, tier, snapshot) as reader:
         count = write_snapshot(reader, file)
-    click.echo(f"exported {count} entries to {file}")
+    if as_json:
+        echo_json({"exported": count, "file": file})
+    else:
+        click.echo(f"exported {count} entries to {file}")
 
 
 @inspect_group.command("import")
@@ -484,14 +554,15 @@ def export_command(ctx: click.Context, file: str, tier: str | None, snapshot: st
 @click.pass_context
 def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | None) -> None:
     """Write a snapshot's entries into the tier, verifying each first (signature policy, digest, key);
-    entries that fail are reported and skipped (exit 1). Metrics are not imported."""
+    entries that fail are reported and skipped (exit 1). Metrics are not imported. A local tier that does not
+    exist yet is created."""
     from bridge.codegen import cache_key_of_stored
     from cachestore.backends.snapshot import SnapshotReader
     from cachestore.inspect import import_snapshot
 
     policy, settings = _policy(tier)
     snapshot = SnapshotReader(file)
-    with _source(ctx, tier, None, writable=True) as target:
+    with _source(ctx, tier, None, writable=True, create=True) as target:
         result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
                                  max_bytes=settings.max_entry_bytes)  # fmt: skip
     if as_json:

@@ -74,6 +74,13 @@ T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
+# `report --zero`, in one metrics shard: KEYS[1] its pass log, KEYS[2..] its counter hashes and the sets naming
+# them; ARGV[1] the record to log ('' in every shard but one), ARGV[2] the log's MAXLEN.
+ZERO_COUNTERS_LUA = """
+redis.call('DEL', unpack(KEYS, 2))
+if ARGV[1] ~= '' then redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'pass', ARGV[1]) end
+return 1
+"""
 # Bytes of an entry read before its size is known: entries a compile writes are smaller (a few to a few hundred
 # KiB) and come in one round trip; a refused oversized one costs no more than this.
 FIRST_READ_BYTES = 1 << 20
@@ -272,6 +279,7 @@ class RedisBackend:
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
+        self._zero_counters = client.register_script(ZERO_COUNTERS_LUA)
 
     @classmethod
     def open(cls, settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> RedisBackend:
@@ -681,12 +689,13 @@ class RedisBackend:
         return min(first for first, _ in spans), max(last for _, last in spans)
 
     def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
-        """The shards' logs merged in the order their records were added (each log is in that order)."""
+        """The shards' logs merged in the order their records were added (each log is in that order); records of
+        two shards added in the same millisecond, by the time their passes ended."""
         logs = [self._shard_pass_log(shard, since) for shard in self._metric_shards()]
         for _, when, record in heapq.merge(*logs, key=lambda item: item[0]):
             yield when, record
 
-    def _shard_pass_log(self, shard: MetricsKeys, since: float | None) -> Iterator[tuple[tuple[int, int], float, dict]]:
+    def _shard_pass_log(self, shard: MetricsKeys, since: float | None) -> Iterator[tuple[tuple, float, dict]]:
         start = self._stream_id(since)
         while True:
             with redis_errors(self.description):
@@ -694,10 +703,26 @@ class RedisBackend:
             for stream_id, fields in page:
                 record = _pass_record(fields)
                 if record is not None:
-                    yield _stream_order(stream_id), _record_time(stream_id, fields), record
+                    when = _record_time(stream_id, fields)
+                    milliseconds, sequence = _stream_order(stream_id)
+                    yield (milliseconds, when, sequence), when, record
             if len(page) < 1000:
                 return
             start = "(" + text(page[-1][0])
+
+    def zero_counters(self, record: dict) -> None:
+        """Zero the fleet counters (totals, per worker, per toolchain) and append `record` to the pass log (of
+        shard 0): one script run per shard, each atomic in its shard; entries, key usage, per-kernel counts and
+        the pass log are kept."""
+        calls = []
+        for i, k in enumerate(self._metric_shards()):
+            workers = [text(m) for m in self._call(lambda k=k: self.client.smembers(k.workers))]
+            toolchains = [text(m) for m in self._call(lambda k=k: self.client.smembers(k.toolchains))]
+            hashes = [k.worker_metrics(*m.partition(":")[::2]) for m in workers]
+            hashes += [k.toolchain_metrics(t) for t in toolchains]
+            logged = json.dumps(record, sort_keys=True) if i == 0 else ""
+            calls.append(([k.pass_log, k.totals, k.workers, k.toolchains, *hashes], [logged, str(PASS_LOG_MAXLEN)]))
+        self._call(lambda: self._run_script(self._zero_counters, calls, lambda pipe: None))
 
     # -- entries ------------------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:

@@ -450,6 +450,16 @@ class SqliteBackend:
                 return
             last_id = rows[-1][0]
 
+    def zero_counters(self, record: dict) -> None:
+        """Zero the fleet counters (totals, per worker, per toolchain) and append `record` to the pass log, in one
+        transaction; entries, key usage, per-kernel counts and the pass log are kept."""
+        with self._write() as db:
+            for table in ("totals", "worker_totals", "toolchain_totals"):
+                db.execute(f"DELETE FROM {table}")
+            db.execute(
+                "INSERT INTO pass_log (ts, record) VALUES (?, ?)", (time.time(), json.dumps(record, sort_keys=True))
+            )
+
     # -- entries ------------------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         last = ""
