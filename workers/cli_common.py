@@ -195,3 +195,19 @@ def run_one(path: str, seed: int, check: bool) -> dict:
         "instructions": [item.as_json() for item in report.instructions],
         "outputs": report.output_digests(),
     }
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: int | str) -> None:
+    """Logging for a command's process (library code never configures it): one line per record on stderr.
+    The codegen loop logs every kernel's cache hit or miss at INFO, as the specification has it; on a worker
+    that logs one line per job at INFO those would bury the rest, so they show from DEBUG on."""
+    import logging
+
+    numeric = level if isinstance(level, int) else logging.getLevelName(level.upper())
+    logging.basicConfig(level=numeric, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    if numeric > logging.DEBUG:
+        logging.getLogger("bridge.codegen").setLevel(max(numeric, logging.WARNING))
