@@ -32,6 +32,8 @@ from cachestore.settings import Settings
 from workers.passes import PassResult
 
 logger = logging.getLogger(__name__)
+READY = b"ready"
+STARTUP_TIMEOUT = 120.0  # seconds for a compiling process to import the compiler and open its tier
 
 
 class CompileProcess:
@@ -82,6 +84,9 @@ class CompileProcess:
         self.started += 1
         hello = {"settings": _settings_json(self.settings), "out_dir": self.out_dir, "log_level": self.log_level}
         self._send.send_bytes(json.dumps(hello).encode())
+        # job_timeout bounds a job's compile, not the start of a process (imports, the tier's connection).
+        if not self._receive.poll(STARTUP_TIMEOUT) or self._receive.recv_bytes() != READY:
+            raise OSError("the compiling process did not start")
 
     def _death(self) -> str:
         """Why the child stopped answering, once it has exited (it is killed if it has not)."""
@@ -180,6 +185,7 @@ def _child() -> None:
     threading.Thread(target=read, name="nkicache-job-reader", daemon=True).start()
     tier = open_tier(settings)
     limits = settings.limits()
+    send.send_bytes(READY)
     try:
         while (message := jobs.get()) is not None:
             busy.set()
