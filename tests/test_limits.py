@@ -65,3 +65,28 @@ def test_the_default_limits_let_the_workload_compile(tmp_path: Path) -> None:
     paths = generate_workload(tmp_path / "graphs", 3, seed=1)
     done, summary = compile_json(tmp_path, *paths)
     assert done.returncode == 0 and summary["compiled"] == 3, done.stderr
+
+
+def test_run_refuses_an_artifact_that_would_not_fit_in_memory(tmp_path: Path) -> None:
+    """Under a 1 GiB address-space limit: a graph of 2 x 10^8 float32 elements (1.2 GB to run) is refused with
+    one line, and no MemoryError traceback; a small artifact of the same call runs."""
+    import resource
+
+    big = softmax_graph(tmp_path, "big", 100_000)
+    small = softmax_graph(tmp_path, "small", 20, 10)
+    done, summary = compile_json(tmp_path, big, small)
+    assert done.returncode == 0 and summary["compiled"] == 2, done.stderr
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1024**3, 1024**3))
+
+    ran = subprocess.run([NKICACHE, "run", str(tmp_path / "out"), "--json"], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL, preexec_fn=limit_memory)  # fmt: skip
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
+    report = json.loads(ran.stdout)
+    [failed] = report["failed"]
+    assert failed["file"] == str(tmp_path / "out" / "big.nkibb")
+    assert "running graph 'big' needs about 1.3 GiB, more than the" in failed["error"], failed
+    assert failed["error"].endswith("GiB of memory available; not run")
+    assert [a["graph"] for a in report["artifacts"]] == ["small"]
+    assert ran.stderr.splitlines() == [f"nkicache: error: {failed['error']}"]

@@ -172,6 +172,23 @@ def compile_and_summarize(
     return summary, bool(failed) or interrupted
 
 
+def _memory_problem(path: str, artifact: Any, check: bool) -> str | None:
+    """Why running `artifact` would not fit in this process's memory, or None (unknown counts as fitting)."""
+    import os
+
+    from workers.memory import available_bytes, run_bytes
+
+    needed = run_bytes(artifact, os.path.getsize(path), check)
+    available = available_bytes()
+    if available is None or needed <= available:
+        return None
+    gib = 1024**3
+    return (
+        f"{path}: running graph {artifact.graph!r}{' with --check' if check else ''} needs about "
+        f"{needed / gib:.1f} GiB, more than the {max(available, 0) / gib:.1f} GiB of memory available; not run"
+    )
+
+
 def run_one(path: str, seed: int, check: bool) -> dict:
     """Load, sample, execute (and check) one artifact; a project error becomes {'error': one line}."""
     import numpy as np
@@ -182,10 +199,15 @@ def run_one(path: str, seed: int, check: bool) -> dict:
 
     try:
         artifact = load_artifact(path)
+        memory_problem = _memory_problem(path, artifact, check)
+        if memory_problem is not None:
+            return {"file": path, "error": memory_problem}
         inputs = sample_artifact_inputs(artifact, np.random.default_rng(seed))
         report = run_compiled(artifact, inputs, check=check)
     except NkiCacheError as exc:
         return {"file": path, "error": " ".join(str(exc).split())}
+    except MemoryError:  # the estimate fell short: still this artifact's one line, not a traceback
+        return {"file": path, "error": f"{path}: ran out of memory running it; not run to the end"}
     return {
         "file": path,
         "graph": report.graph,
