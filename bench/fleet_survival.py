@@ -130,10 +130,14 @@ def memory_over_jobs(url: str, folder: Path, jobs: int, every: int) -> dict:
         fleet.start("w")
         fleet.wait(lambda: "w" in fleet.beats())
         started = time.monotonic()
-        done = 0
+        done, completed, kernels, remote_hits = 0, 0, 0, 0
         while done < jobs:
             batch = submit(fleet.client, fleet.keys, (paths * (every // len(paths) + 1))[:every], 3600).job_ids
-            fleet.wait(lambda batch=batch: len(results_of(fleet.client, fleet.keys, batch)) == len(batch))
+            results = fleet.wait(lambda batch=batch: len(r := results_of(fleet.client, fleet.keys, batch)) == len(batch)
+                                 and r)  # fmt: skip
+            completed += sum(r["status"] == "completed" for r in results.values())
+            kernels += sum(r.get("kernels", 0) for r in results.values())
+            remote_hits += sum(r.get("remote_hits", 0) for r in results.values())
             done += len(batch)
             beat = fleet.beats()["w"]
             samples.append({"jobs": done, "worker_rss_mib": round(rss_kib(fleet.workers["w"].pid) / 1024, 1),
@@ -145,6 +149,9 @@ def memory_over_jobs(url: str, folder: Path, jobs: int, every: int) -> dict:
     first, last = samples[0], samples[-1]
     return {
         "jobs": done,
+        "completed": completed,
+        "kernels": kernels,
+        "remote_hits": remote_hits,
         "seconds": round(seconds, 1),
         "rss_samples": samples,
         "one_compiling_process": len({s["compiler_pid"] for s in samples}) == 1,
