@@ -539,6 +539,8 @@ class Worker:
                     self._touch(keys=[self.stream], args=[self.name, message_id])
             except rex.RedisError as exc:  # the main loop meets the same outage and decides; keep beating
                 logger.warning("worker %s: heartbeat failed: %s", self.name, exc)
+            except Exception:  # a beat lost to a bug must not end the beating: other workers would take our job
+                logger.exception("worker %s: heartbeat failed", self.name)
 
     def _heartbeat(self) -> None:
         beat = {"time": time.time(), "host": self.settings.host, "pid": os.getpid(), "job": self.current,

@@ -50,7 +50,8 @@ class CompileProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        process = self._process  # read once: the heartbeat thread asks while the worker may be replacing it
+        return process.pid if process is not None else None
 
     def compile(self, job: dict) -> tuple[PassResult, bytes | None]:
         """Compile one job in the child; any failure, the child's death included, is the job's error."""
