@@ -77,8 +77,8 @@ def test_bad_jobs_are_dead_lettered_with_their_reason_and_no_worker_dies(fleet, 
     f.start_worker("w1")
     f.start_worker("w2")
     f.wait_live("w1", "w2")
-    for name in ("w1", "w2"):  # each compile process is limited to job_memory bytes of address space
-        wait_until(lambda name=name: f.heartbeats()[name].get("compiler_pid") is None)
+    # Each worker starts its compiling process before it takes a job, and says so in its heartbeat.
+    wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2")))
 
     hand_job(f, "deep-00000", '{"name": "deep", "tensors": {}, "ops": ' + "[" * 1500 + "]" * 1500 + "}")
     stream = f.keys.job_stream(toolchain_id())

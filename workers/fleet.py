@@ -372,6 +372,7 @@ class Worker:
 
     def run(self) -> int:
         ensure_group(self.client, self.keys, self.toolchain)
+        self.compiler.start()
         self._heartbeat()
         beats = threading.Thread(target=self._beat_until_stopped, name="nkicache-heartbeat", daemon=True)
         beats.start()

@@ -15,6 +15,7 @@ dies (SIGKILL included) takes its compiling process with it, mid-compile or not.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,10 +29,17 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from bridge.errors import NkiCacheError
 from cachestore.settings import Settings
 from workers.passes import PassResult
 
 logger = logging.getLogger(__name__)
+
+
+class CompileProcessError(NkiCacheError):
+    """The compiling process cannot be started at all (a worker's problem, not a job's)."""
+
+
 READY = b"ready"
 STARTUP_TIMEOUT = 120.0  # seconds for a compiling process to import the compiler and open its tier
 
@@ -52,6 +60,14 @@ class CompileProcess:
     def pid(self) -> int | None:
         process = self._process  # read once: the heartbeat thread asks while the worker may be replacing it
         return process.pid if process is not None else None
+
+    def start(self) -> None:
+        """Start the child now (a worker does, before its first job): a process that cannot start at all is
+        the worker's problem, to be told before any job is failed for it."""
+        try:
+            self._ensure_started()
+        except (EOFError, OSError):
+            raise CompileProcessError(f"cannot start a compiling process: {self._death()}") from None
 
     def compile(self, job: dict) -> tuple[PassResult, bytes | None]:
         """Compile one job in the child; any failure, the child's death included, is the job's error."""
@@ -92,6 +108,10 @@ class CompileProcess:
     def _death(self) -> str:
         """Why the child stopped answering, once it has exited (it is killed if it has not)."""
         process = self._process
+        if process is not None:
+            # It closed its end of the pipe: most likely it is exiting; give it a moment to say with what.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=1)
         self._kill()
         code = process.returncode if process is not None else None
         if code is not None and code < 0:
