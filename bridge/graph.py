@@ -15,13 +15,14 @@ from pathlib import Path
 from bridge import dtypes
 from bridge.errors import NkiCacheError
 from bridge.ir import ORDINARY_OPS, InternalNkiKernel, MacroOp, Tensor
+from bridge.limits import DEFAULT_GRAPH_BYTES
 from bridge.targets import TARGETS
 
 GRAPH_KEYS = {"name", "target", "tensors", "ops"}
 TENSOR_KEYS = {"shape", "dtype", "access_shape"}
 KERNEL_OP_KEYS = {"type", "func_name", "kernel_name", "operands", "results", "attrs"}
 ORDINARY_OP_KEYS = {"type", "operands", "results"}
-MAX_GRAPH_BYTES = 64 * 1024 * 1024
+MAX_GRAPH_BYTES = DEFAULT_GRAPH_BYTES  # the max_graph_bytes setting's default
 MAX_GRAPH_NESTING = 32  # levels of JSON objects and lists; a graph needs about 6 (an attr of pairs in an op)
 
 
@@ -44,16 +45,18 @@ class Graph:
         return [t for name, t in self.tensors.items() if name not in produced]
 
 
-def load_graph(path_or_dict: str | Path | Mapping, source: str | None = None) -> Graph:
-    """Read and validate a graph file (or an already parsed graph object; `source` then names the file it
-    came from, for errors and the default graph name, as if it had been read from there)."""
+def load_graph(
+    path_or_dict: str | Path | Mapping, source: str | None = None, max_bytes: int = MAX_GRAPH_BYTES
+) -> Graph:
+    """Read and validate a graph file of at most `max_bytes` (or an already parsed graph object; `source` then
+    names the file it came from, for errors and the default graph name, as if it had been read from there)."""
     if isinstance(path_or_dict, Mapping):
         return _build(path_or_dict, source or "<dict>")
     source = str(path_or_dict)
     try:
         size = Path(source).stat().st_size
-        if size > MAX_GRAPH_BYTES:
-            raise GraphError(f"{source}: graph file of {size} bytes exceeds {MAX_GRAPH_BYTES}")
+        if size > max_bytes:
+            raise GraphError(f"{source}: graph file of {size} bytes exceeds the limit max_graph_bytes = {max_bytes}")
         data = Path(source).read_bytes()
     except OSError as exc:
         raise GraphError(f"{source}: cannot read graph file: {exc.strerror or exc}") from None

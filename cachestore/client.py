@@ -231,12 +231,19 @@ class TierClient:
             ok, holder = self._guarded(lambda b: b.lease_holder(cache_key), "lease")
             if ok and holder is None:
                 # The holder finished without publishing (failed) or died: look once more, then trace.
-                return self.lookup(cache_key)
+                entry = self.lookup(cache_key)
+                if entry is None:
+                    logger.info("lease on %s... lapsed without a trace (its holder failed or died); taken over",
+                                cache_key[:16])  # fmt: skip
+                return entry
             if ok and holder in self._silent_holders:
                 return None  # it already let a wait run out: it is gone, do not wait on its leases again
             time.sleep(LEASE_POLL_SECONDS)
         if holder is not None:
             self._silent_holders.add(holder)
+            logger.warning("lease holder %s of %s... did not trace within lease_wait (%.0f s); taken over, and "
+                           "its other leases are not waited on", holder, cache_key[:16],
+                           self.settings.lease_wait)  # fmt: skip
         return None
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:

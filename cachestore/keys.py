@@ -100,9 +100,12 @@ class KeySpace:
     def dead_letter_stream(self) -> str:
         return self.jobs("dead-letter")
 
-    @property
-    def job_results(self) -> str:
-        return self.jobs("results")
+    def job_result(self, job_id: str) -> str:
+        """A finished job's result (a JSON string with a TTL): its own key, so results expire one by one."""
+        return self.jobs(f"result:{job_id}")
+
+    def job_result_pattern(self) -> str:
+        return self.jobs("result:*")
 
     @property
     def job_failures(self) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.errors import NkiCacheError
+from bridge.limits import Limits
 from cachestore.api import redact_url, tier_url_problem
 from cachestore.keys import DEFAULT_METRICS_SHARDS, MAX_METRICS_SHARDS
 
@@ -64,9 +65,23 @@ class Settings:
     # Secrets: environment or files only.
     hmac_key: bytes | None = dataclasses.field(default=None, repr=False)
     redis_password: str | None = dataclasses.field(default=None, repr=False)
+    # Bounds on one graph's work (bridge.limits), locally and in the fleet; a job's own bounds in the fleet.
+    max_graph_bytes: int = 16 * 1024 * 1024  # a graph file (and so a job's graph) larger than this is refused
+    max_tensor_elements: int = 2**27  # elements of one tensor (512 MiB of float32)
+    max_graph_elements: int = 2**29  # elements of all of a graph's tensors together
+    max_kernel_instructions: int = 1_000_000  # instructions one traced kernel may emit
+    job_timeout: float = 600.0  # seconds one fleet job may compile before its compiling process is killed
+    job_memory: int = 4 * 1024**3  # bytes of address space a job's compiling process may use (RLIMIT_AS)
+    job_ttl: int = 7 * DAY  # seconds a job's result, artifact and batch are kept after it finishes
+    wait_timeout: float = 3600.0  # seconds `submit --wait` waits unless --timeout says otherwise
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    def limits(self) -> Limits:
+        """The bounds on one graph's work, as the compiler side takes them."""
+        names = [f.name for f in dataclasses.fields(Limits)]
+        return Limits(**{name: getattr(self, name) for name in names})
 
 
 _SECRETS = {"hmac_key", "redis_password"}
@@ -250,6 +265,8 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     for name in (
         "connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
         "job_claim_idle", "job_max_attempts", "heartbeat_interval", "entry_ttl", "max_entry_bytes", "outbox_limit",
+        "max_graph_bytes", "max_tensor_elements", "max_graph_elements", "max_kernel_instructions", "job_timeout",
+        "job_memory", "job_ttl", "wait_timeout",
     ):  # fmt: skip
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")

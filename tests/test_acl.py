@@ -217,6 +217,19 @@ def test_worker_runs_fleet_jobs(acl_server: int, worker_env: dict, tmp_path: Pat
     live = CliRunner().invoke(nkicache, ["queue", "--live-check", "--name", "acl-worker"])
     assert live.exit_code == 1, live.output
 
+    # The reader may look at a batch and a job; the worker user may requeue and purge.
+    reader = {"NKICACHE_TIER": f"redis://nkicache-reader@127.0.0.1:{acl_server}/0",
+              **secret_files(tmp_path, "nkicache-reader")}  # fmt: skip
+    batch = CliRunner().invoke(nkicache, ["batch", "show", report["batch"], "--json"], env=reader)
+    assert batch.exit_code == 1 and json.loads(batch.output)["dead_letter"] == 1, batch.output  # 1: a dead letter
+    [dead] = [d["job"] for d in queue["dead_letters"]]
+    job = CliRunner().invoke(nkicache, ["job", "show", dead, "--json"], env=reader)
+    assert json.loads(job.output)["status"] == "dead_letter", job.output
+    requeued = CliRunner().invoke(nkicache, ["requeue", "--all"])
+    assert requeued.exit_code == 0 and f"1 jobs requeued: {dead}" in requeued.output, requeued.output
+    purged = CliRunner().invoke(nkicache, ["purge", "--waiting", "--dead-letters"])
+    assert purged.exit_code == 0 and "0 dead letters, 1 waiting jobs" in purged.output, purged.output
+
 
 def test_worker_heartbeat_passes_the_liveness_probe(acl_server: int, worker_env: dict) -> None:
     from cachestore.settings import load_settings
@@ -229,8 +242,6 @@ def test_worker_heartbeat_passes_the_liveness_probe(acl_server: int, worker_env:
         assert live.exit_code == 0, live.output
     finally:
         worker.client.hdel(KEYS.worker_heartbeats, "acl-live")
-        if worker.tier is not None:
-            worker.tier.close()
 
 
 DANGEROUS = [

@@ -47,6 +47,7 @@ from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 from workers.cli import main as nkicache
+from workers.fleet import results_of
 
 TC = toolchain_id()
 
@@ -101,7 +102,7 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
         assert len({slot(key) for key in metrics}) == 1
     assert len({slot(k.metrics_shard(i).totals) for i in range(64)}) == 64
     # Every toolchain's job stream too: the complete and fail scripts touch a stream with the shared keys.
-    jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_results,
+    jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_result("b1-00000"),
             k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1"),
             k.job_artifact("b1-00000")]  # fmt: skip
     assert len({slot(key) for key in jobs}) == 1
@@ -211,7 +212,7 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
     client = cluster_client(redis_cluster)
     keys = KeySpace(namespace)
     try:
-        results = [json.loads(value) for value in client.hgetall(keys.job_results).values()]
+        results = list(results_of(client, keys, list(submitted["jobs"])).values())
         queue = json.loads(CliRunner().invoke(nkicache, ["queue", "--json"], env=env).output)
         # The report run: the fleet totals are what the workers' passes counted, summed, each pass once.
         reported = CliRunner().invoke(nkicache, ["report", "--json"], env=env)

@@ -787,8 +787,6 @@ def test_live_check_follows_the_worker_heartbeat(fleet_env: tuple[str, KeySpace]
         assert probe() == 0
     finally:
         worker.client.hdel(keys.worker_heartbeats, worker.name)
-        if worker.tier is not None:
-            worker.tier.close()
     assert probe() == 1  # gone (a worker that exits removes its heartbeat)
     beat(url, keys, "nkicache-worker-7d9f-abcde", age=60)
     assert probe() == 1  # stale: the worker hung

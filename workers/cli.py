@@ -18,8 +18,10 @@ from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
     EXIT_PROJECT_ERROR,
+    LOG_LEVELS,
     SEED,
     compile_and_summarize,
+    configure_logging,
     echo_json,
     expand,
     load_cli_settings,
@@ -124,8 +126,15 @@ def environment_help() -> str:
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=environment_help())
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and the toolchain id (the tier keeps binaries apart by it).")  # fmt: skip
-def main() -> None:
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), envvar="NKICACHE_LOG_LEVEL",
+              default=None, help="Log at this level on stderr ($NKICACHE_LOG_LEVEL). Default: INFO for `worker`, "
+              "else only warnings.")  # fmt: skip
+@click.pass_context
+def main(ctx: click.Context, log_level: str | None) -> None:
     """nkicache: a distributed build cache for a kernel compiler's NKI-frontend bridge."""
+    ctx.obj = {"log_level": log_level}
+    if log_level is not None:
+        configure_logging(log_level)
 
 
 def _describe(names_and_shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
@@ -358,14 +367,22 @@ def _run_summary(ran: list[dict], failed: list[dict], check: bool) -> str:
 def _register() -> None:
     from workers.bench_cli import bench_command
     from workers.config_cli import config_command
-    from workers.fleet_cli import queue_command, submit_command, worker_command
+    from workers.fleet_cli import (
+        batch_group,
+        job_group,
+        purge_command,
+        queue_command,
+        requeue_command,
+        submit_command,
+        worker_command,
+    )
     from workers.quickstart_cli import quickstart_command, workload_command
     from workers.report_cli import inspect_group, report_command, serve_metrics_command
     from workers.warm_cli import warm_command
 
     for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
-                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command,
-                    config_command):  # fmt: skip
+                    report_command, serve_metrics_command, inspect_group, bench_command, warm_command, job_group,
+                    batch_group, requeue_command, purge_command, config_command):  # fmt: skip
         main.add_command(command)
 
 

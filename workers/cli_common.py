@@ -202,6 +202,23 @@ def compile_and_summarize(
     return summary, bool(failed) or interrupted
 
 
+def _memory_problem(path: str, artifact: Any, check: bool) -> str | None:
+    """Why running `artifact` would not fit in this process's memory, or None (unknown counts as fitting)."""
+    import os
+
+    from workers.memory import available_bytes, run_bytes
+
+    needed = run_bytes(artifact, os.path.getsize(path), check)
+    available = available_bytes()
+    if available is None or needed <= available:
+        return None
+    gib = 1024**3
+    return (
+        f"{path}: running graph {artifact.graph!r}{' with --check' if check else ''} needs about "
+        f"{needed / gib:.1f} GiB, more than the {max(available, 0) / gib:.1f} GiB of memory available; not run"
+    )
+
+
 def run_one(path: str, seed: int, check: bool) -> dict:
     """Load, sample, execute (and check) one artifact; a project error becomes {'error': one line}."""
     import numpy as np
@@ -212,10 +229,15 @@ def run_one(path: str, seed: int, check: bool) -> dict:
 
     try:
         artifact = load_artifact(path)
+        memory_problem = _memory_problem(path, artifact, check)
+        if memory_problem is not None:
+            return {"file": path, "error": memory_problem}
         inputs = sample_artifact_inputs(artifact, np.random.default_rng(seed))
         report = run_compiled(artifact, inputs, check=check)
     except NkiCacheError as exc:
         return {"file": path, "error": " ".join(str(exc).split())}
+    except MemoryError:  # the estimate fell short: still this artifact's one line, not a traceback
+        return {"file": path, "error": f"{path}: ran out of memory running it; not run to the end"}
     return {
         "file": path,
         "graph": report.graph,
@@ -225,3 +247,19 @@ def run_one(path: str, seed: int, check: bool) -> dict:
         "instructions": [item.as_json() for item in report.instructions],
         "outputs": report.output_digests(),
     }
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: int | str) -> None:
+    """Logging for a command's process (library code never configures it): one line per record on stderr.
+    The codegen loop logs every kernel's cache hit or miss at INFO, as the specification has it; on a worker
+    that logs one line per job at INFO those would bury the rest, so they show from DEBUG on."""
+    import logging
+
+    numeric = level if isinstance(level, int) else logging.getLevelName(level.upper())
+    logging.basicConfig(level=numeric, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    if numeric > logging.DEBUG:
+        logging.getLogger("bridge.codegen").setLevel(max(numeric, logging.WARNING))

@@ -2,14 +2,16 @@
 
     submit   XADD one job per graph (the graph's JSON travels in the job, so workers need no shared disk)
              onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`)
-    worker   XREADGROUP on its own toolchain's stream, compile, then one Lua script records the result and
-             the artifact and XACKs;
-             XAUTOCLAIM takes over jobs whose worker went quiet for `job_claim_idle` seconds
-    failure  the job is re-queued with its attempt count; after `job_max_attempts` it goes to the
-             dead-letter stream with its error; a message that is no job at all goes there at once, under
-             its message id
-    results  a hash job id -> result, written with HSETNX, so a job completes exactly once even when a
-             reclaimed job was also finished by the worker that was thought dead
+    worker   XREADGROUP on its own toolchain's stream, compile in a child process (workers/job_process.py),
+             then one Lua script records the result and the artifact, XACKs and XDELs the job (a finished job
+             leaves the stream); a worker takes over the jobs of a worker whose heartbeat is older than two
+             intervals (XCLAIM), and XAUTOCLAIM, after `job_claim_idle`, of any worker that went quiet
+    failure  any failure of a job (an exception, a limit exceeded, its compiling process killed) is the job's:
+             it is re-queued with its attempt count; after `job_max_attempts` it goes to the dead-letter
+             stream with its error; a message that is no job at all goes there at once, under its message id
+    results  one key per job id, written with SET NX and expiring after `job_ttl` (as do artifacts and
+             batches), so a job completes exactly once even when a reclaimed job was also finished by the
+             worker that was thought dead, and finished jobs do not pile up
 
 Routing by toolchain: a binary is only right for the compiler that made it (issue 13), so each toolchain has
 its own stream and consumer group, and a worker reads only its own compiler's stream. A job another compiler
@@ -40,51 +42,60 @@ from typing import Any
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
-from bridge.graph import GraphError, load_graph, parse_graph_json
+from bridge.graph import load_graph, parse_graph_json
 from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url, stored_number
 from cachestore.backends.redis import connect, text
-from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
-from workers.passes import PassResult, compile_graph
+from workers.job_process import CompileProcess
+from workers.passes import PassResult
 
 logger = logging.getLogger(__name__)
 GROUP = "nkicache-workers"
-MAX_GRAPH_BYTES = 16 * 1024 * 1024
+MAX_GRAPH_BYTES = 16 * 1024 * 1024  # the max_graph_bytes setting's default
 BLOCK_MS = 1000
 
-# KEYS[1] results hash  KEYS[2] counts hash  KEYS[3] artifact key  KEYS[4] job stream
-# ARGV[1] job id  ARGV[2] result JSON  ARGV[3] artifact bytes  ARGV[4] artifact TTL (s)  ARGV[5] message id
-# Record the result once (a second finisher of a reclaimed job changes nothing) and acknowledge.
+# KEYS[1] result key  KEYS[2] counts hash  KEYS[3] artifact key  KEYS[4] job stream  KEYS[5] failures hash
+# ARGV[1] job id  ARGV[2] result JSON  ARGV[3] artifact bytes  ARGV[4] job_ttl (s)  ARGV[5] message id
+# Record the result once (a second finisher of a reclaimed job changes nothing), acknowledge and delete the
+# message: an acknowledged job has nothing left to do in the stream but hold its graph's bytes.
 COMPLETE_JOB_LUA = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[4]) then
   redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
   redis.call('HINCRBY', KEYS[2], 'completed', 1)
+  redis.call('HDEL', KEYS[5], ARGV[1])
 end
 redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[5])
+redis.call('XDEL', KEYS[4], ARGV[5])
 return 1
 """
 
-# KEYS[1] results  KEYS[2] counts  KEYS[3] failures  KEYS[4] job stream  KEYS[5] dead-letter stream
+# KEYS[1] result key  KEYS[2] counts  KEYS[3] failures  KEYS[4] job stream  KEYS[5] dead-letter stream
 # ARGV[1] job id  ARGV[2] message id  ARGV[3] error  ARGV[4] max attempts  ARGV[5] job JSON  ARGV[6] worker
-# Count the failure; re-queue the job, or dead-letter it after the last attempt; acknowledge either way.
+# ARGV[7] job_ttl (s)  ARGV[8] the job's graph file
+# Count the failure; re-queue the job, or dead-letter it after the last attempt; acknowledge and delete the
+# message either way (a retry is a new message).
 FAIL_JOB_LUA = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[2])
+  redis.call('XDEL', KEYS[4], ARGV[2])
   return 0
 end
 local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 redis.call('HINCRBY', KEYS[2], 'failed', 1)
 if attempts >= tonumber(ARGV[4]) then
-  local result = cjson.encode({status='dead_letter', error=ARGV[3], worker=ARGV[6], attempts=attempts})
-  redis.call('HSET', KEYS[1], ARGV[1], result)
+  local result = cjson.encode({status='dead_letter', error=ARGV[3], worker=ARGV[6], attempts=attempts,
+                               file=ARGV[8]})
+  redis.call('SET', KEYS[1], result, 'EX', ARGV[7])
   redis.call('HINCRBY', KEYS[2], 'dead_letter', 1)
+  redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('XADD', KEYS[5], '*', 'job', ARGV[1], 'error', ARGV[3], 'attempts', attempts, 'payload', ARGV[5])
 else
   redis.call('XADD', KEYS[4], '*', 'job', ARGV[5])
 end
 redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[2])
+redis.call('XDEL', KEYS[4], ARGV[2])
 return attempts
 """
 
@@ -111,7 +122,22 @@ if redis.call('XACK', KEYS[1], 'nkicache-workers', ARGV[1]) == 1 then
   redis.call('XADD', KEYS[2], '*', 'job', ARGV[1], 'error', ARGV[2], 'attempts', 0, 'payload', ARGV[3])
   redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
 end
+redis.call('XDEL', KEYS[1], ARGV[1])
 return 1
+"""
+
+
+# KEYS[1] dead-letter stream  KEYS[2] job stream  KEYS[3] result key  KEYS[4] failures
+# ARGV[1] dead-letter entry id  ARGV[2] job JSON (attempt 1)  ARGV[3] job id
+# Put a dead-lettered job back on its stream as new, once: only the caller whose XDEL removed the entry.
+REQUEUE_LUA = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[2])
+  redis.call('DEL', KEYS[3])
+  redis.call('HDEL', KEYS[4], ARGV[3])
+  return 1
+end
+return 0
 """
 
 
@@ -143,8 +169,8 @@ class Submission:
     names: dict[str, str] = field(default_factory=dict)  # job id -> graph file
 
 
-def read_graphs(paths: Sequence[str]) -> list[str]:
-    """The text of every graph file, each checked as its job will be: readable, at most MAX_GRAPH_BYTES, UTF-8,
+def read_graphs(paths: Sequence[str], max_bytes: int = MAX_GRAPH_BYTES) -> list[str]:
+    """The text of every graph file, each checked as its job will be: readable, at most `max_bytes`, UTF-8,
     JSON, and a graph `load_graph` accepts. The first file that is not is a FleetError or GraphError naming it.
     A job is a graph's text, so a file that cannot be one fails here, on the submitter's machine, instead of
     as a dead letter after job_max_attempts compiles."""
@@ -152,11 +178,11 @@ def read_graphs(paths: Sequence[str]) -> list[str]:
     for path in paths:
         try:
             with open(path, "rb") as file:
-                data = file.read(MAX_GRAPH_BYTES + 1)  # bounded: a device or a huge file is not read whole
+                data = file.read(max_bytes + 1)  # bounded: a device or a huge file is not read whole
         except OSError as exc:
             raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
-        if len(data) > MAX_GRAPH_BYTES:
-            raise FleetError(f"{path}: graph file of more than {MAX_GRAPH_BYTES} bytes (the limit of a job)")
+        if len(data) > max_bytes:
+            raise FleetError(f"{path}: graph file of more than {max_bytes} bytes, the limit max_graph_bytes")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -166,10 +192,11 @@ def read_graphs(paths: Sequence[str]) -> list[str]:
     return graphs
 
 
-def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submission:
+def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int, max_bytes: int = MAX_GRAPH_BYTES) -> Submission:
     """One job per graph file. Every file is read and checked before the first job is enqueued: a bad one
-    fails the submission with nothing enqueued, never a batch cut short and left unrecorded."""
-    graphs = read_graphs(paths)
+    fails the submission with nothing enqueued, never a batch cut short and left unrecorded. The batch's list
+    of job ids lives `ttl` seconds (job_ttl), as its results do."""
+    graphs = read_graphs(paths, max_bytes)
     toolchain = toolchain_id()
     stream = keys.job_stream(toolchain)
     # The group exists before the first job, so a worker that starts later still reads from the beginning;
@@ -191,7 +218,8 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int) -> Submi
 
 
 def results_of(client: Any, keys: KeySpace, job_ids: Sequence[str]) -> dict[str, dict]:
-    values = client.hmget(keys.job_results, list(job_ids)) if job_ids else []
+    """The results of the finished jobs among `job_ids` (a job not finished, or whose result expired, has none)."""
+    values = client.mget([keys.job_result(job_id) for job_id in job_ids]) if job_ids else []
     return {job_id: json.loads(value) for job_id, value in zip(job_ids, values, strict=True) if value is not None}
 
 
@@ -300,9 +328,9 @@ def serves(client: Any, keys: KeySpace, toolchain: str, heartbeat_interval: floa
 class Worker:
     """Reads jobs with the consumer group until told to stop (SIGTERM/SIGINT finish the current job).
 
-    A background thread writes the heartbeat and keeps the current job claimed (its idle time reset) while
-    the job compiles, so `job_claim_idle` measures how long a worker has been silent, not how long its
-    compile takes."""
+    Jobs compile in a child process (`CompileProcess`), so nothing a job does can end the worker. A background
+    thread writes the heartbeat and keeps the current job claimed (its idle time reset) while the job
+    compiles; a worker whose heartbeat is more than two intervals old is dead, and its jobs are taken over."""
 
     def __init__(self, settings: Settings, name: str, out_dir: str | None = None, max_jobs: int | None = None):
         self.settings = settings.replace(worker=name)
@@ -314,7 +342,7 @@ class Worker:
         self.toolchain = toolchain_id()
         self.stream = self.keys.job_stream(self.toolchain)
         self.client = fleet_client(settings)
-        self.tier = open_tier(self.settings)
+        self.compiler = CompileProcess(self.settings, out_dir)
         self._complete = self.client.register_script(COMPLETE_JOB_LUA)
         self._fail = self.client.register_script(FAIL_JOB_LUA)
         self._touch = self.client.register_script(TOUCH_JOB_LUA)
@@ -323,9 +351,17 @@ class Worker:
         self.current: str | None = None
         self._current_message: str | None = None
         self.done = 0
+        self.failed = 0  # failed attempts (each retried or dead-lettered)
+        self.taken_over = 0  # jobs taken from a worker whose heartbeat stopped
         self.queue_errors = 0  # failed operations on the job queue (the worker waits and retries)
         self._last_claim = 0.0
+        self._last_takeover_look = 0.0
         self._beats_stop = threading.Event()
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which a worker is taken for dead and its jobs taken over."""
+        return 2 * self.settings.heartbeat_interval
 
     def install_signal_handlers(self) -> None:
         def stop(signum: int, frame: object) -> None:
@@ -336,9 +372,11 @@ class Worker:
 
     def run(self) -> int:
         ensure_group(self.client, self.keys, self.toolchain)
+        self.compiler.start()
         self._heartbeat()
         beats = threading.Thread(target=self._beat_until_stopped, name="nkicache-heartbeat", daemon=True)
         beats.start()
+        logger.info("worker %s: started (toolchain %s, pid %d)", self.name, self.toolchain, os.getpid())
         outage = 0
         try:
             while not self.stopping and (self.max_jobs is None or self.done < self.max_jobs):
@@ -361,13 +399,18 @@ class Worker:
         finally:
             self._beats_stop.set()
             beats.join()
+            self.compiler.close()
             with contextlib.suppress(rex.RedisError):
                 self._leave()
-            if self.tier is not None:
-                self.tier.close()
+        logger.info("worker %s: stopped after %d jobs (%d failed attempts)", self.name, self.done, self.failed)
         return self.done
 
     def _next_message(self) -> tuple[str, dict] | None:
+        if time.monotonic() - self._last_takeover_look >= self.settings.heartbeat_interval / 2:
+            self._last_takeover_look = time.monotonic()
+            message = self._take_over()
+            if message is not None:
+                return message
         if time.monotonic() - self._last_claim >= min(self.settings.job_claim_idle / 2, 5.0):
             self._last_claim = time.monotonic()
             claimed = self.client.xautoclaim(
@@ -376,11 +419,39 @@ class Worker:
             messages = claimed[1] if claimed else []
             for message_id, fields in messages:
                 if fields:  # a deleted entry comes back without fields
+                    logger.warning("worker %s: reclaimed job message %s, idle for %.0f s", self.name,
+                                   text(message_id), self.settings.job_claim_idle)  # fmt: skip
                     return text(message_id), fields
         reply = self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=1, block=BLOCK_MS)
         for _stream, messages in reply or []:
             for message_id, fields in messages:
                 return text(message_id), fields
+        return None
+
+    def _take_over(self) -> tuple[str, dict] | None:
+        """A job held by a dead worker: one whose heartbeat is more than `dead_after` seconds old (a SIGKILLed
+        worker's stays behind, aging) or gone, or this worker's own from before a restart under the same
+        name. A live worker resets its job's idle time every heartbeat, so XCLAIM's idle bound also keeps a
+        job whose worker beats again from being taken."""
+        idle_ms = int(self.dead_after * 1000)
+        entries = self.client.xpending_range(self.stream, GROUP, min="-", max="+", count=50, idle=idle_ms)
+        if not entries:
+            return None
+        raw_beats = self.client.hgetall(self.keys.worker_heartbeats)
+        beats = {text(name): _heartbeat(beat) for name, beat in raw_beats.items()}
+        now = time.time()
+        for entry in entries:
+            owner = text(entry["consumer"])
+            beat = beats.get(owner)
+            silent = now - beat["time"] if beat is not None else math.inf
+            if owner == self.name or silent > self.dead_after:
+                for message_id, fields in self.client.xclaim(self.stream, GROUP, self.name, idle_ms,
+                                                             [entry["message_id"]]):  # fmt: skip
+                    if fields:
+                        self.taken_over += 1
+                        logger.warning("worker %s: took over job message %s of worker %s (no heartbeat for %.1f s)",
+                                       self.name, text(message_id), owner, silent)  # fmt: skip
+                        return text(message_id), fields
         return None
 
     def _process(self, message_id: str, fields: dict) -> None:
@@ -393,6 +464,8 @@ class Worker:
             self._dead_letter_message(keys=keys, args=[message_id, job, raw if isinstance(raw, bytes | str) else ""])
             return
         self.current, self._current_message = job["id"], message_id
+        attempt = job.get("attempt", 1)
+        logger.info("worker %s: job %s (%s) taken, attempt %s", self.name, job["id"], job["file"], attempt)
         try:
             self._heartbeat()
             self._compile_and_record(job, message_id)
@@ -405,33 +478,44 @@ class Worker:
 
     def _compile_and_record(self, job: dict, message_id: str) -> None:
         result, artifact = self._compile(job)
+        ttl = self.settings.job_ttl
         if result.error is None and artifact is not None:
             record = {"status": "completed", "worker": self.name, "host": self.settings.host,
                       "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip
-            keys = [self.keys.job_results, self.keys.job_counts, self.keys.job_artifact(job["id"]), self.stream]
-            self._complete(
-                keys=keys, args=[job["id"], json.dumps(record), artifact, self.settings.entry_ttl, message_id]
-            )
+            keys = [self.keys.job_result(job["id"]), self.keys.job_counts, self.keys.job_artifact(job["id"]),
+                    self.stream, self.keys.job_failures]  # fmt: skip
+            self._complete(keys=keys, args=[job["id"], json.dumps(record), artifact, ttl, message_id])
+            c = result.counts
+            logger.info("worker %s: job %s (%s) finished in %.2f s: %d kernels, %d hits, %d misses, %d remote hits, "
+                        "%d traces", self.name, job["id"], job["file"], result.seconds, c["kernels"], c["cache_hits"],
+                        c["cache_misses"], c["remote_hits"], c["traces"])  # fmt: skip
         else:
             # A retry goes back onto this worker's stream: the stream the job was read from.
-            keys = [self.keys.job_results, self.keys.job_counts, self.keys.job_failures, self.stream,
+            error = result.error or "no artifact"
+            keys = [self.keys.job_result(job["id"]), self.keys.job_counts, self.keys.job_failures, self.stream,
                     self.keys.dead_letter_stream]  # fmt: skip
             retry = {**job, "attempt": job.get("attempt", 1) + 1}
-            self._fail(keys=keys, args=[job["id"], message_id, result.error or "no artifact",
-                                        self.settings.job_max_attempts, json.dumps(retry), self.name])  # fmt: skip
+            attempts = self._fail(keys=keys, args=[job["id"], message_id, error, self.settings.job_max_attempts,
+                                                   json.dumps(retry), self.name, ttl, job["file"]])  # fmt: skip
+            self.failed += 1
+            verdict = "dead-lettered" if attempts >= self.settings.job_max_attempts else "to be retried"
+            logger.warning("worker %s: job %s failed (attempt %s of %d, %s) after %.2f s: %s", self.name, job["id"],
+                           attempts, self.settings.job_max_attempts, verdict, result.seconds, error)  # fmt: skip
 
     def _compile(self, job: dict) -> tuple[PassResult, bytes | None]:
         mismatch = self._toolchain_problem(job)
         if mismatch is not None:
             # Never compiled: this compiler's binary need not be the one the submitter's compiler produces.
             return PassResult(job["file"], error=mismatch), None
-        try:
-            # A JSON object, never anything compile_graph would take for a path on this machine; bounded in
-            # depth, so a deeply nested graph fails its job instead of the worker.
-            graph = parse_graph_json(job["graph"], job["file"])
-        except GraphError as exc:
-            return PassResult(job["file"], error=str(exc)), None
-        return compile_graph(graph, tier=self.tier, label=job["file"], out_dir=self.out_dir, pass_id=f"job-{job['id']}")
+        if len(job["graph"].encode("utf-8", "surrogatepass")) > self.settings.max_graph_bytes:
+            return PassResult(job["file"], error=(f"{job['file']}: graph of more than {self.settings.max_graph_bytes} "
+                                                  "bytes, the limit max_graph_bytes")), None  # fmt: skip
+        # In the child: parsed there as a JSON object (never anything compile_graph would take for a path on
+        # this machine), bounded in depth, size and work, and limited in time and memory.
+        started = time.perf_counter()
+        result, artifact = self.compiler.compile(job)
+        result.seconds = result.seconds or time.perf_counter() - started
+        return result, artifact
 
     def _toolchain_problem(self, job: dict) -> str | None:
         """Why this worker must not compile `job`, or None. `submit` puts every job on its own toolchain's
@@ -456,10 +540,12 @@ class Worker:
                     self._touch(keys=[self.stream], args=[self.name, message_id])
             except rex.RedisError as exc:  # the main loop meets the same outage and decides; keep beating
                 logger.warning("worker %s: heartbeat failed: %s", self.name, exc)
+            except Exception:  # a beat lost to a bug must not end the beating: other workers would take our job
+                logger.exception("worker %s: heartbeat failed", self.name)
 
     def _heartbeat(self) -> None:
         beat = {"time": time.time(), "host": self.settings.host, "pid": os.getpid(), "job": self.current,
-                "done": self.done, "toolchain": self.toolchain}  # fmt: skip
+                "done": self.done, "toolchain": self.toolchain, "compiler_pid": self.compiler.pid}  # fmt: skip
         self.client.hset(self.keys.worker_heartbeats, self.name, json.dumps(beat))
 
     def _leave(self) -> None:

@@ -46,7 +46,12 @@ def _redis_errors(function):
 @click.argument("graphs", nargs=-1, required=True, metavar="GRAPH_OR_DIR...")
 @tier_options
 @click.option("--wait", is_flag=True, help="Return only when every job is completed or dead-lettered.")
-@click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="With --wait: give up after this many seconds (default: the wait_timeout setting, 1 hour).",
+)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="With --wait: download the completed jobs' artifacts into this folder.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -57,9 +62,12 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     The graph travels inside the job, so workers need no shared disk; artifacts come back through Redis
     (`--wait --out DIR` downloads them for `nkicache run`). Only a worker with the same toolchain (`nkicache
     --version`) takes the jobs; with --wait, a warning on stderr says so when no live worker has it, and
-    the jobs keep waiting for one. Without --wait it prints the batch id and the toolchain and returns.
-    Every file is checked before the first job is enqueued: one that cannot be read, is larger than 16 MiB,
-    is not UTF-8 JSON or is not a valid graph is an error naming it, and nothing is submitted.
+    the jobs keep waiting for one. It prints the batch id, the toolchain and each job's id and file
+    (`nkicache job show ID`, `nkicache batch show BATCH`). With --wait it gives up after --timeout seconds
+    (default: wait_timeout) with one line saying how many jobs are unfinished, exit 1; they stay queued.
+    Every file is checked before the first job is enqueued: one that cannot be read, is larger than
+    max_graph_bytes (16 MiB), is not UTF-8 JSON or is not a valid graph is an error naming it, and nothing is
+    submitted.
 
     --json keys: batch, toolchain, submitted, completed, failed, dead_letter, unfinished, jobs ({id: {file,
     status, error}}), artifacts (with --out).
@@ -70,12 +78,20 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     if not files:
         raise click.UsageError(f"no .json graph files in {', '.join(graphs)}")
     settings, client, keys = _fleet(tier, tier_mode)
-    submission = fleet.submit(client, keys, files, settings.entry_ttl)
+    submission = fleet.submit(client, keys, files, settings.job_ttl, settings.max_graph_bytes)
     report: dict = {
         "batch": submission.batch_id,
         "toolchain": submission.toolchain,
         "submitted": len(submission.job_ids),
-    }
+        "jobs": {job: {"file": submission.names[job], "status": "submitted", "error": None}
+                 for job in submission.job_ids},
+    }  # fmt: skip
+    if not as_json:
+        click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted for toolchain "
+                   f"{submission.toolchain}")  # fmt: skip
+        for job in submission.job_ids:
+            click.echo(f"  {job} {submission.names[job]}")
+    timeout = settings.wait_timeout if timeout is None else timeout
     if wait:
         tty = not as_json and sys.stderr.isatty()
         next_look, warned = 0.0, False
@@ -111,14 +127,16 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     if as_json:
         echo_json(report)
     else:
-        click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted for toolchain "
-                   f"{submission.toolchain}")  # fmt: skip
         if wait:
             click.echo(f"{report['completed']} completed, {report['dead_letter']} dead-lettered, "
                        f"{report['unfinished']} unfinished")  # fmt: skip
             for job, info in report["jobs"].items():
                 if info["status"] != "completed":
                     click.echo(f"  {job} {info['file']}: {info['status']} {info['error'] or ''}".rstrip())
+    if wait and report["unfinished"]:
+        click.echo(f"nkicache: error: {report['unfinished']} of {report['submitted']} jobs unfinished after "
+                   f"{timeout:g} s (--timeout, default wait_timeout); they stay queued: nkicache batch show "
+                   f"{submission.batch_id}", err=True)  # fmt: skip
     if wait and (report["dead_letter"] or report["unfinished"]):
         sys.exit(EXIT_CHECK_FAILED)
 
@@ -133,8 +151,9 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
               help="Also write each artifact into this folder (artifacts always go to Redis).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True,
               help="When the workers exit, print {jobs, workers: [{name, jobs}]} on stdout.")  # fmt: skip
+@click.pass_context
 @_redis_errors
-def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir, as_json) -> None:
+def worker_command(ctx, tier, tier_mode, name, concurrency, max_jobs, out_dir, as_json) -> None:
     """Compile jobs from the fleet's stream until SIGTERM or Ctrl-C.
 
     Reads with the consumer group, compiles with a fresh codegen loop per job (reading and mirroring the
@@ -142,16 +161,22 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir, as_jso
     whose worker went quiet for job_claim_idle seconds are reclaimed (XAUTOCLAIM); a job that fails
     job_max_attempts times goes to the dead-letter stream with its error. SIGTERM finishes the current
     job, then exits 0. Heartbeats every heartbeat_interval seconds show in `nkicache queue`.
+
+    Each job compiles in a child process limited to job_memory bytes and job_timeout seconds: a job that
+    raises, exceeds a limit or whose process is killed fails alone, and the worker carries on. Logs one line
+    per job (taken, finished or failed, with counts and seconds) at INFO, the default here (`nkicache
+    --log-level` or $NKICACHE_LOG_LEVEL to change it).
     """
     import multiprocessing
 
+    log_level = (ctx.find_root().obj or {}).get("log_level")
     base = name or os.environ.get("NKICACHE_WORKER") or f"{socket.gethostname()}-{os.getpid()}"
     try:
         base.encode("utf-8")  # bytes that are not UTF-8 arrive escaped; Redis could not be sent them
     except UnicodeEncodeError:
         raise click.BadParameter("the worker's name is not UTF-8 text", param_hint="--name") from None
     if concurrency == 1:
-        _print_done([(base, _run_worker(tier, tier_mode, base, max_jobs, out_dir))], as_json)
+        _print_done([(base, _run_worker(tier, tier_mode, base, max_jobs, out_dir, log_level))], as_json)
         return
     # A Redis that is down at start is one error line here, before any process starts, not one per process.
     _settings, client, _keys = _fleet(tier, tier_mode)
@@ -160,7 +185,7 @@ def worker_command(tier, tier_mode, name, concurrency, max_jobs, out_dir, as_jso
     context = multiprocessing.get_context("spawn")
     done = context.SimpleQueue()  # (name, jobs) from each process that exits cleanly
     processes = [context.Process(target=_worker_process,
-                                 args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir, done))
+                                 args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir, log_level, done))
                  for i in range(concurrency)]  # fmt: skip
 
     def forward(signum: int, frame: object) -> None:
@@ -190,9 +215,12 @@ def _print_done(finished: list[tuple[str, int]], as_json: bool) -> None:
                    "workers": [{"name": name, "jobs": jobs} for name, jobs in finished]})  # fmt: skip
 
 
-def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> int:
+def _run_worker(tier, tier_mode, name, max_jobs, out_dir, log_level: str | None = None) -> int:
+    from workers.cli_common import configure_logging
     from workers.fleet import Worker
 
+    # A worker says what it does (one line per job) unless told otherwise: INFO by default.
+    configure_logging(log_level or "INFO")
     settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
     worker = Worker(settings, name, out_dir=out_dir, max_jobs=max_jobs)
     worker.install_signal_handlers()
@@ -201,7 +229,7 @@ def _run_worker(tier, tier_mode, name, max_jobs, out_dir) -> int:
     return done
 
 
-def _worker_process(tier, tier_mode, name, max_jobs, out_dir, done) -> None:
+def _worker_process(tier, tier_mode, name, max_jobs, out_dir, log_level, done) -> None:
     """One process of `worker --concurrency N`. Its errors are one line and exit 2, as in the command's own
     process: multiprocessing would print the traceback of an error that ends the process."""
     from bridge.errors import NkiCacheError
@@ -209,7 +237,7 @@ def _worker_process(tier, tier_mode, name, max_jobs, out_dir, done) -> None:
 
     try:
         with redis_errors("the fleet's Redis"):
-            done.put((name, _run_worker(tier, tier_mode, name, max_jobs, out_dir)))
+            done.put((name, _run_worker(tier, tier_mode, name, max_jobs, out_dir, log_level)))
     except NkiCacheError as exc:
         click.echo(f"nkicache: error: {exc}", err=True)
         sys.exit(EXIT_PROJECT_ERROR)
@@ -268,3 +296,119 @@ def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> N
                    f"{w['done']} jobs, {'on ' + w['job'] if w['job'] else 'idle'}, seen {age:.1f} s ago")  # fmt: skip
     for d in status.get("dead_letters", []):
         click.echo(f"  dead: {d['job']}: {d['error']}")
+
+
+@click.group("job")
+def job_group() -> None:
+    """One fleet job, by the id `submit` printed."""
+
+
+@job_group.command("show")
+@click.argument("job_id")
+@tier_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_redis_errors
+def job_show_command(job_id, tier, tier_mode, as_json) -> None:
+    """A job's status (completed, dead_letter, in_flight, waiting or unknown), its worker, error and counts.
+
+    Results live job_ttl seconds (7 days by default) after the job finished; an older job is unknown. Exit 1
+    when the job is unknown or dead-lettered.
+
+    --json keys: id, status, failed_attempts, and once finished the result's fields (file, graph, worker,
+    error, seconds, the pass's counts, artifact_stored).
+    """
+    from workers import fleet_ops
+
+    _settings, client, keys = _fleet(tier, tier_mode)
+    info = fleet_ops.job_info(client, keys, job_id)
+    if as_json:
+        echo_json(info)
+    else:
+        line = f"job {job_id}: {info['status']}"
+        if info.get("file"):
+            line += f", {info['file']}"
+        if info.get("worker"):
+            line += f", worker {info['worker']}"
+        if info["status"] == "completed":
+            line += f", {info.get('kernels', 0):g} kernels, {info.get('traces', 0):g} traces, {info['seconds']:.2f} s"
+        if info["failed_attempts"]:
+            line += f", {info['failed_attempts']} failed attempts"
+        click.echo(line)
+        if info.get("error"):
+            click.echo(f"  error: {info['error']}")
+        if info["status"] == "unknown":
+            click.echo("  never submitted, or finished more than job_ttl seconds ago (its result expired)")
+    if info["status"] in ("unknown", "dead_letter"):
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@click.group("batch")
+def batch_group() -> None:
+    """One fleet batch (one `submit`), by the batch id it printed."""
+
+
+@batch_group.command("show")
+@click.argument("batch_id")
+@tier_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_redis_errors
+def batch_show_command(batch_id, tier, tier_mode, as_json) -> None:
+    """Every job of a batch with its status and error. Exit 1 while some are unfinished or dead-lettered.
+
+    --json keys: batch, submitted, completed, dead_letter, unfinished, jobs ({id: {status, file, error,
+    worker, seconds}}).
+    """
+    from workers import fleet_ops
+
+    _settings, client, keys = _fleet(tier, tier_mode)
+    info = fleet_ops.batch_info(client, keys, batch_id)
+    if as_json:
+        echo_json(info)
+    else:
+        click.echo(f"batch {batch_id}: {info['submitted']} jobs, {info['completed']} completed, "
+                   f"{info['dead_letter']} dead-lettered, {info['unfinished']} unfinished")  # fmt: skip
+        for job, row in info["jobs"].items():
+            click.echo(f"  {job} {row['status']} {row['file'] or ''} {row['error'] or ''}".rstrip())
+    if info["dead_letter"] or info["unfinished"]:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@click.command("requeue")
+@click.argument("job_ids", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Requeue every dead letter.")
+@tier_options
+@_redis_errors
+def requeue_command(job_ids, everything, tier, tier_mode) -> None:
+    """Put dead-lettered jobs back on their toolchain's stream, as new jobs with job_max_attempts attempts.
+
+    Name the jobs (JOB_ID...) or give --all. A dead letter that holds no job (a malformed message) is left
+    where it is, with a line saying so. Exit 1 when some could not be requeued.
+    """
+    from workers import fleet_ops
+
+    if bool(job_ids) == everything:
+        raise click.UsageError("name the jobs to requeue, or give --all (not both)")
+    _settings, client, keys = _fleet(tier, tier_mode)
+    requeued, problems = fleet_ops.requeue(client, keys, list(job_ids) or None)
+    click.echo(f"{len(requeued)} jobs requeued" + (": " + ", ".join(requeued) if requeued else ""))
+    for problem in problems:
+        click.echo(f"nkicache: error: {problem}", err=True)
+    if problems:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@click.command("purge")
+@click.option("--dead-letters", is_flag=True, help="Delete every dead letter.")
+@click.option("--waiting", is_flag=True, help="Delete this toolchain's jobs that no worker has taken yet.")
+@tier_options
+@_redis_errors
+def purge_command(dead_letters, waiting, tier, tier_mode) -> None:
+    """Delete dead letters and/or waiting jobs. Jobs in flight finish; finished results expire by themselves
+    (job_ttl)."""
+    from workers import fleet_ops
+
+    if not (dead_letters or waiting):
+        raise click.UsageError("say what to purge: --dead-letters and/or --waiting")
+    _settings, client, keys = _fleet(tier, tier_mode)
+    purged = fleet_ops.purge(client, keys, dead_letters, waiting)
+    click.echo(f"purged {purged['dead_letters']} dead letters, {purged['waiting']} waiting jobs")

@@ -17,6 +17,7 @@ from bridge.artifact import build_artifact, encode_artifact, write_artifact
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
+from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.metrics import KernelMetricsCollector
 from bridge.port import PASS_COUNTERS, KernelStore
 from bridge.targets import get_platform_target, make_target
@@ -46,20 +47,27 @@ def compile_graph(
     out_dir: str | Path | None = None,
     label: str | None = None,
     pass_id: str | None = None,
+    limits: Limits | None = None,
 ) -> tuple[PassResult, bytes | None]:
     """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
 
     With `out_dir` the artifact is written there atomically and its path recorded; the encoded artifact is
     returned either way, for callers that ship it elsewhere (the fleet). `pass_id` names the pass's metrics
-    batch: two passes with one id count once in the fleet metrics."""
+    batch: two passes with one id count once in the fleet metrics. `limits` bound the graph's work (default:
+    the settings' defaults); exceeding one fails the pass with an error naming the graph, the op and the limit."""
+    limits = limits or Limits()
     result = PassResult(label or (str(source) if not isinstance(source, Mapping) else "<graph>"))
     started = time.perf_counter()
     loop = None
     encoded = None
     try:
         # A parsed graph (a fleet job) is named by its file, so errors and the default name match a local compile.
-        graph = load_graph(source, source=label) if isinstance(source, Mapping) else load_graph(source)
+        if isinstance(source, Mapping):
+            graph = load_graph(source, source=label)
+        else:
+            graph = load_graph(source, max_bytes=limits.max_graph_bytes)
         result.graph = graph.name
+        check_graph(graph, limits)
         name = target_name or graph.target
         target = make_target(name) if name else get_platform_target()
         result.target = type(target).__name__
@@ -68,13 +76,18 @@ def compile_graph(
         KernelMetricsCollector.get_instance().reset()
         loop = BirCodeGenLoop(target, tier=tier)
         loop.pass_id = pass_id
-        bb = loop.run(graph)
+        with kernel_instruction_limit(limits.max_kernel_instructions):
+            bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)
         encoded = encode_artifact(artifact)
         if out_dir is not None:
             result.artifact = str(write_artifact(artifact, out_dir))
     except NkiCacheError as exc:
         result.error = " ".join(str(exc).split())
+        encoded = None
+    except MemoryError:
+        # Under a job's memory limit (RLIMIT_AS) this is the graph's doing, not a bug: say so in one line.
+        result.error = f"{result.file}: out of memory compiling the graph (a job's limit is the job_memory setting)"
         encoded = None
     except Exception as exc:  # a bug in one pass must not cost the other graphs their compile
         result.error = " ".join(

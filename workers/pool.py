@@ -24,14 +24,16 @@ from cachestore.settings import Settings
 from workers.passes import PassResult, compile_graph
 
 _process_tier = None  # the tier client of a pool process, opened by _init_process
+_process_limits = None  # the settings' bounds on one graph's work, set by _init_process
 _process_passes_dropped = 0  # tier_dropped the passes of this pool process counted in their own results
 
 
 def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> None:
     """A pool process's start: its own tier client, closed as the process ends; what the client drops outside
     the passes is added to `dropped_outside_passes` (a shared multiprocessing Value) when one is given."""
-    global _process_tier
+    global _process_tier, _process_limits
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _process_limits = settings.limits()
     _process_tier = open_tier(settings)  # one metrics series per host and worker name, however many processes
     if _process_tier is not None:
         # Pool processes end without running atexit; a multiprocessing finalizer still runs, before the
@@ -52,14 +54,15 @@ def _close_process_tier(dropped_outside_passes: Any) -> None:
 
 def _compile_in_process(path: str, target_name: str | None, out_dir: str) -> PassResult:
     global _process_passes_dropped
-    result, _ = compile_graph(path, tier=_process_tier, target_name=target_name, out_dir=out_dir)
+    result, _ = compile_graph(path, tier=_process_tier, target_name=target_name, out_dir=out_dir,
+                              limits=_process_limits)  # fmt: skip
     _process_passes_dropped += int(result.counts.get("tier_dropped", 0))
     return result
 
 
-def duplicate_names(paths: Sequence[str]) -> dict[str, str]:
+def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:
     """{path: error} for graph files whose artifact name an earlier file in `paths` already takes; a
-    file that cannot be read is left to its pass to report."""
+    file that cannot be read or is larger than `max_bytes` is left to its pass to report."""
     from bridge.artifact import artifact_filename
     from bridge.graph import GraphError, parse_graph_json
 
@@ -67,6 +70,8 @@ def duplicate_names(paths: Sequence[str]) -> dict[str, str]:
     errors: dict[str, str] = {}
     for path in paths:
         try:
+            if Path(path).stat().st_size > max_bytes:
+                continue
             name = parse_graph_json(Path(path).read_bytes(), path).get("name") or Path(path).stem
         except (OSError, GraphError):
             continue
@@ -107,7 +112,7 @@ def compile_run(
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # before any pass: every artifact would fail the same way
         raise ArtifactError(f"{out_dir}: cannot create the output folder: {exc.strerror or exc}") from None
-    refused = duplicate_names(paths)
+    refused = duplicate_names(paths, settings.max_graph_bytes)
     run = _compile_all([p for p in paths if p not in refused], settings=settings, workers=workers,
                        out_dir=out_dir, target_name=target_name, on_result=on_result)  # fmt: skip
     by_path = {result.file: result for result in run.results}
@@ -222,7 +227,8 @@ def _compile_serially(
             for path in paths:
                 if ctrl_c.pressed:
                     break
-                result, _ = compile_graph(path, tier=tier, target_name=target_name, out_dir=out_dir)
+                result, _ = compile_graph(path, tier=tier, target_name=target_name, out_dir=out_dir,
+                                          limits=settings.limits())  # fmt: skip
                 results.append(result)
                 on_result(result)
     finally:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from bridge import dtypes
 from bridge.errors import HardwareLimitError, KernelCompileError
+from bridge.limits import LimitError, max_kernel_instructions
 from bridge.nki import isa
 from bridge.nki.values import HBMTensor, RuntimeScalar, Tile
 from bridge.targets import Target
@@ -31,6 +32,7 @@ class KernelBuilder:
         self.buffers: list[list] = []  # [shape, dtype, space]
         self.registers = 0
         self.instructions: list[list] = []
+        self.max_instructions = max_kernel_instructions()
 
     # -- kernel arguments -------------------------------------------------------------------------
     def add_tensor(self, name: str, shape: tuple[int, ...], dtype: str, *, is_output: bool) -> HBMTensor:
@@ -59,6 +61,11 @@ class KernelBuilder:
 
     def emit(self, *instruction: object) -> None:
         self.instructions.append(list(instruction))
+        if len(self.instructions) > self.max_instructions:  # stop tracing now, not after millions more
+            raise LimitError(
+                f"kernel {self.kernel_name!r} emits more than {self.max_instructions} instructions, the limit "
+                "max_kernel_instructions"
+            )
 
     # -- activation -------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,0 +1,243 @@
+"""Issue 14: the fleet survives bad jobs, dead processes and time. Real `nkicache worker` processes on a
+private Redis: every bad job (deeply nested, malformed, over a limit, its compiling process killed, too slow)
+ends dead-lettered with its reason while the good ones complete and every worker lives on; finished jobs
+leave the stream and their results expire; the queue can be inspected, requeued and purged."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from test_fleet import BEAT, Fleet, slow_graphs, wait_until
+
+from bridge.identity import toolchain_id
+from workers.cli_common import EXIT_CHECK_FAILED
+from workers.workload import GraphBuilder, generate_workload
+
+
+@pytest.fixture
+def fleet(private_redis_server, tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
+    made: list[Fleet] = []
+
+    def make(**settings: object) -> Fleet:
+        made.append(Fleet(private_redis_server().url, tmp_path, **settings))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def softmax_graph(folder: Path, name: str, rows: int, cols: int = 1000) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    g = GraphBuilder(name)
+    g.tensor("x", (rows, cols), "float32")
+    g.tensor("y", (rows, cols), "float32")
+    g.kernel("Softmax", ["x"], ["y"])
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(g.document()))
+    return path
+
+
+def hand_job(f: Fleet, job_id: str, graph_text: str) -> None:
+    job = {"id": job_id, "batch": "hand", "file": f"{job_id}.json", "graph": graph_text, "attempt": 1,
+           "toolchain": toolchain_id()}  # fmt: skip
+    f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(job)})
+
+
+def kill_compiles_of(f: Fleet, job_id: str, times: int) -> list[int]:
+    """SIGKILL the compiling process of `job_id` each time a worker compiles it (once per attempt), as the
+    out-of-memory killer would; returns the pids killed."""
+    killed: list[int] = []
+
+    def kill_one() -> bool:
+        for beat in f.heartbeats().values():
+            pid = beat.get("compiler_pid")
+            if beat.get("job") == job_id and pid and pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return True
+        return False
+
+    for _ in range(times):
+        wait_until(kill_one, interval=0.02)
+    return killed
+
+
+def test_bad_jobs_are_dead_lettered_with_their_reason_and_no_worker_dies(fleet, tmp_path: Path) -> None:
+    f = fleet(job_max_attempts=2, max_tensor_elements=1_000_000)
+    good = generate_workload(tmp_path / "graphs", 3, seed=11)
+    over = softmax_graph(tmp_path / "over", "over", 2000)  # 2 M elements: over the limit set above
+    [slow] = slow_graphs(tmp_path / "slow", [144])  # seconds of tracing: time to kill its compile
+    f.start_worker("w1")
+    f.start_worker("w2")
+    f.wait_live("w1", "w2")
+    # Each worker starts its compiling process before it takes a job, and says so in its heartbeat.
+    wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2")))
+
+    hand_job(f, "deep-00000", '{"name": "deep", "tensors": {}, "ops": ' + "[" * 1500 + "]" * 1500 + "}")
+    stream = f.keys.job_stream(toolchain_id())
+    f.redis.xadd(stream, {"not-a-job": "x"})
+    f.redis.xadd(stream, {"job": json.dumps({"id": 5, "graph": {}})})
+    report = f.submit(*good, over, slow, wait=False)
+    slow_job = next(job for job, info in report["jobs"].items() if info["file"] == str(slow))
+    over_job = next(job for job, info in report["jobs"].items() if info["file"] == str(over))
+    killed = kill_compiles_of(f, slow_job, times=2)
+    wait_until(lambda: len(f.results()) == 6)
+
+    results = f.results()
+    for job, info in report["jobs"].items():
+        if info["file"] in map(str, good):
+            assert results[job]["status"] == "completed", results[job]
+    assert results["deep-00000"]["status"] == "dead_letter" and "nested deeper" in results["deep-00000"]["error"]
+    over_error = results[over_job]["error"]
+    assert results[over_job]["status"] == "dead_letter", results[over_job]
+    assert over_error.startswith(f"{over}: op 0 (Softmax): tensor 'x' has 2000000 elements") and (
+        "max_tensor_elements = 1000000" in over_error
+    ), over_error
+    killed_result = results[slow_job]
+    assert killed_result["status"] == "dead_letter" and killed_result["attempts"] == 2, killed_result
+    assert f"{slow}: the compiling process was killed by SIGKILL" in killed_result["error"], killed_result
+    assert len(killed) == 2
+    dead = {
+        fields[b"job"].decode(): fields[b"error"].decode() for _, fields in f.redis.xrange(f.keys.dead_letter_stream)
+    }
+    assert len(dead) == 5 and {"deep-00000", over_job, slow_job} <= set(dead)
+    malformed = sorted(error for job, error in dead.items() if job not in {"deep-00000", over_job, slow_job})
+    assert malformed == ["the job's 'id' is not a string", "the message has no job field"], dead
+
+    # Every worker is alive and beating, and took jobs after the failures; each says what it did, a line a job.
+    assert all(process.poll() is None for process in f.workers.values())
+    assert all(time.time() - beat["time"] < 3 * BEAT for beat in f.heartbeats().values())
+    logs = f.log("w1") + f.log("w2")
+    assert logs.count(" taken, attempt ") >= 7 and logs.count(" finished in ") == 3, logs
+    assert f"job {slow_job} failed (attempt 2 of 2, dead-lettered)" in logs and "Traceback" not in logs
+    extra = f.submit(*generate_workload(tmp_path / "more", 1, seed=12))
+    assert extra["completed"] == 1
+    for name in ("w1", "w2"):
+        assert f.stop(name)[0] == 0, f.log(name)
+
+
+def test_a_compile_process_runs_under_the_memory_limit(fleet, tmp_path: Path) -> None:
+    f = fleet(job_memory=3 * 1024**3)
+    f.start_worker("w1")
+    report = f.submit(*generate_workload(tmp_path / "graphs", 1, seed=13))
+    assert report["completed"] == 1
+    pid = f.heartbeats()["w1"]["compiler_pid"]
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    [line] = [line for line in limits.splitlines() if line.startswith("Max address space")]
+    assert line.split()[3:5] == [str(3 * 1024**3)] * 2, line
+    assert f.stop("w1")[0] == 0
+
+
+def test_a_job_over_its_time_limit_is_killed_and_the_next_one_compiles(fleet, tmp_path: Path) -> None:
+    f = fleet(job_timeout=0.3, job_max_attempts=1)
+    [slow] = slow_graphs(tmp_path / "slow", [144])
+    quick = softmax_graph(tmp_path / "quick", "quick", 4, 8)
+    f.start_worker("w1")
+    report = f.submit(slow, quick, expect_code=EXIT_CHECK_FAILED)
+    by_file = {info["file"]: info for info in report["jobs"].values()}
+    assert by_file[str(slow)]["status"] == "dead_letter"
+    assert "compiling took longer than the limit job_timeout = 0.3 s; killed" in by_file[str(slow)]["error"]
+    assert by_file[str(quick)]["status"] == "completed"
+    assert f.workers["w1"].poll() is None and f.stop("w1")[0] == 0
+
+
+def test_finished_jobs_leave_the_stream_and_their_results_expire(fleet, tmp_path: Path) -> None:
+    """Completed and dead-lettered jobs alike: the stream holds no finished job, and results, artifacts and
+    batches expire after job_ttl, so the queue's keys do not grow with the jobs it has run."""
+    ttl = 5
+    f = fleet(job_ttl=ttl, job_max_attempts=1)
+    stream = f.keys.job_stream(toolchain_id())
+    f.start_worker("w1")
+    f.wait_live("w1")
+    base_keys = set(f.redis.keys(f"{f.keys.jobs_tag}*"))
+    fixed = {key.encode() for key in (stream, f.keys.dead_letter_stream, f.keys.job_counts, f.keys.job_toolchains)}
+
+    for round_ in range(2):
+        good = generate_workload(tmp_path / f"graphs{round_}", 4, seed=20 + round_)
+        report = f.submit(*good, expect_code=0)
+        assert report["completed"] == 4
+        bad = softmax_graph(tmp_path / f"bad{round_}", "bad", 2, 3)
+        hand_job(f, f"bad-{round_}", bad.read_text().replace('"Softmax"', '"FlashAttention"'))
+        wait_until(lambda round_=round_: f.redis.xlen(f.keys.dead_letter_stream) == round_ + 1)
+        assert f.redis.xlen(stream) == 0  # acknowledged and deleted: no graph stays behind in the stream
+        assert f.in_flight() == 0 and f.redis.hlen(f.keys.job_failures) == 0
+        # Everything a finished job left (results, artifacts, the batch) has a TTL of at most job_ttl...
+        leftovers = set(f.redis.keys(f"{f.keys.jobs_tag}*")) - base_keys - fixed
+        assert len(leftovers) >= 5 and {k: f.redis.ttl(k) for k in leftovers if not 0 < f.redis.ttl(k) <= ttl} == {}
+        # ...and is gone after it: the keys are back to what they were before the round (plus the fixed ones).
+        wait_until(lambda: not f.results(), timeout=3 * ttl)
+        assert set(f.redis.keys(f"{f.keys.jobs_tag}*")) - base_keys <= fixed
+        assert f.redis.xlen(stream) == 0
+    assert f.redis.xlen(f.keys.dead_letter_stream) == 2  # dead letters stay until `purge` or `requeue`
+    assert f.stop("w1")[0] == 0
+
+
+def test_wait_stops_at_its_timeout_and_says_no_worker_is_there(fleet, tmp_path: Path) -> None:
+    f = fleet(wait_timeout=2)
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=30)
+    started = time.monotonic()
+    done = f.run("submit", graph, "--tier", f.url, "--wait", check=False)
+    assert done.returncode == EXIT_CHECK_FAILED and time.monotonic() - started < 20, done.stderr
+    lines = done.stderr.splitlines()
+    assert any(line.startswith(f"warning: no live worker has toolchain {toolchain_id()}") for line in lines), lines
+    assert lines[-1].startswith("nkicache: error: 1 of 1 jobs unfinished after 2 s"), lines
+    [batch_line, job_line, *_] = done.stdout.splitlines()
+    batch = batch_line.split()[1].rstrip(":")
+    job = job_line.split()[0]
+    assert job_line.split()[1] == str(graph) and job.startswith(batch)
+    shown = f.run("job", "show", job, "--tier", f.url, "--json")
+    assert json.loads(shown.stdout)["status"] == "waiting"
+    purged = f.run("purge", "--waiting", "--tier", f.url)
+    assert "1 waiting jobs" in purged.stdout
+    assert f.redis.xlen(f.keys.job_stream(toolchain_id())) == 0
+
+
+def test_a_dead_letter_is_shown_requeued_and_then_completes(fleet, tmp_path: Path) -> None:
+    f = fleet(job_max_attempts=1, max_tensor_elements=1000)
+    over = softmax_graph(tmp_path / "g", "over", 4, 1000)
+    f.start_worker("w1")
+    report = f.submit(over, expect_code=EXIT_CHECK_FAILED)
+    [job] = report["jobs"]
+    shown = f.run("job", "show", job, "--tier", f.url, check=False)
+    assert (
+        shown.returncode == EXIT_CHECK_FAILED
+        and "dead_letter" in shown.stdout
+        and "max_tensor_elements" in shown.stdout
+    )
+    batch = json.loads(f.run("batch", "show", report["batch"], "--tier", f.url, "--json", check=False).stdout)
+    assert batch["dead_letter"] == 1 and batch["jobs"][job]["status"] == "dead_letter"
+    assert f.stop("w1")[0] == 0
+
+    # A worker with a higher limit, then the job again: the same id, completed.
+    f.env["NKICACHE_MAX_TENSOR_ELEMENTS"] = "100000"
+    f.start_worker("w2")
+    assert f"1 jobs requeued: {job}" in f.run("requeue", job, "--tier", f.url).stdout
+    wait_until(lambda: f.results().get(job, {}).get("status") == "completed")
+    assert f.redis.xlen(f.keys.dead_letter_stream) == 0
+    assert json.loads(f.run("job", "show", job, "--tier", f.url, "--json").stdout)["artifact_stored"] is True
+    missing = f.run("requeue", "nope-00000", "--tier", f.url, check=False)
+    assert missing.returncode == EXIT_CHECK_FAILED and "job nope-00000: no dead letter" in missing.stderr
+    assert f.stop("w2")[0] == 0
+
+
+@pytest.mark.parametrize("level", ["WARNING", None])
+def test_a_worker_logs_one_line_per_job_at_info_unless_told_otherwise(fleet, tmp_path: Path, level) -> None:
+    f = fleet()
+    if level:
+        f.env["NKICACHE_LOG_LEVEL"] = level
+    f.start_worker("w1")
+    assert f.submit(*generate_workload(tmp_path / "graphs", 2, seed=31))["completed"] == 2
+    assert f.stop("w1")[0] == 0
+    log = f.log("w1")
+    lines = [line for line in log.splitlines() if " finished in " in line]
+    assert len(lines) == (0 if level else 2), log
+    if not level:
+        assert all("kernels" in line and "traces" in line and " INFO workers.fleet: " in line for line in lines)
+        assert "Cache hit for" not in log and "Cache miss for" not in log  # per-kernel lines only at DEBUG

@@ -1,0 +1,129 @@
+"""Operating the fleet's queue: show a job or a batch, requeue dead letters, purge (see workers/fleet.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions as rex
+
+from bridge.identity import toolchain_id
+from cachestore.backends.redis import text
+from cachestore.keys import KeySpace
+from workers.fleet import GROUP, REQUEUE_LUA, FleetError, _heartbeat, _job, results_of
+
+JOB_FIELDS = ("status", "file", "error", "worker", "seconds")  # of each job in `batch show`
+STREAM_SCAN_LIMIT = 10_000  # jobs of a stream looked through to find a waiting one (finished jobs leave it)
+
+
+def job_info(client: Any, keys: KeySpace, job_id: str) -> dict[str, Any]:
+    """What is known of one job: its result once finished (completed or dead_letter), else the worker compiling
+    it, else whether it waits in this toolchain's stream; `failed_attempts` so far, and whether its artifact is
+    still stored. A job unknown to all of these never existed, or finished more than job_ttl ago."""
+    info: dict[str, Any] = {"id": job_id}
+    result = results_of(client, keys, [job_id]).get(job_id)
+    failures = client.hget(keys.job_failures, job_id)
+    info["failed_attempts"] = int(failures) if failures is not None else 0
+    if result is not None:
+        info.update(result)
+        info["artifact_stored"] = bool(client.exists(keys.job_artifact(job_id)))
+        return info
+    for name, beat in client.hgetall(keys.worker_heartbeats).items():
+        fields = _heartbeat(beat)
+        if fields is not None and fields.get("job") == job_id:
+            info.update(status="in_flight", worker=text(name))
+            return info
+    for _message_id, fields in client.xrange(keys.job_stream(toolchain_id()), count=STREAM_SCAN_LIMIT):
+        job = _job(fields.get(b"job", fields.get("job")))
+        if isinstance(job, dict) and job["id"] == job_id:
+            info.update(status="waiting", file=job["file"], attempt=job.get("attempt", 1))
+            return info
+    info["status"] = "unknown"
+    return info
+
+
+def batch_info(client: Any, keys: KeySpace, batch_id: str) -> dict[str, Any]:
+    job_ids = [text(job) for job in client.lrange(keys.job_batch(batch_id), 0, -1)]
+    if not job_ids:
+        raise FleetError(f"no batch {batch_id!r}: never submitted, or finished more than job_ttl seconds ago")
+    results = results_of(client, keys, job_ids)
+    jobs = {job: results.get(job, {"status": "unfinished"}) for job in job_ids}
+    statuses = [r.get("status") for r in jobs.values()]
+    return {
+        "batch": batch_id,
+        "submitted": len(job_ids),
+        "completed": statuses.count("completed"),
+        "dead_letter": statuses.count("dead_letter"),
+        "unfinished": statuses.count("unfinished"),
+        "jobs": {
+            job: {k: r.get(k) for k in ("status", "file", "error", "worker", "seconds")} for job, r in jobs.items()
+        },
+    }
+
+
+def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """Put dead-lettered jobs (all, or those of `job_ids`) back on their toolchain's stream as new jobs (attempt
+    1, their result and failure count cleared). Returns (requeued job ids, problems): a dead letter that holds
+    no job (a malformed message) or names no toolchain is not requeued, and neither is an id with no dead
+    letter."""
+    wanted = set(job_ids) if job_ids else None
+    script = client.register_script(REQUEUE_LUA)
+    requeued, problems, seen = [], [], set()
+    for entry_id, fields in client.xrange(keys.dead_letter_stream):
+        job_id = text(fields.get(b"job", b""))
+        if wanted is not None and job_id not in wanted:
+            continue
+        seen.add(job_id)
+        job = _job(fields.get(b"payload"))
+        if isinstance(job, str) or not isinstance(job.get("toolchain"), str):
+            problems.append(f"dead letter {text(entry_id)} ({job_id}) holds no job that names a toolchain; left")
+            continue
+        job = {**job, "attempt": 1}
+        stream = keys.job_stream(job["toolchain"])
+        ensure = _ensure_group(client, stream)
+        if ensure is not None:
+            problems.append(ensure)
+            continue
+        script_keys = [keys.dead_letter_stream, stream, keys.job_result(job["id"]), keys.job_failures]
+        if script(keys=script_keys, args=[text(entry_id), json.dumps(job), job["id"]]):
+            requeued.append(job["id"])
+    if wanted is not None:
+        problems += [f"job {job}: no dead letter" for job in sorted(wanted - seen)]
+    return requeued, problems
+
+
+def _ensure_group(client: Any, stream: str) -> str | None:
+    try:
+        client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except rex.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            return f"{stream}: cannot create the consumer group: {exc}"
+    return None
+
+
+def purge(client: Any, keys: KeySpace, dead_letters: bool, waiting: bool) -> dict[str, int]:
+    """Delete the dead letters, and/or the jobs of this toolchain's stream that no worker has taken yet. Jobs
+    in flight are left to finish (deleting them would not stop their workers)."""
+    purged = {"dead_letters": 0, "waiting": 0}
+    if dead_letters:
+        purged["dead_letters"] = client.xlen(keys.dead_letter_stream)
+        client.delete(keys.dead_letter_stream)
+    if waiting:
+        stream = keys.job_stream(toolchain_id())
+        groups = [g for g in _groups(client, stream) if text(g["name"]) == GROUP]
+        after = text(groups[0]["last-delivered-id"]) if groups else "0-0"
+        while True:
+            batch = client.xrange(stream, min=f"({after}", count=1000)
+            if not batch:
+                break
+            purged["waiting"] += client.xdel(stream, *[message_id for message_id, _ in batch])
+            after = text(batch[-1][0])
+    return purged
+
+
+def _groups(client: Any, stream: str) -> list[dict]:
+    try:
+        return client.xinfo_groups(stream)
+    except rex.ResponseError:
+        return []  # no stream: nothing waits
