@@ -10,8 +10,9 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
                                counts go to the shard of its batch id, each cache key's to the shard of
                                the key: one script per shard applies the batch's part there
     {NS:vV:jobs}:...           the fleet's job queue (one stream with a consumer group per toolchain, and a
-                               hash of those toolchains), results, dead letters, artifacts and worker
-                               heartbeats, all in one slot so job scripts are atomic
+                               hash of those toolchains), results, dead letters and worker heartbeats, all
+                               in one slot so job scripts are atomic
+    NS:vV:artifact:{JOB}       string   a finished job's artifact (TTL job_ttl), in the slot of its job id
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
 every key of a metrics shard shares that shard's slot, which is what lets the part of a batch that goes to a
@@ -123,7 +124,9 @@ class KeySpace:
         return self.jobs(f"batch:{batch_id}")
 
     def job_artifact(self, job_id: str) -> str:
-        return self.jobs(f"artifact:{job_id}")
+        """A finished job's artifact (TTL `job_ttl`), tagged by its job id: artifacts, up to megabytes each,
+        spread over a cluster's masters instead of all sitting on the jobs slot's one."""
+        return f"{self.prefix}:artifact:{{{job_id}}}"
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,10 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
     assert len({slot(k.metrics_shard(i).totals) for i in range(64)}) == 64
     # Every toolchain's job stream too: the complete and fail scripts touch a stream with the shared keys.
     jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_result("b1-00000"),
-            k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1"),
-            k.job_artifact("b1-00000")]  # fmt: skip
+            k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1")]  # fmt: skip
     assert len({slot(key) for key in jobs}) == 1
+    # Artifacts (up to megabytes each) go where their job id hashes, not onto the jobs slot.
+    assert len({slot(k.job_artifact(f"b1-{i:05d}")) for i in range(50)}) > 40
     # Entries spread over the masters by cache key; the metrics and jobs slots are whatever their tags hash to.
     assert len({slot(k.entry(TC, f"{i:064x}")) for i in range(50)}) > 40
 
@@ -272,7 +273,7 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
                     by_family.setdefault(family, set()).add(node.port)
             finally:
                 direct.close()
-        assert set(by_family) == {"entry", "digest", "metrics", "jobs"}, by_family
+        assert set(by_family) == {"entry", "digest", "metrics", "jobs", "artifact"}, by_family
         # The jobs share one slot; the metrics are sharded, so even one job's pass spreads over the masters.
         assert len(by_family["jobs"]) == 1 and len(by_family["metrics"]) > 1
     finally:
@@ -290,6 +291,8 @@ def key_family(key: str, keys: KeySpace) -> str:
         return "metrics"
     if key.startswith(keys.jobs_tag + ":"):
         return "jobs"
+    if re.fullmatch(rf"{re.escape(keys.prefix)}:artifact:\{{[^{{}}]+\}}", key):
+        return "artifact"
     raise AssertionError(f"{key} is not in the documented key layout (docs/tiers.md)")
 
 

@@ -3,9 +3,10 @@
     submit   XADD one job per graph (the graph's JSON travels in the job, so workers need no shared disk)
              onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`)
     worker   XREADGROUP on its own toolchain's stream, compile in a child process (workers/job_process.py),
-             then one Lua script records the result and the artifact, XACKs and XDELs the job (a finished job
-             leaves the stream); a worker takes over the jobs of a worker whose heartbeat is older than two
-             intervals (XCLAIM), and XAUTOCLAIM, after `job_claim_idle`, of any worker that went quiet
+             then store the artifact (under its own hash tag) and one Lua script records the result, XACKs
+             and XDELs the job (a finished job leaves the stream); a worker takes over the jobs of a worker
+             whose heartbeat is older than two intervals (XCLAIM), and XAUTOCLAIM, after `job_claim_idle`,
+             of any worker that went quiet
     failure  any failure of a job (an exception, a limit exceeded, its compiling process killed) is the job's:
              it is re-queued with its attempt count; after `job_max_attempts` it goes to the dead-letter
              stream with its error; a message that is no job at all goes there at once, under its message id
@@ -20,7 +21,8 @@ live worker) instead of being compiled by the wrong one. A job whose own JSON na
 the worker's (only a hand-written job can) fails with an error naming both and is never compiled. Results,
 counts, failures and dead letters stay shared.
 
-Artifacts live in the tier (`{NS:vV:jobs}:artifact:JOB`, with the entry TTL); `nkicache submit --wait --out
+Artifacts live in the tier (`NS:vV:artifact:{JOB}`, tagged by their job id so that they spread over a cluster,
+expiring after `job_ttl`); `nkicache submit --wait --out
 DIR` downloads them so `nkicache run` can load them.
 """
 
@@ -56,18 +58,18 @@ GROUP = "nkicache-workers"
 MAX_GRAPH_BYTES = 16 * 1024 * 1024  # the max_graph_bytes setting's default
 BLOCK_MS = 1000
 
-# KEYS[1] result key  KEYS[2] counts hash  KEYS[3] artifact key  KEYS[4] job stream  KEYS[5] failures hash
-# ARGV[1] job id  ARGV[2] result JSON  ARGV[3] artifact bytes  ARGV[4] job_ttl (s)  ARGV[5] message id
+# KEYS[1] result key  KEYS[2] counts hash  KEYS[3] job stream  KEYS[4] failures hash
+# ARGV[1] job id  ARGV[2] result JSON  ARGV[3] job_ttl (s)  ARGV[4] message id
 # Record the result once (a second finisher of a reclaimed job changes nothing), acknowledge and delete the
-# message: an acknowledged job has nothing left to do in the stream but hold its graph's bytes.
+# message: an acknowledged job has nothing left to do in the stream but hold its graph's bytes. The artifact
+# is stored before, under its own hash tag (another slot): a result never names an artifact that is not there.
 COMPLETE_JOB_LUA = """
-if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[4]) then
-  redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3]) then
   redis.call('HINCRBY', KEYS[2], 'completed', 1)
-  redis.call('HDEL', KEYS[5], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
 end
-redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[5])
-redis.call('XDEL', KEYS[4], ARGV[5])
+redis.call('XACK', KEYS[3], 'nkicache-workers', ARGV[4])
+redis.call('XDEL', KEYS[3], ARGV[4])
 return 1
 """
 
@@ -482,9 +484,10 @@ class Worker:
         if result.error is None and artifact is not None:
             record = {"status": "completed", "worker": self.name, "host": self.settings.host,
                       "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip
-            keys = [self.keys.job_result(job["id"]), self.keys.job_counts, self.keys.job_artifact(job["id"]),
-                    self.stream, self.keys.job_failures]  # fmt: skip
-            self._complete(keys=keys, args=[job["id"], json.dumps(record), artifact, ttl, message_id])
+            # NX: a reclaimed job finished twice keeps one artifact (both finishers ran this compiler on its graph).
+            self.client.set(self.keys.job_artifact(job["id"]), artifact, nx=True, ex=ttl)
+            keys = [self.keys.job_result(job["id"]), self.keys.job_counts, self.stream, self.keys.job_failures]
+            self._complete(keys=keys, args=[job["id"], json.dumps(record), ttl, message_id])
             c = result.counts
             logger.info("worker %s: job %s (%s) finished in %.2f s: %d kernels, %d hits, %d misses, %d remote hits, "
                         "%d traces", self.name, job["id"], job["file"], result.seconds, c["kernels"], c["cache_hits"],
