@@ -122,3 +122,42 @@ def test_a_variant_that_cannot_be_rebuilt_is_skipped_with_its_reason(tmp_path: P
     reasons = {item["key"][:1]: item["reason"] for item in report.skipped}
     assert "no registered kernel compiles 'a_kernel_no_longer_in_the_library'" in reasons["a"]
     assert reasons["b"].startswith("cannot be rebuilt into a kernel call")
+
+
+@pytest.mark.redis
+def test_the_fleet_warms_a_new_compiler_through_jobs_its_own_workers_trace(tmp_path: Path, redis_url: str) -> None:
+    import redis
+    from helpers_graphs import delete_namespace, unique_namespace
+
+    namespace = unique_namespace()
+    env = {"NKICACHE_TIER": redis_url, "NKICACHE_NAMESPACE": namespace, "NKICACHE_HEARTBEAT_INTERVAL": "0.5"}
+    graphs = one_graph(tmp_path)
+    new = compiler_copy(tmp_path, "new", ("kernels/softmax.py", *SOFTMAX_MATHS))
+    client = redis.Redis.from_url(redis_url)
+    worker = None
+    try:
+        old = nkicache(None, tmp_path, "compile", str(graphs), "--out", "old", "--json", env=env)
+        assert old.returncode == 0 and json.loads(old.stdout)["traces"] == 6, old.stderr
+        # A worker of the new compiler, deployed before traffic switches: it takes only the new toolchain's jobs.
+        worker_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(new), os.environ.get("PYTHONPATH", "")])}
+        worker = subprocess.Popen([sys.executable, "-c", "from workers.cli import main; main()", "worker", "--name",
+                                   "new-w", "--max-jobs", "2"], cwd=tmp_path, env=worker_env,
+                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        warmed = nkicache(new, tmp_path, "warm", "--fleet", "--per-job", "4", "--timeout", "240", "--json", env=env)
+        assert warmed.returncode == 0, warmed.stderr
+        report = json.loads(warmed.stdout)
+        assert len(report["jobs"]) == 2 and report["failed"] == [] and report["skipped"] == []
+        assert report["traced"] == report["to_trace"] == report["considered"] == 6
+        assert worker.wait(timeout=60) == 0  # its two jobs done
+
+        first = nkicache(new, tmp_path, "compile", str(graphs), "--out", "new", "--json", env=env)
+        assert json.loads(first.stdout)["traces"] == 0  # warm: every variant came from the fleet's traces
+        alone = nkicache(new, tmp_path, "compile", str(graphs), "--out", "new-off", "--tier", "off", "--json")
+        assert json.loads(alone.stdout)["traces"] == 6
+        for artifact in (tmp_path / "new-off").glob("*.nkibb"):
+            assert (tmp_path / "new" / artifact.name).read_bytes() == artifact.read_bytes(), artifact.name
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        delete_namespace(client, namespace)
+        client.close()

@@ -198,7 +198,11 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int, max_byte
     """One job per graph file. Every file is read and checked before the first job is enqueued: a bad one
     fails the submission with nothing enqueued, never a batch cut short and left unrecorded. The batch's list
     of job ids lives `ttl` seconds (job_ttl), as its results do."""
-    graphs = read_graphs(paths, max_bytes)
+    return submit_texts(client, keys, list(zip(map(str, paths), read_graphs(paths, max_bytes), strict=True)), ttl)
+
+
+def submit_texts(client: Any, keys: KeySpace, graphs: Sequence[tuple[str, str]], ttl: int) -> Submission:
+    """One job per (name, graph text), every text already checked as `read_graphs` does."""
     toolchain = toolchain_id()
     stream = keys.job_stream(toolchain)
     # The group exists before the first job, so a worker that starts later still reads from the beginning;
@@ -206,13 +210,13 @@ def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int, max_byte
     ensure_group(client, keys, toolchain)
     client.hset(keys.job_toolchains, toolchain, time.time())
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
-    for path, graph in zip(paths, graphs, strict=True):
+    for path, graph in graphs:
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
-        job = {"id": job_id, "batch": submission.batch_id, "file": str(path), "graph": graph, "attempt": 1,
+        job = {"id": job_id, "batch": submission.batch_id, "file": path, "graph": graph, "attempt": 1,
                "toolchain": toolchain}  # fmt: skip
         client.xadd(stream, {"job": json.dumps(job)})
         submission.job_ids.append(job_id)
-        submission.names[job_id] = str(path)
+        submission.names[job_id] = path
     if submission.job_ids:
         client.rpush(keys.job_batch(submission.batch_id), *submission.job_ids)
         client.expire(keys.job_batch(submission.batch_id), ttl)

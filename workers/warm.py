@@ -10,6 +10,7 @@ call must hash to the very key it came from, or it is skipped.
 from __future__ import annotations
 
 import heapq
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -50,6 +51,8 @@ class WarmReport:
     failed: list[dict] = field(default_factory=list)  # [{key, reason}]: this compiler refuses the call
     seconds: float = 0.0
     trace_seconds: float = 0.0  # compile time of the traced variants, summed
+    batch: str | None = None  # with the fleet: the batch of trace jobs submitted
+    jobs: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -108,9 +111,14 @@ def warm(
     workers: int = 1,
     dry_run: bool = False,
     on_progress: Callable[[], None] = lambda: None,
+    fleet: Callable[[list[tuple[str, str]]], Any] | None = None,
+    per_job: int = 8,
 ) -> WarmReport:
     """Trace `variants` with this compiler and store them in its partition of `tier`, single flight with
-    every other process (a variant another process holds the lease on is left to it)."""
+    every other process (a variant another process holds the lease on is left to it). With `fleet`, the
+    variants to trace go to the fleet instead: `fleet` submits graphs of `per_job` kernel calls each, as
+    (name, graph JSON), and returns the submission; this compiler's workers trace them (their codegen loops
+    take the leases), and `report.jobs` names the jobs."""
     report = WarmReport(source, toolchain_id(), considered=len(variants))
     started = time.perf_counter()
     held = tier.find_traces([v.cache_key for v in variants])[0]
@@ -124,18 +132,50 @@ def warm(
         if problem is not None:
             report.skipped.append({"key": variant.cache_key, "reason": problem})
             on_progress()
-        elif not dry_run and not tier.acquire_lease(variant.cache_key):
+        elif fleet is None and not dry_run and not tier.acquire_lease(variant.cache_key):
             report.present += 1  # another warmer or compile is tracing it now
             on_progress()
         else:
             calls.append((variant, call))
     report.to_trace = len(calls)
-    if not dry_run:
+    if fleet is not None and not dry_run:
+        submission = fleet(warm_graphs([call for _, call in calls], report.toolchain, per_job))
+        report.batch, report.jobs = submission.batch_id, list(submission.job_ids)
+    elif not dry_run:
         for variant, call, outcome in _traced(calls, workers):
             _store(tier, report, variant, call, outcome)
             on_progress()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def warm_graphs(calls: list[dict], toolchain: str, per_job: int) -> list[tuple[str, str]]:
+    """(name, graph JSON) of graphs that call the given kernels, `per_job` calls each (one target a graph):
+    compiling a graph traces, and stores, each call's variant under the same key as the entry it came from."""
+    by_target: dict[str, list[dict]] = {}
+    for call in calls:
+        by_target.setdefault(call["target"], []).append(call)
+    graphs = []
+    for target, group in sorted(by_target.items()):
+        for start in range(0, len(group), per_job):
+            name = f"warm-{toolchain[:8]}-{len(graphs):05d}"
+            graphs.append((f"{name}.json", json.dumps(_graph(name, target, group[start : start + per_job]))))
+    return graphs
+
+
+def _graph(name: str, target: str, calls: list[dict]) -> dict:
+    tensors: dict[str, dict] = {}
+    ops = []
+    for i, call in enumerate(calls):
+        names = {}
+        for role, tensors_of_call in (("in", call["operands"]), ("out", call["results"])):
+            names[role] = [f"v{i}_{role}{j}" for j in range(len(tensors_of_call))]
+            for tensor_name, tensor in zip(names[role], tensors_of_call, strict=True):
+                tensors[tensor_name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype)}
+        ops.append({"type": "InternalNkiKernel", "func_name": call["func_name"],
+                    "kernel_name": call["components"]["kernel_name"], "operands": names["in"],
+                    "results": names["out"], "attrs": call["attrs"]})  # fmt: skip
+    return {"name": name, "target": target, "tensors": tensors, "ops": ops}
 
 
 def _rebuilt_call(variant: Variant) -> tuple[dict | None, str | None]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
+from cachestore.api import REDIS_SCHEMES
 from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings
 
 
@@ -32,10 +35,17 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
               help="Only variants used since D ago (7d, 12h) or since a date.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Processes tracing at once.")  # fmt: skip
+@click.option("--fleet", is_flag=True,
+              help="Have the fleet's workers of this compiler trace them (Redis jobs), and wait.")  # fmt: skip
+@click.option("--per-job", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With --fleet: kernel calls per job.")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="S",
+              help="With --fleet: stop waiting after S seconds (default: the wait_timeout setting).")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Say what would be traced; trace nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def warm_command(tier: str | None, source: str | None, top: int | None, min_usage: int, since: float | None,
-                 workers: int, dry_run: bool, as_json: bool) -> None:  # fmt: skip
+                 workers: int, fleet: bool, per_job: int, timeout: float | None, dry_run: bool,
+                 as_json: bool) -> None:  # fmt: skip
     """Trace the most used variants of another toolchain (an older compiler) with this one, and store them
     under this compiler's toolchain, so that it starts warm after an upgrade.
 
@@ -44,8 +54,14 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     kernel no longer in the library) is skipped with its reason; one this compiler refuses is reported as
     failed. Exit 1 when any failed.
 
+    --fleet traces on the fleet instead of here: the variants to trace become jobs of --per-job kernel calls
+    each, under this compiler's toolchain, so only workers of this compiler take them (deploy them before
+    switching traffic); their codegen loops hold the single-flight leases. It waits for the jobs (progress
+    per job) and counts what they traced; a dead-lettered job is failed with its error. Exit 1 when any job
+    failed or did not finish in time.
+
     --json keys: source, toolchain, considered, to_trace, traced, present, skipped ([{key, reason}]), failed
-    ([{key, reason}]), seconds, trace_seconds.
+    ([{key, reason}], with --fleet also [{job, reason}]), seconds, trace_seconds, batch, jobs (with --fleet).
     """
     from cachestore.api import open_backend
     from cachestore.client import open_tier
@@ -60,14 +76,19 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
         variants = pick_variants(reader, source, top=top, min_usage=min_usage, since=since)
     finally:
         reader.close()
+    if fleet and not settings.tier.startswith(REDIS_SCHEMES):
+        raise click.UsageError("--fleet needs the fleet's Redis tier (--tier redis://...)")
     client = open_tier(settings.replace(tier_mode="read-through", worker="warm"))
     progress = Progress(len(variants), f"warming from {source[:8]}", quiet=as_json)
     try:
-        report = warm(client, variants, source, workers=workers, dry_run=dry_run,
+        submit = _fleet_submitter(settings) if fleet else None
+        report = warm(client, variants, source, workers=workers, dry_run=dry_run, fleet=submit, per_job=per_job,
                       on_progress=lambda: progress.advance("variant"))  # fmt: skip
     finally:
         progress.close()
         client.close()
+    if report.jobs:
+        _wait_for_fleet(settings, report, settings.wait_timeout if timeout is None else timeout, quiet=as_json)
     if as_json:
         click.echo(json.dumps(report.as_json()))
     else:
@@ -76,6 +97,48 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
                    f"{report.present} already present, {len(report.skipped)} skipped, {len(report.failed)} failed "
                    f"({report.seconds:.1f} s)")  # fmt: skip
         for item in report.skipped + report.failed:
-            click.echo(f"  {item['key'][:16]}: {item['reason']}", err=True)
+            click.echo(f"  {item.get('key', '')[:16] or item.get('job')}: {item['reason']}", err=True)
     if report.failed:
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _fleet_submitter(settings: Any) -> Callable[[list[tuple[str, str]]], Any]:
+    from cachestore.keys import KeySpace
+    from workers.fleet import fleet_client, submit_texts
+
+    def submit(graphs: list[tuple[str, str]]) -> Any:
+        client = fleet_client(settings)
+        try:
+            return submit_texts(client, KeySpace(settings.namespace), graphs, settings.job_ttl)
+        finally:
+            client.close()
+
+    return submit
+
+
+def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) -> None:
+    """Wait for the warm jobs; add what they traced to `report`, and each job that failed or did not finish."""
+    from cachestore.keys import KeySpace
+    from workers.fleet import fleet_client, wait_for
+
+    client = fleet_client(settings)
+    progress = Progress(len(report.jobs), "tracing on the fleet", quiet=quiet)
+
+    def finished(done: int) -> None:
+        while progress.done < done:
+            progress.advance("job finished")
+
+    try:
+        results = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished)
+    finally:
+        progress.close()
+        client.close()
+    for job_id in report.jobs:
+        result = results.get(job_id)
+        if result is None:
+            report.failed.append({"job": job_id, "reason": f"not finished after {timeout:g} s (it stays queued)"})
+        elif result.get("status") != "completed":
+            report.failed.append({"job": job_id, "reason": result.get("error") or result.get("status", "failed")})
+        else:
+            report.traced += int(result.get("traces", 0))
+            report.trace_seconds += float(result.get("compile_seconds", 0.0))
