@@ -13,6 +13,8 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -142,3 +144,19 @@ def _start_cluster() -> object:
     except RuntimeError as exc:
         _unavailable(str(exc))
         raise AssertionError("unreachable") from exc
+
+
+@pytest.fixture
+def fleet(private_redis_server, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Makes `test_fleet.Fleet`s (worker processes on a private Redis), each closed after the test."""
+    from test_fleet import Fleet
+
+    made: list[Fleet] = []
+
+    def make(**settings: object) -> Fleet:
+        made.append(Fleet(private_redis_server().url, tmp_path, **settings))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()

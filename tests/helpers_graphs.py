@@ -119,6 +119,20 @@ def assert_outputs_correct(graph: dict, bb: Any, seed: int = 0) -> None:
             np.testing.assert_allclose(outputs[out_name], want, rtol=1e-4, atol=1e-4, err_msg=str(op))
 
 
+def softmax_graph(folder: Path, name: str, rows: int, cols: int = 1000) -> Path:
+    """A one-op graph file (a softmax over rows x cols) in `folder`, made if need be."""
+    from workers.workload import GraphBuilder
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = GraphBuilder(name)
+    g.tensor("x", (rows, cols), "float32")
+    g.tensor("y", (rows, cols), "float32")
+    g.kernel("Softmax", ["x"], ["y"])
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(g.document()))
+    return path
+
+
 # -- looking inside a tier --------------------------------------------------------------------------
 def stored_entries(backend: Any) -> dict[str, bytes]:
     """Every live entry of a backend, {cache key: encoded entry}, read through its own scan."""

@@ -124,19 +124,6 @@ class Fleet:
         self.redis.close()
 
 
-@pytest.fixture
-def fleet(private_redis_server, tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
-    made: list[Fleet] = []
-
-    def make(**settings: object) -> Fleet:
-        made.append(Fleet(private_redis_server().url, tmp_path, **settings))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
-
-
 def slow_graphs(folder: Path, sizes: list[int]) -> list[Path]:
     """UNet blocks at large image sizes: each distinct size traces five kernels in about a second."""
     folder.mkdir(parents=True, exist_ok=True)

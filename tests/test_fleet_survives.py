@@ -9,39 +9,15 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers_graphs import softmax_graph
 from test_fleet import BEAT, Fleet, slow_graphs, wait_until
 
 from bridge.identity import toolchain_id
 from workers.cli_common import EXIT_CHECK_FAILED
-from workers.workload import GraphBuilder, generate_workload
-
-
-@pytest.fixture
-def fleet(private_redis_server, tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
-    made: list[Fleet] = []
-
-    def make(**settings: object) -> Fleet:
-        made.append(Fleet(private_redis_server().url, tmp_path, **settings))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
-
-
-def softmax_graph(folder: Path, name: str, rows: int, cols: int = 1000) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    g = GraphBuilder(name)
-    g.tensor("x", (rows, cols), "float32")
-    g.tensor("y", (rows, cols), "float32")
-    g.kernel("Softmax", ["x"], ["y"])
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps(g.document()))
-    return path
+from workers.workload import generate_workload
 
 
 def hand_job(f: Fleet, job_id: str, graph_text: str) -> None:

@@ -10,20 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from workers.workload import GraphBuilder
+from helpers_graphs import softmax_graph
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
-
-
-def softmax_graph(folder: Path, name: str, rows: int, cols: int = 1000) -> Path:
-    g = GraphBuilder(name)
-    g.tensor("x", (rows, cols), "float32")
-    g.tensor("y", (rows, cols), "float32")
-    g.kernel("Softmax", ["x"], ["y"])
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps(g.document()))
-    return path
 
 
 def compile_json(tmp_path: Path, *paths: Path, **settings: object) -> tuple[subprocess.CompletedProcess, dict]:
