@@ -4,6 +4,7 @@ the bounded outbox, and metrics held through an outage delivered exactly once.""
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 import time
 import uuid
@@ -500,3 +501,31 @@ def test_a_released_lease_is_no_longer_renewed(backend) -> None:
     assert backend.lease_holder("key-1") == other.owner
     holder.close(timeout=1)
     other.close(timeout=1)
+
+
+def test_the_compiling_thread_only_hands_the_trace_to_the_flusher(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish_trace returns having hashed, compressed and encoded nothing: the binary's SHA-256 and the entry's
+    encoding run on the flusher thread (issue 16: they cost the compile 17-46 ms a workload)."""
+    import cachestore.client as client_module
+    import cachestore.entry as entry_module
+
+    threads: dict[str, set[str]] = {"digest": set(), "encode": set()}
+
+    def recorded(name: str, function):
+        def call(*args, **kwargs):
+            threads[name].add(threading.current_thread().name)
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(entry_module, "binary_digest", recorded("digest", entry_module.binary_digest))
+    monkeypatch.setattr(client_module, "encode_entry", recorded("encode", client_module.encode_entry))
+    client = client_for(backend, hmac_key=KEY)
+    result = {"binary": BINARY, "input_names": ["lhsT", "rhs"], "output_names": ["out"], "format": "bir"}
+    client.publish_trace("key-1", result, {"kernel_name": "matmul_tiled"}, 0.5)
+    assert client.flush(timeout=5)
+    # Only the flusher: the calling thread's name would be in a set had it hashed or encoded anything.
+    assert threads == {"digest": {"nkicache-tier-flusher"}, "encode": {"nkicache-tier-flusher"}}
+    found = client_for(backend, hmac_key=KEY).lookup("key-1")
+    assert found.binary == BINARY and found.digest == hashlib.sha256(BINARY).hexdigest() and found.signed
+    client.close()
