@@ -336,6 +336,8 @@ def disk_usage(reader: Reader) -> dict:
         "distinct_binaries": len(sizes),
         "dangling_references": dangling,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
+        # The local tier's file against its max_size; None for a store without one (Redis, a snapshot).
+        "capacity": reader.capacity() if hasattr(reader, "capacity") else None,
     }
 
 

@@ -58,6 +58,9 @@ class Settings:
     # Secrets: environment or files only.
     hmac_key: bytes | None = dataclasses.field(default=None, repr=False)
     redis_password: str | None = dataclasses.field(default=None, repr=False)
+    # The local tier's file, in bytes: past it the least recently used entries are deleted as entries are written,
+    # and the space goes back to the file system (ccache's default cap is 5 GB).
+    max_size: int = 5 * 1024**3
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -223,6 +226,7 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     for name in (
         "connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
         "job_claim_idle", "job_max_attempts", "heartbeat_interval", "entry_ttl", "max_entry_bytes", "outbox_limit",
+        "max_size",
     ):  # fmt: skip
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")
