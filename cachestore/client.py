@@ -356,14 +356,29 @@ class TierClient:
                     # The breaker is open: sleep until it closes (or new work arrives), never spin.
                     self._outbox_lock.wait(min(cooling, self.settings.flush_interval * 5))
                     continue
-                # Let writes gather for up to flush_interval (a pass traces several kernels in that time), so
-                # they go out in one pipeline: each round trip costs the compiling process a system call and
-                # a wake-up, far more than the bytes. A waiting flush() or close() ends the gathering at once.
-                self._outbox_lock.wait_for(
-                    lambda: self._closing or self._flush_waiters > 0, self.settings.flush_interval
-                )
+            self._gather()
             if not self._drain_once() and self._closing:
                 return
+
+    def _gather(self) -> None:
+        """Let writes gather for up to flush_interval (a pass traces several kernels in that time), so they go
+        out in one pipeline: each round trip costs the compiling process a system call and a wake-up, far more
+        than the bytes. Entries are encoded as they arrive meanwhile, so that the flush a pass ends with finds
+        them ready and waits for the round trip alone. A waiting flush() or close() ends the gathering at once."""
+        deadline = time.monotonic() + self.settings.flush_interval
+        while True:
+            with self._outbox_lock:
+                if self._closing or self._flush_waiters > 0:
+                    return
+                todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
+                if not todo:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    self._outbox_lock.wait(remaining)  # new items, a flush() and close() notify
+                    continue
+            for item in todo:  # outside the lock: the compiling thread keeps queueing
+                self._prepare(item)
 
     def _drain_once(self) -> bool:
         """Send what is queued, in order; False when the tier failed (items stay queued)."""
