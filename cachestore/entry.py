@@ -130,7 +130,8 @@ def binary_digest(binary: bytes) -> str:
 
 
 def encode_entry(entry: Entry, hmac_key: bytes | None = None) -> bytes:
-    """The stored form: HEADER, the SHA-256 of the payload, its HMAC when a key is given, then the payload."""
+    """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, then
+    the payload (the body, compressed)."""
     payload = _compressor().compress(msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True))
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
     flags = _SIGNED if signature else 0
