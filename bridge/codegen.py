@@ -72,6 +72,8 @@ class BirCodeGenLoop:
         # The tier's answers for a whole graph, fetched at once: key -> verified trace or None (a miss).
         self._prefetched: dict[str, StoredTrace | None] = {}
         self._prefetch_stored: set[str] = set()  # keys the tier held something under, rejected or not
+        # The prefetch computes every op's key once: id(op) -> (op, key components, cache key), for the orchestrator.
+        self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
         self._tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
 
@@ -86,8 +88,7 @@ class BirCodeGenLoop:
         self.nki_frontend_setting = os.environ.get(NKI_FRONTEND_ENV_KEY, NKI_FRONTEND_ENV_DEFAULT)
 
         # kernel_name, operands and results (_extract_tensor_info), attrs, and out_shape for ResizeNearest.
-        key_components = self._key_components(inst)
-        cache_key = self._compute_cache_key_from_components(key_components)
+        key_components, cache_key = self._op_key(inst)
         cached = self._get_cached_new_nki_frontend_binary(cache_key)
         if cached is not None:
             self.cache_hits += 1
@@ -251,16 +252,25 @@ class BirCodeGenLoop:
         self.tier.reject(cache_key, problem)
         return None
 
+    def _op_key(self, inst: InternalNkiKernel) -> tuple[dict[str, Any], str]:
+        """(key components, cache key) of `inst`: the prefetch's when it computed them, else computed now."""
+        known = self._op_keys.pop(id(inst), None)
+        if known is not None and known[0] is inst:
+            return known[1], known[2]
+        key_components = self._key_components(inst)
+        return key_components, self._compute_cache_key_from_components(key_components)
+
     def _prefetch_from_tier(self, graph: Graph) -> None:
         """Ask the tier for every kernel variant of the graph in one round trip, instead of one per miss.
-        Entries are used (and counted as remote hits) only when the orchestrator misses on them."""
+        Entries are used (and counted as remote hits) only when the orchestrator misses on them. Each op's key
+        is kept for the orchestrator, which would otherwise compute it a second time."""
         if not self._tier_reads():
             return
-        keys = {
-            self._compute_cache_key_from_components(self._key_components(op))
-            for op in graph.ops
-            if isinstance(op, InternalNkiKernel)
-        }
+        for op in graph.ops:
+            if isinstance(op, InternalNkiKernel):
+                key_components = self._key_components(op)
+                self._op_keys[id(op)] = (op, key_components, self._compute_cache_key_from_components(key_components))
+        keys = {cache_key for _, _, cache_key in self._op_keys.values()}
         traces, self._prefetch_stored = self.tier.find_traces(sorted(keys))
         self._prefetched = {key: traces.get(key) for key in keys}
 

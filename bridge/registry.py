@@ -7,6 +7,7 @@ outputs, so graph tensor names never reach a binary (the cache key does not incl
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,10 +85,12 @@ class InternalKernelConfig:
         return KernelCall(kernel_name, kernel_func, tuple(renamed[:expected]), tuple(renamed[expected:]), merged)
 
 
-def _parameters(func: Callable) -> tuple[list[str], list[str]]:
+@functools.cache  # inspect.signature cost a warm pass a quarter of its time: every remote hit resolves its op
+def _parameters(func: Callable) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(tensor parameters, attr parameters): tensors are the parameters without defaults."""
     params = inspect.signature(func).parameters.values()
-    return [p.name for p in params if p.default is p.empty], [p.name for p in params if p.default is not p.empty]
+    return (tuple(p.name for p in params if p.default is p.empty),
+            tuple(p.name for p in params if p.default is not p.empty))  # fmt: skip
 
 
 def _spec(tensor: TensorLike, func_name: str, role: str, index: int) -> TensorSpec:

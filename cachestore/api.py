@@ -333,7 +333,7 @@ def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | 
         # Background writes may wait for the lock as long as a closing client waits for them to land.
         return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading, toolchain=toolchain,
                              write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
-                             max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
+                             max_entry_bytes=settings.max_entry_bytes, max_size=settings.max_size)  # fmt: skip
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 

@@ -58,6 +58,17 @@ class LeaseRelease:
     owner: str
 
 
+@dataclass
+class PendingStore:
+    """An entry the compiling thread handed over: `build` makes it, and the flusher thread builds, hashes,
+    compresses and encodes it (`request`, kept so a retry after an outage does not encode it again)."""
+
+    cache_key: str
+    build: Callable[[], Entry]
+    request: StoreRequest | None = None
+    prepared: bool = False  # `request` is None after preparing when the entry is too large to store
+
+
 class TierStats:
     """Thread-safe counters of what the tier did for this process."""
 
@@ -252,14 +263,29 @@ class TierClient:
 
     # -- writes (write-behind) --------------------------------------------------------------------
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
-        full = encode_entry(entry, self.settings.hmac_key)
-        if len(full) > self.settings.max_entry_bytes:
-            logger.warning("entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", cache_key[:16], len(full))
-        else:
-            kernel_name = str(entry.key_components.get("kernel_name", ""))
-            self._enqueue(StoreRequest(cache_key, entry.digest, full, self._reference_encoder(entry), kernel_name))
+        self._publish(PendingStore(cache_key, lambda: entry), release_lease)
+
+    def _publish(self, pending: PendingStore, release_lease: bool) -> None:
+        """Queue the entry (it is encoded on the flusher thread), then the lease release, in that order."""
+        self._enqueue(pending)
         if release_lease:
-            self.release_lease(cache_key)
+            self.release_lease(pending.cache_key)
+
+    def _prepare(self, pending: PendingStore) -> StoreRequest | None:
+        """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes."""
+        if not pending.prepared:
+            entry = pending.build()
+            full = encode_entry(entry, self.settings.hmac_key)
+            if len(full) > self.settings.max_entry_bytes:
+                logger.warning(
+                    "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], len(full)
+                )
+            else:
+                kernel_name = str(entry.key_components.get("kernel_name", ""))
+                reference = self._reference_encoder(entry)
+                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name)
+            pending.prepared = True
+        return pending.request
 
     def publish_trace(
         self,
@@ -269,8 +295,11 @@ class TierClient:
         compile_seconds: float,
         release_lease: bool = False,
     ) -> None:
-        """The port's write: the entry for a kernel the loop traced, produced by this host and worker."""
-        entry = Entry(
+        """The port's write: the entry for a kernel the loop traced, produced by this host and worker. The
+        compiling thread only copies what the entry needs and queues it: the Entry (the binary's SHA-256) and
+        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
+        build = partial(
+            Entry,
             binary=result["binary"],
             input_names=list(result["input_names"]),
             output_names=list(result["output_names"]),
@@ -283,7 +312,7 @@ class TierClient:
             compile_seconds=compile_seconds,
             toolchain=self.toolchain,  # the compiler that traced it: this one
         )
-        self.publish(cache_key, entry, release_lease=release_lease)
+        self._publish(PendingStore(cache_key, build), release_lease)
 
     def _reference_encoder(self, entry: Entry) -> Callable[[str], bytes]:
         return lambda holder: encode_entry(entry.as_reference_to(holder), self.settings.hmac_key)
@@ -334,14 +363,29 @@ class TierClient:
                     # The breaker is open: sleep until it closes (or new work arrives), never spin.
                     self._outbox_lock.wait(min(cooling, self.settings.flush_interval * 5))
                     continue
-                # Let writes gather for up to flush_interval (a pass traces several kernels in that time), so
-                # they go out in one pipeline: each round trip costs the compiling process a system call and
-                # a wake-up, far more than the bytes. A waiting flush() or close() ends the gathering at once.
-                self._outbox_lock.wait_for(
-                    lambda: self._closing or self._flush_waiters > 0, self.settings.flush_interval
-                )
+            self._gather()
             if not self._drain_once() and self._closing:
                 return
+
+    def _gather(self) -> None:
+        """Let writes gather for up to flush_interval (a pass traces several kernels in that time), so they go
+        out in one pipeline: each round trip costs the compiling process a system call and a wake-up, far more
+        than the bytes. Entries are encoded as they arrive meanwhile, so that the flush a pass ends with finds
+        them ready and waits for the round trip alone. A waiting flush() or close() ends the gathering at once."""
+        deadline = time.monotonic() + self.settings.flush_interval
+        while True:
+            with self._outbox_lock:
+                if self._closing or self._flush_waiters > 0:
+                    return
+                todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
+                if not todo:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    self._outbox_lock.wait(remaining)  # new items, a flush() and close() notify
+                    continue
+            for item in todo:  # outside the lock: the compiling thread keeps queueing
+                self._prepare(item)
 
     def _drain_once(self) -> bool:
         """Send what is queued, in order; False when the tier failed (items stay queued)."""
@@ -363,8 +407,11 @@ class TierClient:
 
     def _send(self, group: list) -> bool:
         head = group[0]
-        if isinstance(head, StoreRequest):
-            ok, _ = self._guarded(lambda b: b.store(group, self.settings.entry_ttl), "store")
+        if isinstance(head, PendingStore):
+            requests = [request for request in map(self._prepare, group) if request is not None]
+            if not requests:
+                return True  # every one too large: warned and dropped
+            ok, _ = self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")
         elif isinstance(head, LeaseRelease):
             ok, _ = self._guarded(lambda b: b.release_lease(head.cache_key, head.owner), "lease release")
         else:
@@ -415,12 +462,12 @@ class TierClient:
 
 
 def _leading_group(items: list) -> list:
-    """The first item, with the StoreRequests right after it when it is one (they go in one pipeline)."""
-    if not isinstance(items[0], StoreRequest):
+    """The first item, with the entries right after it when it is one (they go in one pipeline)."""
+    if not isinstance(items[0], PendingStore):
         return items[:1]
     group = []
     for item in items:
-        if not isinstance(item, StoreRequest) or len(group) == 256:
+        if not isinstance(item, PendingStore) or len(group) == 256:
             break
         group.append(item)
     return group

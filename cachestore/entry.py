@@ -1,23 +1,29 @@
-"""The cache entry as stored in a tier: msgpack with a versioned schema, a digest, optionally an HMAC.
+"""The cache entry as stored in a tier: a short binary header, then the body, msgpack, compressed with zstd.
 
-    envelope  = msgpack {"schema": SCHEMA_VERSION, "body": <bytes>, "sig": <32 bytes> | nil}
-    body      = msgpack {"binary", "input_names", "output_names", "format", "version_identifier",
-                         "key_components", "producer_host", "producer_worker", "created", "compile_seconds",
-                         "digest", "ref", "toolchain"}
+    stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>] payload
+    payload = one zstd frame (its decompressed size declared) of
+    body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
+                       producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
+
+Flag bit 0 says the HMAC is there. The SHA-256 (integrity) and the HMAC (authenticity, when a key is
+configured) both cover the payload as stored, so a hit hashes the small compressed form, not the binary, and
+decodes once: one decompression, one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
+Entries of an older schema (a msgpack map) are rejected like any bad entry: a miss, traced and rewritten.
 
 `toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
 toolchain's entries apart, and the codegen loop takes only its own toolchain's. `digest` is the SHA-256 of
-the binary. An entry whose binary is already stored under another cache key is
-written as a reference (`binary` empty, `ref` naming that key), so identical binaries are stored once. The
-HMAC, when a key is configured, covers the body bytes. Nothing here ever unpickles: key_components hold
-tuples, which msgpack brings back as lists, and `key_components` is informational (reports, explain): the
-cache key itself is never recomputed from it.
+the binary, computed by the writer: it names the binary for content dedupe. An entry whose binary is already
+stored under another cache key is written as a reference (`binary` empty, `ref` naming that key), so
+identical binaries are stored once. Nothing here ever unpickles: key_components hold tuples, which msgpack
+brings back as lists, and `key_components` is informational (reports, explain): the cache key itself is
+never recomputed from it.
 
 Entries come from a store others can write to, so reading one costs a bounded time and memory whatever it
 holds: a store hands over no entry larger than its limit (`TooLarge` stands in for it), and `decode_entry`
-checks the size, then the envelope's shape, then the signature over the body bytes, and only then unpacks
-the body, once the number of objects it holds is known to be bounded (by its length, or for a longer body
-by walking its headers alone).
+checks the size, the header, the digest and signature, the payload's declared decompressed size (at most the
+same limit: a zstd bomb is refused before anything is allocated), and only then unpacks the body, once the
+number of objects it holds is known to be bounded (by its length, or for a longer body by walking its
+headers alone).
 """
 
 from __future__ import annotations
@@ -25,14 +31,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import zstandard
 
-SCHEMA_VERSION = 2  # 2: the body names its toolchain
+SCHEMA_VERSION = 3  # 2: the body names its toolchain; 3: binary header, zstd payload, body a list
+MAGIC = b"NKC"
+# Level 3 (zstd's default): on the bench workload's 55 binaries, 11.5% of their size at 114 µs a binary; level
+# 1 gives 11.8%, 6 11.6%, 19 10.2% at 40 times the time (bench/RESULTS.md, issue 16).
+COMPRESSION_LEVEL = 3
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
-ENVELOPE_MAX_FIELDS = 8  # the envelope has three; a few more leave a later schema's envelope readable enough to say so
+_SIGNED = 0x01
+_SUM_AT, _SUM_BYTES, _SIG_BYTES = len(MAGIC) + 2, 32, 32
 # A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
 # four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
 MAX_BODY_OBJECTS = 1 << 16
@@ -117,9 +130,12 @@ def binary_digest(binary: bytes) -> str:
 
 
 def encode_entry(entry: Entry, hmac_key: bytes | None = None) -> bytes:
-    body = msgpack.packb(entry._fields(), use_bin_type=True)
-    signature = hmac.new(hmac_key, body, hashlib.sha256).digest() if hmac_key else None
-    return msgpack.packb({"schema": SCHEMA_VERSION, "body": body, "sig": signature}, use_bin_type=True)
+    """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, then
+    the payload (the body, compressed)."""
+    payload = _compressor().compress(msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True))
+    signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
+    flags = _SIGNED if signature else 0
+    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
 
 
 @dataclass(frozen=True)
@@ -136,51 +152,103 @@ class SignaturePolicy:
 def decode_entry(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES) -> Entry:
     """Decode and verify; raises EntryRejected with the reason on any problem.
 
-    Nothing is unpacked before it is known to be small, so a hostile entry costs a bounded time and memory
-    whatever its headers declare: the size first, then the envelope (at most a few plain fields), then the
-    signature over the body bytes, and only then the body, whose shape is bounded before msgpack builds it."""
+    Nothing is built before it is known to be small, so a hostile entry costs a bounded time and memory
+    whatever it declares: the stored size first, then the header, the digest and the signature over the
+    stored (compressed) bytes, then the payload's declared size before it is decompressed, and only then the
+    body, whose shape is bounded before msgpack builds it."""
     if isinstance(data, TooLarge):
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
         raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    schema, body, signature = open_envelope(data)
-    if schema != SCHEMA_VERSION:
-        raise EntryRejected(f"schema version {schema!r}, expected {SCHEMA_VERSION}")
-    if not isinstance(body, bytes) or not (signature is None or isinstance(signature, bytes)):
-        raise EntryRejected("envelope body or signature has the wrong type")
-    signed = _check_signature(body, signature, policy)
+    signature, payload = open_stored(data)
+    if not hmac.compare_digest(hashlib.sha256(payload).digest(), data[_SUM_AT : _SUM_AT + _SUM_BYTES]):
+        raise EntryRejected("stored bytes do not match their digest")
+    signed = _check_signature(payload, signature, policy)
     fields = _unpack(
-        body, "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH, max_str_len=MAX_STR_BYTES,
-        max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
+        _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
+        max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
     )  # fmt: skip
     entry = _entry_from_fields(fields)
     entry.signed = signed
     entry.unverified = signature is not None and not signed
-    if not entry.is_reference and binary_digest(entry.binary) != entry.digest:
-        raise EntryRejected("binary does not match its digest")
     return entry
 
 
-def open_envelope(data: bytes) -> tuple[object, object, object]:
-    """(schema, body, signature) of an encoded entry, each as stored (None when missing), with the body still
-    packed; raises EntryRejected when `data` is not an envelope. The envelope is a map of at most
-    ENVELOPE_MAX_FIELDS plain values, so a map or a list anywhere inside it is refused before anything is built."""
-    envelope = _unpack(
-        data, "envelope", max_objects=1 + 2 * ENVELOPE_MAX_FIELDS, max_depth=1, max_str_len=len(data),
-        max_array_len=0, max_map_len=ENVELOPE_MAX_FIELDS,
-    )  # fmt: skip
-    if not isinstance(envelope, dict):
-        raise EntryRejected("envelope is not a map")
-    return envelope.get("schema"), envelope.get("body"), envelope.get("sig")
+def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
+    """(signature or None, payload) of an encoded entry, both as stored; raises EntryRejected when `data`
+    is not an entry of this schema (an older schema's entry is rejected like any other: a miss)."""
+    if not data.startswith(MAGIC):
+        older = data[:1] and 0x80 <= data[0] <= 0x8F  # schema 1 and 2 were a msgpack map
+        raise EntryRejected("an entry of an older schema (a msgpack map)" if older else "not an nkicache entry")
+    if len(data) < _SUM_AT + _SUM_BYTES:
+        raise EntryRejected("entry header is truncated")
+    schema, flags = data[len(MAGIC)], data[len(MAGIC) + 1]
+    if schema != SCHEMA_VERSION:
+        raise EntryRejected(f"schema version {schema}, expected {SCHEMA_VERSION}")
+    if flags & ~_SIGNED:
+        raise EntryRejected(f"unknown header flags {flags:#04x}")
+    start = _SUM_AT + _SUM_BYTES
+    if not flags & _SIGNED:
+        return None, data[start:]
+    if len(data) < start + _SIG_BYTES:
+        raise EntryRejected("entry signature is truncated")
+    return data[start : start + _SIG_BYTES], data[start + _SIG_BYTES :]
 
 
-def _check_signature(body: bytes, signature: bytes | None, policy: SignaturePolicy) -> bool:
+def is_signed(data: bytes) -> bool:
+    """Whether an encoded entry carries a signature (False for what is no entry of this schema)."""
+    try:
+        return open_stored(data)[0] is not None
+    except EntryRejected:
+        return False
+
+
+def _decompress(payload: bytes, max_bytes: int) -> bytes:
+    """The payload decompressed, refused unless it is one zstd frame that declares its size, that size is at
+    most `max_bytes`, and the frame holds exactly that. The declared size is checked first because zstandard
+    allocates what a frame declares (max_output_size bounds only frames that declare nothing)."""
+    try:
+        size = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError:
+        raise EntryRejected("payload is not a zstd frame") from None
+    if size < 0:
+        raise EntryRejected("payload does not declare its decompressed size")
+    if size > max_bytes:
+        raise EntryRejected(f"payload declares {size} bytes decompressed, over the {max_bytes}-byte limit")
+    try:
+        body = _decompressor().decompress(payload, max_output_size=max_bytes, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise EntryRejected(f"payload cannot be decompressed: {exc}") from None
+    if len(body) != size:
+        raise EntryRejected(f"payload declares {size} bytes and holds {len(body)}")
+    return body
+
+
+_local = threading.local()  # zstd contexts are not thread-safe, and making one costs more than a small entry
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "compressor"):
+        # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and no dictionary is used.
+        _local.compressor = zstandard.ZstdCompressor(
+            level=COMPRESSION_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False
+        )
+    return _local.compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+def _check_signature(payload: bytes, signature: bytes | None, policy: SignaturePolicy) -> bool:
     if policy.hmac_key is not None:
         if signature is None:
             if policy.require_signed:
                 raise EntryRejected("entry is unsigned and this reader requires signatures")
             return False
-        expected = hmac.new(policy.hmac_key, body, hashlib.sha256).digest()
+        expected = hmac.new(policy.hmac_key, payload, hashlib.sha256).digest()
         if not hmac.compare_digest(expected, signature):
             raise EntryRejected("signature does not verify with this reader's key")
         return True
@@ -292,9 +360,10 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }  # fmt: skip
 
 
-def _entry_from_fields(fields: object) -> Entry:
-    if not isinstance(fields, dict) or set(fields) != set(_BODY_FIELDS):
-        raise EntryRejected("body fields do not match the schema")
+def _entry_from_fields(values: object) -> Entry:
+    if not isinstance(values, list) or len(values) != len(_BODY_FIELDS):
+        raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
+    fields = dict(zip(_BODY_FIELDS, values, strict=True))
     for name, kinds in _FIELD_TYPES.items():
         if not isinstance(fields[name], kinds) or isinstance(fields[name], bool):
             raise EntryRejected(f"body field {name!r} has the wrong type")

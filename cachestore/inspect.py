@@ -26,8 +26,9 @@ from cachestore.entry import (
     EntryRejected,
     SignaturePolicy,
     TooLarge,
+    binary_digest,
     decode_entry,
-    open_envelope,
+    is_signed,
 )
 
 # For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
@@ -135,16 +136,21 @@ def decode_or_reason(
 def _has_signature(data: bytes | TooLarge) -> bool:
     if isinstance(data, TooLarge):
         return False  # not read: its size is the problem shown
-    try:  # the envelope alone, bounded: `show` of a hostile entry costs what decoding it does
-        return isinstance(open_envelope(data)[2], bytes)
-    except EntryRejected:
-        return False
+    return is_signed(data)  # the header alone: `show` of a hostile entry costs what decoding it does
 
 
 def toolchain_problem(raw: RawEntry, entry: Entry) -> str | None:
     """Why `entry` does not belong in the toolchain partition it is stored in, or None."""
     if entry.toolchain != raw.toolchain:
         return f"traced by toolchain {entry.toolchain!r} but stored in toolchain {raw.toolchain}'s partition"
+    return None
+
+
+def binary_problem(entry: Entry) -> str | None:
+    """Why the binary of a full entry is not the one its digest names, or None. A hit trusts the digest over the
+    stored bytes and never hashes the binary; verify does, since dedupe finds binaries by this digest."""
+    if not entry.is_reference and binary_digest(entry.binary) != entry.digest:
+        return "binary does not match its digest"
     return None
 
 
@@ -330,6 +336,8 @@ def disk_usage(reader: Reader) -> dict:
         "distinct_binaries": len(sizes),
         "dangling_references": dangling,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
+        # The local tier's file against its max_size; None for a store without one (Redis, a snapshot).
+        "capacity": reader.capacity() if hasattr(reader, "capacity") else None,
     }
 
 

@@ -74,6 +74,9 @@ class Settings:
     job_memory: int = 4 * 1024**3  # bytes of address space a job's compiling process may use (RLIMIT_AS)
     job_ttl: int = 7 * DAY  # seconds a job's result, artifact and batch are kept after it finishes
     wait_timeout: float = 3600.0  # seconds `submit --wait` waits unless --timeout says otherwise
+    # The local tier's file, in bytes: past it the least recently used entries are deleted as entries are written,
+    # and the space goes back to the file system (ccache's default cap is 5 GB).
+    max_size: int = 5 * 1024**3
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -267,6 +270,7 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
         "job_claim_idle", "job_max_attempts", "heartbeat_interval", "entry_ttl", "max_entry_bytes", "outbox_limit",
         "max_graph_bytes", "max_tensor_elements", "max_graph_elements", "max_kernel_instructions", "job_timeout",
         "job_memory", "job_ttl", "wait_timeout",
+        "max_size",
     ):  # fmt: skip
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")

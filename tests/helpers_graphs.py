@@ -217,8 +217,8 @@ class LocalView(TierView):
 
     def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
         self._write(
-            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
-            (*self._at(cache_key), data, "0" * 64, time.time() + ttl),
+            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+            (*self._at(cache_key), data, "0" * 64, time.time() + ttl, time.time()),
         )
 
     def delete(self, cache_key: str) -> None:

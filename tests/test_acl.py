@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgpack
 import pytest
 import redis
 from click.testing import CliRunner
@@ -36,7 +35,7 @@ from helpers_graphs import (
 from redis_cluster import ServerProcess, start_server, unavailable
 
 from bridge.identity import toolchain_id
-from cachestore.entry import SignaturePolicy, decode_entry
+from cachestore.entry import SignaturePolicy, decode_entry, is_signed
 from cachestore.keys import KeySpace
 from workers.cli import main as nkicache
 from workers.dev_redis import pings
@@ -160,7 +159,7 @@ def test_worker_compiles_with_the_redis_tier(acl_server: int, worker_env: dict, 
         assert len(entry_keys) == MIXED_DISTINCT_KEYS
         for key in entry_keys:  # written with the HMAC key from NKICACHE_HMAC_KEY_FILE
             data = reader.get(key)
-            assert msgpack.unpackb(data)["sig"] is not None
+            assert is_signed(data)
             decode_entry(data, SignaturePolicy(HMAC_KEY.encode(), require_signed=True))
         assert list(reader.scan_iter(match=KEYS.lease("*", "*"), count=1000)) == []  # leases taken and released
     finally:

@@ -24,6 +24,8 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     url = private_redis_server().url
     warm = bench.warm_speedup(graphs, config, tmp_path)
     assert warm["warm_traces"] == 0 and warm["warm_speedup"] > 1
+    warm_redis = bench.warm_speedup_redis(graphs, config, url)
+    assert warm_redis["warm_traces"] == 0 and warm_redis["warm_speedup_redis"] > 1
     mirror = bench.mirror_overhead(graphs, config, url)
     assert mirror["mirror_overhead"] > 0 and 1 <= mirror["mirror_overhead_direct"] < 2
     hits = bench.remote_hit_vs_raw_get(graphs, config, url)
@@ -31,7 +33,8 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     assert bench.local_hit_cost(graphs, config)["local_hit_us"] > 0
     assert 0 < bench.key_throughput(graphs, config)["key_throughput_ratio"] < 1  # hashing alone is cheaper
     storage = bench.storage_ratio(graphs, url)
-    assert storage["storage_ratio"] > 1 and storage["entries"] == storage["unique_binaries"]
+    assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
+    assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0
 
 
 def test_bench_scripts_answer_json() -> None:
@@ -54,7 +57,7 @@ def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
     lines = text.stdout.splitlines()
     assert "pool_scaling             skipped: needs bench/pool_scaling.py from a source checkout" in lines
     assert "report_seconds_100k      skipped: needs bench/report_scale.py from a source checkout" in lines
-    assert any(line.startswith("warm_speedup ") and "goal >= 20.0" in line for line in lines)
+    assert any(line.startswith("warm_speedup ") and "goal >= 100.0" in line for line in lines)
     as_json = CliRunner().invoke(main, ["bench", "--redis-url", url, "--json"])
     assert as_json.exit_code == 1, as_json.output
     results = json.loads(as_json.stdout)
@@ -63,7 +66,9 @@ def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
         "report_seconds_100k": "needs bench/report_scale.py from a source checkout",
     }
     assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results
-    assert results["storage_ratio"] > 1 and results["local_hit_us"] > 0
+    assert 0 < results["storage_ratio"] < 1 and results["local_hit_us"] > 0
+    assert results["wire_bytes_ratio"] == results["storage_ratio_detail"]["wire_bytes_ratio"]
+    assert results["warm_speedup_redis"] > 1
     with pytest.raises(bench.MeasurementSkipped, match=r"^needs bench/report_scale\.py from a source checkout$"):
         bench.bench_script("report_scale", "--sizes", "300", "--quick")
 
@@ -72,7 +77,8 @@ def test_bench_help_names_every_goal() -> None:
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
-                "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate"):  # fmt: skip
+                "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate",
+                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct"):  # fmt: skip
         assert key in result.output
 
 

@@ -1,4 +1,5 @@
-"""The tier's entry format: msgpack with a versioned schema, a digest, an optional HMAC; never pickle."""
+"""The tier's entry format (schema 3): a header with the SHA-256 and optional HMAC of a zstd payload holding the
+msgpack body; old schemas, garbage and zstd bombs are rejected; never pickle."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import zstandard
+from helpers_entries import body_of, compress, payload_of, signature_of, stored
 
 from cachestore.entry import (
     SCHEMA_VERSION,
@@ -44,14 +47,6 @@ def make_entry(binary: bytes = BINARY, **changes) -> Entry:
     return Entry(**fields)
 
 
-def envelope(body: bytes, schema: object = SCHEMA_VERSION, sig: bytes | None = None) -> bytes:
-    return msgpack.packb({"schema": schema, "body": body, "sig": sig}, use_bin_type=True)
-
-
-def body_of(entry: Entry, **overrides) -> bytes:
-    return msgpack.packb({**entry._fields(), **overrides}, use_bin_type=True)
-
-
 def rejected(data: bytes, policy: SignaturePolicy = UNSIGNED_OK, **kwargs) -> str:
     with pytest.raises(EntryRejected) as info:
         decode_entry(data, policy, **kwargs)
@@ -81,26 +76,36 @@ def test_round_trip_of_a_reference_entry() -> None:
     assert decoded.with_binary(BINARY) == make_entry()
 
 
-def test_the_encoding_is_plain_msgpack_with_the_schema_version() -> None:
-    outer = msgpack.unpackb(encode_entry(make_entry()), raw=False)
-    assert outer["schema"] == SCHEMA_VERSION and outer["sig"] is None
-    body = msgpack.unpackb(outer["body"], raw=False)
-    assert body["binary"] == BINARY and body["digest"] == binary_digest(BINARY)
+def test_the_stored_form_is_a_header_and_a_compressed_payload_its_digest_covers() -> None:
+    binary = b"".join(b"load tile %d; matmul; store\n" % (i % 64) for i in range(4000))  # repetitive, like BIR
+    data = encode_entry(make_entry(binary))
+    assert data[:4] == b"NKC" + bytes([SCHEMA_VERSION]) and data[4] == 0  # unsigned
+    payload = payload_of(data)
+    assert data[5:37] == hashlib.sha256(payload).digest()  # a hit hashes this, not the binary
+    assert len(data) < len(binary) / 5  # compressed
+    body = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(payload), raw=False)
+    assert body[0] == binary and body[10] == binary_digest(binary)
+
+
+def test_an_entry_of_the_previous_schema_is_rejected() -> None:
+    """Schema 2 was a msgpack map {schema, body, sig}: a reader of schema 3 takes it as a miss."""
+    old_body = msgpack.packb(make_entry()._fields(), use_bin_type=True)
+    old = msgpack.packb({"schema": 2, "body": old_body, "sig": None}, use_bin_type=True)
+    assert "older schema" in rejected(old)
 
 
 # -- what a reader must reject ----------------------------------------------------------------------
-def test_flipped_bytes_in_the_binary_fail_the_digest() -> None:
+def test_flipped_bytes_in_the_stored_form_fail_the_digest() -> None:
     data = encode_entry(make_entry())
-    at = data.index(b"NKI-BINARY-MARKER")
-    for offset in (0, 5, 16):
+    for at in (5, 20, len(data) - len(payload_of(data)), len(data) // 2, len(data) - 1):
         forged = bytearray(data)
-        forged[at + offset] ^= 0x01
+        forged[at] ^= 0x01
         assert "digest" in rejected(bytes(forged))
 
 
-def test_a_forged_binary_with_the_original_digest_is_rejected() -> None:
-    entry = make_entry()
-    forged = envelope(body_of(entry, binary=b"evil" + BINARY[4:]))
+def test_a_forged_payload_under_the_original_digest_is_rejected() -> None:
+    original = encode_entry(make_entry())
+    forged = stored(body_of(make_entry(), binary=b"evil" + BINARY[4:]), digest=original[5:37])
     assert "digest" in rejected(forged)
 
 
@@ -114,14 +119,52 @@ def test_every_truncation_is_rejected(signed: bool) -> None:
     assert decode_entry(data, policy) == make_entry()
 
 
-@pytest.mark.parametrize("schema", [0, SCHEMA_VERSION + 1, "1", None, 1.0 + SCHEMA_VERSION])
-def test_wrong_schema_version_is_rejected(schema: object) -> None:
-    assert "schema" in rejected(envelope(body_of(make_entry()), schema=schema))
+@pytest.mark.parametrize("schema", [0, 1, 2, SCHEMA_VERSION + 1, 255])
+def test_wrong_schema_version_is_rejected(schema: int) -> None:
+    assert "schema" in rejected(stored(body_of(make_entry()), schema=schema))
 
 
-def test_missing_schema_is_rejected() -> None:
-    data = msgpack.packb({"body": body_of(make_entry()), "sig": None}, use_bin_type=True)
-    assert "schema" in rejected(data)
+def test_unknown_header_flags_are_rejected() -> None:
+    data = bytearray(encode_entry(make_entry()))
+    data[4] = 0x02
+    assert "flags" in rejected(bytes(data))
+
+
+# -- zstd: bombs and frames that lie --------------------------------------------------------------------
+def test_a_zstd_bomb_is_refused_by_its_declared_size_before_anything_is_allocated() -> None:
+    """64 MiB + 1 of zeros compress to a few KiB: the frame declares its size and is refused on that alone."""
+    limit = 64 * 1024 * 1024
+    bomb = stored(payload=compress(b"\x00" * (limit + 1)))
+    assert len(bomb) < 10_000
+    assert "over the" in rejected(bomb, max_bytes=limit)
+    small = stored(payload=compress(b"\x00" * 5000))
+    assert "over the" in rejected(small, max_bytes=4096)  # the limit is the caller's max_entry_bytes
+
+
+def test_zstd_frames_that_declare_nothing_or_lie_are_rejected() -> None:
+    body = body_of(make_entry())
+    streamed = zstandard.ZstdCompressor().compressobj()
+    no_size = streamed.compress(body) + streamed.flush()
+    assert zstandard.frame_content_size(no_size) == -1
+    assert "declare" in rejected(stored(payload=no_size))
+    frame = compress(body)
+    assert "cannot be decompressed" in rejected(stored(payload=frame + frame))  # a second frame after it
+    assert "cannot be decompressed" in rejected(stored(payload=frame + b"tail"))
+    assert "not a zstd frame" in rejected(stored(payload=body))  # msgpack, not compressed
+    assert "not a zstd frame" in rejected(stored(payload=b""))
+    # A frame whose header says one byte more or less than it holds: the size field is the byte after the
+    # frame descriptor, whose single-segment flag makes it the window too.
+    for delta in (-1, 1):
+        lying = bytearray(compress(b"z" * 200))
+        assert lying[5] == 200
+        lying[5] += delta
+        rejected(stored(payload=bytes(lying)))
+    assert decode_entry(stored(body), UNSIGNED_OK) == make_entry()
+
+
+def test_a_garbage_payload_under_a_valid_digest_is_rejected() -> None:
+    for payload in (os.urandom(1000), b"\x28\xb5\x2f\xfd" + os.urandom(200)):
+        rejected(stored(payload=payload))
 
 
 @pytest.mark.parametrize(
@@ -135,12 +178,16 @@ def test_missing_schema_is_rejected() -> None:
         msgpack.packb([1, 2, 3]),
         msgpack.packb("a string"),
         msgpack.packb(12345),
-        msgpack.packb({"schema": SCHEMA_VERSION, "body": "not bytes", "sig": None}),
-        msgpack.packb({"schema": SCHEMA_VERSION, "body": b"\x93\x01\x02\x03", "sig": None}, use_bin_type=True),
-        msgpack.packb({"schema": SCHEMA_VERSION, "body": b"\xc1", "sig": None}, use_bin_type=True),
-        msgpack.packb({"schema": SCHEMA_VERSION, "body": b"", "sig": 5}, use_bin_type=True),
         msgpack.packb({1: 2}),
         msgpack.packb(msgpack.ExtType(1, b"xx")),
+        b"NKC",
+        b"NKC" + bytes([SCHEMA_VERSION, 0]) + b"\x00" * 31,
+        b"NKC" + bytes([SCHEMA_VERSION, 1]) + b"\x00" * 40,
+        stored(b"\x93\x01\x02\x03"),
+        stored(b"\xc1"),
+        stored(b""),
+        stored(msgpack.packb({"binary": b"x"})),
+        stored(msgpack.packb(msgpack.ExtType(1, b"xx"))),
     ],
 )
 def test_garbage_is_rejected(data: bytes) -> None:
@@ -161,19 +208,19 @@ def test_garbage_is_rejected(data: bytes) -> None:
     ],
 )
 def test_bodies_that_do_not_match_the_schema_are_rejected(change: dict) -> None:
-    assert rejected(envelope(body_of(make_entry(), **change)))
+    assert rejected(stored(body_of(make_entry(), **change)))
 
 
 @pytest.mark.parametrize("name", ["created", "compile_seconds"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1.0])
 def test_numbers_that_are_not_finite_and_positive_are_rejected(name: str, value: float) -> None:
-    assert "not a finite number" in rejected(envelope(body_of(make_entry(), **{name: value})))
+    assert "not a finite number" in rejected(stored(body_of(make_entry(), **{name: value})))
 
 
 def test_a_body_missing_a_field_is_rejected() -> None:
-    fields = make_entry()._fields()
-    del fields["digest"]
-    rejected(envelope(msgpack.packb(fields, use_bin_type=True)))
+    fields = list(make_entry()._fields().values())
+    assert "fields" in rejected(stored(msgpack.packb(fields[:-1], use_bin_type=True)))
+    assert "fields" in rejected(stored(msgpack.packb(make_entry()._fields(), use_bin_type=True)))  # schema 2's map
 
 
 class _Trap:
@@ -190,11 +237,12 @@ class _Trap:
 def test_a_pickle_payload_is_rejected_and_never_unpickled(tmp_path: Path, protocol: int) -> None:
     payload = pickle.dumps(_Trap(tmp_path / "pwned"), protocol=protocol)
     rejected(payload)  # as the whole entry
-    rejected(envelope(payload))  # as the body of a well-formed envelope
-    rejected(envelope(payload, sig=hmac.new(KEY, payload, hashlib.sha256).digest()), SignaturePolicy(KEY))
+    rejected(stored(payload))  # as the body of a well-formed entry
+    rejected(stored(payload=payload))  # as its payload
+    rejected(stored(payload, key=KEY), SignaturePolicy(KEY))
     pickled_entry = pickle.dumps(make_entry(), protocol=protocol)
     rejected(pickled_entry)
-    rejected(envelope(pickled_entry))
+    rejected(stored(pickled_entry))
     assert not (tmp_path / "pwned").exists()
     pickle.loads(payload)  # the trap is armed: unpickling it would have left the file
     assert (tmp_path / "pwned").exists()
@@ -203,7 +251,10 @@ def test_a_pickle_payload_is_rejected_and_never_unpickled(tmp_path: Path, protoc
 def test_oversize_entries_are_rejected_before_decoding() -> None:
     data = encode_entry(make_entry())
     assert "exceeds" in rejected(data, max_bytes=len(data) - 1)
-    assert decode_entry(data, UNSIGNED_OK, max_bytes=len(data)) == make_entry()
+    # The limit bounds the decompressed body too: max_entry_bytes is what a reader holds, in either form.
+    body = len(body_of(make_entry()))
+    assert len(data) < body and "over the" in rejected(data, max_bytes=body - 1)
+    assert decode_entry(data, UNSIGNED_OK, max_bytes=body) == make_entry()
 
 
 def test_oversize_strings_inside_are_rejected() -> None:
@@ -217,9 +268,9 @@ def test_signed_entry_with_the_right_key_is_accepted() -> None:
     assert decoded == make_entry() and decoded.signed is True
 
 
-def test_the_signature_is_an_hmac_of_the_body() -> None:
-    outer = msgpack.unpackb(encode_entry(make_entry(), KEY), raw=False)
-    assert outer["sig"] == hmac.new(KEY, outer["body"], hashlib.sha256).digest()
+def test_the_signature_is_an_hmac_of_the_stored_payload() -> None:
+    data = encode_entry(make_entry(), KEY)
+    assert data[4] == 1 and signature_of(data) == hmac.new(KEY, payload_of(data), hashlib.sha256).digest()
 
 
 def test_signed_entry_with_a_wrong_key_is_rejected() -> None:
@@ -229,12 +280,11 @@ def test_signed_entry_with_a_wrong_key_is_rejected() -> None:
 
 
 def test_tampered_signed_entry_is_rejected() -> None:
-    data = bytearray(encode_entry(make_entry(), KEY))
-    data[data.index(b"NKI-BINARY-MARKER")] ^= 0x20
-    assert "signature" in rejected(bytes(data), SignaturePolicy(KEY))
-    # A body re-signed by someone without the key: still wrong.
+    data = encode_entry(make_entry(), KEY)
+    # Another body with its digest recomputed (what a writer without the key can do), the signature kept.
     forged_body = body_of(make_entry(), binary=b"x" * 10, digest=binary_digest(b"x" * 10))
-    assert "signature" in rejected(envelope(forged_body, sig=b"\x00" * 32), SignaturePolicy(KEY))
+    assert "signature" in rejected(stored(forged_body, signature=signature_of(data)), SignaturePolicy(KEY))
+    assert "signature" in rejected(stored(forged_body, signature=b"\x00" * 32), SignaturePolicy(KEY))
 
 
 def test_unsigned_entry_is_rejected_when_the_reader_requires_signatures() -> None:
@@ -251,5 +301,5 @@ def test_signed_entry_read_without_a_key() -> None:
     assert "no key" in rejected(data, SignaturePolicy(None, reject_unverifiable=True))
     # The digest still protects a reader without a key.
     tampered = bytearray(data)
-    tampered[tampered.index(b"NKI-BINARY-MARKER")] ^= 0x20
+    tampered[-3] ^= 0x20
     assert "digest" in rejected(bytes(tampered), SignaturePolicy(None))

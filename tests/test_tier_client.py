@@ -4,6 +4,7 @@ the bounded outbox, and metrics held through an outage delivered exactly once.""
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 import time
 import uuid
@@ -11,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import fakeredis
-import msgpack
 import pytest
+from helpers_entries import payload_of
 from helpers_graphs import TierView, wait_until
 
 from bridge.port import PassRecord
@@ -20,7 +21,7 @@ from cachestore.api import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable,
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
-from cachestore.entry import Entry, encode_entry
+from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 
@@ -165,21 +166,20 @@ def test_a_deduplicated_entry_reads_back_whole(backend) -> None:
     assert client.flush(timeout=5)
     client.publish("key-2", make_entry(shape=128))  # another key, the same binary
     assert client.flush(timeout=5)
-    assert BINARY not in TierView.of(backend).raw("key-2")
+    stored = decode_entry(TierView.of(backend).raw("key-2"), SignaturePolicy(KEY))  # compressed: decode to look
+    assert stored.is_reference and stored.ref == "key-1" and stored.binary == b""
     found = client_for(backend, hmac_key=KEY).lookup("key-2")
     assert found.binary == BINARY and found.key_components == make_entry(shape=128).key_components
     client.close()
 
 
-def _reencoded(data: bytes, **envelope_changes) -> bytes:
-    envelope = msgpack.unpackb(data, raw=False)
-    envelope.update(envelope_changes)
-    return msgpack.packb(envelope, use_bin_type=True)
+def _with_schema(data: bytes, schema: int) -> bytes:
+    return data[:3] + bytes([schema]) + data[4:]
 
 
 def _flip_binary_byte(data: bytes) -> bytes:
     forged = bytearray(data)
-    forged[forged.index(b"MARKER-IN-THE-BINARY")] ^= 0x01
+    forged[-len(payload_of(data)) // 2] ^= 0x01  # in the compressed payload, where the binary is
     return bytes(forged)
 
 
@@ -188,7 +188,7 @@ CORRUPTIONS = {
     "truncated": lambda good, signed: good[: len(good) // 2],
     "truncated-by-one": lambda good, signed: good[:-1],
     "forged-binary": lambda good, signed: _flip_binary_byte(good),
-    "wrong-version": lambda good, signed: _reencoded(good, schema=99),
+    "wrong-version": lambda good, signed: _with_schema(good, 99),
     "wrongly-signed": lambda good, signed: encode_entry(make_entry(), OTHER_KEY),
     "unsigned": lambda good, signed: encode_entry(make_entry()),
     "pickle": lambda good, signed: __import__("pickle").dumps(make_entry()),
@@ -501,3 +501,31 @@ def test_a_released_lease_is_no_longer_renewed(backend) -> None:
     assert backend.lease_holder("key-1") == other.owner
     holder.close(timeout=1)
     other.close(timeout=1)
+
+
+def test_the_compiling_thread_only_hands_the_trace_to_the_flusher(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish_trace returns having hashed, compressed and encoded nothing: the binary's SHA-256 and the entry's
+    encoding run on the flusher thread (issue 16: they cost the compile 17-46 ms a workload)."""
+    import cachestore.client as client_module
+    import cachestore.entry as entry_module
+
+    threads: dict[str, set[str]] = {"digest": set(), "encode": set()}
+
+    def recorded(name: str, function):
+        def call(*args, **kwargs):
+            threads[name].add(threading.current_thread().name)
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(entry_module, "binary_digest", recorded("digest", entry_module.binary_digest))
+    monkeypatch.setattr(client_module, "encode_entry", recorded("encode", client_module.encode_entry))
+    client = client_for(backend, hmac_key=KEY)
+    result = {"binary": BINARY, "input_names": ["lhsT", "rhs"], "output_names": ["out"], "format": "bir"}
+    client.publish_trace("key-1", result, {"kernel_name": "matmul_tiled"}, 0.5)
+    assert client.flush(timeout=5)
+    # Only the flusher: the calling thread's name would be in a set had it hashed or encoded anything.
+    assert threads == {"digest": {"nkicache-tier-flusher"}, "encode": {"nkicache-tier-flusher"}}
+    found = client_for(backend, hmac_key=KEY).lookup("key-1")
+    assert found.binary == BINARY and found.digest == hashlib.sha256(BINARY).hexdigest() and found.signed
+    client.close()

@@ -20,14 +20,17 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     two things measured side by side in this run (a noisy machine moves both):
 
     \b
-      warm_speedup           no tier / warm local tier, compiling a generated workload   goal >= 20
+      warm_speedup           no tier / warm local tier, compiling a generated workload   goal >= 100
+      warm_speedup_redis     no tier / warm Redis tier, the same workload                 goal >= 50
       mirror_overhead        cold compile mirroring to Redis / tier off                   goal <= 1.03
-      remote_hit_vs_raw_get  one remote hit (fetch, verify, decode, store) / raw GET      goal <= 1.5
+      mirror_overhead_direct 1 + compiling thread's time in tier calls / tier off         goal <= 1.005
+      remote_hit_vs_raw_get  one remote hit (fetch, verify, decode, store) / raw GET      goal <= 1.15
       local_hit_us           one local hit in the orchestrator, in microseconds
       key_throughput_ratio   keys/s through _compute_cache_key_from_components / hashlib
       pool_scaling           graphs/s with 2 workers / 1 worker                           goal >= 1.6
       report_seconds_100k    report and verify over 100k entries, and peak memory
-      storage_ratio          Redis bytes per entry / binary bytes; dedupe saving
+      storage_ratio          Redis bytes per entry / binary bytes; dedupe saving          goal <= 0.15
+      wire_bytes_ratio       bytes read from Redis per hit / binary bytes                 goal <= 0.15
       upgrade_first_pass_hit_rate  a new compiler's first pass after nkicache warm          goal >= 0.99
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.

@@ -384,7 +384,7 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
 
     --json keys: kernels ({name: {entries, full, references, bytes, binary_bytes, dedupe_saved_bytes}}),
     toolchains ({id: {entries, bytes}}), total (the same summed), distinct_binaries, dangling_references,
-    unreadable ({entries, bytes}).
+    unreadable ({entries, bytes}), capacity ({file_bytes, max_size} of a local tier, else null).
     """
     from rich.console import Console
     from rich.table import Table
@@ -418,6 +418,12 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
                   f"references; {usage['unreadable']['entries']:,} unreadable entries "
                   f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
+    capacity = usage["capacity"]
+    if capacity is not None and capacity["max_size"]:
+        share = capacity["file_bytes"] / capacity["max_size"]
+        console.print(
+            f"file: {capacity['file_bytes']:,} bytes of max_size {capacity['max_size']:,} bytes ({share:.0%})"
+        )
 
 
 @inspect_group.command("verify")

@@ -25,7 +25,14 @@ from bridge.sampling import sample_inputs
 from bridge.targets import Target, get_platform_target, make_target
 from cachestore.api import BATCH, Reader, batched
 from cachestore.entry import MAX_ENTRY_BYTES, Entry, SignaturePolicy
-from cachestore.inspect import InspectError, components_problem, decode_or_reason, key_problem, toolchain_problem
+from cachestore.inspect import (
+    InspectError,
+    binary_problem,
+    components_problem,
+    decode_or_reason,
+    key_problem,
+    toolchain_problem,
+)
 
 
 @dataclass
@@ -89,7 +96,11 @@ def verify_entries(
             problem = (
                 entry
                 if isinstance(entry, str)
-                else (toolchain_problem(raw, entry) or key_problem(raw.cache_key, entry, cache_key_of_stored))
+                else (
+                    binary_problem(entry)
+                    or toolchain_problem(raw, entry)
+                    or key_problem(raw.cache_key, entry, cache_key_of_stored)
+                )
             )
             if problem:
                 report.bad.append({"key": raw.cache_key, "reason": problem})

@@ -38,14 +38,17 @@ from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
 # no compiler could ever take them again: upgrading drops those three tables and keeps the fleet metrics.
-SCHEMA_VERSION = 2
-UPGRADABLE = {"1": ("entries", "digests", "leases")}
+# 3: entries record when they were last used (`used`, for trimming to max_size), and the file vacuums
+# incrementally. Version 2's entries are of entry schema 2, which no compiler of this build takes: dropped too.
+SCHEMA_VERSION = 3
+UPGRADABLE = {"1": ("entries", "digests", "leases"), "2": ("entries", "digests", "leases")}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS entries (
     toolchain TEXT NOT NULL, cache_key TEXT NOT NULL, data BLOB NOT NULL, digest TEXT NOT NULL,
-    expires REAL NOT NULL, PRIMARY KEY (toolchain, cache_key));
+    expires REAL NOT NULL, used REAL NOT NULL, PRIMARY KEY (toolchain, cache_key));
+CREATE INDEX IF NOT EXISTS entries_by_use ON entries (used);
 CREATE TABLE IF NOT EXISTS digests (
     toolchain TEXT NOT NULL, digest TEXT NOT NULL, cache_key TEXT NOT NULL, PRIMARY KEY (toolchain, digest));
 CREATE TABLE IF NOT EXISTS leases (
@@ -70,6 +73,11 @@ CREATE TABLE IF NOT EXISTS toolchain_totals (
 
 DEFAULT_WRITE_TIMEOUT = 2.0  # seconds a background write waits for the lock (settings: final_flush_timeout)
 TTL_REFRESH_FRACTION = 0.9  # refresh an entry's expiry on use once less than 90% of its TTL is left
+# An entry's last use is written when it is read this many seconds after the last one written: least recently
+# used within a minute, and reads of a warm pass stay reads.
+USE_GRANULARITY = 60.0
+TRIM_TO = 0.9  # past max_size, entries are deleted until the file would be 90% of it: not a trim per write
+ROW_OVERHEAD = 256  # bytes a row takes beyond its data (keys, index entries, page slack), for the trim's sums
 
 
 class SqliteBackend:
@@ -87,19 +95,23 @@ class SqliteBackend:
         toolchain: str | None = None,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        max_size: int | None = None,
     ) -> None:
         """`timeout`: seconds a compiling thread waits for SQLite's lock (a lease, a TTL refresh) and for a
         read. `write_timeout`: seconds the background writes (entries, lease releases, metrics) and admin
         writes wait for it: several processes of one machine take turns, and a write that waits a little
         longer delays no compile. `create=False` (reports, inspection): a missing file is an error, not a
         new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
-        this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge)."""
+        this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge).
+        `max_size`: bytes the file may hold; writes past it delete the least recently used entries and give
+        the space back to the file system (None: no cap)."""
         self.path = Path(path).expanduser()
         self.description = f"local:{self.path}"
         self.timeout = timeout
         self.write_timeout = max(timeout, write_timeout)
         self.toolchain = toolchain or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
+        self.max_size = max_size
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -127,6 +139,19 @@ class SqliteBackend:
                 if statement.strip():
                     db.execute(statement)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        self._vacuum_incrementally()
+
+    def _vacuum_incrementally(self) -> None:
+        """A file made before schema 3 never gives space back: switching it to incremental vacuum takes one
+        VACUUM (a rewrite of the file, once). Another process using the file makes it wait for a later open."""
+        db = self._db()
+        try:
+            if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+                db.execute("VACUUM")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise TierUnavailable(f"local tier {self.path}: {exc}") from None
 
     def _check_schema(self) -> None:
         rows = self._read("SELECT value FROM meta WHERE name = 'schema'")
@@ -165,6 +190,7 @@ class SqliteBackend:
         if db is None:
             try:
                 db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
             except sqlite3.Error as exc:
@@ -217,45 +243,51 @@ class SqliteBackend:
             chunk = list(cache_keys[start : start + 500])
             marks = ",".join("?" * len(chunk))
             rows = self._read(
-                f"SELECT cache_key, {self._SIZE_AND_DATA}, expires FROM entries WHERE toolchain = ? "
+                f"SELECT cache_key, {self._SIZE_AND_DATA}, expires, used FROM entries WHERE toolchain = ? "
                 f"AND cache_key IN ({marks}) AND expires > ?",
                 (self.max_entry_bytes, self.toolchain, *chunk, now),
             )
-            for key, size, data, expires in rows:
+            for key, size, data, expires, used in rows:
                 found[key] = self._value(size, data)
                 # An entry too large to read is not kept alive by being asked for; refreshing it would also cost
                 # SQLite rewriting its whole row, blob included.
-                if data is not None and expires < now + ttl * TTL_REFRESH_FRACTION:
+                if data is not None and (expires < now + ttl * TTL_REFRESH_FRACTION or used < now - USE_GRANULARITY):
                     stale.append(key)
         if stale:
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
             # TTL: reads by several processes stay reads. It waits no longer than a read, and when another
             # process holds the lock it is left to a later read: the entries were read all the same.
             with contextlib.suppress(TierBusy), self._write(self.timeout) as db:
-                db.executemany("UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
-                               [(now + ttl, self.toolchain, k) for k in stale])  # fmt: skip
+                db.executemany("UPDATE entries SET expires = ?, used = ? WHERE toolchain = ? AND cache_key = ?",
+                               [(now + ttl, now, self.toolchain, k) for k in stale])  # fmt: skip
         return found
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         now = time.time()
         with self._write() as db:
-            for request in requests:
-                row = db.execute(
-                    "SELECT d.cache_key FROM digests d JOIN entries e "
-                    "ON e.toolchain = d.toolchain AND e.cache_key = d.cache_key "
-                    "WHERE d.toolchain = ? AND d.digest = ? AND e.expires > ?",
-                    (self.toolchain, request.digest, now),
-                ).fetchone()
-                if row is not None and row[0] != request.cache_key:
-                    data = request.reference(row[0])
-                else:
-                    data = request.full
-                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
-                               (self.toolchain, request.digest, request.cache_key))  # fmt: skip
-                db.execute(
-                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
-                    (self.toolchain, request.cache_key, data, request.digest, now + ttl),
-                )
+            self._store(db, requests, ttl, now)
+            trimmed = self._trim(db)
+        if trimmed:
+            self._give_back_space()
+
+    def _store(self, db: sqlite3.Connection, requests: Sequence[StoreRequest], ttl: int, now: float) -> None:
+        for request in requests:
+            row = db.execute(
+                "SELECT d.cache_key FROM digests d JOIN entries e "
+                "ON e.toolchain = d.toolchain AND e.cache_key = d.cache_key "
+                "WHERE d.toolchain = ? AND d.digest = ? AND e.expires > ?",
+                (self.toolchain, request.digest, now),
+            ).fetchone()
+            if row is not None and row[0] != request.cache_key:
+                data = request.reference(row[0])
+            else:
+                data = request.full
+                db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
+                           (self.toolchain, request.digest, request.cache_key))  # fmt: skip
+            db.execute(
+                f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}",
+                (self.toolchain, request.cache_key, data, request.digest, now + ttl, now),
+            )
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
@@ -510,6 +542,7 @@ class SqliteBackend:
             db.execute("DELETE FROM digests WHERE (toolchain, cache_key) IN "
                        "(SELECT toolchain, cache_key FROM entries WHERE expires <= ?)", (now,))  # fmt: skip
             db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
+        self._give_back_space()
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
         if not items:
@@ -517,11 +550,14 @@ class SqliteBackend:
         now = time.time()
         with self._write() as db:
             for item in items:
-                db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
-                           (self.toolchain, item.cache_key, item.data, item.digest or "", now + item.ttl))  # fmt: skip
+                row = (self.toolchain, item.cache_key, item.data, item.digest or "", now + item.ttl, now)
+                db.execute(f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}", row)
                 if item.digest:
                     db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
                                (self.toolchain, item.digest, item.cache_key))  # fmt: skip
+            trimmed = self._trim(db)
+        if trimmed:
+            self._give_back_space()
 
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:
@@ -534,6 +570,57 @@ class SqliteBackend:
                                (self.toolchain, digest, key))  # fmt: skip
                 else:  # an unreadable entry: its digest is unknown (a scan, but such entries are rare)
                     db.execute("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
+        self._give_back_space()
+
+    # -- size -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _bytes_in_use(db: sqlite3.Connection) -> int:
+        """Bytes of the file's pages in use (its size once free pages are given back), from its header."""
+        pages = db.execute("PRAGMA page_count").fetchone()[0] - db.execute("PRAGMA freelist_count").fetchone()[0]
+        return pages * db.execute("PRAGMA page_size").fetchone()[0]
+
+    def _trim(self, db: sqlite3.Connection) -> bool:
+        """Within a write: past max_size, delete the least recently used entries (of every toolchain: the cap
+        is the file's) until about TRIM_TO of it would be left. True when it deleted any."""
+        if self.max_size is None:
+            return False
+        excess = self._bytes_in_use(db) - self.max_size
+        if excess <= 0:
+            return False
+        excess += int(self.max_size * (1 - TRIM_TO))
+        victims: list[tuple[str, str]] = []
+        while excess > 0:
+            rows = db.execute(
+                "SELECT toolchain, cache_key, length(data) FROM entries ORDER BY used, expires LIMIT 256 OFFSET ?",
+                (len(victims),),
+            ).fetchall()
+            if not rows:
+                break
+            for toolchain, key, size in rows:
+                victims.append((toolchain, key))
+                excess -= size + ROW_OVERHEAD
+                if excess <= 0:
+                    break
+        db.executemany("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", victims)
+        db.executemany("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", victims)
+        return bool(victims)
+
+    def _give_back_space(self) -> None:
+        """Free pages go back to the file system: incremental vacuum moves pages off the file's end and truncates
+        it, and a checkpoint writes that to the file itself (in WAL mode it lands there only then). Both are
+        left to a later write when another process holds the lock. (The vacuum is run through executescript:
+        stepped once by execute(), it frees one page.)"""
+        db = self._db()
+        with contextlib.suppress(sqlite3.OperationalError):
+            db.execute(f"PRAGMA busy_timeout = {int(1000 * self.write_timeout)}")
+            db.executescript("PRAGMA incremental_vacuum;")
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+    def capacity(self) -> dict[str, int | None]:
+        """The file's size on disk (its write-ahead log included) against max_size."""
+        size = sum(path.stat().st_size for path in (self.path, self.path.with_name(self.path.name + "-wal"))
+                   if path.is_file())  # fmt: skip
+        return {"file_bytes": size, "max_size": self.max_size}
 
     def close(self) -> None:
         with self._lock:
@@ -542,6 +629,9 @@ class SqliteBackend:
                     db.close()
             self._connections.clear()
         self._local = threading.local()
+
+
+_ENTRY_COLUMNS = "(toolchain, cache_key, data, digest, expires, used) VALUES (?, ?, ?, ?, ?, ?)"
 
 
 def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:

@@ -1,0 +1,54 @@
+"""Stored entries built by hand (schema 3: header, SHA-256 and HMAC of the payload, zstd payload), for tests
+that plant what encode_entry would never write."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgpack
+import zstandard
+
+from cachestore.entry import _BODY_FIELDS, MAGIC, SCHEMA_VERSION, Entry
+
+
+def compress(body: bytes) -> bytes:
+    return zstandard.ZstdCompressor(write_content_size=True).compress(body)
+
+
+def stored(
+    body: bytes | None = None,
+    *,
+    payload: bytes | None = None,
+    schema: int = SCHEMA_VERSION,
+    key: bytes | None = None,
+    signature: bytes | None = None,
+    digest: bytes | None = None,
+) -> bytes:
+    """An entry as encode_entry lays it out: `payload` as given, else `body` compressed; signed with `key`, or
+    carrying `signature` as is; its digest computed unless given."""
+    if payload is None:
+        payload = compress(body)
+    if key is not None:
+        signature = hmac.new(key, payload, hashlib.sha256).digest()
+    flags = 1 if signature is not None else 0
+    digest = hashlib.sha256(payload).digest() if digest is None else digest
+    return MAGIC + bytes((schema, flags)) + digest + (signature or b"") + payload
+
+
+def body_of(entry: Entry, **overrides: object) -> bytes:
+    """The entry's body (msgpack, uncompressed) with fields replaced; a name not in the schema adds a field."""
+    fields = {name: getattr(entry, name) for name in _BODY_FIELDS}
+    fields.update(overrides)
+    return msgpack.packb(list(fields.values()), use_bin_type=True)
+
+
+def payload_of(data: bytes) -> bytes:
+    """The payload of an encoded entry (what its digest and signature cover)."""
+    flags = data[len(MAGIC) + 1]
+    return data[len(MAGIC) + 2 + 32 + (32 if flags & 1 else 0) :]
+
+
+def signature_of(data: bytes) -> bytes | None:
+    start = len(MAGIC) + 2 + 32
+    return data[start : start + 32] if data[len(MAGIC) + 1] & 1 else None
