@@ -236,6 +236,9 @@ class Backend(Protocol):
 
     def release_lease(self, cache_key: str, owner: str) -> None: ...
 
+    def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
+        """release_lease for each (cache key, owner), in one round trip (per master on a cluster)."""
+
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         """Extend the lease by `ttl` from now if `owner` still holds it; True when it did."""
 

@@ -407,13 +407,16 @@ class TierClient:
 
     def _send(self, group: list) -> bool:
         head = group[0]
-        if isinstance(head, PendingStore):
-            requests = [request for request in map(self._prepare, group) if request is not None]
-            if not requests:
-                return True  # every one too large: warned and dropped
-            ok, _ = self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")
-        elif isinstance(head, LeaseRelease):
-            ok, _ = self._guarded(lambda b: b.release_lease(head.cache_key, head.owner), "lease release")
+        if isinstance(head, PendingStore | LeaseRelease):
+            # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
+            stores = [item for item in group if isinstance(item, PendingStore)]
+            requests = [request for request in map(self._prepare, stores) if request is not None]
+            ok = True
+            if requests:  # (none when every one was too large: warned and dropped)
+                ok, _ = self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")
+            releases = [(item.cache_key, item.owner) for item in group if isinstance(item, LeaseRelease)]
+            if ok and releases:
+                ok, _ = self._guarded(lambda b: b.release_leases(releases), "lease release")
         else:
             ok, applied = self._guarded(lambda b: b.apply_metrics(head), "metrics")
             if ok and applied:
@@ -462,12 +465,13 @@ class TierClient:
 
 
 def _leading_group(items: list) -> list:
-    """The first item, with the entries right after it when it is one (they go in one pipeline)."""
-    if not isinstance(items[0], PendingStore):
+    """The first item, with the entries and lease releases right after it when it is one of them: the
+    entries go in one pipeline and the releases in another, instead of a round trip for each release."""
+    if not isinstance(items[0], PendingStore | LeaseRelease):
         return items[:1]
     group = []
     for item in items:
-        if not isinstance(item, PendingStore) or len(group) == 256:
+        if not isinstance(item, PendingStore | LeaseRelease) or len(group) == 256:
             break
         group.append(item)
     return group

@@ -87,6 +87,10 @@ class FlakyBackend:
         self._gate("release_lease")
         self.inner.release_lease(cache_key, owner)
 
+    def release_leases(self, leases):
+        self._gate("release_lease")
+        self.inner.release_leases(leases)
+
     def lease_holder(self, cache_key):
         self._gate("lease_holder")
         return self.inner.lease_holder(cache_key)
@@ -324,6 +328,24 @@ def test_writes_keep_their_order_through_failures(backend) -> None:
     assert flaky.calls["store"] == 3
     assert backend.lease_holder("key-1") is None  # released only after the entry was stored
     assert client.lookup("key-1") == make_entry()
+    client.close()
+
+
+def test_a_run_of_entries_and_lease_releases_goes_in_two_round_trips(backend) -> None:
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=0.1)
+    keys = [f"key-{i}" for i in range(10)]
+    assert all(client.acquire_lease(key) for key in keys)
+    flaky.down = True  # the writes queue up behind an outage, as they do behind a slow round trip
+    for i, key in enumerate(keys):
+        client.publish(key, make_entry(shape=i + 1), release_lease=True)
+    assert wait_until(lambda: flaky.calls["store"] >= 1, timeout=5)
+    flaky.down = False
+    stores_before = flaky.calls["store"]
+    assert client.flush(timeout=10, through_outage=True)
+    assert flaky.calls["store"] - stores_before == 1 and flaky.calls["release_lease"] == 1  # not one per trace
+    assert all(backend.lease_holder(key) is None for key in keys)
+    assert all(client.lookup(key) == make_entry(shape=i + 1) for i, key in enumerate(keys))
     client.close()
 
 

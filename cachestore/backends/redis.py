@@ -471,6 +471,10 @@ class RedisBackend:
             self._within_op_timeout(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000)))
         )
 
+    def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
+        calls = [([self._lease(cache_key)], [owner]) for cache_key, owner in leases]
+        self._call(lambda: self._run_script(self._release_lease, calls, lambda pipe: None))
+
     def release_lease(self, cache_key: str, owner: str) -> None:
         self._call(lambda: self._release_lease(keys=[self._lease(cache_key)], args=[owner]))
 

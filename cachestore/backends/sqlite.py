@@ -300,9 +300,12 @@ class SqliteBackend:
             return cursor.rowcount == 1
 
     def release_lease(self, cache_key: str, owner: str) -> None:
+        self.release_leases([(cache_key, owner)])
+
+    def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         with self._write() as db:
-            db.execute("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
-                       (self.toolchain, cache_key, owner))  # fmt: skip
+            db.executemany("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
+                           [(self.toolchain, cache_key, owner) for cache_key, owner in leases])  # fmt: skip
 
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         now = time.time()
