@@ -27,9 +27,10 @@ def tier_options(command: Callable) -> Callable:
     """--tier and --tier-mode; both fall back to the settings (config file, NKICACHE_* environment)."""
     command = click.option(
         "--tier-mode",
-        type=click.Choice(["read-through", "mirror", "off"]),
+        type=click.Choice(["read-through", "mirror", "read-only", "off"]),
         default=None,
-        help="read-through: ask the tier before tracing (default); mirror: only write to it; off: ignore it.",
+        help="read-through: ask the tier before tracing (default); mirror: only write to it; read-only: only "
+        "read it (no entries, leases, TTL refreshes nor metrics written); off: ignore it.",
     )(command)
     return click.option(
         "--tier",
