@@ -321,6 +321,47 @@ def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env
         reader.close()
 
 
+def test_reader_compiles_read_only_with_no_tier_errors(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compile --tier-mode read-only` as nkicache-reader: hits from what the worker user stored, its own
+    misses traced, and not one command the ACL refuses (no store, lease, TTL refresh nor metrics batch)."""
+    graph = write_graph(tmp_path, mixed_graph("acl-ro"))
+    other = write_graph(tmp_path, mixed_graph("acl-ro-other", rows=96))  # shapes the worker never compiled
+    filled = compile_json(str(graph), "--out", str(tmp_path / "cold"))  # as the worker user
+    assert filled["traces"] == MIXED_DISTINCT_KEYS
+    worker, reader = user_client(acl_server, "nkicache-worker"), user_client(acl_server, "nkicache-reader")
+    entry_keys = list(reader.scan_iter(match=KEYS.entry_pattern(), count=1000))
+    for key in entry_keys:
+        worker.expire(key, 1000)  # a read-through hit would give them entry_ttl (30 days) again
+    passes_before = totals(reader)["passes"]
+
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    hits = compile_json(str(graph), "--out", str(tmp_path / "warm"), "--tier-mode", "read-only")
+    misses = compile_json(str(other), "--out", str(tmp_path / "other"), "--tier-mode", "read-only")
+    try:
+        for run in (hits, misses):
+            assert run["compiled"] == 1 and run["tier_mode"] == "read-only"
+            assert run["tier_errors"] == run["tier_timeouts"] == run["tier_rejected"] == run["tier_dropped"] == 0, run
+        assert (hits["remote_hits"], hits["traces"]) == (MIXED_DISTINCT_KEYS, 0)
+        assert misses["traces"] > 0 and misses["lease_waits"] == 0
+        assert (tmp_path / "warm" / "acl-ro.nkibb").read_bytes() == (tmp_path / "cold" / "acl-ro.nkibb").read_bytes()
+        run = subprocess.run(nkicache_argv("run", "--check", "--json", str(tmp_path / "warm"), str(tmp_path / "other")),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert json.loads(run.stdout)["ok"] is True, run.stderr
+        # Nothing written: the same entries with the TTLs they had, no pass counted, no lease.
+        assert sorted(reader.scan_iter(match=KEYS.entry_pattern(), count=1000)) == sorted(entry_keys)
+        assert all(0 < reader.ttl(key) <= 1000 for key in entry_keys)
+        assert totals(reader)["passes"] == passes_before
+        assert list(reader.scan_iter(match=KEYS.lease("*", "*"), count=1000)) == []
+    finally:
+        worker.close()
+        reader.close()
+
+
 def test_reader_runs_the_read_only_commands(acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch) -> None:
     compile_json(str(write_graph(tmp_path, mixed_graph("acl-report"))), "--out", str(tmp_path / "out"))
     (tmp_path / "reader").mkdir()
