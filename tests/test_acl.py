@@ -171,6 +171,23 @@ def nkicache_argv(*args: str) -> list[str]:
     return [str(script), *args] if script.exists() else [sys.executable, "-m", "workers.cli", *args]
 
 
+def test_worker_takes_renews_and_releases_a_lease(acl_server: int, worker_env: dict) -> None:
+    """The lease scripts run under the worker's ACL: renewal (PEXPIRE) included, which a trace longer than a
+    third of lease_ttl needs."""
+    from cachestore.backends.redis import RedisBackend
+    from cachestore.settings import load_settings
+
+    backend = RedisBackend.open(load_settings())
+    try:
+        assert backend.acquire_lease("acl-lease", "me", 6.0)
+        assert backend.renew_lease("acl-lease", "me", 60.0)
+        assert backend.lease_holder("acl-lease") == "me"
+        backend.release_lease("acl-lease", "me")
+        assert backend.lease_holder("acl-lease") is None
+    finally:
+        backend.close()
+
+
 def test_worker_runs_fleet_jobs(acl_server: int, worker_env: dict, tmp_path: Path) -> None:
     graphs = tmp_path / "graphs"
     graphs.mkdir()
@@ -360,6 +377,27 @@ def test_reader_compiles_read_only_with_no_tier_errors(
     finally:
         worker.close()
         reader.close()
+
+
+def test_reader_compiles_the_default_workload_read_only(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22's "done when": the default workload (`nkicache workload`'s defaults), filled by the worker user,
+    compiled by a read-only client as the reader: every lookup a hit, zero tier errors, the same artifacts."""
+    graphs = tmp_path / "graphs"
+    assert CliRunner().invoke(nkicache, ["workload", "--out", str(graphs)]).exit_code == 0
+    cold = compile_json(str(graphs), "--out", str(tmp_path / "cold"))
+    assert cold["compiled"] == cold["passes"] > 1 and cold["tier_errors"] == 0
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    warm = compile_json(str(graphs), "--out", str(tmp_path / "warm"), "--tier-mode", "read-only")
+    assert warm["tier_errors"] == warm["tier_timeouts"] == warm["tier_rejected"] == warm["tier_dropped"] == 0, warm
+    assert warm["compiled"] == cold["compiled"] and warm["traces"] == 0
+    assert warm["remote_hits"] == warm["tier_lookups"] == cold["tier_lookups"] > 0
+    for artifact in (tmp_path / "cold").glob("*.nkibb"):
+        assert (tmp_path / "warm" / artifact.name).read_bytes() == artifact.read_bytes(), artifact.name
 
 
 def test_reader_runs_the_read_only_commands(acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch) -> None:
