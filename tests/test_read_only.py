@@ -203,3 +203,13 @@ def test_a_read_only_client_finds_a_local_tier_made_after_it_started(tmp_path: P
     assert reader.counts()["tier_errors"] == 0
     reader.close(timeout=1)
     writer.close()
+
+
+@pytest.mark.parametrize("command", [["warm"], ["worker", "--max-jobs", "1"]])
+def test_commands_that_must_write_refuse_read_only(tmp_path: Path, command: list[str]) -> None:
+    tier = tmp_path / "tier.sqlite"
+    env = {"NKICACHE_TIER": f"local:{tier}", "NKICACHE_TIER_MODE": "read-only"}
+    result = CliRunner().invoke(nkicache, command, env=env)
+    assert result.exit_code == 2, result.output
+    assert "tier_mode is read-only" in result.output
+    assert not tier.exists()

@@ -54,6 +54,12 @@ def load_cli_settings(**flags: Any) -> Any:
     return load_settings(flags)
 
 
+def refuse_read_only(settings: Any, command: str, writes: str) -> None:
+    """A command that must write to the tier is refused under tier_mode read-only, instead of writing anyway."""
+    if settings.tier_mode == "read-only":
+        raise click.UsageError(f"`nkicache {command}` {writes}; tier_mode is read-only (a client that never writes)")
+
+
 def expand(paths: tuple[str, ...], suffix: str) -> list[str]:
     """Files in command-line order; a directory stands for its *suffix files, sorted by name."""
     files: list[str] = []
