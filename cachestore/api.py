@@ -220,8 +220,9 @@ class Backend(Protocol):
     description: str
     toolchain: str
 
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
-        """Encoded entries for the keys that have one (refreshing their TTL); references are not followed. An
+    def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
+        """Encoded entries for the keys that have one (refreshing their TTL to `ttl`; None: reading only, as a
+        read-only client does, which may not write); references are not followed. An
         entry over the backend's max_entry_bytes is not read: its TooLarge stands for it. On the compile path,
         so the call as a whole returns or raises TierTimeout within the operation timeout."""
 
@@ -322,10 +323,14 @@ class Reader(Protocol):
 
 
 # -- opening one ------------------------------------------------------------------------------------------
-def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> Backend | Reader:
+def open_backend(
+    settings: Settings, *, reading: bool = False, toolchain: str | None = None, writable: bool = True
+) -> Backend | Reader:
     """The backend the settings' tier URL names, in `toolchain`'s partition (default: this compiler's).
     `reading` opens it for reports and inspection: longer timeouts, and an embedded tier that does not exist
-    yet is an error instead of a new file."""
+    yet is an error instead of a new file. `writable=False` (a read-only client's compile path): an embedded
+    tier is opened read-only, neither created nor upgraded, and one that does not exist reads as empty; a
+    Redis tier is only sent reads by such a client anyway."""
     from cachestore.settings import SettingsError
 
     url = settings.tier
@@ -334,7 +339,8 @@ def open_backend(settings: Settings, *, reading: bool = False, toolchain: str | 
 
         timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
         # Background writes may wait for the lock as long as a closing client waits for them to land.
-        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading, toolchain=toolchain,
+        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading and writable,
+                             writable=writable, toolchain=toolchain,
                              write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
                              max_entry_bytes=settings.max_entry_bytes, max_size=settings.max_size)  # fmt: skip
     if url.startswith(REDIS_SCHEMES):

@@ -11,6 +11,10 @@ waits in the outbox during an outage is delivered when the tier returns; past `o
 items are dropped and counted. A metrics batch no tier would take (a NaN, a count that is not a number) is
 never queued, and one a tier refuses anyway (`BatchRefused`) is no failure of the tier: both are dropped
 and counted in tier_dropped, and the breaker stays closed.
+
+In `read-only` mode the client only reads, without refreshing TTLs: no entry, lease, lease release nor
+metrics batch is ever queued or sent, so credentials that cannot write (the `nkicache-reader` ACL user, a
+read-only file) cost no errors. It traces its misses without a lease, as a single-flight-off client does.
 """
 
 from __future__ import annotations
@@ -115,11 +119,20 @@ class TierClient:
 
     @property
     def reads(self) -> bool:
-        return self.mode == "read-through"
+        return self.mode in ("read-through", "read-only")
+
+    @property
+    def writes(self) -> bool:
+        return self.mode != "read-only"
 
     @property
     def single_flight(self) -> bool:
-        return self.settings.single_flight
+        return self.settings.single_flight and self.writes  # a lease is a write
+
+    @property
+    def _refresh_ttl(self) -> int | None:
+        """The TTL a read gives back to the entries it finds; None (a read-only client): left as they are."""
+        return self.settings.entry_ttl if self.writes else None
 
     def counts(self) -> dict[str, int]:
         return self.stats.snapshot()
@@ -183,7 +196,7 @@ class TierClient:
         over max_entry_bytes is not downloaded: the backend says its size, and it is rejected and counted."""
         if not cache_keys:
             return {}, set()
-        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self.settings.entry_ttl), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl), "lookup")
         if not ok:
             return {}, set()
         entries = {}
@@ -196,7 +209,7 @@ class TierClient:
         return entries, set(found)
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
-        ok, found = self._guarded(lambda b: b.fetch([entry.ref], self.settings.entry_ttl), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
         if not ok or entry.ref not in found:
             return None
         holder = self._decode(entry.ref, found[entry.ref])
@@ -222,7 +235,10 @@ class TierClient:
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:
-        """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say)."""
+        """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say; a
+        read-only client takes none)."""
+        if not self.writes:
+            return True
         ok, acquired = self._guarded(lambda b: b.acquire_lease(cache_key, self.owner, self.settings.lease_ttl), "lease")
         if ok and acquired:
             self._leases.hold(cache_key)  # renewed while this process traces, left to lapse if it dies
@@ -298,6 +314,8 @@ class TierClient:
         """The port's write: the entry for a kernel the loop traced, produced by this host and worker. The
         compiling thread only copies what the entry needs and queues it: the Entry (the binary's SHA-256) and
         its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
+        if not self.writes:
+            return
         build = partial(
             Entry,
             binary=result["binary"],
@@ -325,6 +343,8 @@ class TierClient:
         """Queue a metrics batch, unless no tier would take it (a NaN, a count that is not a number): that one
         is dropped here with one warning, and counted in tier_dropped (a write that never reaches the tier,
         like the outbox's own drops). Queued, it would only be refused by the tier."""
+        if not self.writes:
+            return
         problem = batch_problem(batch)
         if problem is not None:
             self.stats.add("tier_dropped")
@@ -337,6 +357,8 @@ class TierClient:
         self.record(metrics_batch(record, self.settings.host, self.settings.worker))
 
     def _enqueue(self, item: object) -> None:
+        if not self.writes:
+            return  # a read-only client's publish and lease release: nothing to send, nothing dropped
         with self._outbox_lock:
             if len(self._outbox) >= self.settings.outbox_limit:
                 self._outbox.popleft()
@@ -506,4 +528,5 @@ def open_tier(settings: Settings) -> TierClient | None:
         return None
     if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
-    return TierClient(partial(open_backend, settings), settings, redact_url(settings.tier))
+    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only")
+    return TierClient(backend, settings, redact_url(settings.tier))

@@ -21,7 +21,9 @@ from bridge.limits import Limits
 from cachestore.api import redact_url, tier_url_problem
 from cachestore.keys import DEFAULT_METRICS_SHARDS, MAX_METRICS_SHARDS
 
-TIER_MODES = ("read-through", "mirror", "off")
+# read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
+# never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
+TIER_MODES = ("read-through", "mirror", "read-only", "off")
 DAY = 24 * 3600
 
 
@@ -37,7 +39,7 @@ def default_tier_url() -> str:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     tier: str = dataclasses.field(default_factory=default_tier_url)  # URL, local:PATH or off
-    tier_mode: str = "read-through"  # read-through | mirror | off
+    tier_mode: str = "read-through"  # read-through | mirror | read-only | off
     namespace: str = "nkicache"  # prefix of every Redis key
     connect_timeout: float = 0.5  # seconds to open a connection to the tier
     op_timeout: float = 1.0  # seconds for one tier operation

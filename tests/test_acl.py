@@ -171,6 +171,23 @@ def nkicache_argv(*args: str) -> list[str]:
     return [str(script), *args] if script.exists() else [sys.executable, "-m", "workers.cli", *args]
 
 
+def test_worker_takes_renews_and_releases_a_lease(acl_server: int, worker_env: dict) -> None:
+    """The lease scripts run under the worker's ACL: renewal (PEXPIRE) included, which a trace longer than a
+    third of lease_ttl needs."""
+    from cachestore.backends.redis import RedisBackend
+    from cachestore.settings import load_settings
+
+    backend = RedisBackend.open(load_settings())
+    try:
+        assert backend.acquire_lease("acl-lease", "me", 6.0)
+        assert backend.renew_lease("acl-lease", "me", 60.0)
+        assert backend.lease_holder("acl-lease") == "me"
+        backend.release_lease("acl-lease", "me")
+        assert backend.lease_holder("acl-lease") is None
+    finally:
+        backend.close()
+
+
 def test_worker_runs_fleet_jobs(acl_server: int, worker_env: dict, tmp_path: Path) -> None:
     graphs = tmp_path / "graphs"
     graphs.mkdir()
@@ -319,6 +336,68 @@ def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env
         assert totals(reader)["passes"] == 1
     finally:
         reader.close()
+
+
+def test_reader_compiles_read_only_with_no_tier_errors(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compile --tier-mode read-only` as nkicache-reader: hits from what the worker user stored, its own
+    misses traced, and not one command the ACL refuses (no store, lease, TTL refresh nor metrics batch)."""
+    graph = write_graph(tmp_path, mixed_graph("acl-ro"))
+    other = write_graph(tmp_path, mixed_graph("acl-ro-other", rows=96))  # shapes the worker never compiled
+    filled = compile_json(str(graph), "--out", str(tmp_path / "cold"))  # as the worker user
+    assert filled["traces"] == MIXED_DISTINCT_KEYS
+    worker, reader = user_client(acl_server, "nkicache-worker"), user_client(acl_server, "nkicache-reader")
+    entry_keys = list(reader.scan_iter(match=KEYS.entry_pattern(), count=1000))
+    for key in entry_keys:
+        worker.expire(key, 1000)  # a read-through hit would give them entry_ttl (30 days) again
+    passes_before = totals(reader)["passes"]
+
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    hits = compile_json(str(graph), "--out", str(tmp_path / "warm"), "--tier-mode", "read-only")
+    misses = compile_json(str(other), "--out", str(tmp_path / "other"), "--tier-mode", "read-only")
+    try:
+        for run in (hits, misses):
+            assert run["compiled"] == 1 and run["tier_mode"] == "read-only"
+            assert run["tier_errors"] == run["tier_timeouts"] == run["tier_rejected"] == run["tier_dropped"] == 0, run
+        assert (hits["remote_hits"], hits["traces"]) == (MIXED_DISTINCT_KEYS, 0)
+        assert misses["traces"] > 0 and misses["lease_waits"] == 0
+        assert (tmp_path / "warm" / "acl-ro.nkibb").read_bytes() == (tmp_path / "cold" / "acl-ro.nkibb").read_bytes()
+        run = subprocess.run(nkicache_argv("run", "--check", "--json", str(tmp_path / "warm"), str(tmp_path / "other")),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert json.loads(run.stdout)["ok"] is True, run.stderr
+        # Nothing written: the same entries with the TTLs they had, no pass counted, no lease.
+        assert sorted(reader.scan_iter(match=KEYS.entry_pattern(), count=1000)) == sorted(entry_keys)
+        assert all(0 < reader.ttl(key) <= 1000 for key in entry_keys)
+        assert totals(reader)["passes"] == passes_before
+        assert list(reader.scan_iter(match=KEYS.lease("*", "*"), count=1000)) == []
+    finally:
+        worker.close()
+        reader.close()
+
+
+def test_reader_compiles_the_default_workload_read_only(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22's "done when": the default workload (`nkicache workload`'s defaults), filled by the worker user,
+    compiled by a read-only client as the reader: every lookup a hit, zero tier errors, the same artifacts."""
+    graphs = tmp_path / "graphs"
+    assert CliRunner().invoke(nkicache, ["workload", "--out", str(graphs)]).exit_code == 0
+    cold = compile_json(str(graphs), "--out", str(tmp_path / "cold"))
+    assert cold["compiled"] == cold["passes"] > 1 and cold["tier_errors"] == 0
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    warm = compile_json(str(graphs), "--out", str(tmp_path / "warm"), "--tier-mode", "read-only")
+    assert warm["tier_errors"] == warm["tier_timeouts"] == warm["tier_rejected"] == warm["tier_dropped"] == 0, warm
+    assert warm["compiled"] == cold["compiled"] and warm["traces"] == 0
+    assert warm["remote_hits"] == warm["tier_lookups"] == cold["tier_lookups"] > 0
+    for artifact in (tmp_path / "cold").glob("*.nkibb"):
+        assert (tmp_path / "warm" / artifact.name).read_bytes() == artifact.read_bytes(), artifact.name
 
 
 def test_reader_runs_the_read_only_commands(acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch) -> None:

@@ -63,6 +63,20 @@ def test_each_setting_shows_its_value_and_source(tmp_path: Path) -> None:
     assert lines["redis_password"] == ["********", "$NKICACHE_REDIS_PASSWORD_FILE"]
 
 
+def test_read_only_is_a_tier_mode_from_every_source(tmp_path: Path) -> None:
+    config_file = tmp_path / "reader.toml"
+    config_file.write_text('tier_mode = "read-only"\n')
+    for args, env, source in (
+        (["--tier-mode", "read-only"], {}, "command line"),
+        ([], {"NKICACHE_TIER_MODE": "read-only"}, "$NKICACHE_TIER_MODE"),
+        ([], {"NKICACHE_CONFIG": str(config_file)}, str(config_file)),
+    ):
+        shown = json.loads(config("--json", *args, env=env).stdout)["settings"]
+        assert shown["tier_mode"] == {"value": "read-only", "source": source}
+    lines = {line.split()[0]: line.split()[1:] for line in config("--tier-mode", "read-only").stdout.splitlines()[1:]}
+    assert lines["tier_mode"] == ["read-only", "command", "line"]
+
+
 def test_the_config_file_is_found_where_the_readme_says(tmp_path: Path) -> None:
     assert json.loads(config("--json").stdout)["config_file"] is None
     assert "config file: none (looked for nkicache.toml, " in config().stdout

@@ -27,9 +27,10 @@ def tier_options(command: Callable) -> Callable:
     """--tier and --tier-mode; both fall back to the settings (config file, NKICACHE_* environment)."""
     command = click.option(
         "--tier-mode",
-        type=click.Choice(["read-through", "mirror", "off"]),
+        type=click.Choice(["read-through", "mirror", "read-only", "off"]),
         default=None,
-        help="read-through: ask the tier before tracing (default); mirror: only write to it; off: ignore it.",
+        help="read-through: ask the tier before tracing (default); mirror: only write to it; read-only: only "
+        "read it (no entries, leases, TTL refreshes nor metrics written); off: ignore it.",
     )(command)
     return click.option(
         "--tier",
@@ -51,6 +52,12 @@ def load_cli_settings(**flags: Any) -> Any:
     from cachestore.settings import load_settings
 
     return load_settings(flags)
+
+
+def refuse_read_only(settings: Any, command: str, writes: str) -> None:
+    """A command that must write to the tier is refused under tier_mode read-only, instead of writing anyway."""
+    if settings.tier_mode == "read-only":
+        raise click.UsageError(f"`nkicache {command}` {writes}; tier_mode is read-only (a client that never writes)")
 
 
 def expand(paths: tuple[str, ...], suffix: str) -> list[str]:

@@ -16,6 +16,7 @@ from workers.cli_common import (
     echo_json,
     expand,
     load_cli_settings,
+    refuse_read_only,
     tier_options,
 )
 
@@ -175,6 +176,8 @@ def worker_command(ctx, tier, tier_mode, name, concurrency, max_jobs, out_dir, a
         base.encode("utf-8")  # bytes that are not UTF-8 arrive escaped; Redis could not be sent them
     except UnicodeEncodeError:
         raise click.BadParameter("the worker's name is not UTF-8 text", param_hint="--name") from None
+    refuse_read_only(load_cli_settings(tier=tier, tier_mode=tier_mode), "worker", "acknowledges jobs and stores "
+                     "their results and entries")  # fmt: skip
     if concurrency == 1:
         _print_done([(base, _run_worker(tier, tier_mode, base, max_jobs, out_dir, log_level))], as_json)
         return

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from cachestore.api import REDIS_SCHEMES
-from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings
+from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings, refuse_read_only
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -68,6 +68,7 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     from workers.warm import default_source, pick_variants, warm
 
     settings = load_cli_settings(tier=tier)
+    refuse_read_only(settings, "warm", "stores the entries it traces")
     if settings.tier == "off":
         raise click.UsageError("--tier off has nothing to warm; name a tier")
     reader = open_backend(settings, reading=True)

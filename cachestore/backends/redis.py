@@ -370,7 +370,10 @@ class RedisBackend:
             yield item
 
     # -- entries ----------------------------------------------------------------------------------
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
+    def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
+        """With `ttl` None (a read-only client) only reading commands are sent (PTTL, GETRANGE, STRLEN), which
+        the nkicache-reader ACL user may run; otherwise each entry found has its TTL refreshed (EXPIRE)."""
+
         def read() -> dict[str, bytes | TooLarge]:
             values = self._read_entries([self._entry(key) for key in cache_keys], refresh_ttl=ttl)
             return {key: value for key, (value, _) in zip(cache_keys, values, strict=True) if value is not None}

@@ -96,6 +96,7 @@ class SqliteBackend:
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
         max_size: int | None = None,
+        writable: bool = True,
     ) -> None:
         """`timeout`: seconds a compiling thread waits for SQLite's lock (a lease, a TTL refresh) and for a
         read. `write_timeout`: seconds the background writes (entries, lease releases, metrics) and admin
@@ -104,7 +105,9 @@ class SqliteBackend:
         new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
         this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge).
         `max_size`: bytes the file may hold; writes past it delete the least recently used entries and give
-        the space back to the file system (None: no cap)."""
+        the space back to the file system (None: no cap). `writable=False` (a read-only client): the file is
+        opened read-only (SQLite may still add its -wal and -shm files beside it), never created, upgraded or
+        refreshed, and a missing file is an empty tier."""
         self.path = Path(path).expanduser()
         self.description = f"local:{self.path}"
         self.timeout = timeout
@@ -115,10 +118,14 @@ class SqliteBackend:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        if create:
+        self.writable = writable
+        self.read_only = not writable  # put_entries and delete_entries fail: the connections cannot write
+        if create and writable:
             self._create()
         elif not self.path.is_file():
-            raise TierUnavailable(f"no local tier at {self.path}")
+            if writable:
+                raise TierUnavailable(f"no local tier at {self.path}")
+            # Read-only: nothing to read yet. A writer may make the file later; fetch looks for it each time.
         else:
             self._check_schema()  # another SQLite file, or not one at all: say so now
 
@@ -189,10 +196,15 @@ class SqliteBackend:
         db = getattr(self._local, "db", None)
         if db is None:
             try:
-                db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
-                db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
+                if self.writable:
+                    db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
+                                         check_same_thread=False)  # fmt: skip
+                    db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
+                    db.execute("PRAGMA journal_mode=WAL")
+                    db.execute("PRAGMA synchronous=NORMAL")
+                else:  # mode=ro: SQLite itself refuses every write, whatever a caller asks
+                    db = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=ro", timeout=self.timeout,
+                                         isolation_level=None, check_same_thread=False, uri=True)  # fmt: skip
             except sqlite3.Error as exc:
                 raise TierUnavailable(f"local tier {self.path}: {exc}") from None
             self._local.db = db
@@ -235,7 +247,9 @@ class SqliteBackend:
     def _value(self, size: int, data: bytes | None) -> bytes | TooLarge:
         return TooLarge(size, self.max_entry_bytes) if data is None else bytes(data)
 
-    def fetch(self, cache_keys: Sequence[str], ttl: int) -> dict[str, bytes | TooLarge]:
+    def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
+        if not self.writable and not self.path.is_file():
+            return {}  # a read-only client's tier that no writer has made yet: empty, and not created
         now = time.time()
         found: dict[str, bytes | TooLarge] = {}
         stale: list[str] = []
@@ -249,9 +263,11 @@ class SqliteBackend:
             )
             for key, size, data, expires, used in rows:
                 found[key] = self._value(size, data)
-                # An entry too large to read is not kept alive by being asked for; refreshing it would also cost
-                # SQLite rewriting its whole row, blob included.
-                if data is not None and (expires < now + ttl * TTL_REFRESH_FRACTION or used < now - USE_GRANULARITY):
+                # A read-only client (ttl None) refreshes nothing. An entry too large to read is not kept alive by
+                # being asked for; refreshing it would also cost SQLite rewriting its whole row, blob included.
+                if ttl is None or data is None:
+                    continue
+                if expires < now + ttl * TTL_REFRESH_FRACTION or used < now - USE_GRANULARITY:
                     stale.append(key)
         if stale:
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
