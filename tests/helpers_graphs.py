@@ -153,6 +153,21 @@ def summed_metrics_hash(client: Any, keys: Any, name_of: Any) -> dict[str, float
     return summed
 
 
+def local_or_fake_backend(kind: str, tmp_path: Path) -> Any:
+    """A fresh backend: the embedded SQLite tier ("local") in `tmp_path`, or Redis on a fakeredis of its own."""
+    import uuid
+
+    import fakeredis
+
+    from cachestore.backends.redis import RedisBackend
+    from cachestore.backends.sqlite import SqliteBackend
+    from cachestore.keys import KeySpace
+
+    if kind == "local":
+        return SqliteBackend(tmp_path / "tier.sqlite")
+    return RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"t{uuid.uuid4().hex}"))
+
+
 class TierView:
     """Reads (and for fault injection, writes) a backend's storage directly, the same way for every backend."""
 

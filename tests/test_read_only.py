@@ -15,7 +15,7 @@ from typing import Any
 import fakeredis
 import pytest
 from click.testing import CliRunner
-from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph, write_graph
+from helpers_graphs import MIXED_DISTINCT_KEYS, local_or_fake_backend, mixed_graph, write_graph
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
@@ -58,10 +58,7 @@ class RecordingBackend:
 
 @pytest.fixture(params=["local", "fakeredis"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    if request.param == "local":
-        tier = SqliteBackend(tmp_path / "tier.sqlite")
-    else:
-        tier = RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"t{uuid.uuid4().hex}"))
+    tier = local_or_fake_backend(request.param, tmp_path)
     yield tier
     tier.close()
 

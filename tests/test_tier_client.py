@@ -7,14 +7,12 @@ import collections
 import hashlib
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import fakeredis
 import pytest
 from helpers_entries import payload_of
-from helpers_graphs import TierView, wait_until
+from helpers_graphs import TierView, local_or_fake_backend, wait_until
 
 from bridge.port import PassRecord
 from cachestore.api import KeyUsage, MetricsBatch, TierTimeout, TierUnavailable, batch_problem
@@ -22,7 +20,6 @@ from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
 from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
-from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 
 KEY = b"fleet-key-0123456789abcdef"
@@ -32,10 +29,7 @@ BINARY = b"\x00BIR" + bytes(range(200)) + b"MARKER-IN-THE-BINARY" + bytes(50)
 
 @pytest.fixture(params=["local", "fakeredis"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqliteBackend | RedisBackend]:
-    if request.param == "local":
-        tier = SqliteBackend(tmp_path / "tier.sqlite")
-    else:
-        tier = RedisBackend(fakeredis.FakeRedis(server=fakeredis.FakeServer()), KeySpace(f"t{uuid.uuid4().hex}"))
+    tier = local_or_fake_backend(request.param, tmp_path)
     yield tier
     tier.close()
 
