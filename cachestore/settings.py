@@ -25,6 +25,11 @@ from cachestore.keys import DEFAULT_METRICS_SHARDS, MAX_METRICS_SHARDS
 # never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
 TIER_MODES = ("read-through", "mirror", "read-only", "off")
 DAY = 24 * 3600
+MAX_SECONDS = 10 * 365 * DAY
+SECONDS_SETTINGS = (
+    "connect_timeout", "op_timeout", "entry_ttl", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
+    "final_flush_timeout", "job_claim_idle", "heartbeat_interval", "job_timeout", "job_ttl", "wait_timeout",
+)  # fmt: skip
 
 
 class SettingsError(NkiCacheError):
@@ -194,9 +199,12 @@ def _hmac_key(environ: Mapping[str, str], name: str) -> bytes | None:
     if data is None:
         return None
     try:
-        return data.decode("utf-8").strip().encode()
+        key = data.decode("utf-8").strip().encode()
     except UnicodeDecodeError:
-        return data
+        key = data
+    if not key:  # an empty key would sign every entry with a secret anyone knows
+        raise SettingsError(f"${name}_FILE: {environ[name + '_FILE']} holds no key (it is empty or only whitespace)")
+    return key
 
 
 def _secret(environ: Mapping[str, str], name: str) -> str | None:
@@ -243,7 +251,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return lowered in ("1", "true", "yes", "on")
         coerced = kind(value)
     except (TypeError, ValueError):
-        raise SettingsError(f"{source}: {name} must be a {kind.__name__}, got {value!r}") from None
+        what = {int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
+        raise SettingsError(f"{source}: {name} must be {what}, got {value!r}") from None
     if isinstance(coerced, str) and not coerced.startswith("local:"):  # a local path may be any bytes
         try:
             # Bytes that are not UTF-8 reach Python escaped (in the environment and on the command line alike):
@@ -276,6 +285,9 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     ):  # fmt: skip
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")
+    for name in SECONDS_SETTINGS:
+        if getattr(settings, name) > MAX_SECONDS:  # Redis refuses such an expiry: every write would fail
+            fail(name, f"must be at most {MAX_SECONDS} seconds (10 years), got {getattr(settings, name)}")
     if not 1 <= settings.metrics_shards <= MAX_METRICS_SHARDS:
         fail("metrics_shards", f"must be from 1 to {MAX_METRICS_SHARDS}, got {settings.metrics_shards}")
     if settings.final_flush_timeout < 0:

@@ -221,3 +221,32 @@ def test_good_tier_urls_pass(url: str) -> None:
 def test_numbers_that_are_not_finite_are_refused(name: str, value: str) -> None:
     with pytest.raises(SettingsError, match=f"{name} must be"):
         load_settings({name: value}, environ={})
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n"])
+def test_an_hmac_key_file_without_a_key_is_refused(tmp_path: Path, content: bytes) -> None:
+    key_file = tmp_path / "hmac.key"
+    key_file.write_bytes(content)
+    with pytest.raises(SettingsError, match=r"\$NKICACHE_HMAC_KEY_FILE: .*hmac.key holds no key"):
+        load_settings(environ={"NKICACHE_HMAC_KEY_FILE": str(key_file)})
+
+
+def test_an_hmac_key_file_is_read_as_text_or_raw_bytes(tmp_path: Path) -> None:
+    (tmp_path / "text").write_bytes(b"secret\n")
+    (tmp_path / "binary").write_bytes(b"\xff\x00\x10")
+    assert load_settings(environ={"NKICACHE_HMAC_KEY_FILE": str(tmp_path / "text")}).hmac_key == b"secret"
+    assert load_settings(environ={"NKICACHE_HMAC_KEY_FILE": str(tmp_path / "binary")}).hmac_key == b"\xff\x00\x10"
+
+
+@pytest.mark.parametrize("name", ["NKICACHE_ENTRY_TTL", "NKICACHE_LEASE_TTL", "NKICACHE_JOB_TTL"])
+def test_a_time_beyond_ten_years_is_refused(name: str) -> None:
+    with pytest.raises(SettingsError, match=r"must be at most 315360000 seconds"):
+        load_settings(environ={name: "1e23" if name == "NKICACHE_LEASE_TTL" else "100000000000"})
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"), [("NKICACHE_ENTRY_TTL", "a whole number"), ("NKICACHE_OP_TIMEOUT", "a number")]
+)
+def test_a_setting_that_is_no_number_says_what_it_must_be(value: str, kind: str) -> None:
+    with pytest.raises(SettingsError, match=f"must be {kind}, got 'soon'"):
+        load_settings(environ={value: "soon"})
