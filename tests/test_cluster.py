@@ -101,10 +101,15 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
                    m.toolchain_metrics("0" * 16)]  # fmt: skip
         assert len({slot(key) for key in metrics}) == 1
     assert len({slot(k.metrics_shard(i).totals) for i in range(64)}) == 64
-    # Every toolchain's job stream too: the complete and fail scripts touch a stream with the shared keys.
-    jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_result("b1-00000"),
-            k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1")]  # fmt: skip
-    assert len({slot(key) for key in jobs}) == 1
+    # Every key of one job shard, every toolchain's stream in it too: one complete, fail or requeue script's keys.
+    for j in (k.job_shard(0), k.job_shard(11)):
+        jobs = [j.stream(TC), j.stream("b" * 16), j.dead_letters, j.result("b1-00000"), j.failures, j.counts]
+        assert len({slot(key) for key in jobs}) == 1
+    # Shard 0 is the slot of the queue before sharding, with its shared keys; the shards have a slot each.
+    assert {slot(k.job_shard(0).counts)} == {
+        slot(key) for key in (k.job_toolchains, k.worker_heartbeats, k.job_batch("b"))
+    }
+    assert len({slot(k.job_shard(i).counts) for i in range(16)}) == 16
     # Artifacts (up to megabytes each) go where their job id hashes, not onto the jobs slot.
     assert len({slot(k.job_artifact(f"b1-{i:05d}")) for i in range(50)}) > 40
     # Entries spread over the masters by cache key; the metrics and jobs slots are whatever their tags hash to.
@@ -251,8 +256,9 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
 
 
 def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: str, tmp_path: Path) -> None:
-    """After compiles and a fleet job, every key of the namespace is an entry, a digest index, a lease or one
-    of the two tagged families; the jobs sit on one master, the metrics shards on several."""
+    """After compiles and fleet jobs, every key of the namespace is an entry, a digest index, a lease or one
+    of the two tagged families; the job shards (and the jobs' results) and the metrics shards each spread over
+    several masters."""
     namespace = unique_namespace()
     keys = KeySpace(namespace)
     settings = Settings(tier=redis_cluster, namespace=namespace, host="layout-host", heartbeat_interval=0.5)
@@ -261,8 +267,10 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
 
     client = fleet.fleet_client(settings)
     try:
-        fleet.submit(client, keys, [str(graph)], settings.entry_ttl)
-        assert fleet.Worker(settings, "layout-worker", max_jobs=1).run() == 1
+        # 8 jobs over 16 shards: all on one of 3 masters has a chance of 3 in 3**8 for a random namespace.
+        jobs = fleet.submit(client, keys, [str(graph)] * 8, settings.entry_ttl).job_ids
+        assert fleet.Worker(settings, "layout-worker", max_jobs=8).run() == 8
+        assert len(fleet.results_of(client, keys, jobs)) == 8
         by_family: dict[str, set[int]] = {}
         for node in client.get_primaries():
             direct = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
@@ -273,9 +281,9 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
                     by_family.setdefault(family, set()).add(node.port)
             finally:
                 direct.close()
-        assert set(by_family) == {"entry", "digest", "metrics", "jobs", "artifact"}, by_family
-        # The jobs share one slot; the metrics are sharded, so even one job's pass spreads over the masters.
-        assert len(by_family["jobs"]) == 1 and len(by_family["metrics"]) > 1
+        assert set(by_family) == {"entry", "digest", "metrics", "jobs", "job-result", "artifact"}, by_family
+        # The queue and the metrics are sharded: the streams, the results and even one pass spread over masters.
+        assert len(by_family["jobs"]) > 1 and len(by_family["job-result"]) > 1 and len(by_family["metrics"]) > 1
     finally:
         delete_namespace(client, namespace)
         client.close()
@@ -289,8 +297,8 @@ def key_family(key: str, keys: KeySpace) -> str:
             return family
     if key == keys.metrics_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:metrics(:\d+)?\}}:", key):
         return "metrics"
-    if key.startswith(keys.jobs_tag + ":"):
-        return "jobs"
+    if key == keys.job_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:jobs(:\d+)?\}}:", key):
+        return "job-result" if ":result:" in key else "jobs"
     if re.fullmatch(rf"{re.escape(keys.prefix)}:artifact:\{{[^{{}}]+\}}", key):
         return "artifact"
     raise AssertionError(f"{key} is not in the documented key layout (docs/tiers.md)")
