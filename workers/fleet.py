@@ -1,12 +1,12 @@
 """The fleet: compile jobs on a Redis Stream, read by workers on many machines through a consumer group.
 
     submit   XADD one job per graph (the graph's JSON travels in the job, so workers need no shared disk)
-             onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`)
-    worker   XREADGROUP on its own toolchain's stream, compile in a child process (workers/job_process.py),
-             then store the artifact (under its own hash tag) and one Lua script records the result, XACKs
-             and XDELs the job (a finished job leaves the stream); a worker takes over the jobs of a worker
-             whose heartbeat is older than two intervals (XCLAIM), and XAUTOCLAIM, after `job_claim_idle`,
-             of any worker that went quiet
+             onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`) in the job's shard
+    worker   XREADGROUP on its own toolchain's streams, one job from one shard at a time, compile in a child
+             process (workers/job_process.py), then store the artifact (under its own hash tag) and one Lua
+             script records the result, XACKs and XDELs the job (a finished job leaves the stream); a worker
+             takes over the jobs of a worker whose heartbeat is older than two intervals (XCLAIM), and
+             XAUTOCLAIM, after `job_claim_idle`, of any worker that went quiet
     failure  any failure of a job (an exception, a limit exceeded, its compiling process killed) is the job's:
              it is re-queued with its attempt count; after `job_max_attempts` it goes to the dead-letter
              stream with its error; a message that is no job at all goes there at once, under its message id
@@ -20,6 +20,11 @@ submitted waits for a worker of that compiler (`nkicache queue` names toolchains
 live worker) instead of being compiled by the wrong one. A job whose own JSON names another toolchain than
 the worker's (only a hand-written job can) fails with an error naming both and is never compiled. Results,
 counts, failures and dead letters stay shared.
+
+Sharding (cachestore.keys.JobKeys): the queue is split over J shards (`job_shards`, fixed per namespace), each
+in its own hash slot, so a cluster spreads it over its masters. A job goes to shard crc32(job id) mod J and
+everything recorded about it (result, failures, counts, dead letter) goes to the shard it was read from, so
+each script touches one slot. Shard 0 is the queue's slot from before sharding: its jobs still drain.
 
 Artifacts live in the tier (`NS:vV:artifact:{JOB}`, tagged by their job id so that they spread over a cluster,
 expiring after `job_ttl`); `nkicache submit --wait --out
