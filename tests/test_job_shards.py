@@ -5,6 +5,7 @@ a worker takes one job at a time from all of them, each job is done once, and a 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,25 @@ def test_a_queue_from_before_sharding_drains_and_its_jobs_are_found(private_redi
     status = fleet_module.queue_status(client, keys, 0.2)
     assert (status["completed"], status["pending"], status["in_flight"]) == (3, 0, 0)
     assert client.xlen(old_stream) == 0
+
+
+def test_a_worker_looks_at_the_shards_pending_jobs_only_while_a_worker_may_have_died() -> None:
+    """The takeover look costs one XPENDING per shard: it runs first (this name's jobs from before a restart),
+    then only while a heartbeat is stale or gone for less than job_claim_idle (older ones XAUTOCLAIM covers)."""
+    client, keys = fakeredis.FakeRedis(), KeySpace(f"js{uuid.uuid4().hex[:8]}")
+    worker = reading_worker(client, keys, 4)  # heartbeat_interval 2 s: dead after 4 s; job_claim_idle 60 s
+    now = time.time()
+
+    def beat(name: str, age: float) -> None:
+        client.hset(keys.worker_heartbeats, name, json.dumps({"time": now - age}))
+
+    beat("alive", 0)
+    assert worker._takeover_due() is True and worker._takeover_due() is False
+    beat("long-dead", 3600)
+    assert worker._takeover_due() is False
+    beat("just-died", 10)
+    assert worker._takeover_due() is True
+    client.hdel(keys.worker_heartbeats, "just-died")
+    assert worker._takeover_due() is True  # its heartbeat is gone, and its job may not be idle long enough yet
+    worker._vanished = {name: gone - 3600 for name, gone in worker._vanished.items()}
+    assert worker._takeover_due() is False

@@ -426,6 +426,9 @@ class Worker:
         self.queue_errors = 0  # failed operations on the job queue (the worker waits and retries)
         self._last_claim = 0.0
         self._last_takeover_look = 0.0
+        self._looked = False  # whether a takeover look ran: the first one looks for this name's own old jobs
+        self._seen_beats: set[str] = set()
+        self._vanished: dict[str, float] = {}  # heartbeats gone since an earlier look -> when first seen gone
         self._beats_stop = threading.Event()
 
     @property
@@ -485,7 +488,7 @@ class Worker:
         one. Never more than one at a time, so no job waits behind another on a busy worker."""
         if time.monotonic() - self._last_takeover_look >= self.settings.heartbeat_interval / 2:
             self._last_takeover_look = time.monotonic()
-            for shard in self.shards:
+            for shard in self.shards if self._takeover_due() else []:
                 message = self._take_over(shard)
                 if message is not None:
                     return message
@@ -496,6 +499,26 @@ class Worker:
                 if message is not None:
                     return message
         return self._read_new()
+
+    def _takeover_due(self) -> bool:
+        """Whether the shards' pending jobs are worth a look (one XPENDING each): on the first look (jobs of a
+        worker of this name before a restart), or while a worker's heartbeat is recently stale or gone. Only
+        recently: a job of a worker silent for longer than job_claim_idle is XAUTOCLAIMed anyway, so an idle
+        fleet with an old dead heartbeat left behind does not pay J commands a look."""
+        now = time.time()
+        beats = {
+            text(name): _heartbeat(beat) for name, beat in self.client.hgetall(self.keys.worker_heartbeats).items()
+        }
+        window = self.dead_after + self.settings.job_claim_idle
+        for name in self._seen_beats - beats.keys():
+            self._vanished.setdefault(name, now)
+        self._seen_beats = set(beats)
+        self._vanished = {
+            name: gone for name, gone in self._vanished.items() if now - gone <= window and name not in beats
+        }
+        stale = any(beat is not None and self.dead_after < now - beat["time"] <= window for beat in beats.values())
+        first, self._looked = not self._looked, True
+        return first or stale or bool(self._vanished)
 
     def _claim_idle(self, shard: JobKeys) -> tuple[JobKeys, str, dict] | None:
         claimed = self.client.xautoclaim(
