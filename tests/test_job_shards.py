@@ -114,8 +114,10 @@ def test_a_worker_takes_one_job_at_a_time_from_every_shard_in_turn() -> None:
 def test_two_workers_do_every_job_of_a_sharded_batch_exactly_once(fleet, tmp_path: Path) -> None:
     f = fleet(job_shards=8)
     graphs = generate_workload(tmp_path / "graphs", 12, seed=41)
-    f.start_worker("w1")
-    f.start_worker("w2")
+    # Six jobs each at most: both must take jobs (an idle worker blocks on one shard at a time, so the first to
+    # wake could otherwise take them all); a job done twice would leave another undone.
+    f.start_worker("w1", "--max-jobs", "6")
+    f.start_worker("w2", "--max-jobs", "6")
     f.wait_live("w1", "w2")
     report = f.submit(*graphs)
     assert report["completed"] == 12 and report["dead_letter"] == report["unfinished"] == 0, report

@@ -42,6 +42,7 @@ import signal
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -446,6 +447,9 @@ class Worker:
     def run(self) -> int:
         count = fix_job_shards(self.client, self.keys, self.settings.job_shards)
         self.shards = [self.keys.job_shard(i) for i in range(count)]
+        # Idle workers block on different shards (their start rotates from here), so a new job in most shards
+        # wakes one at once instead of waiting for a BLOCK to end.
+        self._next_shard = zlib.crc32(self.name.encode()) % count
         ensure_group(self.client, self.keys, self.toolchain, count)
         self.compiler.start()
         self._heartbeat()
