@@ -9,9 +9,12 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     {NS:vV:metrics}:...        fleet metrics, shard 0; shard i > 0 is {NS:vV:metrics:i}:... A pass's own
                                counts go to the shard of its batch id, each cache key's to the shard of
                                the key: one script per shard applies the batch's part there
-    {NS:vV:jobs}:...           the fleet's job queue (one stream with a consumer group per toolchain, and a
-                               hash of those toolchains), results, dead letters and worker heartbeats, all
-                               in one slot so job scripts are atomic
+    NS:vV:job-shards           string   J, the number of job shards (set once, by the first submit or worker)
+    {NS:vV:jobs}:...           the fleet's job queue, shard 0; shard i > 0 is {NS:vV:jobs:i}:... Each shard
+                               holds a stream with a consumer group per toolchain, and the results, failures,
+                               counts and dead letters of its jobs, in one slot so job scripts are atomic. A
+                               job goes to shard crc32(job id) % J. Shard 0 also holds the hash of toolchains,
+                               the worker heartbeats and the batches' job lists
     NS:vV:artifact:{JOB}       string   a finished job's artifact (TTL job_ttl), in the slot of its job id
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
@@ -33,6 +36,8 @@ LAYOUT_VERSION = 1  # of the key layout; the entry format has its own (cachestor
 # Shards of a new namespace's metrics: on a cluster of tens of nodes, each node holds one or a few.
 DEFAULT_METRICS_SHARDS = 64
 MAX_METRICS_SHARDS = 1024  # a report reads every shard: more would cost it more than any cluster gains
+DEFAULT_JOB_SHARDS = 16  # of a new namespace's job queue: an idle worker polls each once a second
+MAX_JOB_SHARDS = 1024
 
 
 @dataclass(frozen=True)
@@ -78,43 +83,29 @@ class KeySpace:
     def metrics_shard(self, shard: int) -> MetricsKeys:
         return MetricsKeys(f"{{{self.prefix}:metrics}}" if shard == 0 else f"{{{self.prefix}:metrics:{shard}}}")
 
-    # -- the fleet's job queue (one slot) ---------------------------------------------------------
+    # -- the fleet's job queue (J shards, one slot each) ---------------------------------------------
+    @property
+    def job_shard_count(self) -> str:
+        """The namespace's number of job shards, fixed by its first submit or worker (a count that changed
+        later would send `results_of` to another shard than the one a job was queued in)."""
+        return f"{self.prefix}:job-shards"
+
+    def job_shard(self, shard: int) -> JobKeys:
+        return JobKeys(f"{{{self.prefix}:jobs}}" if shard == 0 else f"{{{self.prefix}:jobs:{shard}}}")
+
     @property
     def jobs_tag(self) -> str:
-        return f"{{{self.prefix}:jobs}}"
+        """Shard 0's tag, which also holds the queue's small shared keys (toolchains, heartbeats, batches)."""
+        return self.job_shard(0).tag
 
     def jobs(self, name: str) -> str:
         return f"{self.jobs_tag}:{name}"
-
-    def job_stream(self, toolchain: str) -> str:
-        """The stream (with its consumer group) of the jobs submitted under one toolchain: a worker reads
-        only its own compiler's stream, so it never compiles a job that another compiler submitted."""
-        return self.jobs(f"stream:{toolchain}")
 
     @property
     def job_toolchains(self) -> str:
         """A hash toolchain -> when a job was last submitted under it: `nkicache queue` finds every stream
         (with a waiting job or not) by one HGETALL, which both ACL users may run, instead of a SCAN."""
         return self.jobs("toolchains")
-
-    @property
-    def dead_letter_stream(self) -> str:
-        return self.jobs("dead-letter")
-
-    def job_result(self, job_id: str) -> str:
-        """A finished job's result (a JSON string with a TTL): its own key, so results expire one by one."""
-        return self.jobs(f"result:{job_id}")
-
-    def job_result_pattern(self) -> str:
-        return self.jobs("result:*")
-
-    @property
-    def job_failures(self) -> str:
-        return self.jobs("failures")
-
-    @property
-    def job_counts(self) -> str:
-        return self.jobs("counts")
 
     @property
     def worker_heartbeats(self) -> str:
@@ -127,6 +118,40 @@ class KeySpace:
         """A finished job's artifact (TTL `job_ttl`), tagged by its job id: artifacts, up to megabytes each,
         spread over a cluster's masters instead of all sitting on the jobs slot's one."""
         return f"{self.prefix}:artifact:{{{job_id}}}"
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """The keys of one job shard, all in its hash slot (`tag`): its toolchains' streams (with their consumer
+    groups), the results, failure counts and dead letters of its jobs, and its counts. Everything the complete,
+    fail and requeue scripts touch for a job is here, so they stay atomic. Shard 0 is the tag of the layout
+    before sharding, so a queue from then reads as shard 0."""
+
+    tag: str
+
+    def stream(self, toolchain: str) -> str:
+        """The stream (with its consumer group) of this shard's jobs submitted under one toolchain: a worker
+        reads only its own compiler's streams, so it never compiles a job that another compiler submitted."""
+        return f"{self.tag}:stream:{toolchain}"
+
+    def result(self, job_id: str) -> str:
+        """A finished job's result (a JSON string with a TTL): its own key, so results expire one by one."""
+        return f"{self.tag}:result:{job_id}"
+
+    def result_pattern(self) -> str:
+        return f"{self.tag}:result:*"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.tag}:dead-letter"
+
+    @property
+    def failures(self) -> str:
+        return f"{self.tag}:failures"
+
+    @property
+    def counts(self) -> str:
+        return f"{self.tag}:counts"
 
 
 @dataclass(frozen=True)
@@ -204,3 +229,9 @@ def key_shard(cache_key: str, shards: int) -> int:
     """The one shard holding everything about a cache key (usage, first/last use, kernel, hosts), so a
     variant is counted once and per-key data is split S ways."""
     return zlib.crc32(cache_key.encode()) % shards
+
+
+def job_shard(job_id: str, shards: int) -> int:
+    """The shard a job is queued in, and so holds its result: a function of the job id alone, so that
+    `results_of` and `job show` find it without a lookup."""
+    return zlib.crc32(job_id.encode()) % shards

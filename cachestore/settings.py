@@ -19,7 +19,7 @@ from typing import Any
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
 from cachestore.api import redact_url, tier_url_problem
-from cachestore.keys import DEFAULT_METRICS_SHARDS, MAX_METRICS_SHARDS
+from cachestore.keys import DEFAULT_JOB_SHARDS, DEFAULT_METRICS_SHARDS, MAX_JOB_SHARDS, MAX_METRICS_SHARDS
 
 # read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
 # never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
@@ -84,6 +84,9 @@ class Settings:
     # The local tier's file, in bytes: past it the least recently used entries are deleted as entries are written,
     # and the space goes back to the file system (ccache's default cap is 5 GB).
     max_size: int = 5 * 1024**3
+    # Shards of the fleet's job queue, each in its own slot (a cluster spreads them over its nodes). Used once,
+    # when a namespace's first job is submitted or its first worker starts; the namespace keeps that count.
+    job_shards: int = DEFAULT_JOB_SHARDS
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -290,6 +293,8 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
             fail(name, f"must be at most {MAX_SECONDS} seconds (10 years), got {getattr(settings, name)}")
     if not 1 <= settings.metrics_shards <= MAX_METRICS_SHARDS:
         fail("metrics_shards", f"must be from 1 to {MAX_METRICS_SHARDS}, got {settings.metrics_shards}")
+    if not 1 <= settings.job_shards <= MAX_JOB_SHARDS:
+        fail("job_shards", f"must be from 1 to {MAX_JOB_SHARDS}, got {settings.job_shards}")
     if settings.final_flush_timeout < 0:
         fail("final_flush_timeout", f"must not be negative, got {settings.final_flush_timeout}")
     if not settings.namespace or any(c in settings.namespace for c in "{}: "):

@@ -323,7 +323,7 @@ def test_reader_reads_the_namespace_and_cannot_write(acl_server: int, worker_env
             ("HINCRBY", home.totals, "x", "1"),
             ("XADD", home.pass_log, "*", "pass", "{}"),
             ("SET", KEYS.metrics_shard_count, "1"),
-            ("XGROUP", "CREATE", KEYS.job_stream(toolchain_id()), "g", "0", "MKSTREAM"),
+            ("XGROUP", "CREATE", KEYS.job_shard(0).stream(toolchain_id()), "g", "0", "MKSTREAM"),
             ("SCRIPT", "LOAD", "return 1"),
             ("EVALSHA", "0" * 40, "1", home.totals),
             ("EVAL", "return 1", "0"),

@@ -100,11 +100,17 @@ def test_multi_key_operations_stay_in_one_slot(backend: RedisBackend) -> None:
                    m.key_hosts("0" * 64), m.key_hosts("f" * 64), m.toolchains,
                    m.toolchain_metrics("0" * 16)]  # fmt: skip
         assert len({slot(key) for key in metrics}) == 1
-    assert len({slot(k.metrics_shard(i).totals) for i in range(64)}) == 64
-    # Every toolchain's job stream too: the complete and fail scripts touch a stream with the shared keys.
-    jobs = [k.job_stream(TC), k.job_stream("b" * 16), k.job_toolchains, k.dead_letter_stream, k.job_result("b1-00000"),
-            k.job_failures, k.job_counts, k.worker_heartbeats, k.job_batch("b1")]  # fmt: skip
-    assert len({slot(key) for key in jobs}) == 1
+    # Distinct tags, so nearly distinct slots: 64 random slots of 16,384 share one about one time in eight.
+    assert len({slot(k.metrics_shard(i).totals) for i in range(64)}) >= 56
+    # Every key of one job shard, every toolchain's stream in it too: one complete, fail or requeue script's keys.
+    for j in (k.job_shard(0), k.job_shard(11)):
+        jobs = [j.stream(TC), j.stream("b" * 16), j.dead_letters, j.result("b1-00000"), j.failures, j.counts]
+        assert len({slot(key) for key in jobs}) == 1
+    # Shard 0 is the slot of the queue before sharding, with its shared keys; the shards have a slot each.
+    assert {slot(k.job_shard(0).counts)} == {
+        slot(key) for key in (k.job_toolchains, k.worker_heartbeats, k.job_batch("b"))
+    }
+    assert len({slot(k.job_shard(i).counts) for i in range(16)}) >= 12
     # Artifacts (up to megabytes each) go where their job id hashes, not onto the jobs slot.
     assert len({slot(k.job_artifact(f"b1-{i:05d}")) for i in range(50)}) > 40
     # Entries spread over the masters by cache key; the metrics and jobs slots are whatever their tags hash to.
@@ -179,15 +185,26 @@ def live_workers(env: dict[str, str]) -> list[str]:
     return [worker["name"] for worker in json.loads(result.output)["workers"]]
 
 
+def exited(worker: subprocess.Popen) -> str:
+    """A worker's stderr once it exits: by itself after its --max-jobs (a SIGTERM as it exits would end it with
+    -15), else by SIGTERM after 30 s (a failed run)."""
+    try:
+        return worker.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:
+        worker.send_signal(signal.SIGTERM)
+        return worker.communicate(timeout=30)[1]
+
+
 def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
     namespace = unique_namespace()
     env = {**os.environ, "NKICACHE_TIER": redis_cluster, "NKICACHE_NAMESPACE": namespace,
            "NKICACHE_HEARTBEAT_INTERVAL": "0.5"}  # fmt: skip
     graphs = fleet_graphs(tmp_path / "graphs")
-    workers = [
-        subprocess.Popen(nkicache_argv("worker", "--name", f"cluster-w{i}"), env=env, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
+    # Half the jobs each: an idle worker blocks on one job shard at a time, so without a bound the first to
+    # wake could take all six small jobs before the other's one-second BLOCK ends.
+    half = str(len(graphs) // 2)
+    argv = [nkicache_argv("worker", "--name", f"cluster-w{i}", "--max-jobs", half) for i in range(2)]
+    workers = [subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True) for args in argv]
     try:
         assert wait_until(lambda: len(live_workers(env)) == 2, timeout=30, interval=0.2)
         submit = subprocess.run(
@@ -201,9 +218,7 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
         assert submitted["dead_letter"] == submitted["unfinished"] == 0
         assert len(submitted["artifacts"]) == len(graphs)
     finally:
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        errors = [worker.communicate(timeout=30)[1] for worker in workers]
+        errors = [exited(worker) for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0], errors
 
     checked = CliRunner().invoke(nkicache, ["run", "--check", "--json", str(tmp_path / "out")])
@@ -251,8 +266,9 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
 
 
 def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: str, tmp_path: Path) -> None:
-    """After compiles and a fleet job, every key of the namespace is an entry, a digest index, a lease or one
-    of the two tagged families; the jobs sit on one master, the metrics shards on several."""
+    """After compiles and fleet jobs, every key of the namespace is an entry, a digest index, a lease or one
+    of the two tagged families; the job shards (and the jobs' results) and the metrics shards each spread over
+    several masters."""
     namespace = unique_namespace()
     keys = KeySpace(namespace)
     settings = Settings(tier=redis_cluster, namespace=namespace, host="layout-host", heartbeat_interval=0.5)
@@ -261,8 +277,10 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
 
     client = fleet.fleet_client(settings)
     try:
-        fleet.submit(client, keys, [str(graph)], settings.entry_ttl)
-        assert fleet.Worker(settings, "layout-worker", max_jobs=1).run() == 1
+        # 8 jobs over 16 shards: all on one of 3 masters has a chance of 3 in 3**8 for a random namespace.
+        jobs = fleet.submit(client, keys, [str(graph)] * 8, settings.entry_ttl).job_ids
+        assert fleet.Worker(settings, "layout-worker", max_jobs=8).run() == 8
+        assert len(fleet.results_of(client, keys, jobs)) == 8
         by_family: dict[str, set[int]] = {}
         for node in client.get_primaries():
             direct = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
@@ -273,9 +291,9 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
                     by_family.setdefault(family, set()).add(node.port)
             finally:
                 direct.close()
-        assert set(by_family) == {"entry", "digest", "metrics", "jobs", "artifact"}, by_family
-        # The jobs share one slot; the metrics are sharded, so even one job's pass spreads over the masters.
-        assert len(by_family["jobs"]) == 1 and len(by_family["metrics"]) > 1
+        assert set(by_family) == {"entry", "digest", "metrics", "jobs", "job-result", "artifact"}, by_family
+        # The queue and the metrics are sharded: the streams, the results and even one pass spread over masters.
+        assert len(by_family["jobs"]) > 1 and len(by_family["job-result"]) > 1 and len(by_family["metrics"]) > 1
     finally:
         delete_namespace(client, namespace)
         client.close()
@@ -289,8 +307,8 @@ def key_family(key: str, keys: KeySpace) -> str:
             return family
     if key == keys.metrics_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:metrics(:\d+)?\}}:", key):
         return "metrics"
-    if key.startswith(keys.jobs_tag + ":"):
-        return "jobs"
+    if key == keys.job_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:jobs(:\d+)?\}}:", key):
+        return "job-result" if ":result:" in key else "jobs"
     if re.fullmatch(rf"{re.escape(keys.prefix)}:artifact:\{{[^{{}}]+\}}", key):
         return "artifact"
     raise AssertionError(f"{key} is not in the documented key layout (docs/tiers.md)")

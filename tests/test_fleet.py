@@ -19,7 +19,7 @@ from helpers_graphs import summed_metrics_hash
 
 from bridge.artifact import load_artifact
 from bridge.identity import toolchain_id
-from cachestore.keys import KeySpace
+from cachestore.keys import JobKeys, KeySpace, job_shard
 from workers.fleet import queue_status
 from workers.workload import GraphBuilder, generate_workload, unet_block
 
@@ -93,20 +93,44 @@ class Fleet:
     def busy_job(self, name: str) -> str | None:
         return self.heartbeats().get(name, {}).get("job")
 
+    def shards(self) -> list[JobKeys]:
+        """The namespace's job shards (shard 0 alone before a submit or worker fixed their count)."""
+        return [self.keys.job_shard(i) for i in range(int(self.redis.get(self.keys.job_shard_count) or 1))]
+
     def results(self) -> dict[str, dict]:
-        keys = list(self.redis.scan_iter(match=self.keys.job_result_pattern()))
-        prefix = len(self.keys.job_result(""))
-        return {k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, self.redis.mget(keys), strict=True) if v}
+        results = {}
+        for shard in self.shards():
+            keys = list(self.redis.scan_iter(match=shard.result_pattern()))
+            prefix = len(shard.result(""))
+            results.update({k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, self.redis.mget(keys),
+                                                                             strict=True) if v})  # fmt: skip
+        return results
 
     def counts(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.job_counts).items()}
+        counts: dict[str, int] = {}
+        for shard in self.shards():
+            for name, value in self.redis.hgetall(shard.counts).items():
+                counts[name.decode()] = counts.get(name.decode(), 0) + int(value)
+        return counts
+
+    def dead_letters(self) -> list[dict[bytes, bytes]]:
+        return [fields for shard in self.shards() for _, fields in self.redis.xrange(shard.dead_letters)]
+
+    def failures(self) -> int:
+        """Jobs with a failed attempt that is not yet retried to success or dead-lettered."""
+        return sum(self.redis.hlen(shard.failures) for shard in self.shards())
 
     def totals(self) -> dict[str, float]:
         return summed_metrics_hash(self.redis, self.keys, lambda shard: shard.totals)
 
     def in_flight(self) -> int:
         # The workers here are `nkicache worker` processes: they compile with this process's toolchain.
-        return self.redis.xpending(self.keys.job_stream(toolchain_id()), "nkicache-workers")["pending"]
+        streams = [shard.stream(toolchain_id()) for shard in self.shards()]
+        return sum(
+            self.redis.xpending(stream, "nkicache-workers")["pending"]
+            for stream in streams
+            if self.redis.exists(stream)
+        )
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> tuple[int, float]:
         """Signal a worker and wait for it: (exit code, seconds it took)."""
@@ -221,8 +245,8 @@ def test_a_worker_killed_mid_job_loses_nothing_and_completes_nothing_twice(fleet
     assert {r["status"] for r in results.values()} == {"completed"}
     assert results[killed_job]["worker"] == "w2"  # reclaimed by the survivor
     assert f.counts() == {"completed": 4}  # each job completed exactly once
-    assert f.in_flight() == 0 and f.redis.xlen(f.keys.dead_letter_stream) == 0
-    assert f.redis.hlen(f.keys.job_failures) == 0
+    assert f.in_flight() == 0 and f.dead_letters() == []
+    assert f.failures() == 0
 
     # SIGTERM on a busy worker: it finishes its job, records it, then exits 0.
     extra = f.submit(*slow_graphs(tmp_path / "more", [128]), wait=False)
@@ -284,7 +308,7 @@ def test_poison_jobs_go_to_the_dead_letter_stream_after_max_attempts(fleet, tmp_
     assert f.queue()["pending"] == 0
     hand_job = {"id": "hand-00000", "batch": "hand", "file": str(poison["not-json"]),
                 "graph": poison["not-json"].read_text(), "attempt": 1, "toolchain": toolchain_id()}  # fmt: skip
-    f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(hand_job)})
+    f.redis.xadd(f.keys.job_shard(0).stream(toolchain_id()), {"job": json.dumps(hand_job)})
     submitted = [*good, *(path for name, path in poison.items() if name != "not-json")]
     report = f.submit(*submitted, expect_code=EXIT_CHECK_FAILED)
     wait_until(lambda: "hand-00000" in f.results())
@@ -315,10 +339,10 @@ def test_poison_jobs_go_to_the_dead_letter_stream_after_max_attempts(fleet, tmp_
     for job, entry in dead.items():
         assert entry["error"] == report["jobs"][job]["error"] and entry["attempts"] == "2"
     # The dead letter keeps the job itself, so it can be inspected or resubmitted.
-    for _, fields in f.redis.xrange(f.keys.dead_letter_stream):
+    for fields in f.dead_letters():
         payload = json.loads(fields[b"payload"])
         assert payload["graph"] == Path(payload["file"]).read_text()
-    assert f.redis.hlen(f.keys.job_failures) == 0  # a dead letter carries its attempts; nothing is left behind
+    assert f.failures() == 0  # a dead letter carries its attempts; nothing is left behind
 
     for name in ("w1", "w2"):
         assert f.stop(name)[0] == 0
@@ -403,7 +427,8 @@ def test_a_job_whose_result_cannot_be_recorded_is_compiled_again_not_held(privat
     assert len(attempts) == 2 and worker.queue_errors == 1
     result = fleet_module.results_of(client, keys, [job])[job]
     assert result["status"] == "completed" and result["worker"] == "w1"
-    assert client.xpending(keys.job_stream(toolchain_id()), fleet_module.GROUP)["pending"] == 0
+    stream = keys.job_shard(job_shard(job, fleet_module.job_shards(client, keys))).stream(toolchain_id())
+    assert client.xpending(stream, fleet_module.GROUP)["pending"] == 0
     client.close()
 
 
@@ -464,7 +489,7 @@ def test_a_job_waits_for_a_worker_of_its_toolchain_and_never_goes_to_another(
     assert len(warnings) == 1 and f"no live worker has toolchain {mine}" in warnings[0], done.stderr
     [job_id] = report["jobs"]
     # The job carries its toolchain, on that toolchain's stream; the other worker took nothing.
-    [(_, fields)] = f.redis.xrange(f.keys.job_stream(mine))
+    [(_, fields)] = f.redis.xrange(f.keys.job_shard(job_shard(job_id, len(f.shards()))).stream(mine))
     assert json.loads(fields[b"job"])["toolchain"] == mine
     assert f.results() == {} and other.done == 0 and f.heartbeats()["w-other"]["job"] is None
 
@@ -503,7 +528,7 @@ def test_a_job_naming_another_toolchain_is_refused_not_compiled(fleet, tmp_path:
         job = {"id": job_id, "batch": "hand", "file": str(graph), "graph": graph.read_text(), "attempt": 1}
         if toolchain is not None:
             job["toolchain"] = toolchain
-        f.redis.xadd(f.keys.job_stream(mine), {"job": json.dumps(job)})
+        f.redis.xadd(f.keys.job_shard(0).stream(mine), {"job": json.dumps(job)})
     f.start_worker("w1")
     wait_until(lambda: len(f.results()) == 2)
     results = f.results()
@@ -525,7 +550,7 @@ def test_a_job_whose_graph_is_a_path_is_refused_never_opened_on_the_worker(fleet
     [graph] = generate_workload(tmp_path / "graphs", 1, seed=8)  # a real graph file the worker could read
     job = {"id": "path-00000", "batch": "path", "file": "innocent.json", "graph": json.dumps(str(graph)),
            "attempt": 1, "toolchain": toolchain_id()}  # fmt: skip
-    f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(job)})
+    f.redis.xadd(f.keys.job_shard(0).stream(toolchain_id()), {"job": json.dumps(job)})
     f.start_worker("w1")
     wait_until(lambda: len(f.results()) == 1)
     result = f.results()["path-00000"]
@@ -544,7 +569,7 @@ def test_a_deeply_nested_graph_fails_its_job_and_the_worker_lives_on(fleet, tmp_
     for job_id, text in (("deep-00000", deep), ("deep-00001", graph.read_text())):
         job = {"id": job_id, "batch": "deep", "file": f"{job_id}.json", "graph": text, "attempt": 1,
                "toolchain": toolchain_id()}  # fmt: skip
-        f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(job)})
+        f.redis.xadd(f.keys.job_shard(0).stream(toolchain_id()), {"job": json.dumps(job)})
     f.start_worker("w1")
     wait_until(lambda: len(f.results()) == 2)
     results = f.results()

@@ -23,7 +23,7 @@ from workers.workload import generate_workload
 def hand_job(f: Fleet, job_id: str, graph_text: str) -> None:
     job = {"id": job_id, "batch": "hand", "file": f"{job_id}.json", "graph": graph_text, "attempt": 1,
            "toolchain": toolchain_id()}  # fmt: skip
-    f.redis.xadd(f.keys.job_stream(toolchain_id()), {"job": json.dumps(job)})
+    f.redis.xadd(f.keys.job_shard(0).stream(toolchain_id()), {"job": json.dumps(job)})
 
 
 def kill_compiles_of(f: Fleet, job_id: str, times: int) -> list[int]:
@@ -57,7 +57,7 @@ def test_bad_jobs_are_dead_lettered_with_their_reason_and_no_worker_dies(fleet, 
     wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2")))
 
     hand_job(f, "deep-00000", '{"name": "deep", "tensors": {}, "ops": ' + "[" * 1500 + "]" * 1500 + "}")
-    stream = f.keys.job_stream(toolchain_id())
+    stream = f.keys.job_shard(0).stream(toolchain_id())
     f.redis.xadd(stream, {"not-a-job": "x"})
     f.redis.xadd(stream, {"job": json.dumps({"id": 5, "graph": {}})})
     report = f.submit(*good, over, slow, wait=False)
@@ -80,9 +80,7 @@ def test_bad_jobs_are_dead_lettered_with_their_reason_and_no_worker_dies(fleet, 
     assert killed_result["status"] == "dead_letter" and killed_result["attempts"] == 2, killed_result
     assert f"{slow}: the compiling process was killed by SIGKILL" in killed_result["error"], killed_result
     assert len(killed) == 2
-    dead = {
-        fields[b"job"].decode(): fields[b"error"].decode() for _, fields in f.redis.xrange(f.keys.dead_letter_stream)
-    }
+    dead = {fields[b"job"].decode(): fields[b"error"].decode() for fields in f.dead_letters()}
     assert len(dead) == 5 and {"deep-00000", over_job, slow_job} <= set(dead)
     malformed = sorted(error for job, error in dead.items() if job not in {"deep-00000", over_job, slow_job})
     assert malformed == ["the job's 'id' is not a string", "the message has no job field"], dead
@@ -129,11 +127,13 @@ def test_finished_jobs_leave_the_stream_and_their_results_expire(fleet, tmp_path
     batches expire after job_ttl, so the queue's keys do not grow with the jobs it has run."""
     ttl = 5
     f = fleet(job_ttl=ttl, job_max_attempts=1)
-    stream = f.keys.job_stream(toolchain_id())
     f.start_worker("w1")
     f.wait_live("w1")
-    base_keys = set(f.redis.keys(f"{f.keys.jobs_tag}*"))
-    fixed = {key.encode() for key in (stream, f.keys.dead_letter_stream, f.keys.job_counts, f.keys.job_toolchains)}
+    streams = [shard.stream(toolchain_id()) for shard in f.shards()]
+    every_shard = f"{{{f.keys.prefix}:jobs*"  # shard 0's tag and shard i's, {NS:v1:jobs:i}
+    base_keys = set(f.redis.keys(every_shard))
+    per_shard = [(shard.stream(toolchain_id()), shard.dead_letters, shard.counts) for shard in f.shards()]
+    fixed = {key.encode() for keys in per_shard for key in keys} | {f.keys.job_toolchains.encode()}
 
     for round_ in range(2):
         good = generate_workload(tmp_path / f"graphs{round_}", 4, seed=20 + round_)
@@ -141,17 +141,18 @@ def test_finished_jobs_leave_the_stream_and_their_results_expire(fleet, tmp_path
         assert report["completed"] == 4
         bad = softmax_graph(tmp_path / f"bad{round_}", "bad", 2, 3)
         hand_job(f, f"bad-{round_}", bad.read_text().replace('"Softmax"', '"FlashAttention"'))
-        wait_until(lambda round_=round_: f.redis.xlen(f.keys.dead_letter_stream) == round_ + 1)
-        assert f.redis.xlen(stream) == 0  # acknowledged and deleted: no graph stays behind in the stream
-        assert f.in_flight() == 0 and f.redis.hlen(f.keys.job_failures) == 0
+        wait_until(lambda round_=round_: len(f.dead_letters()) == round_ + 1)
+        # Acknowledged and deleted: no graph stays behind in any shard's stream.
+        assert sum(map(f.redis.xlen, streams)) == 0
+        assert f.in_flight() == 0 and f.failures() == 0
         # Everything a finished job left (results, artifacts, the batch) has a TTL of at most job_ttl...
-        leftovers = set(f.redis.keys(f"{f.keys.jobs_tag}*")) - base_keys - fixed
+        leftovers = set(f.redis.keys(every_shard)) - base_keys - fixed
         assert len(leftovers) >= 5 and {k: f.redis.ttl(k) for k in leftovers if not 0 < f.redis.ttl(k) <= ttl} == {}
         # ...and is gone after it: the keys are back to what they were before the round (plus the fixed ones).
         wait_until(lambda: not f.results(), timeout=3 * ttl)
-        assert set(f.redis.keys(f"{f.keys.jobs_tag}*")) - base_keys <= fixed
-        assert f.redis.xlen(stream) == 0
-    assert f.redis.xlen(f.keys.dead_letter_stream) == 2  # dead letters stay until `purge` or `requeue`
+        assert set(f.redis.keys(every_shard)) - base_keys <= fixed
+        assert sum(map(f.redis.xlen, streams)) == 0
+    assert len(f.dead_letters()) == 2  # dead letters stay until `purge` or `requeue`
     assert f.stop("w1")[0] == 0
 
 
@@ -172,7 +173,7 @@ def test_wait_stops_at_its_timeout_and_says_no_worker_is_there(fleet, tmp_path: 
     assert json.loads(shown.stdout)["status"] == "waiting"
     purged = f.run("purge", "--waiting", "--tier", f.url)
     assert "1 waiting jobs" in purged.stdout
-    assert f.redis.xlen(f.keys.job_stream(toolchain_id())) == 0
+    assert sum(f.redis.xlen(shard.stream(toolchain_id())) for shard in f.shards()) == 0
 
 
 def test_a_dead_letter_is_shown_requeued_and_then_completes(fleet, tmp_path: Path) -> None:
@@ -196,7 +197,7 @@ def test_a_dead_letter_is_shown_requeued_and_then_completes(fleet, tmp_path: Pat
     f.start_worker("w2")
     assert f"1 jobs requeued: {job}" in f.run("requeue", job, "--tier", f.url).stdout
     wait_until(lambda: f.results().get(job, {}).get("status") == "completed")
-    assert f.redis.xlen(f.keys.dead_letter_stream) == 0
+    assert f.dead_letters() == []
     assert json.loads(f.run("job", "show", job, "--tier", f.url, "--json").stdout)["artifact_stored"] is True
     missing = f.run("requeue", "nope-00000", "--tier", f.url, check=False)
     assert missing.returncode == EXIT_CHECK_FAILED and "job nope-00000: no dead letter" in missing.stderr

@@ -512,7 +512,7 @@ def test_queue_and_its_liveness_probe_skip_a_heartbeat_that_is_not_one(
              "w-not-json": "garbage", "w-list": "[1]", "w-no-time": '{"host": "h"}', "w-word-time": '{"time": "x"}',
              "w-nan-time": '{"time": NaN}', "w-partial": json.dumps({"time": time.time()})}  # fmt: skip
     redis_client.hset(keys.worker_heartbeats, mapping=beats)
-    redis_client.hset(keys.job_counts, mapping={"completed": "abc", "failed": "2"})
+    redis_client.hset(keys.job_shard(0).counts, mapping={"completed": "abc", "failed": "2"})
     env = {"NKICACHE_NAMESPACE": namespace}
     done = nkicache("queue", "--tier", redis_url, "--json", env=env)
     assert done.returncode == 0 and done.stderr == "", done.stderr
@@ -612,11 +612,12 @@ def test_a_stream_message_that_is_no_job_is_dead_lettered_and_the_worker_goes_on
     from cachestore.keys import KeySpace
 
     keys = KeySpace(namespace)
-    stream = keys.job_stream(toolchain_id())
+    stream = keys.job_shard(0).stream(toolchain_id())
     malformed = [{"job": "garbage"}, {"other": "x"}, {"job": '{"file": "x.json", "graph": "{}"}'}, {"job": "[1]"},
                  {"job": json.dumps({"id": "j", "file": "x.json", "graph": {"name": "not text"}})}]  # fmt: skip
     message_ids = [redis_client.xadd(stream, fields).decode() for fields in malformed]
-    env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
+    # One shard: the worker meets the messages in the order they were queued, the real job last.
+    env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url, "NKICACHE_JOB_SHARDS": "1"}
     submitted = nkicache("submit", write_graph(tmp_path, mixed_graph()), "--json", env=env)
     assert submitted.returncode == 0, submitted.stderr
     worker = nkicache("worker", "--max-jobs", "1", "--name", "w1", env=env)

@@ -1,12 +1,12 @@
 """The fleet: compile jobs on a Redis Stream, read by workers on many machines through a consumer group.
 
     submit   XADD one job per graph (the graph's JSON travels in the job, so workers need no shared disk)
-             onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`)
-    worker   XREADGROUP on its own toolchain's stream, compile in a child process (workers/job_process.py),
-             then store the artifact (under its own hash tag) and one Lua script records the result, XACKs
-             and XDELs the job (a finished job leaves the stream); a worker takes over the jobs of a worker
-             whose heartbeat is older than two intervals (XCLAIM), and XAUTOCLAIM, after `job_claim_idle`,
-             of any worker that went quiet
+             onto the stream of the submitter's toolchain (`bridge.identity.toolchain_id`) in the job's shard
+    worker   XREADGROUP on its own toolchain's streams, one job from one shard at a time, compile in a child
+             process (workers/job_process.py), then store the artifact (under its own hash tag) and one Lua
+             script records the result, XACKs and XDELs the job (a finished job leaves the stream); a worker
+             takes over the jobs of a worker whose heartbeat is older than two intervals (XCLAIM), and
+             XAUTOCLAIM, after `job_claim_idle`, of any worker that went quiet
     failure  any failure of a job (an exception, a limit exceeded, its compiling process killed) is the job's:
              it is re-queued with its attempt count; after `job_max_attempts` it goes to the dead-letter
              stream with its error; a message that is no job at all goes there at once, under its message id
@@ -20,6 +20,11 @@ submitted waits for a worker of that compiler (`nkicache queue` names toolchains
 live worker) instead of being compiled by the wrong one. A job whose own JSON names another toolchain than
 the worker's (only a hand-written job can) fails with an error naming both and is never compiled. Results,
 counts, failures and dead letters stay shared.
+
+Sharding (cachestore.keys.JobKeys): the queue is split over J shards (`job_shards`, fixed per namespace), each
+in its own hash slot, so a cluster spreads it over its masters. A job goes to shard crc32(job id) mod J and
+everything recorded about it (result, failures, counts, dead letter) goes to the shard it was read from, so
+each script touches one slot. Shard 0 is the queue's slot from before sharding: its jobs still drain.
 
 Artifacts live in the tier (`NS:vV:artifact:{JOB}`, tagged by their job id so that they spread over a cluster,
 expiring after `job_ttl`); `nkicache submit --wait --out
@@ -37,6 +42,7 @@ import signal
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +54,7 @@ from bridge.graph import load_graph, parse_graph_json
 from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url, stored_number
 from cachestore.backends.redis import connect, text
-from cachestore.keys import KeySpace
+from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard
 from cachestore.settings import Settings
 from workers.job_process import CompileProcess
 from workers.passes import PassResult
@@ -154,12 +160,42 @@ def fleet_client(settings: Settings) -> Any:
                    BLOCK_MS / 1000 + 1), password=settings.redis_password)  # fmt: skip
 
 
-def ensure_group(client: Any, keys: KeySpace, toolchain: str) -> None:
+def ensure_group(client: Any, keys: KeySpace, toolchain: str, shards: int) -> None:
+    """The consumer group of every shard's stream of `toolchain`."""
+    for shard in range(shards):
+        try:
+            client.xgroup_create(keys.job_shard(shard).stream(toolchain), GROUP, id="0", mkstream=True)
+        except rex.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+def fix_job_shards(client: Any, keys: KeySpace, wanted: int) -> int:
+    """The namespace's number of job shards, fixed by the first submitter or worker to `wanted` (the setting
+    job_shards): every later one uses that count, whatever its own setting."""
+    client.set(keys.job_shard_count, wanted, nx=True)
+    return job_shards(client, keys)
+
+
+def job_shards(client: Any, keys: KeySpace) -> int:
+    """The namespace's number of job shards, or 1 before any is fixed (only shard 0, today's layout, can hold
+    jobs then). Only reads, so the read-only ACL user can run it."""
+    stored = client.get(keys.job_shard_count)
+    if stored is None:
+        return 1
     try:
-        client.xgroup_create(keys.job_stream(toolchain), GROUP, id="0", mkstream=True)
-    except rex.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+        count = int(stored)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_JOB_SHARDS:
+        raise FleetError(f"{keys.job_shard_count} holds {text(stored)!r}, not a shard count from 1 to {MAX_JOB_SHARDS}")
+    return count
+
+
+def home_shards(job_id: str, shards: int) -> list[int]:
+    """Where a job's result, failures or message can be: the shard of its id, then shard 0 (a job queued before
+    the queue was sharded is there, and finishes there)."""
+    return list(dict.fromkeys([job_shard(job_id, shards), 0]))
 
 
 # -- submitting -----------------------------------------------------------------------------------
@@ -194,27 +230,38 @@ def read_graphs(paths: Sequence[str], max_bytes: int = MAX_GRAPH_BYTES) -> list[
     return graphs
 
 
-def submit(client: Any, keys: KeySpace, paths: Sequence[str], ttl: int, max_bytes: int = MAX_GRAPH_BYTES) -> Submission:
+def submit(
+    client: Any,
+    keys: KeySpace,
+    paths: Sequence[str],
+    ttl: int,
+    max_bytes: int = MAX_GRAPH_BYTES,
+    shards: int = DEFAULT_JOB_SHARDS,
+) -> Submission:
     """One job per graph file. Every file is read and checked before the first job is enqueued: a bad one
     fails the submission with nothing enqueued, never a batch cut short and left unrecorded. The batch's list
     of job ids lives `ttl` seconds (job_ttl), as its results do."""
-    return submit_texts(client, keys, list(zip(map(str, paths), read_graphs(paths, max_bytes), strict=True)), ttl)
+    graphs = list(zip(map(str, paths), read_graphs(paths, max_bytes), strict=True))
+    return submit_texts(client, keys, graphs, ttl, shards)
 
 
-def submit_texts(client: Any, keys: KeySpace, graphs: Sequence[tuple[str, str]], ttl: int) -> Submission:
-    """One job per (name, graph text), every text already checked as `read_graphs` does."""
+def submit_texts(
+    client: Any, keys: KeySpace, graphs: Sequence[tuple[str, str]], ttl: int, shards: int = DEFAULT_JOB_SHARDS
+) -> Submission:
+    """One job per (name, graph text), every text already checked as `read_graphs` does. Each job goes to the
+    shard of its id (`shards` is the job_shards setting, used if the namespace has no count yet)."""
     toolchain = toolchain_id()
-    stream = keys.job_stream(toolchain)
-    # The group exists before the first job, so a worker that starts later still reads from the beginning;
-    # the registry lets `nkicache queue` find this stream even while no worker of the toolchain is live.
-    ensure_group(client, keys, toolchain)
+    count = fix_job_shards(client, keys, shards)
+    # The groups exist before the first job, so a worker that starts later still reads from the beginning;
+    # the registry lets `nkicache queue` find the streams even while no worker of the toolchain is live.
+    ensure_group(client, keys, toolchain, count)
     client.hset(keys.job_toolchains, toolchain, time.time())
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
     for path, graph in graphs:
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
         job = {"id": job_id, "batch": submission.batch_id, "file": path, "graph": graph, "attempt": 1,
                "toolchain": toolchain}  # fmt: skip
-        client.xadd(stream, {"job": json.dumps(job)})
+        client.xadd(keys.job_shard(job_shard(job_id, count)).stream(toolchain), {"job": json.dumps(job)})
         submission.job_ids.append(job_id)
         submission.names[job_id] = path
     if submission.job_ids:
@@ -224,9 +271,21 @@ def submit_texts(client: Any, keys: KeySpace, graphs: Sequence[tuple[str, str]],
 
 
 def results_of(client: Any, keys: KeySpace, job_ids: Sequence[str]) -> dict[str, dict]:
-    """The results of the finished jobs among `job_ids` (a job not finished, or whose result expired, has none)."""
-    values = client.mget([keys.job_result(job_id) for job_id in job_ids]) if job_ids else []
-    return {job_id: json.loads(value) for job_id, value in zip(job_ids, values, strict=True) if value is not None}
+    """The results of the finished jobs among `job_ids` (a job not finished, or whose result expired, has none).
+    One GET per job (a cluster's MGET needs one slot); a job with none in its id's shard is looked for in shard 0,
+    where a job queued before sharding finished."""
+    shards = job_shards(client, keys)
+    results = _results_in(client, keys, {job_id: job_shard(job_id, shards) for job_id in job_ids})
+    before = {job_id: 0 for job_id in job_ids if job_id not in results and job_shard(job_id, shards) != 0}
+    return {**results, **_results_in(client, keys, before)} if before else results
+
+
+def _results_in(client: Any, keys: KeySpace, shard_of: dict[str, int]) -> dict[str, dict]:
+    with client.pipeline(transaction=False) as pipe:
+        for job_id, shard in shard_of.items():
+            pipe.get(keys.job_shard(shard).result(job_id))
+        values = pipe.execute() if shard_of else []
+    return {job: json.loads(value) for job, value in zip(shard_of, values, strict=True) if value is not None}
 
 
 def wait_for(
@@ -303,22 +362,27 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
     workers = live_workers(client, keys, heartbeat_interval)
     known = {text(toolchain) for toolchain in client.hgetall(keys.job_toolchains)}  # HKEYS is not in the ACLs
     known |= {w["toolchain"] for w in workers if w["toolchain"]}
+    shards = [keys.job_shard(i) for i in range(job_shards(client, keys))]
     toolchains: dict[str, dict[str, int]] = {}
     for toolchain in sorted(known):
-        group = _group_of(client, keys.job_stream(toolchain))
-        row = {"pending": int(group.get("lag") or 0), "in_flight": int(group.get("pending", 0)),
+        groups = [_group_of(client, shard.stream(toolchain)) for shard in shards]
+        row = {"pending": sum(int(group.get("lag") or 0) for group in groups),
+               "in_flight": sum(int(group.get("pending", 0)) for group in groups),
                "live_workers": sum(1 for w in workers if w["toolchain"] == toolchain)}  # fmt: skip
         # Idle streams of toolchains long gone stay registered; listing them would bury the ones that matter.
         if any(row.values()):
             toolchains[toolchain] = row
     unserved = {tc: row["pending"] + row["in_flight"] for tc, row in toolchains.items() if not row["live_workers"]}
-    counts = {text(k): int(stored_number(v)) for k, v in client.hgetall(keys.job_counts).items()}
+    counts: dict[str, int] = {}
+    for shard in shards:
+        for name, value in client.hgetall(shard.counts).items():
+            counts[text(name)] = counts.get(text(name), 0) + int(stored_number(value))
     return {
         "pending": sum(row["pending"] for row in toolchains.values()),
         "in_flight": sum(row["in_flight"] for row in toolchains.values()),
         "completed": counts.get("completed", 0),
         "failed": counts.get("failed", 0),
-        "dead_letter": client.xlen(keys.dead_letter_stream),
+        "dead_letter": sum(client.xlen(shard.dead_letters) for shard in shards),
         "workers": workers,
         "toolchains": toolchains,
         "unserved": unserved,
@@ -346,7 +410,8 @@ class Worker:
         self.keys = KeySpace(settings.namespace)
         # This process's compiler: the worker reads only this toolchain's stream and compiles only its jobs.
         self.toolchain = toolchain_id()
-        self.stream = self.keys.job_stream(self.toolchain)
+        self.shards: list[JobKeys] = [self.keys.job_shard(0)]  # all of them once `run` knows the count
+        self._next_shard = 0  # where the next read starts: rotating, so no shard's jobs wait behind another's
         self.client = fleet_client(settings)
         self.compiler = CompileProcess(self.settings, out_dir)
         self._complete = self.client.register_script(COMPLETE_JOB_LUA)
@@ -355,13 +420,16 @@ class Worker:
         self._dead_letter_message = self.client.register_script(DEAD_LETTER_MESSAGE_LUA)
         self.stopping = False
         self.current: str | None = None
-        self._current_message: str | None = None
+        self._current_message: tuple[JobKeys, str] | None = None
         self.done = 0
         self.failed = 0  # failed attempts (each retried or dead-lettered)
         self.taken_over = 0  # jobs taken from a worker whose heartbeat stopped
         self.queue_errors = 0  # failed operations on the job queue (the worker waits and retries)
         self._last_claim = 0.0
         self._last_takeover_look = 0.0
+        self._looked = False  # whether a takeover look ran: the first one looks for this name's own old jobs
+        self._seen_beats: set[str] = set()
+        self._vanished: dict[str, float] = {}  # heartbeats gone since an earlier look -> when first seen gone
         self._beats_stop = threading.Event()
 
     @property
@@ -377,7 +445,12 @@ class Worker:
         signal.signal(signal.SIGINT, stop)
 
     def run(self) -> int:
-        ensure_group(self.client, self.keys, self.toolchain)
+        count = fix_job_shards(self.client, self.keys, self.settings.job_shards)
+        self.shards = [self.keys.job_shard(i) for i in range(count)]
+        # Idle workers block on different shards (their start rotates from here), so a new job in most shards
+        # wakes one at once instead of waiting for a BLOCK to end.
+        self._next_shard = zlib.crc32(self.name.encode()) % count
+        ensure_group(self.client, self.keys, self.toolchain, count)
         self.compiler.start()
         self._heartbeat()
         beats = threading.Thread(target=self._beat_until_stopped, name="nkicache-heartbeat", daemon=True)
@@ -401,7 +474,7 @@ class Worker:
                     self._beats_stop.wait(pause)
                     if "NOGROUP" in str(exc):  # a Redis restarted without persistence lost the group
                         with contextlib.suppress(rex.RedisError):
-                            ensure_group(self.client, self.keys, self.toolchain)
+                            ensure_group(self.client, self.keys, self.toolchain, len(self.shards))
         finally:
             self._beats_stop.set()
             beats.join()
@@ -411,36 +484,78 @@ class Worker:
         logger.info("worker %s: stopped after %d jobs (%d failed attempts)", self.name, self.done, self.failed)
         return self.done
 
-    def _next_message(self) -> tuple[str, dict] | None:
+    def _stream(self, shard: JobKeys) -> str:
+        return shard.stream(self.toolchain)
+
+    def _next_message(self) -> tuple[JobKeys, str, dict] | None:
+        """One job message, taken from one shard: a dead worker's, else one idle for job_claim_idle, else a new
+        one. Never more than one at a time, so no job waits behind another on a busy worker."""
         if time.monotonic() - self._last_takeover_look >= self.settings.heartbeat_interval / 2:
             self._last_takeover_look = time.monotonic()
-            message = self._take_over()
-            if message is not None:
-                return message
+            for shard in self.shards if self._takeover_due() else []:
+                message = self._take_over(shard)
+                if message is not None:
+                    return message
         if time.monotonic() - self._last_claim >= min(self.settings.job_claim_idle / 2, 5.0):
             self._last_claim = time.monotonic()
-            claimed = self.client.xautoclaim(
-                self.stream, GROUP, self.name, int(self.settings.job_claim_idle * 1000), "0-0", count=1
-            )
-            messages = claimed[1] if claimed else []
-            for message_id, fields in messages:
-                if fields:  # a deleted entry comes back without fields
-                    logger.warning("worker %s: reclaimed job message %s, idle for %.0f s", self.name,
-                                   text(message_id), self.settings.job_claim_idle)  # fmt: skip
-                    return text(message_id), fields
-        reply = self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=1, block=BLOCK_MS)
-        for _stream, messages in reply or []:
-            for message_id, fields in messages:
-                return text(message_id), fields
+            for shard in self.shards:
+                message = self._claim_idle(shard)
+                if message is not None:
+                    return message
+        return self._read_new()
+
+    def _takeover_due(self) -> bool:
+        """Whether the shards' pending jobs are worth a look (one XPENDING each): on the first look (jobs of a
+        worker of this name before a restart), or while a worker's heartbeat is recently stale or gone. Only
+        recently: a job of a worker silent for longer than job_claim_idle is XAUTOCLAIMed anyway, so an idle
+        fleet with an old dead heartbeat left behind does not pay J commands a look."""
+        now = time.time()
+        beats = {
+            text(name): _heartbeat(beat) for name, beat in self.client.hgetall(self.keys.worker_heartbeats).items()
+        }
+        window = self.dead_after + self.settings.job_claim_idle
+        for name in self._seen_beats - beats.keys():
+            self._vanished.setdefault(name, now)
+        self._seen_beats = set(beats)
+        self._vanished = {
+            name: gone for name, gone in self._vanished.items() if now - gone <= window and name not in beats
+        }
+        stale = any(beat is not None and self.dead_after < now - beat["time"] <= window for beat in beats.values())
+        first, self._looked = not self._looked, True
+        return first or stale or bool(self._vanished)
+
+    def _claim_idle(self, shard: JobKeys) -> tuple[JobKeys, str, dict] | None:
+        claimed = self.client.xautoclaim(
+            self._stream(shard), GROUP, self.name, int(self.settings.job_claim_idle * 1000), "0-0", count=1
+        )
+        for message_id, fields in claimed[1] if claimed else []:
+            if fields:  # a deleted entry comes back without fields
+                logger.warning("worker %s: reclaimed job message %s, idle for %.0f s", self.name,
+                               text(message_id), self.settings.job_claim_idle)  # fmt: skip
+                return shard, text(message_id), fields
         return None
 
-    def _take_over(self) -> tuple[str, dict] | None:
-        """A job held by a dead worker: one whose heartbeat is more than `dead_after` seconds old (a SIGKILLed
-        worker's stays behind, aging) or gone, or this worker's own from before a restart under the same
-        name. A live worker resets its job's idle time every heartbeat, so XCLAIM's idle bound also keeps a
-        job whose worker beats again from being taken."""
+    def _read_new(self) -> tuple[JobKeys, str, dict] | None:
+        """A new job: a non-blocking read of each shard, starting at a rotating one, then a blocking read of
+        that one when all were empty, so an idle worker costs one command per shard and BLOCK_MS."""
+        first = self._next_shard
+        self._next_shard = (first + 1) % len(self.shards)
+        order = [self.shards[(first + k) % len(self.shards)] for k in range(len(self.shards))]
+        for shard, block in [(shard, None) for shard in order if len(order) > 1] + [(order[0], BLOCK_MS)]:
+            reply = self.client.xreadgroup(GROUP, self.name, {self._stream(shard): ">"}, count=1, block=block)
+            for _stream, messages in reply or []:
+                for message_id, fields in messages:
+                    return shard, text(message_id), fields
+        return None
+
+    def _take_over(self, shard: JobKeys) -> tuple[JobKeys, str, dict] | None:
+        """A job of `shard` held by a dead worker: one whose heartbeat is more than `dead_after` seconds old (a
+        SIGKILLed worker's stays behind, aging) or gone, or this worker's own from before a restart under the
+        same name. A live worker resets its job's idle time every heartbeat, so XCLAIM's idle bound also keeps
+        a job whose worker beats again from being taken."""
         idle_ms = int(self.dead_after * 1000)
-        entries = self.client.xpending_range(self.stream, GROUP, min="-", max="+", count=50, idle=idle_ms)
+        stream = self._stream(shard)
+        entries = self.client.xpending_range(stream, GROUP, min="-", max="+", count=50, idle=idle_ms)
         if not entries:
             return None
         raw_beats = self.client.hgetall(self.keys.worker_heartbeats)
@@ -451,30 +566,32 @@ class Worker:
             beat = beats.get(owner)
             silent = now - beat["time"] if beat is not None else math.inf
             if owner == self.name or silent > self.dead_after:
-                for message_id, fields in self.client.xclaim(self.stream, GROUP, self.name, idle_ms,
+                for message_id, fields in self.client.xclaim(stream, GROUP, self.name, idle_ms,
                                                              [entry["message_id"]]):  # fmt: skip
                     if fields:
                         self.taken_over += 1
                         logger.warning("worker %s: took over job message %s of worker %s (no heartbeat for %.1f s)",
                                        self.name, text(message_id), owner, silent)  # fmt: skip
-                        return text(message_id), fields
+                        return shard, text(message_id), fields
         return None
 
-    def _process(self, message_id: str, fields: dict) -> None:
+    def _process(self, shard: JobKeys, message_id: str, fields: dict) -> None:
+        """Compile a job and record it in the shard it was read from (a job queued before sharding, in shard 0,
+        finishes there): the scripts' keys are all in that shard's slot."""
         raw = fields.get(b"job", fields.get("job"))
         job = _job(raw)
         if isinstance(job, str):
             # Not a job: it would kill this worker, then every worker that reclaimed it after it.
             logger.warning("worker %s: message %s is no job (%s); dead-lettered", self.name, message_id, job)
-            keys = [self.stream, self.keys.dead_letter_stream, self.keys.job_counts]
+            keys = [self._stream(shard), shard.dead_letters, shard.counts]
             self._dead_letter_message(keys=keys, args=[message_id, job, raw if isinstance(raw, bytes | str) else ""])
             return
-        self.current, self._current_message = job["id"], message_id
+        self.current, self._current_message = job["id"], (shard, message_id)
         attempt = job.get("attempt", 1)
         logger.info("worker %s: job %s (%s) taken, attempt %s", self.name, job["id"], job["file"], attempt)
         try:
             self._heartbeat()
-            self._compile_and_record(job, message_id)
+            self._compile_and_record(job, shard, message_id)
         finally:
             # Stop keeping the job claimed even when recording it failed (Redis outage): it must become
             # idle, so that it is reclaimed and compiled again instead of held by this worker forever.
@@ -482,7 +599,7 @@ class Worker:
         self.done += 1
         self._heartbeat()
 
-    def _compile_and_record(self, job: dict, message_id: str) -> None:
+    def _compile_and_record(self, job: dict, shard: JobKeys, message_id: str) -> None:
         result, artifact = self._compile(job)
         ttl = self.settings.job_ttl
         if result.error is None and artifact is not None:
@@ -490,17 +607,16 @@ class Worker:
                       "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip
             # NX: a reclaimed job finished twice keeps one artifact (both finishers ran this compiler on its graph).
             self.client.set(self.keys.job_artifact(job["id"]), artifact, nx=True, ex=ttl)
-            keys = [self.keys.job_result(job["id"]), self.keys.job_counts, self.stream, self.keys.job_failures]
+            keys = [shard.result(job["id"]), shard.counts, self._stream(shard), shard.failures]
             self._complete(keys=keys, args=[job["id"], json.dumps(record), ttl, message_id])
             c = result.counts
             logger.info("worker %s: job %s (%s) finished in %.2f s: %d kernels, %d hits, %d misses, %d remote hits, "
                         "%d traces", self.name, job["id"], job["file"], result.seconds, c["kernels"], c["cache_hits"],
                         c["cache_misses"], c["remote_hits"], c["traces"])  # fmt: skip
         else:
-            # A retry goes back onto this worker's stream: the stream the job was read from.
+            # A retry goes back onto the stream the job was read from.
             error = result.error or "no artifact"
-            keys = [self.keys.job_result(job["id"]), self.keys.job_counts, self.keys.job_failures, self.stream,
-                    self.keys.dead_letter_stream]  # fmt: skip
+            keys = [shard.result(job["id"]), shard.counts, shard.failures, self._stream(shard), shard.dead_letters]
             retry = {**job, "attempt": job.get("attempt", 1) + 1}
             attempts = self._fail(keys=keys, args=[job["id"], message_id, error, self.settings.job_max_attempts,
                                                    json.dumps(retry), self.name, ttl, job["file"]])  # fmt: skip
@@ -542,9 +658,9 @@ class Worker:
         while not self._beats_stop.wait(interval):
             try:
                 self._heartbeat()
-                message_id = self._current_message
-                if message_id is not None:
-                    self._touch(keys=[self.stream], args=[self.name, message_id])
+                current = self._current_message
+                if current is not None:
+                    self._touch(keys=[self._stream(current[0])], args=[self.name, current[1]])
             except rex.RedisError as exc:  # the main loop meets the same outage and decides; keep beating
                 logger.warning("worker %s: heartbeat failed: %s", self.name, exc)
             except Exception:  # a beat lost to a bug must not end the beating: other workers would take our job
@@ -577,5 +693,7 @@ def _job(raw: object) -> dict | str:
 
 
 def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
-    for message_id, fields in client.xrange(keys.dead_letter_stream):
-        yield {"id": text(message_id), **{text(k): text(v) for k, v in fields.items() if text(k) != "payload"}}
+    """Every shard's dead letters, shard by shard (each shard's in the order they were dead-lettered)."""
+    for shard in range(job_shards(client, keys)):
+        for message_id, fields in client.xrange(keys.job_shard(shard).dead_letters):
+            yield {"id": text(message_id), **{text(k): text(v) for k, v in fields.items() if text(k) != "payload"}}

@@ -79,7 +79,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     if not files:
         raise click.UsageError(f"no .json graph files in {', '.join(graphs)}")
     settings, client, keys = _fleet(tier, tier_mode)
-    submission = fleet.submit(client, keys, files, settings.job_ttl, settings.max_graph_bytes)
+    submission = fleet.submit(client, keys, files, settings.job_ttl, settings.max_graph_bytes, settings.job_shards)
     report: dict = {
         "batch": submission.batch_id,
         "toolchain": submission.toolchain,

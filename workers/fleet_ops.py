@@ -10,8 +10,8 @@ import redis.exceptions as rex
 
 from bridge.identity import toolchain_id
 from cachestore.backends.redis import text
-from cachestore.keys import KeySpace
-from workers.fleet import GROUP, REQUEUE_LUA, FleetError, _heartbeat, _job, results_of
+from cachestore.keys import JobKeys, KeySpace
+from workers.fleet import GROUP, REQUEUE_LUA, FleetError, _heartbeat, _job, home_shards, job_shards, results_of
 
 JOB_FIELDS = ("status", "file", "error", "worker", "seconds")  # of each job in `batch show`
 STREAM_SCAN_LIMIT = 10_000  # jobs of a stream looked through to find a waiting one (finished jobs leave it)
@@ -20,10 +20,12 @@ STREAM_SCAN_LIMIT = 10_000  # jobs of a stream looked through to find a waiting 
 def job_info(client: Any, keys: KeySpace, job_id: str) -> dict[str, Any]:
     """What is known of one job: its result once finished (completed or dead_letter), else the worker compiling
     it, else whether it waits in this toolchain's stream; `failed_attempts` so far, and whether its artifact is
-    still stored. A job unknown to all of these never existed, or finished more than job_ttl ago."""
+    still stored. A job unknown to all of these never existed, or finished more than job_ttl ago. It is looked
+    for in the shard of its id, then in shard 0 (where a job queued before the queue was sharded stays)."""
     info: dict[str, Any] = {"id": job_id}
+    homes = [keys.job_shard(shard) for shard in home_shards(job_id, job_shards(client, keys))]
     result = results_of(client, keys, [job_id]).get(job_id)
-    failures = client.hget(keys.job_failures, job_id)
+    failures = next((f for f in (client.hget(home.failures, job_id) for home in homes) if f is not None), None)
     info["failed_attempts"] = int(failures) if failures is not None else 0
     if result is not None:
         info.update(result)
@@ -34,11 +36,12 @@ def job_info(client: Any, keys: KeySpace, job_id: str) -> dict[str, Any]:
         if fields is not None and fields.get("job") == job_id:
             info.update(status="in_flight", worker=text(name))
             return info
-    for _message_id, fields in client.xrange(keys.job_stream(toolchain_id()), count=STREAM_SCAN_LIMIT):
-        job = _job(fields.get(b"job", fields.get("job")))
-        if isinstance(job, dict) and job["id"] == job_id:
-            info.update(status="waiting", file=job["file"], attempt=job.get("attempt", 1))
-            return info
+    for home in homes:
+        for _message_id, fields in client.xrange(home.stream(toolchain_id()), count=STREAM_SCAN_LIMIT):
+            job = _job(fields.get(b"job", fields.get("job")))
+            if isinstance(job, dict) and job["id"] == job_id:
+                info.update(status="waiting", file=job["file"], attempt=job.get("attempt", 1))
+                return info
     info["status"] = "unknown"
     return info
 
@@ -69,28 +72,38 @@ def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None) -> tuple
     letter."""
     wanted = set(job_ids) if job_ids else None
     script = client.register_script(REQUEUE_LUA)
-    requeued, problems, seen = [], [], set()
-    for entry_id, fields in client.xrange(keys.dead_letter_stream):
-        job_id = text(fields.get(b"job", b""))
-        if wanted is not None and job_id not in wanted:
-            continue
-        seen.add(job_id)
-        job = _job(fields.get(b"payload"))
-        if isinstance(job, str) or not isinstance(job.get("toolchain"), str):
-            problems.append(f"dead letter {text(entry_id)} ({job_id}) holds no job that names a toolchain; left")
-            continue
-        job = {**job, "attempt": 1}
-        stream = keys.job_stream(job["toolchain"])
-        ensure = _ensure_group(client, stream)
-        if ensure is not None:
-            problems.append(ensure)
-            continue
-        script_keys = [keys.dead_letter_stream, stream, keys.job_result(job["id"]), keys.job_failures]
-        if script(keys=script_keys, args=[text(entry_id), json.dumps(job), job["id"]]):
-            requeued.append(job["id"])
+    requeued: list[str] = []
+    problems: list[str] = []
+    seen: set[str] = set()
+    for shard in (keys.job_shard(i) for i in range(job_shards(client, keys))):
+        for entry_id, fields in client.xrange(shard.dead_letters):
+            job_id = text(fields.get(b"job", b""))
+            if wanted is not None and job_id not in wanted:
+                continue
+            seen.add(job_id)
+            problem = _requeue_one(client, shard, script, text(entry_id), job_id, fields.get(b"payload"))
+            if problem is None:
+                requeued.append(job_id)
+            elif problem:
+                problems.append(problem)
     if wanted is not None:
         problems += [f"job {job}: no dead letter" for job in sorted(wanted - seen)]
     return requeued, problems
+
+
+def _requeue_one(client: Any, shard: JobKeys, script: Any, entry_id: str, job_id: str, payload: Any) -> str | None:
+    """Requeue one dead letter onto its toolchain's stream in its own shard (the script's keys share its slot):
+    None when requeued, "" when another requeue took it first, else the problem."""
+    job = _job(payload)
+    if isinstance(job, str) or not isinstance(job.get("toolchain"), str):
+        return f"dead letter {entry_id} ({job_id}) holds no job that names a toolchain; left"
+    job = {**job, "attempt": 1}
+    stream = shard.stream(job["toolchain"])
+    ensure = _ensure_group(client, stream)
+    if ensure is not None:
+        return ensure
+    script_keys = [shard.dead_letters, stream, shard.result(job["id"]), shard.failures]
+    return None if script(keys=script_keys, args=[entry_id, json.dumps(job), job["id"]]) else ""
 
 
 def _ensure_group(client: Any, stream: str) -> str | None:
@@ -106,20 +119,26 @@ def purge(client: Any, keys: KeySpace, dead_letters: bool, waiting: bool) -> dic
     """Delete the dead letters, and/or the jobs of this toolchain's stream that no worker has taken yet. Jobs
     in flight are left to finish (deleting them would not stop their workers)."""
     purged = {"dead_letters": 0, "waiting": 0}
-    if dead_letters:
-        purged["dead_letters"] = client.xlen(keys.dead_letter_stream)
-        client.delete(keys.dead_letter_stream)
-    if waiting:
-        stream = keys.job_stream(toolchain_id())
-        groups = [g for g in _groups(client, stream) if text(g["name"]) == GROUP]
-        after = text(groups[0]["last-delivered-id"]) if groups else "0-0"
-        while True:
-            batch = client.xrange(stream, min=f"({after}", count=1000)
-            if not batch:
-                break
-            purged["waiting"] += client.xdel(stream, *[message_id for message_id, _ in batch])
-            after = text(batch[-1][0])
+    for shard in (keys.job_shard(i) for i in range(job_shards(client, keys))):
+        if dead_letters:
+            purged["dead_letters"] += client.xlen(shard.dead_letters)
+            client.delete(shard.dead_letters)
+        if waiting:
+            purged["waiting"] += _purge_waiting(client, shard.stream(toolchain_id()))
     return purged
+
+
+def _purge_waiting(client: Any, stream: str) -> int:
+    """Delete the jobs of `stream` past its group's last delivered one."""
+    groups = [g for g in _groups(client, stream) if text(g["name"]) == GROUP]
+    after = text(groups[0]["last-delivered-id"]) if groups else "0-0"
+    purged = 0
+    while True:
+        batch = client.xrange(stream, min=f"({after}", count=1000)
+        if not batch:
+            return purged
+        purged += client.xdel(stream, *[message_id for message_id, _ in batch])
+        after = text(batch[-1][0])
 
 
 def _groups(client: Any, stream: str) -> list[dict]:

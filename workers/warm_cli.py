@@ -110,7 +110,7 @@ def _fleet_submitter(settings: Any) -> Callable[[list[tuple[str, str]]], Any]:
     def submit(graphs: list[tuple[str, str]]) -> Any:
         client = fleet_client(settings)
         try:
-            return submit_texts(client, KeySpace(settings.namespace), graphs, settings.job_ttl)
+            return submit_texts(client, KeySpace(settings.namespace), graphs, settings.job_ttl, settings.job_shards)
         finally:
             client.close()
 
