@@ -130,7 +130,8 @@ def build_report(
     now: float | None = None,
 ) -> FleetReport:
     """Read the fleet metrics (and, for the top variants, their entries) into a report. `coverage` scans the
-    entry keys (no values), which a Prometheus scrape leaves out to stay cheap at any cache size."""
+    entry keys (no values) when the metrics know more than one toolchain (`nkicache warm` names its own);
+    a Prometheus scrape leaves it out to stay cheap at any cache size."""
     report = FleetReport(
         tier=reader.description,
         generated=time.time() if now is None else now,
@@ -141,7 +142,7 @@ def build_report(
         per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
         variants=reader.key_count(),
     )
-    if coverage:
+    if coverage and len(report.per_toolchain) > 1:  # else no upgrade is under way: spare the scan of every key
         report.coverage = toolchain_coverage(reader)
     if top > 0:
         report.top_variants = top_variants(reader, top)

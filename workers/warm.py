@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from bridge.codegen import kernel_cache_key
 from bridge.errors import NkiCacheError
 from bridge.identity import toolchain_id
 from bridge.toolchain import compile_kernel
-from cachestore.api import Reader, batched
+from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
 from cachestore.inspect import decode_or_reason
 from workers.verify import rebuild_op
@@ -145,6 +146,12 @@ def warm(
         for variant, call, outcome in _traced(calls, workers):
             _store(tier, report, variant, call, outcome)
             on_progress()
+    if not dry_run:
+        # Names this compiler in the fleet metrics (with no pass), so that `report` compares the toolchains'
+        # coverage, which it only looks for when the metrics know more than one toolchain.
+        settings = tier.settings
+        tier.record(MetricsBatch(f"warm-{uuid.uuid4().hex}", settings.host, settings.worker, {"passes": 0},
+                                 toolchain=report.toolchain))  # fmt: skip
     report.seconds = time.perf_counter() - started
     return report
 
