@@ -235,3 +235,13 @@ def job_shard(job_id: str, shards: int) -> int:
     """The shard a job is queued in, and so holds its result: a function of the job id alone, so that
     `results_of` and `job show` find it without a lookup."""
     return zlib.crc32(job_id.encode()) % shards
+
+
+def stored_shard_count(stored: bytes | str, maximum: int) -> int | None:
+    """The shard count a stored value (metrics-shards, job-shards) holds; None when it is no count from 1 to
+    `maximum` (a hand or another tool wrote it)."""
+    try:
+        count = int(stored)
+    except ValueError:
+        return None
+    return count if 1 <= count <= maximum else None

@@ -54,7 +54,7 @@ from bridge.graph import load_graph, parse_graph_json
 from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url, stored_number
 from cachestore.backends.redis import connect, text
-from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard
+from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, stored_shard_count
 from cachestore.settings import Settings
 from workers.job_process import CompileProcess
 from workers.passes import PassResult
@@ -183,11 +183,8 @@ def job_shards(client: Any, keys: KeySpace) -> int:
     stored = client.get(keys.job_shard_count)
     if stored is None:
         return 1
-    try:
-        count = int(stored)
-    except ValueError:
-        count = 0
-    if not 1 <= count <= MAX_JOB_SHARDS:
+    count = stored_shard_count(stored, MAX_JOB_SHARDS)
+    if count is None:
         raise FleetError(f"{keys.job_shard_count} holds {text(stored)!r}, not a shard count from 1 to {MAX_JOB_SHARDS}")
     return count
 

@@ -65,6 +65,7 @@ from cachestore.keys import (
     MetricsKeys,
     key_shard,
     pass_shard,
+    stored_shard_count,
 )
 
 if TYPE_CHECKING:
@@ -793,11 +794,8 @@ class RedisBackend:
 
 
 def _parsed_shard_count(stored: bytes | str, name: str) -> int:
-    try:
-        count = int(stored)
-    except ValueError:
-        count = 0
-    if not 1 <= count <= MAX_METRICS_SHARDS:
+    count = stored_shard_count(stored, MAX_METRICS_SHARDS)
+    if count is None:
         raise TierError(f"{name} holds {text(stored)!r}, not a shard count from 1 to {MAX_METRICS_SHARDS}")
     return count
 
