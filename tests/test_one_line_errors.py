@@ -17,7 +17,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from helpers_graphs import delete_namespace, mixed_graph, unique_namespace, write_graph
+from helpers_graphs import delete_namespace, metrics_shards, mixed_graph, unique_namespace, write_graph
 
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.settings import load_settings
@@ -315,7 +315,7 @@ def corrupt_redis_metrics(client: redis.Redis, namespace: str) -> None:
     from cachestore.keys import KeySpace
 
     keys = KeySpace(namespace)
-    shards = [keys.metrics_shard(i) for i in range(int(client.get(keys.metrics_shard_count)))]
+    shards = metrics_shards(client, keys)
     home = next(shard for shard in shards if client.exists(shard.totals))  # the pass's own counts
     [worker] = list(client.smembers(home.workers))
     host, _, name = worker.decode().partition(":")
@@ -569,7 +569,7 @@ def test_a_last_use_that_is_no_date_is_printed_as_such(
     env = {"NKICACHE_NAMESPACE": namespace, "NKICACHE_TIER": redis_url}
     assert nkicache("compile", write_graph(tmp_path, mixed_graph()), "--out", tmp_path / "out", env=env).returncode == 0
     keys = KeySpace(namespace)
-    for shard in (keys.metrics_shard(i) for i in range(int(redis_client.get(keys.metrics_shard_count)))):
+    for shard in metrics_shards(redis_client, keys):
         if redis_client.exists(shard.key_last):
             redis_client.hset(shard.key_last, mapping=dict.fromkeys(redis_client.hkeys(shard.key_last), "1e300"))
     for command in (["report"], ["report", "--html", tmp_path / "report.html"], ["inspect", "ls"]):
