@@ -33,6 +33,7 @@ from bridge.ir import (
 )
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
+from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss
 from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, VariantUse
 from bridge.registry import InternalKernelConfig, KernelCall, get_internal_kernel_registry
 from bridge.targets import Target, get_platform_target, make_target
@@ -72,6 +73,12 @@ class BirCodeGenLoop:
         # The tier's answers for a whole graph, fetched at once: key -> verified trace or None (a miss).
         self._prefetched: dict[str, StoredTrace | None] = {}
         self._prefetch_stored: set[str] = set()  # keys the tier held something under, rejected or not
+        # For the cause of each tier miss (bridge.miss_causes): was the tier down for the prefetch, and what its
+        # variant index knows of the keys the prefetch found absent (None: it could not say).
+        self._tier_down = False
+        self._variant_facts: dict[str, VariantFacts] | None = None
+        self.miss_causes: dict[str, int] = dict.fromkeys(MISS_CAUSES, 0)
+        self.kernel_miss_causes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # The prefetch computes every op's key once: id(op) -> (op, key components, cache key), for the orchestrator.
         self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
         self._tier_counts_at_start = tier.counts() if tier is not None else {}
@@ -217,6 +224,7 @@ class BirCodeGenLoop:
             held = cache_key in self._prefetch_stored
         else:
             stored, held = self._find_trace(cache_key)
+        waited = False
         if stored is None and self.tier.single_flight:
             if self.tier.acquire_lease(cache_key):
                 # On a plain miss, the previous holder may have published and released between our lookup and
@@ -224,17 +232,28 @@ class BirCodeGenLoop:
                 stored = None if held else self._find_trace(cache_key)[0]
                 if stored is None:
                     self._leases.add(cache_key)
+                    self._count_tier_miss(inst, cache_key, MissObservation(self._tier_down, rejected=held))
                     return None
                 self.tier.release_lease(cache_key)
             else:
                 self.lease_waits += 1
+                waited = True
                 stored = self._accepted(cache_key, self.tier.wait_for_trace(cache_key))
         if stored is None:
+            self._count_tier_miss(inst, cache_key, MissObservation(self._tier_down, held, lease_timed_out=waited))
             return None
         self.remote_hits += 1
         self.saved_seconds += stored.compile_seconds
         self._compile_seconds[cache_key] = stored.compile_seconds
         return dict(stored.result)
+
+    def _count_tier_miss(self, inst: InternalNkiKernel, cache_key: str, seen: MissObservation) -> None:
+        """Count a tier miss under its cause (bridge.miss_causes), for the pass and for its kernel."""
+        facts = None if self._variant_facts is None else self._variant_facts.get(cache_key)
+        cause = classify_miss(seen, facts)
+        self.miss_causes[cause] += 1
+        self.kernel_miss_causes[inst.kernel_name][cause] += 1
+        logger.debug("Tier miss for %s (cache key: %s...): %s", inst.func_name, cache_key[:CACHE_KEY_LOG_PREFIX], cause)
 
     def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
         traces, held = self.tier.find_traces([cache_key])
@@ -270,9 +289,14 @@ class BirCodeGenLoop:
             if isinstance(op, InternalNkiKernel):
                 key_components = self._key_components(op)
                 self._op_keys[id(op)] = (op, key_components, self._compute_cache_key_from_components(key_components))
-        keys = {cache_key for _, _, cache_key in self._op_keys.values()}
-        traces, self._prefetch_stored = self.tier.find_traces(sorted(keys))
-        self._prefetched = {key: traces.get(key) for key in keys}
+        components = {cache_key: key_components for _, key_components, cache_key in self._op_keys.values()}
+        traces, self._prefetch_stored = self.tier.find_traces(sorted(components))
+        self._prefetched = {key: traces.get(key) for key in components}
+        self._tier_down = not self.tier.available
+        absent = {key: components[key] for key in components if key not in self._prefetch_stored}
+        if absent and not self._tier_down:
+            # One more round trip, only for a pass that will miss: what the tier's index knows of those keys.
+            self._variant_facts = self.tier.variant_facts(absent)
 
     def _key_components(self, inst: InternalNkiKernel) -> dict[str, Any]:
         """The key components the orchestrator builds for `inst` (before target and neuroncores are folded)."""
@@ -328,6 +352,7 @@ class BirCodeGenLoop:
             "saved_seconds": round(self.saved_seconds, 6),
             "lease_waits": self.lease_waits,
             **self.tier_counts(),
+            **{f"misses_{cause}": count for cause, count in self.miss_causes.items()},
         }
 
     def pass_record(self, graph_name: str, started: float, finished: float) -> PassRecord:
@@ -337,7 +362,8 @@ class BirCodeGenLoop:
             first, last = self.key_use_times.get(cache_key, (started, finished))
             usage = self._cache_usage_counts.get(cache_key, 0)
             variants[cache_key] = VariantUse(components["kernel_name"], usage, first, last)
-        return PassRecord(graph_name, self.pass_id, started, finished, self.pass_summary(), variants)
+        kernel_misses = {kernel: dict(causes) for kernel, causes in sorted(self.kernel_miss_causes.items())}
+        return PassRecord(graph_name, self.pass_id, started, finished, self.pass_summary(), variants, kernel_misses)
 
     def finish_pass(self, graph_name: str, started: float) -> None:
         """Hand this pass's metrics to the tier and wait (bounded) for the mirror to drain."""

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bridge.miss_causes import MISS_COUNTERS, VariantFacts
+
 # What one pass counts, in the order reports show them. `kernels` = cache_hits + cache_misses (the
 # specification's counters, the in-pass cache); `tier_lookups` are the in-pass misses that asked the shared
 # tier (none with the tier off or in mirror mode), `remote_hits` the ones it answered; `traces` are the misses
@@ -21,8 +23,9 @@ from typing import Any, Protocol
 PASS_COUNTERS = (
     "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds",
     "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
-    "tier_lookups",
+    "tier_lookups", *MISS_COUNTERS,
 )  # fmt: skip
+# tier_lookups - remote_hits = the tier misses, each counted once under its cause (bridge.miss_causes).
 # The store's own share of those counts: faults and refusals, counted apart from misses.
 TIER_COUNTERS = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")
 
@@ -106,6 +109,7 @@ class PassRecord:
     finished: float
     counts: dict[str, float]  # PASS_COUNTERS
     variants: dict[str, VariantUse] = field(default_factory=dict)  # cache key -> use
+    kernel_misses: dict[str, dict[str, int]] = field(default_factory=dict)  # kernel -> cause -> tier misses
 
 
 class KernelStore(Protocol):
@@ -113,6 +117,7 @@ class KernelStore(Protocol):
     raises when the store is down or slow: a store never makes a compile fail."""
 
     reads: bool  # False: mirror only (publish, never look up)
+    available: bool  # False while the store is known to be down (its lookups all miss)
     single_flight: bool  # take a lease before tracing, so a variant is traced once across processes
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
@@ -125,6 +130,10 @@ class KernelStore(Protocol):
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         """Wait (bounded) for the lease holder's trace; None when it does not come."""
+
+    def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
+        """What the store's variant index knows of each cache key the pass is about to miss on (its key
+        components given), in one round trip; None when it cannot say. For the cause of each miss."""
 
     def reject(self, cache_key: str, reason: str) -> None:
         """Count (in tier_rejected) and log a trace the loop refused: not what it asked for under this key."""

@@ -73,6 +73,8 @@ class StoreRequest:
     # digest: only the backend learns which key that is, and only the client can sign the encoding.
     reference: Callable[[str], bytes]
     kernel_name: str
+    # Fields of the kernel's variant index (cachestore.variant_index) this store sets: how misses get a cause.
+    index_fields: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,6 +233,11 @@ class Backend(Protocol):
 
     def apply_metrics(self, batch: MetricsBatch) -> bool:
         """Apply a batch unless one with its id was applied already; True when applied now."""
+
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+        """The values of each (kernel name, fields) in the variant index (cachestore.variant_index), None for a
+        field not set, and None for a query the store could not answer (another type of key under the kernel's
+        name); in one round trip, bounded by the operation timeout like fetch."""
 
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         """On the compile path, like fetch: bounded as a whole by the operation timeout."""

@@ -33,6 +33,7 @@ from typing import Any
 
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
+from bridge.miss_causes import VariantFacts
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
     REDIS_SCHEMES,
@@ -51,6 +52,7 @@ from cachestore.api import (
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
 from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings
+from cachestore.variant_index import facts, query_fields, stored_fields
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -136,6 +138,11 @@ class TierClient:
 
     def counts(self) -> dict[str, int]:
         return self.stats.snapshot()
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker keeps the tier off after a failure."""
+        return self._available()
 
     # -- fault handling ---------------------------------------------------------------------------
     def _available(self) -> bool:
@@ -229,6 +236,24 @@ class TierClient:
             self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
         return entry
 
+    def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
+        """What the variant index knows of each missed cache key (its key components given), in one round
+        trip; None when the index cannot be read. A diagnosis only: a failure is logged at debug level and
+        neither counted as a tier error nor opens the breaker."""
+        if not misses or not self._available():
+            return None
+        queries = {key: query_fields(key, components, self.toolchain) for key, components in misses.items()}
+        try:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            answers = self._backend.read_variant_index(list(queries.values()))
+        except TierError as exc:
+            logger.debug("tier %s: variant index not read (%s); misses of this pass are of unknown cause",
+                         self.description, exc)  # fmt: skip
+            return None
+        return {key: facts(values, self.toolchain)
+                for key, values in zip(queries, answers, strict=True) if values is not None}  # fmt: skip
+
     def reject(self, cache_key: str, reason: str) -> None:
         self.stats.add("tier_rejected")
         logger.warning("rejected tier entry %s...: %s", cache_key[:16], reason)
@@ -268,7 +293,7 @@ class TierClient:
             time.sleep(LEASE_POLL_SECONDS)
         if holder is not None:
             self._silent_holders.add(holder)
-            logger.warning("lease holder %s of %s... did not trace within lease_wait (%.0f s); taken over, and "
+            logger.warning("lease holder %s of %s... did not trace within lease_wait (%g s); taken over, and "
                            "its other leases are not waited on", holder, cache_key[:16],
                            self.settings.lease_wait)  # fmt: skip
         return None
@@ -299,7 +324,8 @@ class TierClient:
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
                 reference = self._reference_encoder(entry)
-                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name)
+                index = stored_fields(pending.cache_key, entry.key_components, self.toolchain)
+                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name, index)
             pending.prepared = True
         return pending.request
 
@@ -517,6 +543,8 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
     log_record = {"pass_id": pass_id, "graph": record.graph_name, "host": host, "worker": worker,
                   "toolchain": toolchain, "started": record.started, "finished": record.finished,
                   **record.counts}  # fmt: skip
+    if record.kernel_misses:  # the report's misses by cause per kernel, over time
+        log_record["kernel_misses"] = record.kernel_misses
     return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record,
                         toolchain)  # fmt: skip
 

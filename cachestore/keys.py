@@ -5,6 +5,8 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     NS:vV:tc:TC:entry:{KEY}      string   encoded entry for cache key KEY (TTL, refreshed on use)
     NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
     NS:vV:tc:TC:digest:{DIGEST}  string   the cache key whose entry holds the binary with this SHA-256 (TTL)
+    NS:vV:variants:{KERNEL}      hash     the variant index of one kernel name (cachestore.variant_index): what
+                               each toolchain stored of it, for the cause of a miss (TTL, refreshed on store)
     NS:vV:metrics-shards       string   S, the number of metrics shards (set once, by the first batch)
     {NS:vV:metrics}:...        fleet metrics, shard 0; shard i > 0 is {NS:vV:metrics:i}:... A pass's own
                                counts go to the shard of its batch id, each cache key's to the shard of
@@ -58,6 +60,10 @@ class KeySpace:
 
     def digest(self, toolchain: str, digest: str) -> str:
         return f"{self.prefix}:tc:{toolchain}:digest:{{{digest}}}"
+
+    def variant_index(self, kernel_name: str) -> str:
+        """Shared by every toolchain: a miss under one tells `other_toolchain` from `new_variant` by it."""
+        return f"{self.prefix}:variants:{{{kernel_name}}}"
 
     def namespace_patterns(self) -> tuple[str, str]:
         """SCAN patterns that together match every key of this namespace (and layout version): the

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from bridge.miss_causes import MISS_CAUSES
 from bridge.port import hit_rates
 from cachestore.api import TOTAL_COUNTERS, Reader
 
@@ -62,9 +63,11 @@ class Bucket:
     start: float
     end: float
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
+    misses: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))  # tier misses by cause
 
     def as_json(self) -> dict:
-        return {"start": self.start, "end": self.end, **self.counts, **hit_rates(self.counts)}
+        return {"start": self.start, "end": self.end, **self.counts, **hit_rates(self.counts),
+                "misses": {cause: round(count) for cause, count in self.misses.items()}}  # fmt: skip
 
 
 @dataclass
@@ -98,6 +101,13 @@ class FleetReport:
     # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
     coverage: dict[str, dict[str, Coverage]] = field(default_factory=dict)
     zeroed: list[dict] = field(default_factory=list)  # `report --zero` records in the pass log: {when, host, worker}
+    # {kernel: {cause: tier misses}} over the timeline's passes (the pass log keeps each pass's, by kernel).
+    kernel_misses: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def misses(self) -> dict[str, int]:
+        """The fleet's tier misses by cause (every pass, from the totals)."""
+        return {cause: int(self.totals.get(f"misses_{cause}", 0)) for cause in MISS_CAUSES}
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -116,6 +126,8 @@ class FleetReport:
             "window": self.window,
             "coverage": {tc: {other: asdict(c) for other, c in of.items()} for tc, of in self.coverage.items()},
             "zeroed": self.zeroed,
+            "misses": self.misses,
+            "kernel_misses": self.kernel_misses,
         }
 
 
@@ -147,8 +159,9 @@ def build_report(
     if top > 0:
         report.top_variants = top_variants(reader, top)
     if timeline:
-        report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds,
-                                                                              report.zeroed)  # fmt: skip
+        report.bucket_seconds, report.timeline, report.window = pass_timeline(
+            reader, since, bucket_seconds, report.zeroed, report.kernel_misses
+        )
     return report
 
 
@@ -234,11 +247,16 @@ def zero_record(host: str, worker: str, previous: dict[str, Any], now: float | N
 
 
 def pass_timeline(
-    reader: Reader, since: float | None, bucket_seconds: int | None = None, zeroed: list[dict] | None = None
+    reader: Reader,
+    since: float | None,
+    bucket_seconds: int | None = None,
+    zeroed: list[dict] | None = None,
+    kernel_misses: dict[str, dict[str, int]] | None = None,
 ) -> tuple[int, list[Bucket], dict[str, float]]:
     """(bucket width, buckets from the first to the last pass, the window's summed counts): passes are
     placed by when they finished; empty buckets are kept, so the time axis is even. The `report --zero`
-    records found on the way are appended to `zeroed` (they count nothing)."""
+    records found on the way are appended to `zeroed` (they count nothing), and each pass's tier misses by
+    kernel and cause are added to `kernel_misses`."""
     span = reader.pass_log_span(since)
     if span is None:
         return bucket_seconds or 0, [], counters({})
@@ -263,9 +281,25 @@ def pass_timeline(
         index = min(max(int((when - origin) // width), 0), count - 1)
         for name in TIMELINE_COUNTERS:
             buckets[index].counts[name] += _number(record.get(name))
+        for cause in MISS_CAUSES:
+            buckets[index].misses[cause] += _number(record.get(f"misses_{cause}"))
+        if kernel_misses is not None:
+            _add_kernel_misses(kernel_misses, record.get("kernel_misses"))
         for name in TOTAL_COUNTERS:
             window[name] = window.get(name, 0) + _number(record.get(name))
     return width, buckets, counters(window)
+
+
+def _add_kernel_misses(into: dict[str, dict[str, int]], recorded: Any) -> None:
+    """Add one pass-log record's {kernel: {cause: count}}, skipping anything else (a hand-written record)."""
+    if not isinstance(recorded, dict):
+        return
+    for kernel, causes in recorded.items():
+        if isinstance(kernel, str) and isinstance(causes, dict):
+            for cause, count in causes.items():
+                if cause in MISS_CAUSES:
+                    mine = into.setdefault(kernel, {})
+                    mine[cause] = mine.get(cause, 0) + int(_number(count))
 
 
 def _number(value: Any) -> float:

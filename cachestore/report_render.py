@@ -13,11 +13,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
 from bridge.errors import NkiCacheError
+from bridge.miss_causes import MISS_CAUSE_MEANINGS, MISS_CAUSES, MISS_COUNTERS
 from bridge.port import (
     HIT_RATE_FORMULAS,
     HIT_RATE_WORDS,
@@ -52,7 +53,9 @@ TOTAL_LABELS = {
     "tier_rejected": "tier entries rejected",
     "tier_dropped": "tier writes dropped",
 }
-TOTALS_SHOWN = TOTALS_SHOWN_FIRST + tuple(name for name in TOTAL_COUNTERS if name not in TOTALS_SHOWN_FIRST)
+# The miss counters have a table of their own (misses by cause), and one labelled metric family.
+COUNTERS_BY_NAME = tuple(name for name in TOTAL_COUNTERS if name not in MISS_COUNTERS)
+TOTALS_SHOWN = TOTALS_SHOWN_FIRST + tuple(name for name in COUNTERS_BY_NAME if name not in TOTALS_SHOWN_FIRST)
 
 
 def label(name: str) -> str:
@@ -164,6 +167,10 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             workers.add_row(host, "(all)", *_worker_cells(info["totals"]), style="bold")
     yield workers
 
+    if any(report.misses.values()):
+        yield Text("Tier misses by cause (all passes; a tier miss is a tier lookup not answered)", style="bold")
+        yield _misses_table(["cause", "misses", "meaning"], _cause_rows(report.misses))
+
     if report.per_toolchain:
         yield Text("Per toolchain (the compiler that ran each pass; an upgrade starts cold)", style="bold")
         toolchains = Table()
@@ -220,6 +227,14 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
         window = report.window
         for event in report.zeroed:
             yield f"Counters zeroed {when(event['when'])} by {event['host']}/{event['worker']} (nkicache report --zero)"
+        if any(any(bucket.misses.values()) for bucket in report.timeline):
+            yield Text("Tier misses by cause over time", style="bold")
+            headers, rows = _misses_over_time(report)
+            yield _misses_table(headers, rows)
+        if report.kernel_misses:
+            yield Text("Tier misses by cause per kernel (passes in these buckets)", style="bold")
+            headers, rows = _kernel_miss_rows(report)
+            yield _misses_table(headers, rows)
         yield (f"In these buckets: {window['passes']:,} passes, {window['kernels']:,} kernels, "
                f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
                f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}")  # fmt: skip
@@ -241,6 +256,41 @@ def _timeline_cells(counts: dict) -> list[str]:
     rates = hit_rates(counts)
     return [*(f"{int(counts.get(name, 0)):,}" for name in TIMELINE_COUNTERS_SHOWN),
             *(_value(name, rates[name]) if counts["kernels"] else "-" for name in RATES)]  # fmt: skip
+
+
+def _misses_table(headers: list[str], rows: list[list[str]]) -> Any:
+    from rich.table import Table
+
+    table = Table()
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 or header == "meaning" else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _cause_rows(misses: dict[str, int]) -> list[list[str]]:
+    return [[cause, f"{count:,}", MISS_CAUSE_MEANINGS[cause]] for cause, count in misses.items() if count]
+
+
+def _causes_seen(counts: Iterable[dict[str, float]]) -> list[str]:
+    """The causes any of `counts` has, in their order: a column for each cause that happened, not for all."""
+    seen = {cause for one in counts for cause, count in one.items() if count}
+    return [cause for cause in MISS_CAUSES if cause in seen]
+
+
+def _misses_over_time(report: FleetReport) -> tuple[list[str], list[list[str]]]:
+    causes = _causes_seen(bucket.misses for bucket in report.timeline)
+    rows = [[when(bucket.start), *(f"{int(bucket.misses[cause]):,}" for cause in causes)]
+            for bucket in report.timeline]  # fmt: skip
+    return ["from", *causes], rows
+
+
+def _kernel_miss_rows(report: FleetReport) -> tuple[list[str], list[list[str]]]:
+    causes = _causes_seen(report.kernel_misses.values())
+    ranked = sorted(report.kernel_misses.items(), key=lambda item: (-sum(item[1].values()), item[0]))
+    rows = [[kernel, *(f"{by_cause.get(cause, 0):,}" for cause in causes)] for kernel, by_cause in ranked]
+    return ["kernel", *causes], rows
 
 
 def _worker_cells(values: dict) -> list[str]:
@@ -277,12 +327,17 @@ def _width(seconds: int) -> str:
 def _metric_families(report: FleetReport) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    for name in TOTAL_COUNTERS:
+    for name in COUNTERS_BY_NAME:
         yield CounterMetricFamily(f"nkicache_{name}", f"Fleet total of {label(name)}.",
                                   value=report.totals[name])  # fmt: skip
+    misses = CounterMetricFamily("nkicache_tier_misses", "Fleet tier misses (lookups the tier did not answer) by "
+                                 "cause (docs/tiers.md).", labels=["cause"])  # fmt: skip
+    for cause, count in report.misses.items():
+        misses.add_metric([cause], count)
+    yield misses
     yield from _rate_families("nkicache_", "Fleet", [], [((), report.totals)])
     yield GaugeMetricFamily("nkicache_variants", "Distinct cache keys the fleet used.", value=report.variants)
-    for name in TOTAL_COUNTERS:
+    for name in COUNTERS_BY_NAME:
         family = CounterMetricFamily(f"nkicache_worker_{name}", f"Per worker: {label(name)}.",
                                      labels=["host", "worker"])  # fmt: skip
         for host, info in report.per_host.items():
@@ -298,7 +353,7 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
         variants.add_metric([kernel], stats["variants"])
     yield calls
     yield variants
-    for name in TOTAL_COUNTERS:
+    for name in COUNTERS_BY_NAME:
         family = CounterMetricFamily(f"nkicache_toolchain_{name}", f"Per toolchain (compiler id): {label(name)}.",
                                      labels=["toolchain"])  # fmt: skip
         for toolchain, values in report.per_toolchain.items():
@@ -546,6 +601,13 @@ def render_html(report: FleetReport) -> str:
 
     parts.append("<h2>Totals</h2>")
     parts.append(_table(["counter", "value"], [[label(n), _value(n, t.get(n, 0))] for n in TOTALS_SHOWN], {1}))
+    if any(report.misses.values()):
+        parts.append('<h2 id="misses">Tier misses by cause</h2>')
+        parts.append(_table(["cause", "misses", "meaning"], _cause_rows(report.misses), {1}))
+    if report.kernel_misses:
+        headers, rows = _kernel_miss_rows(report)
+        parts.append('<h2 id="kernel-misses">Tier misses by cause per kernel</h2>')
+        parts.append(_table(headers, rows, set(range(1, len(headers)))))
     parts.append("<h2>Per host and worker</h2>")
     rows = [[host, worker, *_worker_cells(values)] for host, info in report.per_host.items()
             for worker, values in info["workers"].items()]  # fmt: skip

@@ -291,7 +291,7 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
                     by_family.setdefault(family, set()).add(node.port)
             finally:
                 direct.close()
-        assert set(by_family) == {"entry", "digest", "metrics", "jobs", "job-result", "artifact"}, by_family
+        assert set(by_family) == {"entry", "digest", "variants", "metrics", "jobs", "job-result", "artifact"}, by_family
         # The queue and the metrics are sharded: the streams, the results and even one pass spread over masters.
         assert len(by_family["jobs"]) > 1 and len(by_family["job-result"]) > 1 and len(by_family["metrics"]) > 1
     finally:
@@ -309,6 +309,8 @@ def key_family(key: str, keys: KeySpace) -> str:
         return "metrics"
     if key == keys.job_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:jobs(:\d+)?\}}:", key):
         return "job-result" if ":result:" in key else "jobs"
+    if re.fullmatch(rf"{re.escape(keys.prefix)}:variants:\{{[^{{}}]+\}}", key):
+        return "variants"
     if re.fullmatch(rf"{re.escape(keys.prefix)}:artifact:\{{[^{{}}]+\}}", key):
         return "artifact"
     raise AssertionError(f"{key} is not in the documented key layout (docs/tiers.md)")

@@ -15,6 +15,7 @@ from helpers_graphs import MIXED_DISTINCT_KEYS, MIXED_KERNEL_OPS, binary_digests
 from bridge.codegen import BirCodeGenLoop, cache_key_of_stored
 from bridge.graph import load_graph
 from bridge.identity import toolchain_id
+from bridge.miss_causes import VariantFacts
 from bridge.port import (
     PASS_COUNTERS,
     TIER_COUNTERS,
@@ -32,6 +33,7 @@ class DictStore:
 
     reads = True
     single_flight = False
+    available = True
 
     def __init__(self) -> None:
         self.traces: dict[str, StoredTrace] = {}
@@ -50,6 +52,10 @@ class DictStore:
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         return None
+
+    def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts]:
+        kernels = {trace.key_components["kernel_name"] for trace in self.traces.values()}
+        return {key: VariantFacts(kernel_stored=parts["kernel_name"] in kernels) for key, parts in misses.items()}
 
     def reject(self, cache_key: str, reason: str) -> None:
         self.rejected[cache_key] = reason
@@ -97,6 +103,10 @@ def test_any_kernel_store_plugs_into_the_loop() -> None:
     assert first.counts["tier_lookups"] == second.counts["tier_lookups"] == first.counts["cache_misses"]
     assert shared_hit_rate(second.counts) == 1.0 and shared_hit_rate(first.counts) == 0.0
     assert in_pass_hit_rate(second.counts) == in_pass_hit_rate(first.counts) < 1.0
+    # The store's facts gave each of the first pass's tier misses its cause.
+    assert first.counts["misses_new_variant"] == MIXED_DISTINCT_KEYS
+    assert first.kernel_misses == {"matmul_tiled": {"new_variant": 2}, "rmsnorm": {"new_variant": 2},
+                                   "softmax": {"new_variant": 2}}  # fmt: skip
 
 
 def test_stored_components_hash_to_the_key_the_loop_made() -> None:

@@ -24,6 +24,7 @@ from bridge.targets import make_target
 from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
+from workers.miss_cause_bench import miss_cause_coverage
 
 GOALS = {
     "warm_speedup": ("min", 100.0),
@@ -35,6 +36,8 @@ GOALS = {
     "storage_ratio": ("max", 0.15),
     "wire_bytes_ratio": ("max", 0.15),
     "upgrade_first_pass_hit_rate": ("min", 0.99),
+    "miss_cause_coverage": ("min", 0.95),
+    "miss_classification_overhead": ("max", 1.02),
 }
 
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
@@ -287,9 +290,13 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
             for inst in bb.instructions:
                 if hasattr(inst, "klir_binary"):
                     binaries[hashlib.sha256(inst.klir_binary).hexdigest()] = len(inst.klir_binary)
+        # Everything stored per variant: the entries, the digest index and the variant index (for miss causes).
         entry_keys = list(raw.scan_iter(match=space.entry_pattern(), count=1000))
-        digest_keys = list(raw.scan_iter(match=f"{space.prefix}:digest:*", count=1000))
-        used = sum(raw.memory_usage(k, samples=0) or 0 for k in entry_keys + digest_keys)
+        digest_keys = list(raw.scan_iter(match=f"{space.prefix}:tc:*:digest:*", count=1000))
+        index_keys = list(raw.scan_iter(match=space.variant_index("*"), count=1000))
+        kinds = {"entries": entry_keys, "digests": digest_keys, "index": index_keys}
+        sizes = {name: sum(raw.memory_usage(k, samples=0) or 0 for k in keys) for name, keys in kinds.items()}
+        used = sum(sizes.values())
         per_key_binary, wire = 0, _count_bytes_read(tier)
         for stored in tier._backend.scan_entries():
             entry = tier.lookup(stored.cache_key)  # a hit, as the compile takes it (references followed)
@@ -303,6 +310,7 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
         "entries": len(entry_keys),
         "unique_binaries": len(binaries),
         "redis_bytes": used,
+        "redis_bytes_by_kind": sizes,
         "binary_bytes_unique": unique_binary,
         "dedupe_saving": 1 - unique_binary / per_key_binary if per_key_binary else 0.0,
         "wire_bytes_ratio": wire["bytes"] / per_key_binary,  # bytes read from Redis per hit / binary bytes
@@ -410,7 +418,7 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
 
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
 REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
-                    "nkibench-storage", "nkibench-upgrade")  # fmt: skip
+                    "nkibench-storage", "nkibench-upgrade", "nkibench-misses")  # fmt: skip
 
 
 def drop_namespaces(redis_url: str, namespaces: Sequence[str] = REDIS_NAMESPACES) -> int:
@@ -441,6 +449,14 @@ def _from_storage(results: dict) -> dict:
     return detail
 
 
+def _from_miss_causes(results: dict) -> dict:
+    """miss_classification_overhead is measured with miss_cause_coverage (its cold compile)."""
+    detail = results.get("miss_cause_coverage_detail")
+    if detail is None:
+        raise MeasurementSkipped("miss_cause_coverage was not measured")
+    return detail
+
+
 def run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str], None]) -> dict:
     """Every measurement: results[name] is the figure, results[name + "_detail"] what it was computed from,
     and results["skipped"] maps each measurement that could not run here to why (no figure for it). The keys
@@ -468,6 +484,8 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
             ("pool_scaling", lambda: pool_scaling(config)),
             ("report_seconds_100k", lambda: report_scale(config)),
             ("upgrade_first_pass_hit_rate", lambda: upgrade(config, work)),
+            ("miss_cause_coverage", lambda: miss_cause_coverage(graphs, redis_url)),
+            ("miss_classification_overhead", lambda: _from_miss_causes(results)),
         ]
         for name, step in steps:
             progress(name)

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import heapq
 import json
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -71,6 +72,7 @@ from cachestore.keys import (
 if TYPE_CHECKING:
     from cachestore.settings import Settings
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
@@ -350,11 +352,14 @@ class RedisBackend:
         else:
             self.client.connection_pool.disconnect()
 
-    def _pipeline(self, fill: Callable[[Any], object]) -> list:
+    def _pipeline(self, fill: Callable[[Any], object], raise_on_error: bool = True) -> list:
+        """Replies of the commands `fill` queues, in one round trip. With `raise_on_error` False a command's
+        error is its reply (an exception object) rather than raised, after every command has run."""
+
         def run() -> list:
             pipe = self.client.pipeline(transaction=False)
             fill(pipe)
-            return pipe.execute()
+            return pipe.execute(raise_on_error=raise_on_error)
 
         return self._call(run)
 
@@ -459,6 +464,10 @@ class RedisBackend:
             if exists or holder in in_batch
         }
 
+        index: dict[str, dict[str, str]] = {}
+        for r in requests:
+            index.setdefault(r.kernel_name, {}).update(r.index_fields)
+
         def write(pipe: Any) -> None:
             for r in requests:
                 if r.cache_key in referenced:
@@ -466,8 +475,33 @@ class RedisBackend:
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=ttl)
                     pipe.set(self._digest(r.digest), r.cache_key, ex=ttl)
+            for kernel_name, fields in index.items():
+                if fields:
+                    pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
+                    pipe.expire(self.keys.variant_index(kernel_name), ttl)
 
-        self._pipeline(write)
+        # The index is a diagnosis: a key of another type under its name (another tool's, a hand's) must not
+        # fail the entries' writes, which would then be retried, and fail, for ever.
+        replies = self._pipeline(write, raise_on_error=False)
+        written = replies[: len(replies) - 2 * sum(1 for fields in index.values() if fields)]
+        failed = next((reply for reply in written if isinstance(reply, Exception)), None)
+        if failed is not None:
+            with redis_errors(self.description):
+                raise failed
+        if len(written) < len(replies):
+            logger.debug("%s: variant index not written: %s", self.description,
+                         [reply for reply in replies[len(written) :] if isinstance(reply, Exception)])  # fmt: skip
+
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+        if not queries:
+            return []
+        replies = self._within_op_timeout(
+            lambda: self._pipeline(
+                lambda pipe: [pipe.hmget(self.keys.variant_index(kernel), list(fields)) for kernel, fields in queries],
+                raise_on_error=False,
+            )
+        )
+        return [None if isinstance(reply, Exception) else reply for reply in replies]  # a key of another type
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:

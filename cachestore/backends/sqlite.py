@@ -66,6 +66,9 @@ CREATE TABLE IF NOT EXISTS key_usage (
     first_use REAL NOT NULL, last_use REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS key_hosts (cache_key TEXT NOT NULL, host TEXT NOT NULL, PRIMARY KEY (cache_key, host));
 CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS variant_index (
+    kernel_name TEXT NOT NULL, field TEXT NOT NULL, value TEXT NOT NULL, expires REAL NOT NULL,
+    PRIMARY KEY (kernel_name, field));
 CREATE TABLE IF NOT EXISTS toolchain_totals (
     toolchain TEXT NOT NULL, name TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (toolchain, name));
 """
@@ -304,6 +307,22 @@ class SqliteBackend:
                 f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}",
                 (self.toolchain, request.cache_key, data, request.digest, now + ttl, now),
             )
+            db.executemany("INSERT OR REPLACE INTO variant_index VALUES (?, ?, ?, ?)",
+                           [(request.kernel_name, name, value, now + ttl)
+                            for name, value in request.index_fields.items()])  # fmt: skip
+
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+        if not self.writable and not self.path.is_file():
+            return [[None] * len(fields) for _, fields in queries]  # no writer made the tier yet: nothing indexed
+        now = time.time()
+        answers = []
+        for kernel_name, fields in queries:
+            marks = ", ".join("?" * len(fields))
+            rows = self._read(f"SELECT field, value FROM variant_index WHERE kernel_name = ? AND field IN ({marks}) "
+                              "AND expires > ?", (kernel_name, *fields, now))  # fmt: skip
+            values = dict(rows)
+            answers.append([values.get(name) for name in fields])
+        return answers
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
@@ -561,6 +580,7 @@ class SqliteBackend:
             db.execute("DELETE FROM digests WHERE (toolchain, cache_key) IN "
                        "(SELECT toolchain, cache_key FROM entries WHERE expires <= ?)", (now,))  # fmt: skip
             db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
+            db.execute("DELETE FROM variant_index WHERE expires <= ?", (now,))
         self._give_back_space()
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
