@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,11 +203,38 @@ def test_a_read_only_client_finds_a_local_tier_made_after_it_started(tmp_path: P
     writer.close()
 
 
-@pytest.mark.parametrize("command", [["warm"], ["worker", "--max-jobs", "1"]])
+@pytest.mark.parametrize(
+    "command",
+    [["warm"], ["worker", "--max-jobs", "1"], ["report", "--zero"], ["inspect", "gc"], ["inspect", "gc", "--max-bytes",
+     "1M"], ["inspect", "import", "SNAPSHOT"]],
+)  # fmt: skip
 def test_commands_that_must_write_refuse_read_only(tmp_path: Path, command: list[str]) -> None:
     tier = tmp_path / "tier.sqlite"
+    snapshot = tmp_path / "snapshot.nkisnap"
+    snapshot.write_bytes(b"")
     env = {"NKICACHE_TIER": f"local:{tier}", "NKICACHE_TIER_MODE": "read-only"}
-    result = CliRunner().invoke(nkicache, command, env=env)
+    result = CliRunner().invoke(nkicache, [str(snapshot) if part == "SNAPSHOT" else part for part in command], env=env)
     assert result.exit_code == 2, result.output
     assert "tier_mode is read-only" in result.output
     assert not tier.exists()
+
+
+@pytest.mark.parametrize("command", [["submit", "GRAPH"], ["requeue", "--all"], ["purge", "--dead-letters"]])
+def test_fleet_commands_that_write_refuse_read_only(tmp_path: Path, command: list[str]) -> None:
+    graph = write_graph(tmp_path, mixed_graph("submitted"))
+    with socket.socket() as probe:  # a Redis URL nothing answers: the refusal comes before any command is sent
+        probe.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+    env = {"NKICACHE_TIER": url, "NKICACHE_TIER_MODE": "read-only"}
+    result = CliRunner().invoke(nkicache, [str(graph) if part == "GRAPH" else part for part in command], env=env)
+    assert result.exit_code == 2, result.output
+    assert "tier_mode is read-only" in result.output
+
+
+def test_a_dry_run_gc_only_looks_and_is_allowed_read_only(tmp_path: Path) -> None:
+    tier = tmp_path / "tier.sqlite"
+    fill(SqliteBackend(tier), mixed_graph("kept"))
+    env = {"NKICACHE_TIER": f"local:{tier}", "NKICACHE_TIER_MODE": "read-only"}
+    result = CliRunner().invoke(nkicache, ["inspect", "gc", "--dry-run", "--unused-for", "0s", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    assert '"dry_run": true' in result.output

@@ -79,6 +79,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     if not files:
         raise click.UsageError(f"no .json graph files in {', '.join(graphs)}")
     settings, client, keys = _fleet(tier, tier_mode)
+    refuse_read_only(settings, "submit", "queues jobs")
     submission = fleet.submit(client, keys, files, settings.job_ttl, settings.max_graph_bytes, settings.job_shards)
     report: dict = {
         "batch": submission.batch_id,
@@ -391,7 +392,8 @@ def requeue_command(job_ids, everything, tier, tier_mode) -> None:
 
     if bool(job_ids) == everything:
         raise click.UsageError("name the jobs to requeue, or give --all (not both)")
-    _settings, client, keys = _fleet(tier, tier_mode)
+    settings, client, keys = _fleet(tier, tier_mode)
+    refuse_read_only(settings, "requeue", "queues jobs again")
     requeued, problems = fleet_ops.requeue(client, keys, list(job_ids) or None)
     click.echo(f"{len(requeued)} jobs requeued" + (": " + ", ".join(requeued) if requeued else ""))
     for problem in problems:
@@ -412,6 +414,7 @@ def purge_command(dead_letters, waiting, tier, tier_mode) -> None:
 
     if not (dead_letters or waiting):
         raise click.UsageError("say what to purge: --dead-letters and/or --waiting")
-    _settings, client, keys = _fleet(tier, tier_mode)
+    settings, client, keys = _fleet(tier, tier_mode)
+    refuse_read_only(settings, "purge", "deletes jobs")
     purged = fleet_ops.purge(client, keys, dead_letters, waiting)
     click.echo(f"purged {purged['dead_letters']} dead letters, {purged['waiting']} waiting jobs")

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings
+from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, refuse_read_only
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -110,7 +110,9 @@ def report_command(
     if zero:
         if prometheus or html_file:
             raise click.UsageError("--zero prints what it zeroed (or --json); it makes no report")
-        _zero(_settings(tier), as_json)
+        settings = _settings(tier)
+        refuse_read_only(settings, "report --zero", "zeroes the fleet counters")
+        _zero(settings, as_json)
         return
     if html_file:
         require_matplotlib()  # before reading the tier, which can take a while, only to fail at the end
@@ -567,6 +569,7 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
     from cachestore.inspect import import_snapshot
 
     policy, settings = _policy(tier)
+    refuse_read_only(settings, "inspect import", "writes entries")
     snapshot = SnapshotReader(file)
     with _source(ctx, tier, None, writable=True, create=True) as target:
         result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
@@ -605,7 +608,9 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     from bridge.identity import toolchain_id
     from cachestore.inspect import collect_garbage
 
-    policy, _ = _policy(tier)
+    policy, settings = _policy(tier)
+    if not dry_run:
+        refuse_read_only(settings, "inspect gc", "deletes entries (--dry-run only looks)")
     with _source(ctx, tier, None, writable=True) as reader:
         result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run,
                                  only_toolchain=toolchain_id() if other_toolchains else None)  # fmt: skip
