@@ -282,7 +282,24 @@ def _results_in(client: Any, keys: KeySpace, shard_of: dict[str, int]) -> dict[s
         for job_id, shard in shard_of.items():
             pipe.get(keys.job_shard(shard).result(job_id))
         values = pipe.execute() if shard_of else []
-    return {job: json.loads(value) for job, value in zip(shard_of, values, strict=True) if value is not None}
+    return {job: job_result(job, value) for job, value in zip(shard_of, values, strict=True) if value is not None}
+
+
+RESULT_STATUSES = ("completed", "dead_letter")  # what a worker's complete and fail scripts write
+
+
+def job_result(job_id: str, value: bytes | str) -> dict[str, Any]:
+    """A job's stored result; one no worker wrote (corrupt, or another tool's bytes under its key) reads as
+    finished with status `unreadable` and an error saying so, so that `submit --wait`, `job show` and `batch
+    show` report it instead of failing, and a wait does not wait for it for ever."""
+    try:
+        result = json.loads(value)
+    except (TypeError, ValueError):  # UnicodeDecodeError is a ValueError
+        result = None
+    if not isinstance(result, dict) or result.get("status") not in RESULT_STATUSES:
+        return {"status": "unreadable", "error": f"the result stored for job {job_id} is not one a worker writes "
+                "(corrupt, or another tool's)"}  # fmt: skip
+    return result
 
 
 def wait_for(

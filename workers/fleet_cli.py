@@ -119,7 +119,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         report.update(
             completed=statuses.count("completed"),
             dead_letter=statuses.count("dead_letter"),
-            failed=sum(int(r.get("attempts", 0)) for r in results.values() if r.get("status") == "dead_letter"),
+            failed=sum(_attempts(r) for r in results.values() if r.get("status") == "dead_letter"),
             unfinished=len(submission.job_ids) - len(results),
             jobs={job: {"file": submission.names[job], "status": results.get(job, {}).get("status", "unfinished"),
                         "error": results.get(job, {}).get("error")} for job in submission.job_ids},
@@ -139,8 +139,14 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         click.echo(f"nkicache: error: {report['unfinished']} of {report['submitted']} jobs unfinished after "
                    f"{timeout:g} s (--timeout, default wait_timeout); they stay queued: nkicache batch show "
                    f"{submission.batch_id}", err=True)  # fmt: skip
-    if wait and (report["dead_letter"] or report["unfinished"]):
+    if wait and report["completed"] < report["submitted"]:  # dead-lettered, unfinished or unreadable
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _attempts(result: dict) -> int:
+    """A dead letter's attempts, 0 when its result holds no count (a hand or another tool wrote it)."""
+    attempts = result.get("attempts", 0)
+    return attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else 0
 
 
 @click.command("worker")
@@ -370,10 +376,11 @@ def batch_show_command(batch_id, tier, tier_mode, as_json) -> None:
         echo_json(info)
     else:
         click.echo(f"batch {batch_id}: {info['submitted']} jobs, {info['completed']} completed, "
-                   f"{info['dead_letter']} dead-lettered, {info['unfinished']} unfinished")  # fmt: skip
+                   f"{info['dead_letter']} dead-lettered, {info['unfinished']} unfinished"
+                   + (f", {info['unreadable']} unreadable" if info["unreadable"] else ""))  # fmt: skip
         for job, row in info["jobs"].items():
             click.echo(f"  {job} {row['status']} {row['file'] or ''} {row['error'] or ''}".rstrip())
-    if info["dead_letter"] or info["unfinished"]:
+    if info["completed"] < info["submitted"]:  # dead-lettered, unfinished or unreadable
         sys.exit(EXIT_CHECK_FAILED)
 
 

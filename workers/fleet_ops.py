@@ -9,6 +9,7 @@ from typing import Any
 import redis.exceptions as rex
 
 from bridge.identity import toolchain_id
+from cachestore.api import stored_number
 from cachestore.backends.redis import text
 from cachestore.keys import JobKeys, KeySpace
 from workers.fleet import GROUP, REQUEUE_LUA, FleetError, _heartbeat, _job, home_shards, job_shards, results_of
@@ -26,7 +27,7 @@ def job_info(client: Any, keys: KeySpace, job_id: str) -> dict[str, Any]:
     homes = [keys.job_shard(shard) for shard in home_shards(job_id, job_shards(client, keys))]
     result = results_of(client, keys, [job_id]).get(job_id)
     failures = next((f for f in (client.hget(home.failures, job_id) for home in homes) if f is not None), None)
-    info["failed_attempts"] = int(failures) if failures is not None else 0
+    info["failed_attempts"] = int(stored_number(failures)) if failures is not None else 0  # hostile: 0
     if result is not None:
         info.update(result)
         info["artifact_stored"] = bool(client.exists(keys.job_artifact(job_id)))
@@ -59,6 +60,7 @@ def batch_info(client: Any, keys: KeySpace, batch_id: str) -> dict[str, Any]:
         "completed": statuses.count("completed"),
         "dead_letter": statuses.count("dead_letter"),
         "unfinished": statuses.count("unfinished"),
+        "unreadable": statuses.count("unreadable"),
         "jobs": {
             job: {k: r.get(k) for k in ("status", "file", "error", "worker", "seconds")} for job, r in jobs.items()
         },
