@@ -142,3 +142,37 @@ def test_a_flushed_server_learns_the_shard_count_again_from_the_next_batch() -> 
     reader = backend(fakeredis.FakeServer(), "unused")
     reader.client, reader.keys = tier.client, tier.keys
     assert reader.key_count() == 10 and reader.totals() == {"passes": 1, "kernels": 20}
+
+
+@pytest.mark.redis
+def test_a_metric_another_tool_left_holding_no_number_counts_as_absent_and_stalls_nothing(redis_client) -> None:
+    """A field holding a word (or a hash turned into a string) would fail HINCRBYFLOAT half-way through every
+    batch to come, each failure turning the tier off for breaker_cooldown: it is taken as absent instead."""
+    namespace = f"s-{uuid.uuid4().hex}"
+    tier = RedisBackend(redis_client, KeySpace(namespace), metrics_shards=4)
+    try:
+        assert tier.apply_metrics(a_pass(0, KEYS[:4]))
+        for shard in metrics_shards(redis_client, tier.keys):
+            redis_client.hset(shard.totals, "passes", "a word")
+            fraction = shard in [metrics_shards(redis_client, tier.keys)[pass_shard(f"pass-{n}", 4)] for n in (1, 2)]
+            redis_client.hset(shard.kernel_calls, "softmax", "2.5" if fraction else "many")  # HINCRBY fails on both
+        for key in KEYS[:4]:
+            shard = metrics_shards(redis_client, tier.keys)[key_shard(key, 4)]
+            redis_client.hset(shard.key_first, key, "never")
+            redis_client.hset(shard.key_last, key, "nan?")
+            redis_client.hset(shard.key_usage, key, "lots")
+        for shard in metrics_shards(redis_client, tier.keys):
+            redis_client.delete(shard.workers)
+            redis_client.set(shard.worker_metrics("host", "w"), "a string where a hash was")
+        assert tier.apply_metrics(a_pass(1, KEYS[:4]))
+        assert tier.apply_metrics(a_pass(2, KEYS[:4]))
+        assert tier.totals()["passes"] == 2  # the word counted as nothing; both batches counted
+        assert tier.kernels()["softmax"]["call_count"] == 16
+        assert dict(tier.key_usage()) == dict.fromkeys(KEYS[:4], 4)
+        record = tier.key_records([KEYS[0]])[KEYS[0]]
+        assert (record.first_use, record.last_use) == (101.0, 202.0)
+        assert dict(((h, w), t) for h, w, t in tier.workers())[("host", "w")]["passes"] == 2
+    finally:
+        for pattern in tier.keys.namespace_patterns():
+            for key in redis_client.scan_iter(match=pattern, count=1000):
+                redis_client.delete(key)

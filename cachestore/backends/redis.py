@@ -111,6 +111,18 @@ local function number(v, whole)
   return not whole or v == math.floor(v)
 end
 local function text(v) return type(v) == 'string' end
+-- A field that another tool or a hand left holding no number (or a key of another type) would fail this
+-- increment, half-way through, for every batch to come: such a stored value counts as absent.
+local function add(command, key, name, value)
+  local reply = redis.pcall(command, key, name, value)
+  if type(reply) == 'table' and reply.err then
+    if type(redis.pcall('HSET', key, name, value)) == 'table' then
+      redis.call('DEL', key)
+      redis.call('HSET', key, name, value)
+    end
+  end
+end
+local function stored(key, name) return tonumber(redis.pcall('HGET', key, name)) end
 local decoded, p = pcall(cjson.decode, ARGV[1])
 if not decoded or type(p) ~= 'table' then return refuse('ARGV[1] is not a JSON object') end
 if not (text(p.host) and text(p.member) and text(p.toolchain) and text(p.pass)) then
@@ -145,13 +157,13 @@ end
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', p.ttl) then return 0 end
 if p.pass_part then
 for name, value in pairs(p.totals) do
-  redis.call('HINCRBYFLOAT', KEYS[2], name, value)
-  redis.call('HINCRBYFLOAT', KEYS[4], name, value)
-  if p.toolchain ~= '' then redis.call('HINCRBYFLOAT', KEYS[13], name, value) end
+  add('HINCRBYFLOAT', KEYS[2], name, value)
+  add('HINCRBYFLOAT', KEYS[4], name, value)
+  if p.toolchain ~= '' then add('HINCRBYFLOAT', KEYS[13], name, value) end
 end
 redis.call('SADD', KEYS[3], p.member)
 if p.toolchain ~= '' then redis.call('SADD', KEYS[12], p.toolchain) end
-for name, calls in pairs(p.kernel_calls) do redis.call('HINCRBY', KEYS[5], name, calls) end
+for name, calls in pairs(p.kernel_calls) do add('HINCRBY', KEYS[5], name, calls) end
 if p.pass ~= '' then
   redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
 end
@@ -159,13 +171,13 @@ end
 for i, k in ipairs(p.keys) do
   local key, kernel, usage, first, last = k[1], k[2], k[3], k[4], k[5]
   if redis.call('HSETNX', KEYS[8], key, first) == 1 then
-    redis.call('HINCRBY', KEYS[6], kernel, 1)
+    add('HINCRBY', KEYS[6], kernel, 1)
     redis.call('HSET', KEYS[10], key, kernel)
-  elseif first < tonumber(redis.call('HGET', KEYS[8], key)) then
+  elseif not (stored(KEYS[8], key) and first >= stored(KEYS[8], key)) then
     redis.call('HSET', KEYS[8], key, first)
   end
-  if last > tonumber(redis.call('HGET', KEYS[9], key) or '0') then redis.call('HSET', KEYS[9], key, last) end
-  redis.call('HINCRBY', KEYS[7], key, usage)
+  if last > (stored(KEYS[9], key) or 0) then redis.call('HSET', KEYS[9], key, last) end
+  add('HINCRBY', KEYS[7], key, usage)
   redis.call('SADD', KEYS[13 + i], p.host)
 end
 return 1
@@ -638,7 +650,7 @@ class RedisBackend:
 
     def _summed_hashes(self, names: Sequence[str]) -> dict[str, float]:
         """Field-wise sums of the hashes `names` (one per shard), read in one pipeline."""
-        return _summed(self._pipeline(lambda pipe: [pipe.hgetall(name) for name in names]))
+        return _summed(self._pipeline(lambda pipe: [pipe.hgetall(name) for name in names], raise_on_error=False))
 
     def _members(self, name_of: Callable[[MetricsKeys], str]) -> list[str]:
         """The union of one set per shard, sorted."""
@@ -656,7 +668,8 @@ class RedisBackend:
         for group in batched(self._members(lambda shard: shard.workers), max(1, BATCH // len(shards))):
             pairs = [member.partition(":")[::2] for member in group]
             names = [shard.worker_metrics(host, worker) for host, worker in pairs for shard in shards]
-            hashes = iter(self._pipeline(lambda pipe, n=names: [pipe.hgetall(name) for name in n]))
+            read = self._pipeline(lambda pipe, n=names: [pipe.hgetall(name) for name in n], raise_on_error=False)
+            hashes = iter(read)
             for host, worker in pairs:
                 yield host, worker, _summed([next(hashes) for _ in shards])
 
@@ -868,9 +881,13 @@ def _pipelined_script(
     return results
 
 
-def _summed(hashes: Sequence[dict]) -> dict[str, float]:
+def _summed(hashes: Sequence[dict | Exception]) -> dict[str, float]:
+    """Field-wise sums of hashes as a pipeline read them; a key of another type (its reply an error, when read
+    without raising) counts as an empty hash, so that another tool's key fails no report."""
     summed: dict[str, float] = {}
     for values in hashes:
+        if isinstance(values, Exception):
+            continue
         for field, value in values.items():
             summed[text(field)] = summed.get(text(field), 0.0) + stored_number(value)
     return summed
