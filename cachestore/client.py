@@ -49,8 +49,10 @@ from cachestore.api import (
     redact_url,
 )
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
+from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
-from cachestore.settings import Settings
+from cachestore.settings import Settings, SettingsError
+from cachestore.trust import Credentials, TrustError, load_credentials
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -95,14 +97,26 @@ class TierStats:
 class TierClient:
     """One per process; shared by every pass the process runs."""
 
-    def __init__(self, backend_factory: Callable[[], Backend], settings: Settings, description: str = "tier"):
+    def __init__(
+        self,
+        backend_factory: Callable[[], Backend],
+        settings: Settings,
+        description: str = "tier",
+        credentials: Credentials | None = None,
+    ):
+        """`credentials`: the writer key, trust policy and scope (default: loaded from the settings; the backend
+        must work in `partition(toolchain, credentials.scope)`, as open_tier's does)."""
         self.settings = settings
         self.description = description
         self.mode = settings.tier_mode
         self.stats = TierStats()
         self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
-        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable)
+        self.credentials = credentials or settings_credentials(settings)
+        self.writer = self.credentials.writer
+        self.policy = SignaturePolicy(
+            settings.hmac_key, settings.require_signed, settings.reject_unverifiable, self.credentials.trust
+        )
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
@@ -221,7 +235,7 @@ class TierClient:
 
     def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         try:
-            entry = decode_entry(data, self.policy, self.settings.max_entry_bytes)
+            entry = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
         except EntryRejected as exc:
             self.reject(cache_key, exc.reason)
             return None
@@ -291,14 +305,14 @@ class TierClient:
         """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes."""
         if not pending.prepared:
             entry = pending.build()
-            full = encode_entry(entry, self.settings.hmac_key)
+            full = encode_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
             if len(full) > self.settings.max_entry_bytes:
                 logger.warning(
                     "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], len(full)
                 )
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
-                reference = self._reference_encoder(entry)
+                reference = self._reference_encoder(entry, pending.cache_key)
                 pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name)
             pending.prepared = True
         return pending.request
@@ -332,8 +346,10 @@ class TierClient:
         )
         self._publish(PendingStore(cache_key, build), release_lease)
 
-    def _reference_encoder(self, entry: Entry) -> Callable[[str], bytes]:
-        return lambda holder: encode_entry(entry.as_reference_to(holder), self.settings.hmac_key)
+    def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
+        """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
+        key, writer = self.settings.hmac_key, self.writer
+        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
@@ -528,5 +544,16 @@ def open_tier(settings: Settings) -> TierClient | None:
         return None
     if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
-    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only")
-    return TierClient(backend, settings, redact_url(settings.tier))
+    credentials = settings_credentials(settings)
+    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only",
+                      toolchain=partition(toolchain_id(), credentials.scope))  # fmt: skip
+    return TierClient(backend, settings, redact_url(settings.tier), credentials)
+
+
+def settings_credentials(settings: Settings) -> Credentials:
+    """The writer key, trust policy and scope the settings name; a bad file is a SettingsError naming it."""
+    try:
+        return load_credentials(settings.writer_key_file, settings.trust_policy, settings.scope,
+                                settings.tier_mode != "read-only")  # fmt: skip
+    except TrustError as exc:
+        raise SettingsError(str(exc)) from None

@@ -1,0 +1,64 @@
+"""`nkicache keygen` (a writer's Ed25519 key) and `nkicache trust` (the trust policy), issue 22."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from workers.cli_common import echo_json
+
+
+@click.command("keygen")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--name", default=None, help="The writer's name in the trust policy (default: the file's name).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: key_id, public_key, name, files.")
+def keygen_command(path: Path, name: str | None, as_json: bool) -> None:
+    """Make a writer key: the Ed25519 private key at PATH (mode 0600, never overwritten) and, at PATH.pub, the
+    [[writer]] table that trusts it, to append to readers' trust policy files. Point a writer's
+    writer_key_file setting (NKICACHE_WRITER_KEY_FILE) at PATH: it signs every entry it stores."""
+    from cachestore.trust import write_writer_key
+
+    name = name or path.stem
+    key = write_writer_key(path, name)
+    shown = {"key_id": key.key_id_hex, "public_key": key.public_base64(), "name": name,
+             "private_key_file": str(path), "policy_file": f"{path}.pub"}  # fmt: skip
+    if as_json:
+        echo_json(shown)
+        return
+    click.echo(f"writer key {key.key_id_hex} ({name}) written to {path}; trust it with {path}.pub:")
+    click.echo(key.policy_entry(name), nl=False)
+
+
+@click.group("trust")
+def trust_group() -> None:
+    """Show or change a trust policy file (the writers whose entries readers accept)."""
+
+
+@trust_group.command("show")
+@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of {key_id, name}.")
+def trust_show(policy: Path, as_json: bool) -> None:
+    """The writers POLICY trusts."""
+    from cachestore.trust import load_trust_policy
+
+    writers = [{"key_id": w.key_id.hex(), "name": w.name} for w in load_trust_policy(policy).writers.values()]
+    if as_json:
+        echo_json(writers)
+        return
+    for writer in writers:
+        click.echo(f"{writer['key_id']}  {writer['name']}")
+
+
+@trust_group.command("distrust")
+@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("key_id")
+def trust_distrust(policy: Path, key_id: str) -> None:
+    """Remove writer KEY_ID from POLICY (rewritten in place): readers that load it reject that writer's
+    entries from then on. Its entries stay stored until `nkicache inspect gc --writer KEY_ID`."""
+    from cachestore.trust import without_writer
+
+    removed = without_writer(policy, key_id)
+    if not removed:
+        raise click.UsageError(f"{policy}: no writer {key_id} to remove")
+    click.echo(f"{policy}: writer {key_id} removed; readers that load it reject its entries")
