@@ -1,0 +1,147 @@
+"""Scopes (issue 22): an untrusted writer works in a partition of its own (cachestore.keys.partition), so a
+trusted reader never reads its entries, never waits on its leases, and its entries never replace, deduplicate
+against or evict a trusted writer's; entries it plants in the trusted scope are rejected. On the embedded tier
+and on Redis."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_graphs import MIXED_DISTINCT_KEYS, delete_namespace, mixed_graph, unique_namespace
+from test_entry import make_entry
+
+from bridge.codegen import BirCodeGenLoop
+from bridge.graph import load_graph
+from bridge.identity import toolchain_id
+from cachestore.api import WriteItem, open_backend
+from cachestore.client import TierClient, open_tier
+from cachestore.entry import MAGIC, encode_entry
+from cachestore.keys import partition
+from cachestore.settings import Settings
+from cachestore.trust import WriterKey, write_writer_key
+
+CRAFTED = 100
+
+
+@pytest.fixture(params=["local", "redis"])
+def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
+    """Settings of one fresh tier: an embedded file, or a namespace of its own on the test Redis."""
+    if request.param == "local":
+        yield Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", host="h", flush_interval=0.05)
+        return
+    import redis
+
+    url = request.getfixturevalue("redis_url")
+    namespace = unique_namespace()
+    yield Settings(tier=url, namespace=namespace, host="h", flush_interval=0.05)
+    client = redis.Redis.from_url(url)
+    delete_namespace(client, namespace)
+    client.close()
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Any]:
+    """Two writer keys, ci and laptop, and a trust policy that lists ci alone."""
+    ci = write_writer_key(tmp_path / "ci.key", "ci")
+    laptop = write_writer_key(tmp_path / "laptop.key", "laptop")
+    policy = tmp_path / "trust.toml"
+    policy.write_text(ci.policy_entry("ci"))
+    return {"ci": ci, "laptop": laptop, "policy": str(policy), "dir": tmp_path}
+
+
+def client_of(base: Settings, keys: dict[str, Any], writer: str | None, **changes: Any) -> TierClient:
+    key_file = str(keys["dir"] / f"{writer}.key") if writer else ""
+    client = open_tier(base.replace(writer_key_file=key_file, trust_policy=keys["policy"], worker=writer or "r",
+                                    **changes))  # fmt: skip
+    assert client is not None
+    return client
+
+
+def compile_with(client: TierClient, graph: dict) -> BirCodeGenLoop:
+    loop = BirCodeGenLoop(tier=client)
+    loop.run(load_graph(graph))
+    client.flush(10)
+    return loop
+
+
+def test_an_untrusted_writer_neither_feeds_nor_blocks_a_trusted_reader(base: Settings, keys: dict[str, Any]) -> None:
+    graph = mixed_graph("scoped")
+    laptop = client_of(base, keys, "laptop")
+    assert laptop.credentials.scope == f"w-{keys['laptop'].key_id_hex}"
+    first = compile_with(laptop, graph)
+    assert first.traces == MIXED_DISTINCT_KEYS
+    graph_keys = sorted(first._new_nki_frontend_kernel_cache)
+    # The laptop (hung, say) holds a lease on every one of the graph's keys, in its scope.
+    assert all(laptop.acquire_lease(key) for key in graph_keys)
+
+    ci = client_of(base, keys, "ci")
+    assert ci.credentials.scope == ""
+    trusted = compile_with(ci, graph)
+    ci.close(timeout=10)
+    # Every variant traced: none of the laptop's entries used, none even seen (no rejection), no lease waited on.
+    assert (trusted.traces, trusted.remote_hits, trusted.lease_waits) == (MIXED_DISTINCT_KEYS, 0, 0)
+    assert ci.counts()["tier_rejected"] == 0
+
+    # The trusted writer's entries are stored and served to a trusted reader.
+    reader = client_of(base, keys, None, tier_mode="read-only")
+    served = compile_with(reader, graph)
+    assert (served.remote_hits, served.traces) == (MIXED_DISTINCT_KEYS, 0)
+    entries, _ = reader.find_many(graph_keys)
+    assert {entry.writer for entry in entries.values()} == {keys["ci"].key_id_hex}
+    reader.close()
+
+    # The laptop's entries are still where the laptop reads them, its own.
+    again = compile_with(laptop, graph)
+    assert (again.remote_hits, again.traces) == (MIXED_DISTINCT_KEYS, 0)
+    mine, _ = laptop.find_many(graph_keys)
+    assert {entry.writer for entry in mine.values()} == {keys["laptop"].key_id_hex}
+    laptop.close(timeout=10)
+
+
+def crafted_entries(keys: dict[str, Any], cache_keys: list[str]) -> list[tuple[str, bytes]]:
+    """CRAFTED entries made with the laptop's key (and one transplanted ci signature), every way a forger
+    might try: signed honestly by the untrusted key, its signature under ci's key id, no writer signature,
+    and a genuine ci entry copied under another cache key."""
+    laptop: WriterKey = keys["laptop"]
+    ci: WriterKey = keys["ci"]
+    section = len(MAGIC) + 2 + 32
+    made = []
+    for number, cache_key in enumerate(cache_keys):
+        entry = make_entry(binary=b"planted %d" % number)
+        kind = number % 4
+        if kind == 0:
+            data = encode_entry(entry, writer=laptop, cache_key=cache_key)
+        elif kind == 1:
+            honest = encode_entry(entry, writer=laptop, cache_key=cache_key)
+            data = honest[:section] + ci.key_id + honest[section + 16 :]
+        elif kind == 2:
+            data = encode_entry(entry)
+        else:
+            data = encode_entry(entry, writer=ci, cache_key=secrets.token_hex(32))  # transplanted
+        made.append((cache_key, data))
+    return made
+
+
+def test_crafted_entries_in_the_trusted_scope_are_all_rejected(base: Settings, keys: dict[str, Any]) -> None:
+    graph = mixed_graph("crafted")
+    ci = client_of(base, keys, "ci")
+    graph_keys = sorted(compile_with(ci, graph)._new_nki_frontend_kernel_cache)
+    ci.close(timeout=10)
+    # Planted straight into the trusted partition, over the trusted writer's own entries too.
+    cache_keys = graph_keys + [secrets.token_hex(32) for _ in range(CRAFTED - len(graph_keys))]
+    store = open_backend(base, toolchain=partition(toolchain_id()))
+    store.put_entries([WriteItem(key, data, None, 3600) for key, data in crafted_entries(keys, cache_keys)])
+    store.close()
+
+    reader = client_of(base, keys, None, tier_mode="read-only")
+    accepted, held = reader.find_many(cache_keys)
+    assert accepted == {} and held == set(cache_keys)
+    assert reader.counts()["tier_rejected"] == CRAFTED
+    # The graph's variants, their entries replaced by forgeries, are traced again rather than served.
+    loop = compile_with(reader, graph)
+    assert (loop.remote_hits, loop.traces) == (0, MIXED_DISTINCT_KEYS)
+    reader.close()
