@@ -5,12 +5,15 @@ and on Redis."""
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from helpers_graphs import MIXED_DISTINCT_KEYS, delete_namespace, mixed_graph, unique_namespace
 from test_entry import make_entry
 
@@ -23,6 +26,7 @@ from cachestore.entry import MAGIC, encode_entry
 from cachestore.keys import partition
 from cachestore.settings import Settings
 from cachestore.trust import WriterKey, write_writer_key
+from workers.cli import main as nkicache
 
 CRAFTED = 100
 
@@ -144,4 +148,36 @@ def test_crafted_entries_in_the_trusted_scope_are_all_rejected(base: Settings, k
     # The graph's variants, their entries replaced by forgeries, are traced again rather than served.
     loop = compile_with(reader, graph)
     assert (loop.remote_hits, loop.traces) == (0, MIXED_DISTINCT_KEYS)
+    reader.close()
+
+
+def test_gc_by_writer_purges_a_writer_in_every_scope_and_ls_du_show_writers(
+    base: Settings, keys: dict[str, Any]
+) -> None:
+    graph = mixed_graph("purged")
+    for writer, changes in (("laptop", {}), ("laptop", {"scope": "trusted"}), ("ci", {})):
+        client = client_of(base, keys, writer, **changes)
+        compile_with(client, graph)
+        client.close(timeout=10)
+    laptop, ci = keys["laptop"].key_id_hex, keys["ci"].key_id_hex
+    env = {"NKICACHE_NAMESPACE": base.namespace}
+    runner = CliRunner()
+
+    def inspect(*args: str) -> Any:
+        result = runner.invoke(nkicache, ["inspect", "--tier", base.tier, *args], env=env)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    # The laptop wrote its scope and (by hand) the trusted one; ci then replaced the trusted scope's entries.
+    assert Counter(row["writer"] for row in inspect("ls", "--json")) == {laptop: MIXED_DISTINCT_KEYS,
+                                                                         ci: MIXED_DISTINCT_KEYS}  # fmt: skip
+    assert set(inspect("du", "--json")["writers"]) == {laptop, ci}
+    purged = inspect("gc", "--writer", laptop.upper(), "--json")
+    assert purged["evicted"] == MIXED_DISTINCT_KEYS and purged["reasons"] == {f"writer {laptop}": MIXED_DISTINCT_KEYS}
+    assert {row["writer"] for row in inspect("ls", "--json")} == {ci}
+    bad = runner.invoke(nkicache, ["inspect", "--tier", base.tier, "gc", "--writer", "xyz"], env=env)
+    assert bad.exit_code != 0 and "32 hex digits" in bad.output
+    # The trusted reader still hits every variant.
+    reader = client_of(base, keys, None, tier_mode="read-only")
+    assert compile_with(reader, graph).remote_hits == MIXED_DISTINCT_KEYS
     reader.close()
