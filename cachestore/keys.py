@@ -50,6 +50,7 @@ MAX_JOB_SHARDS = 1024
 
 
 TRUSTED_SCOPE = ""
+QUARANTINE_SCOPE = "quarantine"  # entries the determinism sentinel took out of service (workers.sentinel)
 _SCOPE_MARK = ":scope:"
 
 

@@ -20,7 +20,13 @@ from typing import Any
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
 from cachestore.api import redact_url, tier_url_problem
-from cachestore.keys import DEFAULT_JOB_SHARDS, DEFAULT_METRICS_SHARDS, MAX_JOB_SHARDS, MAX_METRICS_SHARDS
+from cachestore.keys import (
+    DEFAULT_JOB_SHARDS,
+    DEFAULT_METRICS_SHARDS,
+    MAX_JOB_SHARDS,
+    MAX_METRICS_SHARDS,
+    QUARANTINE_SCOPE,
+)
 
 # read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
 # never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
@@ -98,6 +104,8 @@ class Settings:
     # policy lists, when it only reads, or when neither key nor policy is set; else a scope of its own key),
     # trusted, or a name of letters, digits, '.', '_' and '-' (an untrusted scope, shared by whoever names it).
     scope: str = "auto"
+    # The share of the trusted entries in use that `nkicache sentinel` traces again and compares (0: none).
+    sentinel_rate: float = 0.0
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -310,5 +318,9 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
         fail("final_flush_timeout", f"must not be negative, got {settings.final_flush_timeout}")
     if settings.scope not in ("auto", "trusted") and not SCOPE_NAME.fullmatch(settings.scope):
         fail("scope", f"{settings.scope!r} must be auto, trusted or 1-64 letters, digits, '.', '_' or '-'")
+    if settings.scope == QUARANTINE_SCOPE:  # what the sentinel took out of service is never served
+        fail("scope", f"{QUARANTINE_SCOPE!r} holds the sentinel's quarantined entries; no client reads it")
+    if not 0 <= settings.sentinel_rate <= 1:
+        fail("sentinel_rate", f"must be from 0 to 1, got {settings.sentinel_rate}")
     if not settings.namespace or any(c in settings.namespace for c in "{}: "):
         fail("namespace", f"{settings.namespace!r} must be non-empty without braces, colons or spaces")

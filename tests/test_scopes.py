@@ -14,18 +14,16 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from helpers_graphs import MIXED_DISTINCT_KEYS, delete_namespace, mixed_graph, unique_namespace
+from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph
+from helpers_trust import client_of, compile_with, fresh_tier, writer_keys
 from test_entry import make_entry
 
-from bridge.codegen import BirCodeGenLoop
-from bridge.graph import load_graph
 from bridge.identity import toolchain_id
 from cachestore.api import WriteItem, open_backend
-from cachestore.client import TierClient, open_tier
 from cachestore.entry import MAGIC, encode_entry
 from cachestore.keys import partition
 from cachestore.settings import Settings
-from cachestore.trust import WriterKey, write_writer_key
+from cachestore.trust import WriterKey
 from workers.cli import main as nkicache
 
 CRAFTED = 100
@@ -33,43 +31,12 @@ CRAFTED = 100
 
 @pytest.fixture(params=["local", "redis"])
 def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
-    """Settings of one fresh tier: an embedded file, or a namespace of its own on the test Redis."""
-    if request.param == "local":
-        yield Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", host="h", flush_interval=0.05)
-        return
-    import redis
-
-    url = request.getfixturevalue("redis_url")
-    namespace = unique_namespace()
-    yield Settings(tier=url, namespace=namespace, host="h", flush_interval=0.05)
-    client = redis.Redis.from_url(url)
-    delete_namespace(client, namespace)
-    client.close()
+    yield from fresh_tier(request, tmp_path)
 
 
 @pytest.fixture
 def keys(tmp_path: Path) -> dict[str, Any]:
-    """Two writer keys, ci and laptop, and a trust policy that lists ci alone."""
-    ci = write_writer_key(tmp_path / "ci.key", "ci")
-    laptop = write_writer_key(tmp_path / "laptop.key", "laptop")
-    policy = tmp_path / "trust.toml"
-    policy.write_text(ci.policy_entry("ci"))
-    return {"ci": ci, "laptop": laptop, "policy": str(policy), "dir": tmp_path}
-
-
-def client_of(base: Settings, keys: dict[str, Any], writer: str | None, **changes: Any) -> TierClient:
-    key_file = str(keys["dir"] / f"{writer}.key") if writer else ""
-    client = open_tier(base.replace(writer_key_file=key_file, trust_policy=keys["policy"], worker=writer or "r",
-                                    **changes))  # fmt: skip
-    assert client is not None
-    return client
-
-
-def compile_with(client: TierClient, graph: dict) -> BirCodeGenLoop:
-    loop = BirCodeGenLoop(tier=client)
-    loop.run(load_graph(graph))
-    client.flush(10)
-    return loop
+    return writer_keys(tmp_path)
 
 
 def test_an_untrusted_writer_neither_feeds_nor_blocks_a_trusted_reader(base: Settings, keys: dict[str, Any]) -> None:

@@ -62,3 +62,56 @@ def trust_distrust(policy: Path, key_id: str) -> None:
     if not removed:
         raise click.UsageError(f"{policy}: no writer {key_id} to remove")
     click.echo(f"{policy}: writer {key_id} removed; readers that load it reject its entries")
+
+
+@click.command("sentinel")
+@click.option("--tier", default=None, metavar="URL", help="The tier to check (default: the configured one).")
+@click.option("--rate", type=float, default=None, metavar="R",
+              help="Share of the entries in use to trace again, 0 to 1 (default: setting sentinel_rate).")  # fmt: skip
+@click.option("--since", default=None, metavar="D",
+              help="Only entries the fleet used within D (1h, 2d); default: every trusted entry.")  # fmt: skip
+@click.option("--seed", type=int, default=None, help="Seed of the sampling (default: random).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def sentinel_command(tier: str | None, rate: float | None, since: str | None, seed: int | None, as_json: bool) -> None:
+    """Trace again a sample of this compiler's trusted entries in use and compare each binary with the stored
+    one; quarantine every mismatch (moved to the quarantine scope: never served again, kept for `nkicache
+    inspect`; counted per writer and toolchain in `report` and Prometheus). Runs one sweep; schedule it
+    (cron, a systemd timer) on spare capacity. Exits 1 when it quarantined anything.
+
+    --json keys: toolchain, rate, entries, sampled, matched, quarantined ([{key, writer, toolchain, reason}]),
+    failed ([{key, reason}]: could not be traced again), rejected (refused by the trust policy), seconds.
+    """
+    import random
+
+    from bridge.identity import toolchain_id
+    from cachestore.api import open_backend
+    from cachestore.client import settings_credentials
+    from cachestore.entry import SignaturePolicy
+    from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
+    from workers.report_cli import _duration
+    from workers.sentinel import run_sentinel
+
+    settings = load_cli_settings(tier=tier)
+    rate = settings.sentinel_rate if rate is None else rate
+    if not 0 <= rate <= 1:
+        raise click.BadParameter(f"{rate} is not from 0 to 1", param_hint="--rate")
+    trust = settings_credentials(settings.replace(tier_mode="read-only")).trust
+    policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust)
+    reader = open_backend(settings, reading=True, toolchain=toolchain_id())
+    try:
+        report = run_sentinel(reader, policy, rate=rate, since=None if since is None else _duration(since),
+                              host=settings.host, quarantine_ttl=settings.entry_ttl,
+                              rng=random.Random(seed))  # fmt: skip
+    finally:
+        reader.close()
+    if as_json:
+        echo_json(report.as_json())
+    else:
+        click.echo(f"sentinel over toolchain {report.toolchain}: {report.entries} entries, {report.sampled} traced "
+                   f"again at rate {rate:g}: {report.matched} matched, {len(report.quarantined)} quarantined, "
+                   f"{len(report.failed)} could not be traced, {report.rejected} rejected by the policy "
+                   f"({report.seconds:.1f} s)")  # fmt: skip
+        for item in report.quarantined:
+            click.echo(f"quarantined {item['key'][:16]} (writer {item['writer'] or 'none'}): {item['reason']}")
+    if report.quarantined:
+        raise SystemExit(EXIT_CHECK_FAILED)
