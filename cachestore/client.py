@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -127,6 +127,9 @@ class TierClient:
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
+        # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
+        self._writer_counts: collections.Counter[str] = collections.Counter()
+        self._writer_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -220,7 +223,12 @@ class TierClient:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
+        self._count_writers(f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer)
         return entries, set(found)
+
+    def _count_writers(self, names: Iterable[str]) -> None:
+        with self._writer_lock:
+            self._writer_counts.update(names)
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
@@ -330,6 +338,8 @@ class TierClient:
         its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
         if not self.writes:
             return
+        if self.writer is not None:
+            self._count_writers([f"writer_stored:{self.writer.key_id_hex}"])
         build = partial(
             Entry,
             binary=result["binary"],
@@ -370,7 +380,11 @@ class TierClient:
 
     def record_pass(self, record: PassRecord) -> None:
         """The port's pass record, as one metrics batch applied once by the pass's id."""
-        self.record(metrics_batch(record, self.settings.host, self.settings.worker))
+        batch = metrics_batch(record, self.settings.host, self.settings.worker)
+        with self._writer_lock:
+            batch.totals.update(self._writer_counts)  # fields WRITER_COUNTERS:KEYID, beside the pass's counters
+            self._writer_counts.clear()
+        self.record(batch)
 
     def _enqueue(self, item: object) -> None:
         if not self.writes:

@@ -98,6 +98,7 @@ class FleetReport:
     # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
     coverage: dict[str, dict[str, Coverage]] = field(default_factory=dict)
     zeroed: list[dict] = field(default_factory=list)  # `report --zero` records in the pass log: {when, host, worker}
+    trust: dict[str, Any] = field(default_factory=dict)  # `trust_summary`: per writer, and the sentinel's counts
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -116,6 +117,7 @@ class FleetReport:
             "window": self.window,
             "coverage": {tc: {other: asdict(c) for other, c in of.items()} for tc, of in self.coverage.items()},
             "zeroed": self.zeroed,
+            "trust": self.trust,
         }
 
 
@@ -132,13 +134,15 @@ def build_report(
     """Read the fleet metrics (and, for the top variants, their entries) into a report. `coverage` scans the
     entry keys (no values) when the metrics know more than one toolchain (`nkicache warm` names its own);
     a Prometheus scrape leaves it out to stay cheap at any cache size."""
+    raw_totals, raw_toolchains = reader.totals(), reader.toolchains()
     report = FleetReport(
         tier=reader.description,
         generated=time.time() if now is None else now,
         since=since,
-        totals=counters(reader.totals()),
+        totals=counters(raw_totals),
         per_host=per_host(reader),
-        per_toolchain={toolchain: counters(values) for toolchain, values in sorted(reader.toolchains().items())},
+        per_toolchain={toolchain: counters(values) for toolchain, values in sorted(raw_toolchains.items())},
+        trust=trust_summary(raw_totals, raw_toolchains),
         per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
         variants=reader.key_count(),
     )
@@ -150,6 +154,30 @@ def build_report(
         report.bucket_seconds, report.timeline, report.window = pass_timeline(reader, since, bucket_seconds,
                                                                               report.zeroed)  # fmt: skip
     return report
+
+
+# Per-writer fields of the fleet totals, NAME:KEYID: entries a writer's passes stored, entries readers were served
+# (cachestore.client), and entries of its that the sentinel quarantined (workers.sentinel).
+WRITER_COUNTERS = {"writer_stored": "stored", "writer_served": "served", "quarantined_writer": "quarantined"}
+
+
+def trust_summary(totals: dict[str, float], toolchains: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """{writers: {key id: {stored, served, quarantined}}, sentinel_checked, quarantined, quarantined_by_toolchain}
+    from the raw totals the report reads anyway: no extra round trip."""
+    writers: dict[str, dict[str, int]] = {}
+    for name, value in totals.items():
+        kind, _, writer = name.partition(":")
+        if kind in WRITER_COUNTERS and writer:
+            row = writers.setdefault(writer, dict.fromkeys(WRITER_COUNTERS.values(), 0))
+            row[WRITER_COUNTERS[kind]] += round(_number(value))
+    by_toolchain = {tc: round(_number(values["quarantined"])) for tc, values in sorted(toolchains.items())
+                    if values.get("quarantined")}  # fmt: skip
+    return {
+        "writers": dict(sorted(writers.items())),
+        "sentinel_checked": round(_number(totals.get("sentinel_checked", 0))),
+        "quarantined": round(_number(totals.get("quarantined", 0))),
+        "quarantined_by_toolchain": by_toolchain,
+    }
 
 
 def per_host(reader: Reader) -> dict[str, dict]:

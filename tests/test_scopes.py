@@ -22,6 +22,7 @@ from bridge.identity import toolchain_id
 from cachestore.api import WriteItem, open_backend
 from cachestore.entry import MAGIC, encode_entry
 from cachestore.keys import partition
+from cachestore.report import build_report
 from cachestore.settings import Settings
 from cachestore.trust import WriterKey
 from workers.cli import main as nkicache
@@ -64,6 +65,16 @@ def test_an_untrusted_writer_neither_feeds_nor_blocks_a_trusted_reader(base: Set
     entries, _ = reader.find_many(graph_keys)
     assert {entry.writer for entry in entries.values()} == {keys["ci"].key_id_hex}
     reader.close()
+
+    # Each writer's entries stored and served show per key id in the report (the second pass served ci's own).
+    again_ci = client_of(base, keys, "ci")
+    compile_with(again_ci, graph)
+    again_ci.close(timeout=10)
+    store = open_backend(base, reading=True)
+    writers = build_report(store, top=0, timeline=False).trust["writers"]
+    store.close()
+    assert writers[keys["ci"].key_id_hex] == {"stored": MIXED_DISTINCT_KEYS, "served": MIXED_DISTINCT_KEYS,
+                                              "quarantined": 0}  # fmt: skip
 
     # The laptop's entries are still where the laptop reads them, its own.
     again = compile_with(laptop, graph)

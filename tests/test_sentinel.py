@@ -20,6 +20,8 @@ from cachestore.api import WriteItem, open_backend
 from cachestore.entry import SignaturePolicy, encode_entry
 from cachestore.inspect import decode_or_reason
 from cachestore.keys import QUARANTINE_SCOPE, partition
+from cachestore.report import build_report
+from cachestore.report_render import render_prometheus, render_text
 from cachestore.settings import Settings, SettingsError, load_settings
 from workers.cli import main as nkicache
 from workers.sentinel import run_sentinel
@@ -86,6 +88,15 @@ def test_the_sentinel_quarantines_a_trusted_entry_with_a_wrong_binary(base: Sett
         assert totals["quarantined"] == 1 and totals[f"quarantined_writer:{keys['ci'].key_id_hex}"] == 1
         assert totals["sentinel_checked"] == report.sampled
         assert store.toolchains()[toolchain_id()]["quarantined"] == 1
+        # `report` and Prometheus show it per writer and toolchain, with what each writer stored and served.
+        report_ = build_report(store, top=0, timeline=False)
+        ci_id = keys["ci"].key_id_hex
+        assert report_.trust["writers"][ci_id] == {"stored": MIXED_DISTINCT_KEYS, "served": 0, "quarantined": 1}
+        assert report_.trust["quarantined_by_toolchain"] == {toolchain_id(): 1}
+        assert f"{ci_id}" in render_text(report_) and "1 quarantined" in render_text(report_)
+        exposition = render_prometheus(report_)
+        assert "nkicache_quarantined_total 1.0" in exposition
+        assert f'nkicache_writer_quarantined_total{{writer="{ci_id}"}} 1.0' in exposition
     finally:
         store.close()
 
