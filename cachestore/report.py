@@ -22,6 +22,7 @@ from typing import Any
 
 from bridge.port import hit_rates
 from cachestore.api import TOTAL_COUNTERS, Reader
+from cachestore.keys import split_partition
 
 SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
 TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits", "traces")
@@ -224,7 +225,8 @@ def toolchain_coverage(reader: Reader) -> dict[str, dict[str, Coverage]]:
     is read only when more than one toolchain holds entries, which is when an upgrade is under way)."""
     held: dict[str, set[str]] = {}
     for toolchain, cache_key in reader.entry_keys():
-        held.setdefault(toolchain, set()).add(cache_key)
+        if not split_partition(toolchain)[1]:  # the trusted scopes: what the fleet is served
+            held.setdefault(toolchain, set()).add(cache_key)
     if len(held) < 2:
         return {}
     every_key = set().union(*held.values())

@@ -22,10 +22,11 @@ from bridge.identity import toolchain_id
 from cachestore.api import WriteItem, open_backend
 from cachestore.entry import MAGIC, encode_entry
 from cachestore.keys import partition
-from cachestore.report import build_report
+from cachestore.report import build_report, toolchain_coverage
 from cachestore.settings import Settings
 from cachestore.trust import WriterKey
 from workers.cli import main as nkicache
+from workers.warm import WarmError, default_source
 
 CRAFTED = 100
 
@@ -150,6 +151,14 @@ def test_gc_by_writer_purges_a_writer_in_every_scope_and_ls_du_show_writers(
     assert Counter(row["writer"] for row in inspect("ls", "--json")) == {laptop: MIXED_DISTINCT_KEYS,
                                                                          ci: MIXED_DISTINCT_KEYS}  # fmt: skip
     assert set(inspect("du", "--json")["writers"]) == {laptop, ci}
+    # An untrusted scope is no other toolchain: no coverage table, nothing for warm to start from.
+    store = open_backend(base, reading=True)
+    try:
+        assert toolchain_coverage(store) == {}
+        with pytest.raises(WarmError, match="no entries of another toolchain"):
+            default_source(store)
+    finally:
+        store.close()
     purged = inspect("gc", "--writer", laptop.upper(), "--json")
     assert purged["evicted"] == MIXED_DISTINCT_KEYS and purged["reasons"] == {f"writer {laptop}": MIXED_DISTINCT_KEYS}
     assert {row["writer"] for row in inspect("ls", "--json")} == {ci}

@@ -87,10 +87,14 @@ def sentinel_command(tier: str | None, rate: float | None, since: str | None, se
     from cachestore.api import open_backend
     from cachestore.client import settings_credentials
     from cachestore.entry import SignaturePolicy
+    from cachestore.report import parse_duration
     from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
-    from workers.report_cli import _duration
     from workers.sentinel import run_sentinel
 
+    try:
+        window = None if since is None else parse_duration(since)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from None
     settings = load_cli_settings(tier=tier)
     rate = settings.sentinel_rate if rate is None else rate
     if not 0 <= rate <= 1:
@@ -99,7 +103,7 @@ def sentinel_command(tier: str | None, rate: float | None, since: str | None, se
     policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust)
     reader = open_backend(settings, reading=True, toolchain=toolchain_id())
     try:
-        report = run_sentinel(reader, policy, rate=rate, since=None if since is None else _duration(since),
+        report = run_sentinel(reader, policy, rate=rate, since=window,
                               host=settings.host, quarantine_ttl=settings.entry_ttl,
                               rng=random.Random(seed))  # fmt: skip
     finally:
