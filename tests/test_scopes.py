@@ -168,3 +168,27 @@ def test_gc_by_writer_purges_a_writer_in_every_scope_and_ls_du_show_writers(
     reader = client_of(base, keys, None, tier_mode="read-only")
     assert compile_with(reader, graph).remote_hits == MIXED_DISTINCT_KEYS
     reader.close()
+
+
+def test_inspect_verify_and_show_apply_the_trust_policy(base: Settings, keys: dict[str, Any]) -> None:
+    graph = mixed_graph("verified")
+    ci = client_of(base, keys, "ci")
+    graph_keys = sorted(compile_with(ci, graph)._new_nki_frontend_kernel_cache)
+    ci.close(timeout=10)
+    env = {"NKICACHE_NAMESPACE": base.namespace, "NKICACHE_TRUST_POLICY": keys["policy"]}
+    runner = CliRunner()
+    clean = runner.invoke(nkicache, ["inspect", "--tier", base.tier, "verify", "--json"], env=env)
+    assert clean.exit_code == 0, clean.output
+    assert json.loads(clean.output)["ok"] == MIXED_DISTINCT_KEYS
+    planted = encode_entry(make_entry(), writer=keys["laptop"], cache_key=graph_keys[0])
+    store = open_backend(base, toolchain=partition(toolchain_id()))
+    store.put_entries([WriteItem(graph_keys[0], planted, None, 3600)])
+    store.close()
+    found = runner.invoke(nkicache, ["inspect", "--tier", base.tier, "verify", "--json"], env=env)
+    assert found.exit_code == 1
+    (bad,) = json.loads(found.output)["bad"]
+    assert bad["key"] == graph_keys[0] and "does not trust" in bad["reason"]
+    shown = runner.invoke(nkicache, ["inspect", "--tier", base.tier, "show", graph_keys[0], "--json"], env=env)
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["verified"] is False
+    assert json.loads(shown.output)["writer"] == keys["laptop"].key_id_hex

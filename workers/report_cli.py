@@ -273,11 +273,15 @@ def _source(
         reader.close()
 
 
-def _policy(tier: str | None = None) -> Any:
+def _policy(tier: str | None = None, trusting: bool = False) -> Any:
+    """The configured signature policy; `trusting`: with the trust policy too (verify and show, which look at
+    one partition; gc and import, which go over every scope, would refuse every untrusted scope's entries)."""
+    from cachestore.client import settings_credentials
     from cachestore.entry import SignaturePolicy
 
     settings = load_cli_settings(tier=tier)
-    return SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable), settings
+    trust = settings_credentials(settings.replace(tier_mode="read-only")).trust if trusting else None
+    return SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust), settings
 
 
 @click.group("inspect")
@@ -359,7 +363,7 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
     hosts, first and last use, and whether it verifies with the configured signature policy."""
     from cachestore.inspect import show_entry
 
-    policy, _ = _policy(tier)
+    policy, _ = _policy(tier, trusting=True)
     with _source(ctx, tier, snapshot) as reader:
         shown = show_entry(reader, key, policy)
     if as_json:
@@ -443,14 +447,14 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
 def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, as_json: bool, tier: str | None,
                    snapshot: str | None) -> None:  # fmt: skip
     """Check every entry: it decodes with the configured signature policy (schema, digest of the binary,
-    HMAC when a key is set), its key components hash to its key, and a reference names an entry holding
-    the same binary. Exit 1 when any entry is bad.
+    HMAC when a key is set, a trusted writer's signature when trust_policy is set), its key components hash
+    to its key, and a reference names an entry holding the same binary. Exit 1 when any entry is bad.
 
     --json keys: checked, ok, bad ([{key, reason}]), recompiled, executed.
     """
     from workers.verify import verify_entries
 
-    policy, settings = _policy(tier)
+    policy, settings = _policy(tier, trusting=True)
     with _source(ctx, tier, snapshot) as reader:
         report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
                                 execute=execute, seed=seed)  # fmt: skip
