@@ -121,7 +121,10 @@ class Entry:
         return Entry(**{**self._fields(), "binary": b"", "ref": cache_key})
 
     def with_binary(self, binary: bytes) -> Entry:
-        return Entry(**{**self._fields(), "binary": binary, "ref": None})
+        """This entry holding `binary` (a followed reference): what its own header said (signed, writer) stays."""
+        entry = Entry(**{**self._fields(), "binary": binary, "ref": None})
+        entry.signed, entry.unverified, entry.writer = self.signed, self.unverified, self.writer
+        return entry
 
     def trace_result(self) -> dict:
         """The specification's trace-result dict, as the bridge would have returned it."""

@@ -106,11 +106,16 @@ def test_open_tier_names_a_missing_policy_file_as_a_settings_error(tmp_path: Pat
 def test_distrust_removes_a_writer_in_one_command(policy_file: Path, ci: WriterKey, laptop: WriterKey) -> None:
     policy_file.write_text(policy_file.read_text() + "\n" + laptop.policy_entry("laptop"))
     assert set(load_trust_policy(policy_file).writers) == {ci.key_id, laptop.key_id}
-    result = CliRunner().invoke(nkicache, ["trust", "distrust", str(policy_file), ci.key_id_hex])
+    env = {"NKICACHE_TRUST_POLICY": str(policy_file)}
+    result = CliRunner().invoke(nkicache, ["trust", "distrust", ci.key_id_hex], env=env)
     assert result.exit_code == 0, result.output
     assert set(load_trust_policy(policy_file).writers) == {laptop.key_id}
-    again = CliRunner().invoke(nkicache, ["trust", "distrust", str(policy_file), ci.key_id_hex])
+    shown = CliRunner().invoke(nkicache, ["trust", "show", "--policy", str(policy_file)])
+    assert shown.output.split() == [laptop.key_id_hex, "laptop"]
+    again = CliRunner().invoke(nkicache, ["trust", "distrust", ci.key_id_hex, "--policy", str(policy_file)])
     assert again.exit_code != 0 and "no writer" in again.output
+    unset = CliRunner().invoke(nkicache, ["trust", "distrust", ci.key_id_hex], env={"NKICACHE_TRUST_POLICY": ""})
+    assert unset.exit_code != 0 and "no --policy" in unset.output
 
 
 # -- the entry's writer section ------------------------------------------------------------------------------
@@ -214,3 +219,10 @@ def test_tier_client_built_directly_loads_credentials(tmp_path: Path, ci: Writer
     settings = tier_settings(tmp_path, writer_key_file=str(tmp_path / "ci.key"))
     client = TierClient(lambda: None, settings)  # type: ignore[arg-type, return-value]
     assert client.writer is not None and client.writer.key_id == ci.key_id
+
+
+def test_a_followed_reference_keeps_its_writer(ci: WriterKey) -> None:
+    reference = decode_entry(encode_entry(make_entry().as_reference_to(OTHER), writer=ci, cache_key=KEY),
+                             trusting(ci), cache_key=KEY)  # fmt: skip
+    followed = reference.with_binary(b"the holder's binary")
+    assert (followed.writer, followed.signed, followed.ref) == (ci.key_id_hex, True, None)

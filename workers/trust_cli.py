@@ -35,14 +35,33 @@ def trust_group() -> None:
     """Show or change a trust policy file (the writers whose entries readers accept)."""
 
 
+def _policy_file(policy: Path | None) -> Path:
+    """--policy, else the trust_policy setting."""
+    from workers.cli_common import load_cli_settings
+
+    if policy is None:
+        configured = load_cli_settings().trust_policy
+        if not configured:
+            raise click.UsageError("no --policy given and no trust_policy setting (NKICACHE_TRUST_POLICY)")
+        policy = Path(configured)
+    return policy
+
+
+POLICY_OPTION = click.option(
+    "--policy", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+    help="The trust policy file (default: the trust_policy setting).",
+)  # fmt: skip
+
+
 @trust_group.command("show")
-@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path))
+@POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of {key_id, name}.")
-def trust_show(policy: Path, as_json: bool) -> None:
-    """The writers POLICY trusts."""
+def trust_show(policy: Path | None, as_json: bool) -> None:
+    """The writers the trust policy trusts."""
     from cachestore.trust import load_trust_policy
 
-    writers = [{"key_id": w.key_id.hex(), "name": w.name} for w in load_trust_policy(policy).writers.values()]
+    writers = [{"key_id": w.key_id.hex(), "name": w.name}
+               for w in load_trust_policy(_policy_file(policy)).writers.values()]  # fmt: skip
     if as_json:
         echo_json(writers)
         return
@@ -51,13 +70,15 @@ def trust_show(policy: Path, as_json: bool) -> None:
 
 
 @trust_group.command("distrust")
-@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("key_id")
-def trust_distrust(policy: Path, key_id: str) -> None:
-    """Remove writer KEY_ID from POLICY (rewritten in place): readers that load it reject that writer's
-    entries from then on. Its entries stay stored until `nkicache inspect gc --writer KEY_ID`."""
+@POLICY_OPTION
+def trust_distrust(key_id: str, policy: Path | None) -> None:
+    """Remove writer KEY_ID from the trust policy (rewritten in place): clients that load it from then on (a
+    new compile, a fleet worker's next job) reject that writer's entries. Its entries stay stored until
+    `nkicache inspect gc --writer KEY_ID`."""
     from cachestore.trust import without_writer
 
+    policy = _policy_file(policy)
     removed = without_writer(policy, key_id)
     if not removed:
         raise click.UsageError(f"{policy}: no writer {key_id} to remove")
