@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -50,8 +50,10 @@ from cachestore.api import (
     redact_url,
 )
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
+from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
-from cachestore.settings import Settings
+from cachestore.settings import Settings, SettingsError
+from cachestore.trust import Credentials, TrustError, load_credentials
 from cachestore.variant_index import facts, query_fields, stored_fields
 
 logger = logging.getLogger(__name__)
@@ -97,14 +99,26 @@ class TierStats:
 class TierClient:
     """One per process; shared by every pass the process runs."""
 
-    def __init__(self, backend_factory: Callable[[], Backend], settings: Settings, description: str = "tier"):
+    def __init__(
+        self,
+        backend_factory: Callable[[], Backend],
+        settings: Settings,
+        description: str = "tier",
+        credentials: Credentials | None = None,
+    ):
+        """`credentials`: the writer key, trust policy and scope (default: loaded from the settings; the backend
+        must work in `partition(toolchain, credentials.scope)`, as open_tier's does)."""
         self.settings = settings
         self.description = description
         self.mode = settings.tier_mode
         self.stats = TierStats()
         self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
-        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable)
+        self.credentials = credentials or settings_credentials(settings)
+        self.writer = self.credentials.writer
+        self.policy = SignaturePolicy(
+            settings.hmac_key, settings.require_signed, settings.reject_unverifiable, self.credentials.trust
+        )
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
@@ -115,6 +129,9 @@ class TierClient:
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
+        # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
+        self._writer_counts: collections.Counter[str] = collections.Counter()
+        self._writer_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -138,6 +155,11 @@ class TierClient:
 
     def counts(self) -> dict[str, int]:
         return self.stats.snapshot()
+
+    @property
+    def _partition(self) -> str:
+        """Where this client's entries are: its toolchain's partition in its scope (cachestore.keys)."""
+        return partition(self.toolchain, self.credentials.scope)
 
     @property
     def available(self) -> bool:
@@ -213,7 +235,12 @@ class TierClient:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
+        self._count_writers(f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer)
         return entries, set(found)
+
+    def _count_writers(self, names: Iterable[str]) -> None:
+        with self._writer_lock:
+            self._writer_counts.update(names)
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
@@ -228,7 +255,7 @@ class TierClient:
 
     def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         try:
-            entry = decode_entry(data, self.policy, self.settings.max_entry_bytes)
+            entry = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
         except EntryRejected as exc:
             self.reject(cache_key, exc.reason)
             return None
@@ -242,7 +269,7 @@ class TierClient:
         neither counted as a tier error nor opens the breaker."""
         if not misses or not self._available():
             return None
-        queries = {key: query_fields(key, components, self.toolchain) for key, components in misses.items()}
+        queries = {key: query_fields(key, components, self._partition) for key, components in misses.items()}
         try:
             if self._backend is None:
                 self._backend = self._backend_factory()
@@ -251,7 +278,7 @@ class TierClient:
             logger.debug("tier %s: variant index not read (%s); misses of this pass are of unknown cause",
                          self.description, exc)  # fmt: skip
             return None
-        return {key: facts(values, self.toolchain)
+        return {key: facts(values, self._partition)
                 for key, values in zip(queries, answers, strict=True) if values is not None}  # fmt: skip
 
     def reject(self, cache_key: str, reason: str) -> None:
@@ -316,15 +343,15 @@ class TierClient:
         """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes."""
         if not pending.prepared:
             entry = pending.build()
-            full = encode_entry(entry, self.settings.hmac_key)
+            full = encode_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
             if len(full) > self.settings.max_entry_bytes:
                 logger.warning(
                     "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], len(full)
                 )
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
-                reference = self._reference_encoder(entry)
-                index = stored_fields(pending.cache_key, entry.key_components, self.toolchain)
+                reference = self._reference_encoder(entry, pending.cache_key)
+                index = stored_fields(pending.cache_key, entry.key_components, self._partition)
                 pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name, index)
             pending.prepared = True
         return pending.request
@@ -342,6 +369,8 @@ class TierClient:
         its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
         if not self.writes:
             return
+        if self.writer is not None:
+            self._count_writers([f"writer_stored:{self.writer.key_id_hex}"])
         build = partial(
             Entry,
             binary=result["binary"],
@@ -358,8 +387,10 @@ class TierClient:
         )
         self._publish(PendingStore(cache_key, build), release_lease)
 
-    def _reference_encoder(self, entry: Entry) -> Callable[[str], bytes]:
-        return lambda holder: encode_entry(entry.as_reference_to(holder), self.settings.hmac_key)
+    def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
+        """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
+        key, writer = self.settings.hmac_key, self.writer
+        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
@@ -380,7 +411,11 @@ class TierClient:
 
     def record_pass(self, record: PassRecord) -> None:
         """The port's pass record, as one metrics batch applied once by the pass's id."""
-        self.record(metrics_batch(record, self.settings.host, self.settings.worker))
+        batch = metrics_batch(record, self.settings.host, self.settings.worker)
+        with self._writer_lock:
+            batch.totals.update(self._writer_counts)  # fields WRITER_COUNTERS:KEYID, beside the pass's counters
+            self._writer_counts.clear()
+        self.record(batch)
 
     def _enqueue(self, item: object) -> None:
         if not self.writes:
@@ -556,5 +591,16 @@ def open_tier(settings: Settings) -> TierClient | None:
         return None
     if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
-    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only")
-    return TierClient(backend, settings, redact_url(settings.tier))
+    credentials = settings_credentials(settings)
+    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only",
+                      toolchain=partition(toolchain_id(), credentials.scope))  # fmt: skip
+    return TierClient(backend, settings, redact_url(settings.tier), credentials)
+
+
+def settings_credentials(settings: Settings) -> Credentials:
+    """The writer key, trust policy and scope the settings name; a bad file is a SettingsError naming it."""
+    try:
+        return load_credentials(settings.writer_key_file, settings.trust_policy, settings.scope,
+                                settings.tier_mode != "read-only")  # fmt: skip
+    except TrustError as exc:
+        raise SettingsError(str(exc)) from None

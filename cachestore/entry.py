@@ -1,13 +1,18 @@
 """The cache entry as stored in a tier: a short binary header, then the body, msgpack, compressed with zstd.
 
-    stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>] payload
+    stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>]
+              [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>] payload
     payload = one zstd frame (its decompressed size declared) of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
 
-Flag bit 0 says the HMAC is there. The SHA-256 (integrity) and the HMAC (authenticity, when a key is
-configured) both cover the payload as stored, so a hit hashes the small compressed form, not the binary, and
-decodes once: one decompression, one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
+Flag bit 0 says the HMAC is there, bit 1 the writer's signature (`cachestore.trust`: it covers the schema,
+flags, key id, the cache key the entry is stored under and the payload's SHA-256, so it costs one Ed25519
+verify whatever the binary's size). Entries written before writer signatures have bit 1 clear and stay
+readable as they were, except by a reader with a trust policy, which rejects them (no trusted writer).
+The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
+stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
+one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
 Entries of an older schema (a msgpack map) are rejected like any bad entry: a miss, traced and rewritten.
 
 `toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
@@ -38,6 +43,8 @@ from typing import Any
 import msgpack
 import zstandard
 
+from cachestore.trust import KEY_ID_BYTES, SIGNATURE_BYTES, TrustPolicy, WriterKey, signed_message
+
 SCHEMA_VERSION = 3  # 2: the body names its toolchain; 3: binary header, zstd payload, body a list
 MAGIC = b"NKC"
 # Level 3 (zstd's default): on the bench workload's 55 binaries, 11.5% of their size at 114 µs a binary; level
@@ -45,7 +52,10 @@ MAGIC = b"NKC"
 COMPRESSION_LEVEL = 3
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _SIGNED = 0x01
+_WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature follow the HMAC (cachestore.trust)
+_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED
 _SUM_AT, _SUM_BYTES, _SIG_BYTES = len(MAGIC) + 2, 32, 32
+_WRITER_BYTES = KEY_ID_BYTES + SIGNATURE_BYTES
 # A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
 # four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
 MAX_BODY_OBJECTS = 1 << 16
@@ -96,6 +106,7 @@ class Entry:
     toolchain: str = ""  # the id of the compiler that traced the binary
     signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
     unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
+    writer: str = field(default="", compare=False)  # the key id (hex) of the writer that signed it, if any
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -110,7 +121,10 @@ class Entry:
         return Entry(**{**self._fields(), "binary": b"", "ref": cache_key})
 
     def with_binary(self, binary: bytes) -> Entry:
-        return Entry(**{**self._fields(), "binary": binary, "ref": None})
+        """This entry holding `binary` (a followed reference): what its own header said (signed, writer) stays."""
+        entry = Entry(**{**self._fields(), "binary": binary, "ref": None})
+        entry.signed, entry.unverified, entry.writer = self.signed, self.unverified, self.writer
+        return entry
 
     def trace_result(self) -> dict:
         """The specification's trace-result dict, as the bridge would have returned it."""
@@ -129,13 +143,21 @@ def binary_digest(binary: bytes) -> str:
     return hashlib.sha256(binary).hexdigest()
 
 
-def encode_entry(entry: Entry, hmac_key: bytes | None = None) -> bytes:
-    """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, then
-    the payload (the body, compressed)."""
+def encode_entry(
+    entry: Entry, hmac_key: bytes | None = None, writer: WriterKey | None = None, cache_key: str = ""
+) -> bytes:
+    """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, the
+    writer's key id and signature when a writer key is given (over `cache_key`, the key it is stored under),
+    then the payload (the body, compressed)."""
     payload = _compressor().compress(msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True))
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
-    flags = _SIGNED if signature else 0
-    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
+    flags = (_SIGNED if signature else 0) | (_WRITER_SIGNED if writer else 0)
+    digest = hashlib.sha256(payload).digest()
+    by_writer = b""
+    if writer is not None:
+        message = signed_message(SCHEMA_VERSION, flags, writer.key_id, cache_key, digest)
+        by_writer = writer.key_id + writer.sign(message)
+    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest, signature, by_writer, payload))
 
 
 @dataclass(frozen=True)
@@ -147,30 +169,39 @@ class SignaturePolicy:
     hmac_key: bytes | None = None
     require_signed: bool = True
     reject_unverifiable: bool = False
+    # With a trust policy, every entry must carry a writer signature by a key it trusts (over the cache key
+    # the entry is read under); without one, a writer signature is not checked (an unverified entry).
+    trust: TrustPolicy | None = None
 
 
-def decode_entry(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES) -> Entry:
+def decode_entry(
+    data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
+) -> Entry:
     """Decode and verify; raises EntryRejected with the reason on any problem.
 
     Nothing is built before it is known to be small, so a hostile entry costs a bounded time and memory
     whatever it declares: the stored size first, then the header, the digest and the signature over the
     stored (compressed) bytes, then the payload's declared size before it is decompressed, and only then the
-    body, whose shape is bounded before msgpack builds it."""
+    body, whose shape is bounded before msgpack builds it. A policy with a trust policy needs `cache_key`, the
+    key the entry was read under, which the writer's signature covers."""
     if isinstance(data, TooLarge):
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
         raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
     signature, payload = open_stored(data)
-    if not hmac.compare_digest(hashlib.sha256(payload).digest(), data[_SUM_AT : _SUM_AT + _SUM_BYTES]):
+    digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
+    if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
         raise EntryRejected("stored bytes do not match their digest")
     signed = _check_signature(payload, signature, policy)
+    writer = _check_writer(data, digest, policy, cache_key)
     fields = _unpack(
         _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
     )  # fmt: skip
     entry = _entry_from_fields(fields)
-    entry.signed = signed
-    entry.unverified = signature is not None and not signed
+    entry.signed = signed or (writer is not None and policy.trust is not None)
+    entry.unverified = (signature is not None and not signed) or (writer is not None and policy.trust is None)
+    entry.writer = writer.hex() if writer is not None else ""
     return entry
 
 
@@ -185,14 +216,37 @@ def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     schema, flags = data[len(MAGIC)], data[len(MAGIC) + 1]
     if schema != SCHEMA_VERSION:
         raise EntryRejected(f"schema version {schema}, expected {SCHEMA_VERSION}")
-    if flags & ~_SIGNED:
+    if flags & ~_KNOWN_FLAGS:
         raise EntryRejected(f"unknown header flags {flags:#04x}")
     start = _SUM_AT + _SUM_BYTES
-    if not flags & _SIGNED:
-        return None, data[start:]
-    if len(data) < start + _SIG_BYTES:
-        raise EntryRejected("entry signature is truncated")
-    return data[start : start + _SIG_BYTES], data[start + _SIG_BYTES :]
+    signature = None
+    if flags & _SIGNED:
+        if len(data) < start + _SIG_BYTES:
+            raise EntryRejected("entry signature is truncated")
+        signature, start = data[start : start + _SIG_BYTES], start + _SIG_BYTES
+    if flags & _WRITER_SIGNED:
+        if len(data) < start + _WRITER_BYTES:
+            raise EntryRejected("entry writer signature is truncated")
+        start += _WRITER_BYTES
+    return signature, data[start:]
+
+
+def writer_section(data: bytes) -> tuple[bytes, bytes] | None:
+    """(writer key id, Ed25519 signature) of an encoded entry, or None when it carries none (or is no entry)."""
+    try:
+        payload = open_stored(data)[1]
+    except EntryRejected:
+        return None
+    if not data[len(MAGIC) + 1] & _WRITER_SIGNED:
+        return None
+    end = len(data) - len(payload)
+    return data[end - _WRITER_BYTES : end - SIGNATURE_BYTES], data[end - SIGNATURE_BYTES : end]
+
+
+def writer_of(data: bytes | TooLarge) -> str:
+    """The key id (hex) of the writer that signed an encoded entry, unverified; "" when none (listings, gc)."""
+    section = None if isinstance(data, TooLarge) else writer_section(data)
+    return section[0].hex() if section else ""
 
 
 def is_signed(data: bytes) -> bool:
@@ -255,6 +309,26 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
     if signature is not None and policy.reject_unverifiable:
         raise EntryRejected("entry is signed and this reader has no key to verify it")
     return False
+
+
+def _check_writer(data: bytes, digest: bytes, policy: SignaturePolicy, cache_key: str | None) -> bytes | None:
+    """The writer's key id when the entry carries a writer signature (checked against the trust policy when
+    the reader holds one); raises EntryRejected when the policy does not accept it."""
+    section = writer_section(data)
+    if policy.trust is None:
+        if section is not None and policy.reject_unverifiable:
+            raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
+        return None if section is None else section[0]
+    if section is None:
+        raise EntryRejected("entry has no writer signature and this reader trusts signed entries only")
+    if cache_key is None:
+        raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
+    key_id, signature = section
+    flags = data[len(MAGIC) + 1]
+    problem = policy.trust.check(key_id, signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest), signature)
+    if problem is not None:
+        raise EntryRejected(problem)
+    return key_id
 
 
 def _unpack(

@@ -29,7 +29,9 @@ from cachestore.entry import (
     binary_digest,
     decode_entry,
     is_signed,
+    writer_of,
 )
+from cachestore.keys import split_partition
 
 # For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
 # `verify` is where the configured policy is applied.
@@ -124,11 +126,13 @@ def describe_components(components: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def decode_or_reason(
-    data: bytes | TooLarge, policy: SignaturePolicy = LOOKING, max_bytes: int = MAX_ENTRY_BYTES
-) -> Entry | str:
-    """The entry, or the reason it cannot be read (a store's TooLarge: its size)."""
+    data: bytes | TooLarge, policy: SignaturePolicy = LOOKING, max_bytes: int = MAX_ENTRY_BYTES,
+    cache_key: str | None = None,
+) -> Entry | str:  # fmt: skip
+    """The entry, or the reason it cannot be read (a store's TooLarge: its size). `cache_key`, the key it is
+    stored under, lets a policy with a trust policy check its writer's signature."""
     try:
-        return decode_entry(data, policy, max_bytes)
+        return decode_entry(data, policy, max_bytes, cache_key)
     except EntryRejected as exc:
         return exc.reason
 
@@ -140,8 +144,8 @@ def _has_signature(data: bytes | TooLarge) -> bool:
 
 
 def toolchain_problem(raw: RawEntry, entry: Entry) -> str | None:
-    """Why `entry` does not belong in the toolchain partition it is stored in, or None."""
-    if entry.toolchain != raw.toolchain:
+    """Why `entry` does not belong in the toolchain partition (of any scope) it is stored in, or None."""
+    if entry.toolchain != split_partition(raw.toolchain)[0]:
         return f"traced by toolchain {entry.toolchain!r} but stored in toolchain {raw.toolchain}'s partition"
     return None
 
@@ -176,7 +180,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
             if isinstance(entry, str):
                 if kernel is None and target is None:
                     yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
-                           "bytes": len(raw.data), "error": entry}  # fmt: skip
+                           "bytes": len(raw.data), "writer": writer_of(raw.data), "error": entry}  # fmt: skip
                 continue
             try:
                 info = describe_components(entry.key_components)
@@ -184,7 +188,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                 # Listed with its error like an entry that cannot be decoded; the listing goes on.
                 if kernel is None and target is None:
                     yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
-                           "bytes": len(raw.data), "error": str(exc)}  # fmt: skip
+                           "bytes": len(raw.data), "writer": writer_of(raw.data), "error": str(exc)}  # fmt: skip
                 continue
             if kernel not in (None, info["kernel_name"]) or target not in (None, info["target"]):
                 continue
@@ -200,6 +204,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                 "usage": record.usage if record else 0,
                 "last_use": record.last_use if record else None,
                 "producer": f"{entry.producer_host}:{entry.producer_worker}",
+                "writer": writer_of(raw.data),  # the key id its header names (checked by verify, not here)
                 "created": entry.created,
                 "ttl": raw.ttl,
                 "error": None,
@@ -236,7 +241,7 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
     data = reader.get_entries([cache_key]).get(cache_key)
     if data is None:
         raise InspectError(f"entry {cache_key} disappeared while reading it")
-    verified = decode_or_reason(data, policy)
+    verified = decode_or_reason(data, policy, cache_key=cache_key)
     entry = decode_or_reason(data)
     record = reader.key_records([cache_key]).get(cache_key)
     shown: dict[str, Any] = {
@@ -244,6 +249,7 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
         "toolchain": reader.toolchain,
         "bytes": len(data),
         "signature": "present" if _has_signature(data) else "none",
+        "writer": writer_of(data),
         "verified": not isinstance(verified, str),
         "problem": verified if isinstance(verified, str) else None,
         "usage": record.usage if record else 0,
@@ -298,12 +304,16 @@ def disk_usage(reader: Reader) -> dict:
     referenced digest."""
     kernels: dict[str, Counter] = defaultdict(Counter)
     toolchains: dict[str, Counter] = defaultdict(Counter)
+    writers: dict[str, Counter] = defaultdict(Counter)  # key id ("" for no writer signature) -> entries, bytes
     sizes: dict[tuple[str, str], int] = {}
     referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (toolchain, digest) -> kernel -> references
     unreadable = Counter()
     for raw in (raw for partition in partitions(reader) for raw in partition.scan_entries(with_ttl=False)):
         toolchains[raw.toolchain]["entries"] += 1
         toolchains[raw.toolchain]["bytes"] += len(raw.data)
+        writer = writers[writer_of(raw.data)]
+        writer["entries"] += 1
+        writer["bytes"] += len(raw.data)
         entry = decode_or_reason(raw.data)
         if isinstance(entry, str):
             unreadable["entries"] += 1
@@ -332,6 +342,7 @@ def disk_usage(reader: Reader) -> dict:
     return {
         "kernels": rows,
         "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(toolchains.items())},
+        "writers": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(writers.items())},
         "total": total,
         "distinct_binaries": len(sizes),
         "dangling_references": dangling,
@@ -440,7 +451,7 @@ def _import_partition(
     for batch in batched(snapshot.scan_entries()):
         items = []
         for raw in batch:
-            entry = decode_or_reason(raw.data, policy, max_bytes)
+            entry = decode_or_reason(raw.data, policy, max_bytes, raw.cache_key)
             problem = problem_of(raw, entry)
             if problem:
                 rejected.append({"key": raw.cache_key, "reason": problem})
@@ -455,13 +466,14 @@ def _import_partition(
     for batch in batched(snapshot.scan_entries()):
         pending = {}
         for raw in batch:
-            entry = decode_or_reason(raw.data, policy, max_bytes)
+            entry = decode_or_reason(raw.data, policy, max_bytes, raw.cache_key)
             if isinstance(entry, Entry) and entry.is_reference and not problem_of(raw, entry):
                 pending[raw.cache_key] = (raw, entry)
         targets = tier.get_entries(sorted({entry.ref for _, entry in pending.values()}))
         items = []
         for key, (raw, entry) in pending.items():
-            holder = decode_or_reason(targets[entry.ref], policy, max_bytes) if entry.ref in targets else None
+            held = targets.get(entry.ref)
+            holder = None if held is None else decode_or_reason(held, policy, max_bytes, entry.ref)
             problem = _reference_problem(entry, holder)
             if problem:
                 rejected.append({"key": key, "reason": problem})
@@ -483,6 +495,7 @@ class _Candidate:
     last_use: float
     reason: str | None = None  # why it is evicted
     toolchain: str = ""  # the partition it is stored in
+    writer: str = ""  # the key id its header names ("" for none)
 
     @property
     def id(self) -> tuple[str, str]:
@@ -508,12 +521,15 @@ def collect_garbage(
     dry_run: bool = False,
     now: float | None = None,
     only_toolchain: str | None = None,
+    writer: str | None = None,
 ) -> dict:
     """Evict entries (never metrics), of every toolchain: unreadable entries and references to nothing; with
     `only_toolchain`, every other toolchain's entries; with `unused_for`, entries not used for that many
     seconds; with `max_bytes`, the least valuable entries (lowest compile seconds saved per stored byte:
     usage x compile time / size) until the rest fits. An entry holding a binary goes only together with the
-    references to it. Keeps one small record per entry."""
+    references to it. With `writer` (a key id), every entry whose header names that writer, in every
+    toolchain and scope (a compromised or distrusted writer's), with the entries that reference its binaries.
+    Keeps one small record per entry."""
     now = time.time() if now is None else now
     candidates: dict[tuple[str, str], _Candidate] = {}
     for partition in partitions(reader):
@@ -535,9 +551,13 @@ def collect_garbage(
             if candidates[member].reason is None:
                 candidates[member].reason = reason
 
+    if writer is not None:
+        for c in candidates.values():
+            if c.writer == writer.lower():
+                evict(c, f"writer {c.writer}")
     if only_toolchain is not None:
         for c in candidates.values():
-            if c.toolchain != only_toolchain:
+            if split_partition(c.toolchain)[0] != only_toolchain:
                 evict(c, "other toolchain")  # its references live in its own partition: they go with it
     if unused_for is not None:
         cutoff = now - unused_for
@@ -579,15 +599,17 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
     for batch in batched(reader.scan_entries(with_ttl=False)):
         usage = reader.key_records([raw.cache_key for raw in batch])
         for raw in batch:
-            entry = decode_or_reason(raw.data, policy)
+            entry = decode_or_reason(raw.data, policy, cache_key=raw.cache_key)
             record = usage.get(raw.cache_key)
+            writer = writer_of(raw.data)
             if isinstance(entry, str):
-                yield _Candidate(raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0, "unreadable", raw.toolchain)
+                yield _Candidate(raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0, "unreadable", raw.toolchain,
+                                 writer)  # fmt: skip
                 continue
             last = max(record.last_use if record else 0.0, entry.created)
             yield _Candidate(
                 raw.cache_key, len(raw.data), None if entry.is_reference else entry.digest, entry.ref,
-                record.usage if record else 0, entry.compile_seconds, last, toolchain=raw.toolchain,
+                record.usage if record else 0, entry.compile_seconds, last, toolchain=raw.toolchain, writer=writer,
             )  # fmt: skip
 
 

@@ -24,6 +24,15 @@ every key of a metrics shard shares that shard's slot, which is what lets the pa
 shard apply atomically and exactly once (each shard keeps its own applied-batch marker). The shards spread
 the metrics over a cluster's nodes: with one slot, every pass's batch and every variant's usage sat on one.
 
+A scope other than the trusted one (issue 22: an untrusted writer, `cachestore.trust.resolve_scope`) is a
+partition of its own inside the toolchain's, TC:scope:NAME (`partition`):
+
+    NS:vV:tc:TC:scope:NAME:entry:{KEY}   (and :lease:, :digest:) an untrusted scope's entries
+
+so a trusted reader never reads them, and they never hold a lease on, replace, deduplicate against or evict
+a trusted entry. The trusted scope is the toolchain's partition itself: the layout of an existing tier is
+unchanged. A Redis ACL user can be limited to untrusted scopes by the key pattern `NS:vV:tc:*:scope:*`.
+
 Entries, leases and the digest index are partitioned by toolchain: two compilers (a rolling upgrade) share
 one Redis without ever reading, deduplicating against or evicting each other's binaries, while the fleet
 metrics and the job queue stay shared. The specification's SHA-256 stays the cache key inside a partition.
@@ -40,6 +49,22 @@ DEFAULT_METRICS_SHARDS = 64
 MAX_METRICS_SHARDS = 1024  # a report reads every shard: more would cost it more than any cluster gains
 DEFAULT_JOB_SHARDS = 16  # of a new namespace's job queue: an idle worker polls each once a second
 MAX_JOB_SHARDS = 1024
+
+
+TRUSTED_SCOPE = ""
+QUARANTINE_SCOPE = "quarantine"  # entries the determinism sentinel took out of service (workers.sentinel)
+_SCOPE_MARK = ":scope:"
+
+
+def partition(toolchain: str, scope: str = TRUSTED_SCOPE) -> str:
+    """The partition (what backends call a toolchain) of one toolchain's entries in one scope."""
+    return toolchain if scope == TRUSTED_SCOPE else f"{toolchain}{_SCOPE_MARK}{scope}"
+
+
+def split_partition(name: str) -> tuple[str, str]:
+    """(toolchain, scope) of a partition; the scope is TRUSTED_SCOPE for a toolchain's own partition."""
+    toolchain, _, scope = name.partition(_SCOPE_MARK)
+    return toolchain, scope
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 from bridge.miss_causes import MISS_CAUSES
 from bridge.port import hit_rates
 from cachestore.api import TOTAL_COUNTERS, Reader
+from cachestore.keys import split_partition
 
 SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
 TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits", "traces")
@@ -103,6 +104,7 @@ class FleetReport:
     zeroed: list[dict] = field(default_factory=list)  # `report --zero` records in the pass log: {when, host, worker}
     # {kernel: {cause: tier misses}} over the timeline's passes (the pass log keeps each pass's, by kernel).
     kernel_misses: dict[str, dict[str, int]] = field(default_factory=dict)
+    trust: dict[str, Any] = field(default_factory=dict)  # `trust_summary`: per writer, and the sentinel's counts
 
     @property
     def misses(self) -> dict[str, int]:
@@ -128,6 +130,7 @@ class FleetReport:
             "zeroed": self.zeroed,
             "misses": self.misses,
             "kernel_misses": self.kernel_misses,
+            "trust": self.trust,
         }
 
 
@@ -144,13 +147,15 @@ def build_report(
     """Read the fleet metrics (and, for the top variants, their entries) into a report. `coverage` scans the
     entry keys (no values) when the metrics know more than one toolchain (`nkicache warm` names its own);
     a Prometheus scrape leaves it out to stay cheap at any cache size."""
+    raw_totals, raw_toolchains = reader.totals(), reader.toolchains()
     report = FleetReport(
         tier=reader.description,
         generated=time.time() if now is None else now,
         since=since,
-        totals=counters(reader.totals()),
+        totals=counters(raw_totals),
         per_host=per_host(reader),
-        per_toolchain={toolchain: counters(values) for toolchain, values in sorted(reader.toolchains().items())},
+        per_toolchain={toolchain: counters(values) for toolchain, values in sorted(raw_toolchains.items())},
+        trust=trust_summary(raw_totals, raw_toolchains),
         per_kernel=dict(sorted(reader.kernels().items(), key=lambda kv: (-kv[1]["call_count"], kv[0]))),
         variants=reader.key_count(),
     )
@@ -163,6 +168,30 @@ def build_report(
             reader, since, bucket_seconds, report.zeroed, report.kernel_misses
         )
     return report
+
+
+# Per-writer fields of the fleet totals, NAME:KEYID: entries a writer's passes stored, entries readers were served
+# (cachestore.client), and entries of its that the sentinel quarantined (workers.sentinel).
+WRITER_COUNTERS = {"writer_stored": "stored", "writer_served": "served", "quarantined_writer": "quarantined"}
+
+
+def trust_summary(totals: dict[str, float], toolchains: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """{writers: {key id: {stored, served, quarantined}}, sentinel_checked, quarantined, quarantined_by_toolchain}
+    from the raw totals the report reads anyway: no extra round trip."""
+    writers: dict[str, dict[str, int]] = {}
+    for name, value in totals.items():
+        kind, _, writer = name.partition(":")
+        if kind in WRITER_COUNTERS and writer:
+            row = writers.setdefault(writer, dict.fromkeys(WRITER_COUNTERS.values(), 0))
+            row[WRITER_COUNTERS[kind]] += round(_number(value))
+    by_toolchain = {tc: round(_number(values["quarantined"])) for tc, values in sorted(toolchains.items())
+                    if values.get("quarantined")}  # fmt: skip
+    return {
+        "writers": dict(sorted(writers.items())),
+        "sentinel_checked": round(_number(totals.get("sentinel_checked", 0))),
+        "quarantined": round(_number(totals.get("quarantined", 0))),
+        "quarantined_by_toolchain": by_toolchain,
+    }
 
 
 def per_host(reader: Reader) -> dict[str, dict]:
@@ -209,7 +238,8 @@ def toolchain_coverage(reader: Reader) -> dict[str, dict[str, Coverage]]:
     is read only when more than one toolchain holds entries, which is when an upgrade is under way)."""
     held: dict[str, set[str]] = {}
     for toolchain, cache_key in reader.entry_keys():
-        held.setdefault(toolchain, set()).add(cache_key)
+        if not split_partition(toolchain)[1]:  # the trusted scopes: what the fleet is served
+            held.setdefault(toolchain, set()).add(cache_key)
     if len(held) < 2:
         return {}
     every_key = set().union(*held.values())

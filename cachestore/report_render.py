@@ -181,6 +181,18 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             toolchains.add_row(_toolchain_label(toolchain), *_worker_cells(values))
         yield toolchains
 
+    if report.trust.get("writers") or report.trust.get("sentinel_checked"):
+        trust = report.trust
+        yield Text(f"Per writer (signing key id); sentinel: {trust['sentinel_checked']:,} entries traced again, "
+                   f"{trust['quarantined']:,} quarantined", style="bold")  # fmt: skip
+        writers = Table()
+        writers.add_column("writer", no_wrap=True)
+        for column in ("stored", "served", "quarantined"):
+            writers.add_column(column, justify="right")
+        for writer, row in trust["writers"].items():
+            writers.add_row(writer, f"{row['stored']:,}", f"{row['served']:,}", f"{row['quarantined']:,}")
+        yield writers
+
     if report.coverage:
         yield Text("Coverage (of another toolchain's stored variants, weighted by fleet usage: how warm each is)",
                    style="bold")  # fmt: skip
@@ -370,6 +382,28 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
         for other, c in of.items():
             coverage.add_metric([toolchain, other], c.share)
     yield coverage
+    yield from _trust_families(report)
+
+
+def _trust_families(report: FleetReport) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily
+
+    trust = report.trust or {"writers": {}, "sentinel_checked": 0, "quarantined": 0, "quarantined_by_toolchain": {}}
+    yield CounterMetricFamily("nkicache_sentinel_checked", "Entries the sentinel traced again and compared.",
+                              value=trust["sentinel_checked"])  # fmt: skip
+    yield CounterMetricFamily("nkicache_quarantined", "Entries the sentinel quarantined (binary differs).",
+                              value=trust["quarantined"])  # fmt: skip
+    by_toolchain = CounterMetricFamily("nkicache_toolchain_quarantined", "Per toolchain: entries quarantined.",
+                                       labels=["toolchain"])  # fmt: skip
+    for toolchain, count in trust["quarantined_by_toolchain"].items():
+        by_toolchain.add_metric([toolchain], count)
+    yield by_toolchain
+    for field_name in ("stored", "served", "quarantined"):
+        family = CounterMetricFamily(f"nkicache_writer_{field_name}", f"Per writer key id: entries {field_name}.",
+                                     labels=["writer"])  # fmt: skip
+        for writer, row in trust["writers"].items():
+            family.add_metric([writer], row[field_name])
+        yield family
 
 
 def _rate_families(prefix: str, scope: str, labels: list[str], rows: list[tuple[tuple, dict]]) -> Iterator[Any]:

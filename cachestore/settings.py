@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -19,12 +20,19 @@ from typing import Any
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
 from cachestore.api import redact_url, tier_url_problem
-from cachestore.keys import DEFAULT_JOB_SHARDS, DEFAULT_METRICS_SHARDS, MAX_JOB_SHARDS, MAX_METRICS_SHARDS
+from cachestore.keys import (
+    DEFAULT_JOB_SHARDS,
+    DEFAULT_METRICS_SHARDS,
+    MAX_JOB_SHARDS,
+    MAX_METRICS_SHARDS,
+    QUARANTINE_SCOPE,
+)
 
 # read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
 # never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
 TIER_MODES = ("read-through", "mirror", "read-only", "off")
 DAY = 24 * 3600
+SCOPE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_SECONDS = 10 * 365 * DAY
 SECONDS_SETTINGS = (
     "connect_timeout", "op_timeout", "entry_ttl", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
@@ -87,6 +95,17 @@ class Settings:
     # Shards of the fleet's job queue, each in its own slot (a cluster spreads them over its nodes). Used once,
     # when a namespace's first job is submitted or its first worker starts; the namespace keeps that count.
     job_shards: int = DEFAULT_JOB_SHARDS
+    # Per-writer signatures (issue 22, cachestore.trust). The writer's Ed25519 private key (`nkicache keygen`):
+    # every entry it stores is signed with it. The trust policy: a TOML file of the writers whose entries this
+    # client accepts; set, an entry without a trusted writer's signature is rejected.
+    writer_key_file: str = ""
+    trust_policy: str = ""
+    # Where this client reads and writes entries: auto (the trusted scope when its writer key is one its trust
+    # policy lists, when it only reads, or when neither key nor policy is set; else a scope of its own key),
+    # trusted, or a name of letters, digits, '.', '_' and '-' (an untrusted scope, shared by whoever names it).
+    scope: str = "auto"
+    # The share of the trusted entries in use that `nkicache sentinel` traces again and compares (0: none).
+    sentinel_rate: float = 0.0
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -297,5 +316,11 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
         fail("job_shards", f"must be from 1 to {MAX_JOB_SHARDS}, got {settings.job_shards}")
     if settings.final_flush_timeout < 0:
         fail("final_flush_timeout", f"must not be negative, got {settings.final_flush_timeout}")
+    if settings.scope not in ("auto", "trusted") and not SCOPE_NAME.fullmatch(settings.scope):
+        fail("scope", f"{settings.scope!r} must be auto, trusted or 1-64 letters, digits, '.', '_' or '-'")
+    if settings.scope == QUARANTINE_SCOPE:  # what the sentinel took out of service is never served
+        fail("scope", f"{QUARANTINE_SCOPE!r} holds the sentinel's quarantined entries; no client reads it")
+    if not 0 <= settings.sentinel_rate <= 1:
+        fail("sentinel_rate", f"must be from 0 to 1, got {settings.sentinel_rate}")
     if not settings.namespace or any(c in settings.namespace for c in "{}: "):
         fail("namespace", f"{settings.namespace!r} must be non-empty without braces, colons or spaces")

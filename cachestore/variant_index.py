@@ -2,7 +2,8 @@
 
 One small hash per kernel name (a Redis hash, rows of a table in the local tier), written with every entry
 stored and read once per pass for the keys the pass's prefetch found absent (bridge.miss_causes says what
-each cause means). Fields, for a toolchain TC and a variant's fingerprints (bridge.miss_causes):
+each cause means). Fields, for a partition TC (a toolchain in a scope: cachestore.keys.partition) and a
+variant's fingerprints (bridge.miss_causes):
 
     h:<first 16 hex digits of the cache key>   TC of the last toolchain that stored this very key
     k:<TC>                                     TC stored this kernel with some shape
@@ -20,12 +21,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bridge.miss_causes import VariantFacts, variant_fingerprints
+from cachestore.keys import split_partition
 
 KEY_PREFIX_HEX = 16
 
 
 def stored_fields(cache_key: str, key_components: Mapping[str, Any], toolchain: str) -> dict[str, str]:
-    """The fields a store of `cache_key` by `toolchain` sets in its kernel's hash."""
+    """The fields a store of `cache_key` in `toolchain`'s partition (its toolchain in its scope, as
+    cachestore.keys.partition names it) sets in its kernel's hash."""
     prints = variant_fingerprints(key_components)
     return {
         f"h:{cache_key[:KEY_PREFIX_HEX]}": toolchain,
@@ -46,12 +49,15 @@ def query_fields(cache_key: str, key_components: Mapping[str, Any], toolchain: s
     ]
 
 
-def facts(values: Sequence[str | bytes | None], toolchain: str) -> VariantFacts:
-    """The facts a miss's fields (as `query_fields` listed them) hold."""
+def facts(values: Sequence[str | bytes | None], partition: str) -> VariantFacts:
+    """The facts a miss's fields (as `query_fields` listed them for `partition`) hold. A key last stored in
+    another scope of this toolchain (cachestore.keys.partition) is neither evicted from here nor another
+    toolchain's: for this partition it was never stored."""
     last_holder, same_attrs, same_shapes, kernel = (_text(value) for value in values)
+    other = last_holder is not None and split_partition(last_holder)[0] != split_partition(partition)[0]
     return VariantFacts(
-        stored_here_before=last_holder == toolchain,
-        stored_by_other_toolchain=last_holder is not None and last_holder != toolchain,
+        stored_here_before=last_holder == partition,
+        stored_by_other_toolchain=other,
         same_attrs_stored=same_attrs is not None,
         same_shapes_stored=same_shapes is not None,
         kernel_stored=kernel is not None,

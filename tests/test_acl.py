@@ -5,6 +5,8 @@ what is tested), and secrets that never travel on a command line.
 - nkicache-worker compiles with a Redis tier (read-through, mirror, metrics, leases) and runs fleet jobs
   (submit, worker, queue), and can touch nothing outside the namespace nor run a dangerous command;
 - nkicache-reader reads the namespace and cannot write anything;
+- nkicache-untrusted (a laptop, a pull-request build) compiles in its own scope and cannot write the trusted
+  scope's entries, leases or digest index;
 - `nkicache` has no option that takes a secret; NKICACHE_REDIS_PASSWORD_FILE and NKICACHE_HMAC_KEY_FILE work.
 """
 
@@ -44,7 +46,8 @@ pytestmark = pytest.mark.redis
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "redis"
 PLACEHOLDER = "#" + "0" * 64
-PASSWORDS = {"nkicache-worker": "worker-password-for-tests-1", "nkicache-reader": "reader-password-for-tests-2"}
+PASSWORDS = {"nkicache-worker": "worker-password-for-tests-1", "nkicache-reader": "reader-password-for-tests-2",
+             "nkicache-untrusted": "untrusted-password-for-tests-3"}  # fmt: skip
 HMAC_KEY = "fleet-hmac-key-for-the-acl-tests"
 KEYS = KeySpace("nkicache")  # the namespace users.acl is written for
 
@@ -483,3 +486,57 @@ def test_password_and_hmac_key_files_work_and_a_wrong_password_is_counted(
     assert refused["tier_errors"] >= 1  # WRONGPASS, counted
     assert time.monotonic() - started < 10
     assert wait_until(lambda: _worker_answers(acl_server), timeout=1)
+
+
+def test_the_untrusted_user_writes_its_own_scope_only(
+    acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22's scopes, enforced by the server: as nkicache-untrusted, a writer whose key the trust policy
+    does not list compiles in its own scope with zero tier errors; writing a trusted entry, lease or digest
+    key is refused, and a client forced into the trusted scope cannot store there."""
+    from cachestore.keys import partition
+    from cachestore.trust import write_writer_key
+
+    write_writer_key(tmp_path / "ci.key", "ci")
+    laptop = write_writer_key(tmp_path / "laptop.key", "laptop")
+    policy = tmp_path / "trust.toml"
+    policy.write_text((tmp_path / "ci.key.pub").read_text())
+    monkeypatch.setenv("NKICACHE_TRUST_POLICY", str(policy))
+    graph = write_graph(tmp_path, mixed_graph("acl-untrusted"))
+    monkeypatch.setenv("NKICACHE_WRITER_KEY_FILE", str(tmp_path / "ci.key"))
+    trusted = compile_json(str(graph), "--out", str(tmp_path / "trusted"))  # the worker user, key ci
+    assert trusted["traces"] == MIXED_DISTINCT_KEYS and trusted["tier_errors"] == 0
+
+    (tmp_path / "laptop").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-untrusted@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "laptop", "nkicache-untrusted").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("NKICACHE_WRITER_KEY_FILE", str(tmp_path / "laptop.key"))
+    cold = compile_json(str(graph), "--out", str(tmp_path / "cold"))
+    warm = compile_json(str(graph), "--out", str(tmp_path / "warm"))
+    for run in (cold, warm):
+        assert run["tier_errors"] == run["tier_timeouts"] == run["tier_rejected"] == run["tier_dropped"] == 0, run
+    assert (cold["traces"], warm["remote_hits"]) == (MIXED_DISTINCT_KEYS, MIXED_DISTINCT_KEYS)
+    scope = partition(toolchain_id(), f"w-{laptop.key_id_hex}")
+    untrusted, reader = user_client(acl_server, "nkicache-untrusted"), user_client(acl_server, "nkicache-reader")
+    try:
+        assert len(list(reader.scan_iter(match=KEYS.entry_pattern(scope), count=1000))) == MIXED_DISTINCT_KEYS
+        trusted_keys = list(reader.scan_iter(match=KEYS.entry_pattern(toolchain_id()), count=1000))
+        assert len(trusted_keys) == MIXED_DISTINCT_KEYS
+        cache_key = KEYS.parse_entry(trusted_keys[0].decode())[1]
+        for key in (KEYS.entry(toolchain_id(), cache_key), KEYS.lease(toolchain_id(), cache_key),
+                    KEYS.digest(toolchain_id(), "0" * 64)):  # fmt: skip
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                untrusted.set(key, b"planted")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            untrusted.delete(key)
+        assert untrusted.get(KEYS.entry(toolchain_id(), cache_key))  # it may read the trusted scope
+
+        monkeypatch.setenv("NKICACHE_SCOPE", "trusted")
+        other = write_graph(tmp_path, mixed_graph("acl-untrusted-other", rows=96))
+        forced = compile_json(str(other), "--out", str(tmp_path / "forced"))
+        assert forced["tier_errors"] > 0  # its stores and leases are refused by the server
+        assert len(list(reader.scan_iter(match=KEYS.entry_pattern(toolchain_id()), count=1000))) == len(trusted_keys)
+    finally:
+        untrusted.close()
+        reader.close()

@@ -32,6 +32,8 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     assert hits["entries"] > 0 and hits["remote_hit_us"] > 0 and hits["batched_hit_us"] > 0
     assert bench.local_hit_cost(graphs, config)["local_hit_us"] > 0
     assert 0 < bench.key_throughput(graphs, config)["key_throughput_ratio"] < 1  # hashing alone is cheaper
+    signed = bench.signature_overhead(graphs, config, url, tmp_path)
+    assert signed["entries"] > 0 and signed["rejected"] == 0 and signed["verify_us"] > signed["memo_check_us"] > 0
     storage = bench.storage_ratio(graphs, url)
     assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
     assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0
@@ -78,7 +80,7 @@ def test_bench_help_names_every_goal() -> None:
     assert result.exit_code == 0
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
                 "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate",
-                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct"):  # fmt: skip
+                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct", "signature_overhead"):  # fmt: skip
         assert key in result.output
 
 

@@ -607,8 +607,11 @@ def test_readme_secrets_script_fills_the_acl_file_and_the_secret(tmp_path: Path)
     assert run() == first  # kept, not made again
     acl = (tmp_path / "deploy" / "redis" / "users.acl").read_text()
     assert "#" + "0" * 64 not in acl
-    for user in ("worker", "reader"):
-        digest = hashlib.sha256(secrets[f"{user}_password"].read_bytes()).hexdigest()
+    untrusted = tmp_path / "deploy" / "secrets" / "untrusted_password"
+    assert re.fullmatch(r"[0-9a-f]{64}", untrusted.read_text()) and untrusted.read_text() not in acl
+    for user in ("worker", "reader", "untrusted"):
+        password = secrets[f"{user}_password"] if user in ("worker", "reader") else untrusted
+        digest = hashlib.sha256(password.read_bytes()).hexdigest()
         (line,) = [line for line in acl.splitlines() if line.startswith(f"user nkicache-{user} ")]
         assert line.split()[3] == "#" + digest
     documents = list(yaml.safe_load_all((tmp_path / "deploy" / "kubernetes" / "worker.yaml").read_text()))

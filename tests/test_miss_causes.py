@@ -307,3 +307,16 @@ def test_another_tools_key_under_the_index_costs_causes_never_entries(redis_url:
     finally:
         delete_namespace(client, namespace)
         client.close()
+
+
+def test_a_key_another_scope_of_this_toolchain_stored_is_new_here_not_evicted() -> None:
+    from cachestore.keys import partition
+    from cachestore.variant_index import facts
+
+    trusted, laptop = partition("0123456789abcdef"), partition("0123456789abcdef", "w-laptop")
+    from_laptop = facts([laptop.encode(), None, None, None], trusted)
+    assert not from_laptop.stored_here_before and not from_laptop.stored_by_other_toolchain
+    assert classify_miss(MissObservation(), from_laptop) == "new_variant"
+    assert facts([trusted, None, None, None], laptop).stored_by_other_toolchain is False
+    assert facts([partition("fedcba9876543210"), None, None, None], trusted).stored_by_other_toolchain
+    assert facts([trusted, None, None, None], trusted).stored_here_before

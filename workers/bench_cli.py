@@ -32,6 +32,8 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       storage_ratio          Redis bytes per entry / binary bytes; dedupe saving          goal <= 0.15
       wire_bytes_ratio       bytes read from Redis per hit / binary bytes                 goal <= 0.15
       upgrade_first_pass_hit_rate  a new compiler's first pass after nkicache warm          goal >= 0.99
+      signature_overhead     writer-signature checks / remote hits, entries hit again     goal <= 0.05
+                             (signature_overhead_first_hit: a first hit's Ed25519 verify, reported)
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed

@@ -38,6 +38,7 @@ GOALS = {
     "upgrade_first_pass_hit_rate": ("min", 0.99),
     "miss_cause_coverage": ("min", 0.95),
     "miss_classification_overhead": ("max", 1.02),
+    "signature_overhead": ("max", 0.05),
 }
 
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
@@ -220,7 +221,65 @@ def _is_reference(tier: Any, key: str) -> bool:
     from cachestore.entry import decode_entry
 
     data = tier._backend.fetch([key], tier.settings.entry_ttl)[key]
-    return decode_entry(data, tier.policy).is_reference
+    return decode_entry(data, tier.policy, cache_key=key).is_reference
+
+
+# -- signature_overhead (issue 22) ----------------------------------------------------------------------
+def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str, work: Path) -> dict:
+    """The time a trusted reader spends checking writers' Ed25519 signatures / the time of its remote hits,
+    measured in the same lookups: the workload is stored by a writer with a key, then a reader with a trust
+    policy listing it hits every full entry, one lookup at a time, `rounds` times. The first round finds no
+    signature verified yet (`signature_overhead_first_hit`: one Ed25519 verify each); the others find them in
+    the process's memo of verified signatures, as a worker does that hits the same entries pass after pass
+    (`signature_overhead`)."""
+    from cachestore.trust import write_writer_key
+
+    key = write_writer_key(work / "bench-writer.key", "bench")
+    policy = work / "bench-trust.toml"
+    policy.write_text(key.policy_entry("bench"))
+    settings = tier_settings(redis_url, namespace="nkibench-sig")
+    writer = open_tier(settings.replace(writer_key_file=str(work / "bench-writer.key"), trust_policy=str(policy)))
+    reader = open_tier(settings.replace(trust_policy=str(policy), tier_mode="read-only"))
+    try:
+        compile_all(graphs, writer)
+        writer.flush(30)
+        full = [k for k in (raw.cache_key for raw in writer._backend.scan_entries()) if not _is_reference(writer, k)]
+        trust = reader.policy.trust
+        check = trust.check
+        spent = [0.0]
+
+        def timed_check(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return check(*args)
+            finally:
+                spent[0] += time.perf_counter() - started
+
+        trust.check = timed_check  # type: ignore[method-assign]
+        loop = BirCodeGenLoop(make_target("Trn2"))
+        rounds = max(2, 1000 // max(1, len(full)))
+        hits, checks = [], []
+        for _ in range(rounds):
+            hit_times, check_times = [], []
+            for cache_key in full:
+                spent[0] = 0.0
+                started = time.perf_counter()
+                entry = reader.lookup(cache_key)
+                loop._cache_new_nki_frontend_binary(cache_key, entry.trace_result(), entry.key_components)
+                hit_times.append(time.perf_counter() - started)
+                check_times.append(spent[0])
+            hits.append(hit_times)
+            checks.append(check_times)
+        first_hit, first_check = statistics.median(hits[0]), statistics.median(checks[0])
+        later_hit = statistics.median([t for times in hits[1:] for t in times])
+        later_check = statistics.median([t for times in checks[1:] for t in times])
+        return {"signature_overhead": later_check / later_hit, "signature_overhead_first_hit": first_check / first_hit,
+                "first_hit_us": first_hit * 1e6, "verify_us": first_check * 1e6, "hit_us": later_hit * 1e6,
+                "memo_check_us": later_check * 1e6, "entries": len(full), "rounds": rounds,
+                "rejected": reader.counts()["tier_rejected"]}  # fmt: skip
+    finally:
+        writer.close()
+        reader.close()
 
 
 # -- 4. local_hit_us and 5. key_throughput_ratio ---------------------------------------------------
@@ -418,7 +477,7 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
 
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
 REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
-                    "nkibench-storage", "nkibench-upgrade", "nkibench-misses")  # fmt: skip
+                    "nkibench-storage", "nkibench-upgrade", "nkibench-misses", "nkibench-sig")  # fmt: skip
 
 
 def drop_namespaces(redis_url: str, namespaces: Sequence[str] = REDIS_NAMESPACES) -> int:
@@ -477,6 +536,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
             ("warm_speedup_redis", lambda: warm_speedup_redis(graphs, config, redis_url)),
             ("mirror_overhead", lambda: mirror_overhead(graphs, config, redis_url)),
             ("remote_hit_vs_raw_get", lambda: remote_hit_vs_raw_get(graphs, config, redis_url)),
+            ("signature_overhead", lambda: signature_overhead(graphs, config, redis_url, work)),
             ("local_hit_us", lambda: local_hit_cost(graphs, config)),
             ("key_throughput_ratio", lambda: key_throughput(graphs, config)),
             ("storage_ratio", lambda: storage_ratio(graphs, redis_url)),

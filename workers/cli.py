@@ -378,11 +378,13 @@ def _register() -> None:
     )
     from workers.quickstart_cli import quickstart_command, workload_command
     from workers.report_cli import inspect_group, report_command, serve_metrics_command
+    from workers.trust_cli import keygen_command, sentinel_command, trust_group
     from workers.warm_cli import warm_command
 
     for command in (submit_command, worker_command, queue_command, workload_command, quickstart_command,
                     report_command, serve_metrics_command, inspect_group, bench_command, warm_command, job_group,
-                    batch_group, requeue_command, purge_command, config_command):  # fmt: skip
+                    batch_group, requeue_command, purge_command, config_command, keygen_command,
+                    trust_group, sentinel_command):  # fmt: skip
         main.add_command(command)
 
 

@@ -275,11 +275,15 @@ def _source(
         reader.close()
 
 
-def _policy(tier: str | None = None) -> Any:
+def _policy(tier: str | None = None, trusting: bool = False) -> Any:
+    """The configured signature policy; `trusting`: with the trust policy too (verify and show, which look at
+    one partition; gc and import, which go over every scope, would refuse every untrusted scope's entries)."""
+    from cachestore.client import settings_credentials
     from cachestore.entry import SignaturePolicy
 
     settings = load_cli_settings(tier=tier)
-    return SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable), settings
+    trust = settings_credentials(settings.replace(tier_mode="read-only")).trust if trusting else None
+    return SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust), settings
 
 
 @click.group("inspect")
@@ -320,7 +324,8 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
     """List entries: key, kernel, target, operand and result shapes, stored bytes, usage, last use.
 
     --json: [{key, toolchain, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
-    result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, created, ttl, error}].
+    result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, writer, created, ttl, error}]
+    (writer: the key id in the entry's header, "" for none).
     """
     from cachestore.inspect import list_entries
     from cachestore.report_render import json_text
@@ -345,7 +350,8 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
             kind = f"ref {row['ref'][:8]}" if row["ref"] else f"{row['binary_bytes']} B binary"
             click.echo(f"{row['key'][:16]}  {row['toolchain'][:8]}  {row['kernel_name']:<32} {row['target']:<5} "
                        f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
-                       f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}")  # fmt: skip
+                       f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}  "
+                       f"writer {row['writer'][:8] or '-'}")  # fmt: skip
         click.echo(f"{count} entries", err=True)
 
 
@@ -359,7 +365,7 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
     hosts, first and last use, and whether it verifies with the configured signature policy."""
     from cachestore.inspect import show_entry
 
-    policy, _ = _policy(tier)
+    policy, _ = _policy(tier, trusting=True)
     with _source(ctx, tier, snapshot) as reader:
         shown = show_entry(reader, key, policy)
     if as_json:
@@ -385,7 +391,8 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     deduplication saves.
 
     --json keys: kernels ({name: {entries, full, references, bytes, binary_bytes, dedupe_saved_bytes}}),
-    toolchains ({id: {entries, bytes}}), total (the same summed), distinct_binaries, dangling_references,
+    toolchains ({id: {entries, bytes}}), writers ({key id, "" for none: {entries, bytes}}), total (the same
+    summed), distinct_binaries, dangling_references,
     unreadable ({entries, bytes}), capacity ({file_bytes, max_size} of a local tier, else null).
     """
     from rich.console import Console
@@ -417,6 +424,8 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     for toolchain, row in usage["toolchains"].items():
         mine = " (this compiler)" if toolchain == toolchain_id() else ""
         console.print(f"toolchain {toolchain}{mine}: {row['entries']:,} entries, {row['bytes']:,} bytes")
+    for writer, row in usage["writers"].items():
+        console.print(f"writer {writer or '(none)'}: {row['entries']:,} entries, {row['bytes']:,} bytes")
     console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
                   f"references; {usage['unreadable']['entries']:,} unreadable entries "
                   f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
@@ -440,14 +449,14 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
 def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, as_json: bool, tier: str | None,
                    snapshot: str | None) -> None:  # fmt: skip
     """Check every entry: it decodes with the configured signature policy (schema, digest of the binary,
-    HMAC when a key is set), its key components hash to its key, and a reference names an entry holding
-    the same binary. Exit 1 when any entry is bad.
+    HMAC when a key is set, a trusted writer's signature when trust_policy is set), its key components hash
+    to its key, and a reference names an entry holding the same binary. Exit 1 when any entry is bad.
 
     --json keys: checked, ok, bad ([{key, reason}]), recompiled, executed.
     """
     from workers.verify import verify_entries
 
-    policy, settings = _policy(tier)
+    policy, settings = _policy(tier, trusting=True)
     with _source(ctx, tier, snapshot) as reader:
         report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
                                 execute=execute, seed=seed)  # fmt: skip
@@ -584,6 +593,15 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
         sys.exit(EXIT_CHECK_FAILED)
 
 
+def _writer_id(value: str | None) -> str | None:
+    """A --writer key id: 32 hex digits (`nkicache keygen` prints it)."""
+    if value is None:
+        return None
+    if len(value) != 32 or any(c not in "0123456789abcdef" for c in value.lower()):
+        raise click.BadParameter(f"{value!r} is not a writer key id (32 hex digits)", param_hint="--writer")
+    return value.lower()
+
+
 @inspect_group.command("gc")
 @click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
 @click.option("--max-bytes", default=None, metavar="B", callback=_parsed(_size, "--max-bytes"),
@@ -592,13 +610,16 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
               help="Evict entries not used for D (12h, 30d).")  # fmt: skip
 @click.option("--other-toolchains", is_flag=True,
               help="Evict every entry of a toolchain other than this compiler's (after an upgrade).")  # fmt: skip
+@click.option("--writer", default=None, metavar="KEYID",
+              help="Evict every entry signed by this writer key id, in every toolchain and scope.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
 @click.pass_context
 def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_for: float | None,
-               other_toolchains: bool, as_json: bool, tier: str | None) -> None:  # fmt: skip
+               other_toolchains: bool, writer: str | None, as_json: bool, tier: str | None) -> None:  # fmt: skip
     """Evict entries of every toolchain, never metrics: always the unreadable ones and references to
-    nothing; with --other-toolchains, every toolchain's but this compiler's; with --unused-for, those not
+    nothing; with --other-toolchains, every toolchain's but this compiler's; with --writer KEYID, everything
+    that writer signed (in every scope: `nkicache trust distrust` first); with --unused-for, those not
     used for that long; with --max-bytes, the lowest-value entries (usage x compile seconds per stored
     byte) until the rest fit. An entry holding a binary is evicted only with the references to it.
 
@@ -613,7 +634,8 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
         refuse_read_only(settings, "inspect gc", "deletes entries (--dry-run only looks)")
     with _source(ctx, tier, None, writable=True) as reader:
         result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run,
-                                 only_toolchain=toolchain_id() if other_toolchains else None)  # fmt: skip
+                                 only_toolchain=toolchain_id() if other_toolchains else None,
+                                 writer=_writer_id(writer))  # fmt: skip
     if as_json:
         echo_json(result)
         return

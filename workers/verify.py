@@ -92,7 +92,7 @@ def verify_entries(
         decoded: dict[str, Entry] = {}
         for raw in batch:
             report.checked += 1
-            entry = decode_or_reason(raw.data, policy, max_bytes)
+            entry = decode_or_reason(raw.data, policy, max_bytes, raw.cache_key)
             problem = (
                 entry
                 if isinstance(entry, str)
@@ -149,7 +149,7 @@ def _check_references(
     # Taken out of the cache first: putting what is fetched below may evict what was there.
     known = {ref: holders.items[ref] for ref in wanted if ref in holders.items}
     for ref, data in reader.get_entries(sorted(wanted - set(known))).items():
-        holder = decode_or_reason(data, policy, max_bytes)
+        holder = decode_or_reason(data, policy, max_bytes, ref)
         known[ref] = holder if isinstance(holder, str) else (holder.digest, holder.is_reference)
         holders.put(ref, known[ref])
     for key, entry in references.items():

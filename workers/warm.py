@@ -25,6 +25,7 @@ from bridge.toolchain import compile_kernel
 from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
 from cachestore.inspect import decode_or_reason
+from cachestore.keys import split_partition
 from workers.verify import rebuild_op
 
 
@@ -60,10 +61,10 @@ class WarmReport:
 
 
 def default_source(reader: Reader) -> str:
-    """The other toolchain whose entries were used most recently."""
+    """The other toolchain whose (trusted scope's) entries were used most recently."""
     latest: dict[str, float] = {}
     for toolchain in reader.entry_toolchains():
-        if toolchain == toolchain_id():
+        if toolchain == toolchain_id() or split_partition(toolchain)[1]:  # an untrusted scope or the quarantine
             continue
         for variant in _variants(reader.in_toolchain(toolchain), reader):
             latest[toolchain] = max(latest.get(toolchain, 0.0), variant.last_use)

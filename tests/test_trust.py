@@ -1,0 +1,228 @@
+"""Per-writer Ed25519 signatures (issue 22): `nkicache keygen`, the trust policy file, the entry's writer
+section, and a reader that accepts only trusted writers' entries. Scopes are in test_scopes.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_entry import make_entry, rejected
+
+from cachestore.client import TierClient, open_tier
+from cachestore.entry import MAGIC, SignaturePolicy, decode_entry, encode_entry, writer_of
+from cachestore.settings import Settings, SettingsError, load_settings
+from cachestore.trust import (
+    TrustError,
+    TrustPolicy,
+    WriterKey,
+    load_credentials,
+    load_trust_policy,
+    load_writer_key,
+    write_writer_key,
+)
+from workers.cli import main as nkicache
+
+KEY = "a" * 64
+OTHER = "b" * 64
+
+
+@pytest.fixture
+def ci(tmp_path: Path) -> WriterKey:
+    return write_writer_key(tmp_path / "ci.key", "ci")
+
+
+@pytest.fixture
+def laptop(tmp_path: Path) -> WriterKey:
+    return write_writer_key(tmp_path / "laptop.key", "laptop")
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path, ci: WriterKey) -> Path:
+    path = tmp_path / "trust.toml"
+    path.write_text((tmp_path / "ci.key.pub").read_text())
+    return path
+
+
+def trusting(*writers: WriterKey) -> SignaturePolicy:
+    policy = TrustPolicy([])
+    for writer in writers:
+        policy = policy.adding(writer, "w")
+    return SignaturePolicy(trust=policy)
+
+
+# -- keygen and the files ------------------------------------------------------------------------------------
+def test_keygen_writes_a_private_key_only_its_owner_reads_and_the_policy_table(tmp_path: Path) -> None:
+    path = tmp_path / "w.key"
+    result = CliRunner().invoke(nkicache, ["keygen", str(path), "--name", 'ci "main"', "--json"])
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    policy = load_trust_policy(f"{path}.pub")
+    key = load_writer_key(path)
+    assert list(policy.writers) == [key.key_id]
+    assert policy.name_of(key.key_id) == 'ci "main"'
+    assert key.key_id_hex in result.output and len(key.key_id_hex) == 32
+    again = CliRunner().invoke(nkicache, ["keygen", str(path)])
+    assert again.exit_code != 0 and "not overwritten" in again.output
+    assert load_writer_key(path).key_id == key.key_id
+
+
+def test_a_writer_key_others_can_read_is_refused(tmp_path: Path, ci: WriterKey) -> None:
+    path = tmp_path / "ci.key"
+    os.chmod(path, 0o644)
+    with pytest.raises(TrustError, match="readable or writable by others"):
+        load_writer_key(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[[writer]]\nname = 'x'\npublic_key = 'not base64!'\n", "not the base64"),
+        ("[[writer]]\nname = 'x'\npublic_key = 'AAAA'\n", "not the base64"),
+        ("[[writer]]\nname = 'x'\nkey_id = '00'\npublic_key = '{pub}'\n", "is not the id of its public_key"),
+        ("[[writer]]\nname = 'x'\npublic_key = '{pub}'\nscope = 'a'\n", "name, public_key and key_id only"),
+        ("writers = 1\n", "unknown trust policy key"),
+        ("[[writer]\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_trust_policy_is_one_clear_error_naming_the_file(
+    tmp_path: Path, ci: WriterKey, text: str, problem: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text.replace("{pub}", ci.public_base64()))
+    with pytest.raises(TrustError, match=problem) as info:
+        load_trust_policy(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_open_tier_names_a_missing_policy_file_as_a_settings_error(tmp_path: Path) -> None:
+    settings = Settings(tier=f"local:{tmp_path / 't.sqlite'}", trust_policy=str(tmp_path / "missing.toml"))
+    with pytest.raises(SettingsError, match=r"missing\.toml: cannot read the trust policy"):
+        open_tier(settings)
+
+
+def test_distrust_removes_a_writer_in_one_command(policy_file: Path, ci: WriterKey, laptop: WriterKey) -> None:
+    policy_file.write_text(policy_file.read_text() + "\n" + laptop.policy_entry("laptop"))
+    assert set(load_trust_policy(policy_file).writers) == {ci.key_id, laptop.key_id}
+    env = {"NKICACHE_TRUST_POLICY": str(policy_file)}
+    result = CliRunner().invoke(nkicache, ["trust", "distrust", ci.key_id_hex], env=env)
+    assert result.exit_code == 0, result.output
+    assert set(load_trust_policy(policy_file).writers) == {laptop.key_id}
+    shown = CliRunner().invoke(nkicache, ["trust", "show", "--policy", str(policy_file)])
+    assert shown.output.split() == [laptop.key_id_hex, "laptop"]
+    again = CliRunner().invoke(nkicache, ["trust", "distrust", ci.key_id_hex, "--policy", str(policy_file)])
+    assert again.exit_code != 0 and "no writer" in again.output
+    unset = CliRunner().invoke(nkicache, ["trust", "distrust", ci.key_id_hex], env={"NKICACHE_TRUST_POLICY": ""})
+    assert unset.exit_code != 0 and "no --policy" in unset.output
+
+
+# -- the entry's writer section ------------------------------------------------------------------------------
+def test_a_trusted_writers_entry_round_trips_and_names_its_writer(ci: WriterKey) -> None:
+    entry = make_entry()
+    data = encode_entry(entry, writer=ci, cache_key=KEY)
+    decoded = decode_entry(data, trusting(ci), cache_key=KEY)
+    assert decoded == entry and decoded.signed and not decoded.unverified
+    assert decoded.writer == ci.key_id_hex == writer_of(data)
+
+
+def test_hmac_and_writer_signature_together(ci: WriterKey) -> None:
+    data = encode_entry(make_entry(), hmac_key=b"k" * 32, writer=ci, cache_key=KEY)
+    both = SignaturePolicy(hmac_key=b"k" * 32, trust=trusting(ci).trust)
+    assert decode_entry(data, both, cache_key=KEY).writer == ci.key_id_hex
+    assert "does not verify" in rejected(data, SignaturePolicy(hmac_key=b"o" * 32, trust=both.trust), cache_key=KEY)
+
+
+def test_an_untrusted_writers_entry_is_rejected_by_its_key_id(ci: WriterKey, laptop: WriterKey) -> None:
+    data = encode_entry(make_entry(), writer=laptop, cache_key=KEY)
+    reason = rejected(data, trusting(ci), cache_key=KEY)
+    assert laptop.key_id_hex in reason and "does not trust" in reason
+
+
+def test_an_entry_without_a_writer_signature_is_rejected_by_a_reader_with_a_trust_policy(ci: WriterKey) -> None:
+    """Entries from before writer signatures (and HMAC-only ones) are misses for such a reader: traced again."""
+    assert "no writer signature" in rejected(encode_entry(make_entry()), trusting(ci), cache_key=KEY)
+    hmac_only = encode_entry(make_entry(), hmac_key=b"k" * 32)
+    policy = SignaturePolicy(hmac_key=b"k" * 32, trust=trusting(ci).trust)
+    assert "no writer signature" in rejected(hmac_only, policy, cache_key=KEY)
+
+
+def test_the_signature_binds_the_cache_key_a_transplanted_entry_does_not_verify(ci: WriterKey) -> None:
+    data = encode_entry(make_entry(), writer=ci, cache_key=KEY)
+    assert "does not verify" in rejected(data, trusting(ci), cache_key=OTHER)
+
+
+def test_forged_headers_are_rejected_with_a_reason(ci: WriterKey, laptop: WriterKey) -> None:
+    good = encode_entry(make_entry(), writer=laptop, cache_key=KEY)
+    section = len(MAGIC) + 2 + 32
+    claims_ci = good[:section] + ci.key_id + good[section + 16 :]  # the laptop's signature under ci's key id
+    assert "does not verify" in rejected(claims_ci, trusting(ci), cache_key=KEY)
+    flipped = bytearray(encode_entry(make_entry(), writer=ci, cache_key=KEY))
+    flipped[section + 20] ^= 1  # a bit of the signature
+    assert "does not verify" in rejected(bytes(flipped), trusting(ci), cache_key=KEY)
+    stripped = bytearray(good)
+    stripped[len(MAGIC) + 1] = 0  # flag cleared: the 80 writer bytes are read as the payload
+    assert "digest" in rejected(bytes(stripped), trusting(ci), cache_key=KEY)
+    truncated = good[: section + 40]
+    assert "truncated" in rejected(truncated, trusting(ci), cache_key=KEY)
+    assert "cache key" in rejected(encode_entry(make_entry(), writer=ci, cache_key=KEY), trusting(ci))
+
+
+def test_without_a_trust_policy_a_writer_signed_entry_is_unverified_or_rejected_as_configured(ci: WriterKey) -> None:
+    data = encode_entry(make_entry(), writer=ci, cache_key=KEY)
+    decoded = decode_entry(data, SignaturePolicy(hmac_key=None))
+    assert decoded.unverified and not decoded.signed and decoded.writer == ci.key_id_hex
+    assert "no trust policy" in rejected(data, SignaturePolicy(hmac_key=None, reject_unverifiable=True))
+
+
+# -- the client --------------------------------------------------------------------------------------------
+def tier_settings(tmp_path: Path, **changes: object) -> Settings:
+    return Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", host="h", flush_interval=0.05, **changes)
+
+
+def test_a_reader_counts_untrusted_entries_as_rejected_and_accepts_trusted_ones(
+    tmp_path: Path, ci: WriterKey, laptop: WriterKey, policy_file: Path
+) -> None:
+    """Both writers write the trusted scope here (scope=trusted set by hand): the policy alone decides."""
+    for name in ("ci", "laptop"):
+        writer = open_tier(tier_settings(tmp_path, writer_key_file=str(tmp_path / f"{name}.key"), scope="trusted"))
+        writer.publish(KEY if name == "ci" else OTHER, make_entry(binary=name.encode() * 100))
+        writer.close(timeout=10)
+    reader = open_tier(tier_settings(tmp_path, trust_policy=str(policy_file), tier_mode="read-only"))
+    try:
+        found, held = reader.find_many([KEY, OTHER])
+        assert set(found) == {KEY} and held == {KEY, OTHER}
+        assert found[KEY].writer == ci.key_id_hex and found[KEY].binary == b"ci" * 100
+        assert reader.counts()["tier_rejected"] == 1
+    finally:
+        reader.close()
+
+
+def test_settings_scope_is_validated_and_credentials_resolve_it(
+    tmp_path: Path, ci: WriterKey, laptop: WriterKey, policy_file: Path
+) -> None:
+    with pytest.raises(SettingsError, match="scope"):
+        load_settings({"scope": "a:b"}, environ={})
+    ci_file, laptop_file = str(tmp_path / "ci.key"), str(tmp_path / "laptop.key")
+    assert load_credentials(ci_file, str(policy_file), "auto", writes=True).scope == ""
+    assert load_credentials(laptop_file, str(policy_file), "auto", writes=True).scope == f"w-{laptop.key_id_hex}"
+    assert load_credentials(laptop_file, str(policy_file), "auto", writes=False).scope == ""
+    assert load_credentials("", str(policy_file), "auto", writes=True).scope == "unsigned"
+    assert load_credentials("", "", "auto", writes=True).scope == ""  # no per-writer keys: as before
+    assert load_credentials(laptop_file, "", "pr", writes=True).scope == "pr"
+    own = load_credentials(laptop_file, str(policy_file), "auto", writes=True).trust
+    assert own.trusts(laptop.key_id) and own.trusts(ci.key_id)  # it reads what it wrote in its own scope
+
+
+def test_tier_client_built_directly_loads_credentials(tmp_path: Path, ci: WriterKey) -> None:
+    settings = tier_settings(tmp_path, writer_key_file=str(tmp_path / "ci.key"))
+    client = TierClient(lambda: None, settings)  # type: ignore[arg-type, return-value]
+    assert client.writer is not None and client.writer.key_id == ci.key_id
+
+
+def test_a_followed_reference_keeps_its_writer(ci: WriterKey) -> None:
+    reference = decode_entry(encode_entry(make_entry().as_reference_to(OTHER), writer=ci, cache_key=KEY),
+                             trusting(ci), cache_key=KEY)  # fmt: skip
+    followed = reference.with_binary(b"the holder's binary")
+    assert (followed.writer, followed.signed, followed.ref) == (ci.key_id_hex, True, None)
