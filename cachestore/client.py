@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
@@ -47,10 +47,14 @@ from cachestore.api import (
     batch_problem,
     open_backend,
     redact_url,
+    tier_levels,
 )
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
 from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings
+
+if TYPE_CHECKING:
+    from cachestore.stacked import StackedTier
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -76,8 +80,9 @@ class PendingStore:
 class TierStats:
     """Thread-safe counters of what the tier did for this process."""
 
-    # What a pass reports (TIER_COUNTERS), and lookups skipped while the breaker was open and batches applied.
-    NAMES = (*TIER_COUNTERS, "tier_skipped", "metrics_applied")
+    # What a pass reports (TIER_COUNTERS), lookups skipped while the breaker was open, batches applied, and
+    # verified entries handed to the loop (a stacked tier reports them per level: `level_hits`).
+    NAMES = (*TIER_COUNTERS, "tier_skipped", "metrics_applied", "entries_found")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -136,6 +141,10 @@ class TierClient:
 
     def counts(self) -> dict[str, int]:
         return self.stats.snapshot()
+
+    def level_hits(self) -> dict[str, int]:
+        """{this tier: verified entries it answered so far}: one level (cachestore.stacked has several)."""
+        return {self.description: self.stats.snapshot()["entries_found"]}
 
     # -- fault handling ---------------------------------------------------------------------------
     def _available(self) -> bool:
@@ -206,6 +215,7 @@ class TierClient:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
+        self.stats.add("entries_found", len(entries))
         return entries, set(found)
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
@@ -521,11 +531,16 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
                         toolchain)  # fmt: skip
 
 
-def open_tier(settings: Settings) -> TierClient | None:
-    """The tier client for these settings, or None for `off`. Nothing connects until first used, so an
-    unreachable tier costs a compile only counted errors."""
+def open_tier(settings: Settings) -> TierClient | StackedTier | None:
+    """The tier client for these settings, or None for `off`; a StackedTier for a stack of levels (nearest
+    first). Nothing connects until first used, so an unreachable tier costs a compile only counted errors."""
     if settings.tier == "off" or settings.tier_mode == "off":
         return None
+    levels = tier_levels(settings.tier)
+    if len(levels) > 1:
+        from cachestore.stacked import StackedTier, level_settings
+
+        return StackedTier([open_tier(level_settings(settings, levels, index)) for index in range(len(levels))])
     if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
     backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only")

@@ -18,7 +18,7 @@ from typing import Any
 
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
-from cachestore.api import redact_url, tier_url_problem
+from cachestore.api import redact_url, tier_levels, tier_url_problem
 from cachestore.keys import DEFAULT_JOB_SHARDS, DEFAULT_METRICS_SHARDS, MAX_JOB_SHARDS, MAX_METRICS_SHARDS
 
 # read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
@@ -123,7 +123,7 @@ def load_settings_with_sources(
         values[name] = value
         sources[name] = source
     for name, value in (overrides or {}).items():
-        if value is None:
+        if value is None or value == ():  # () is a repeatable flag (--tier) not given
             continue
         if name in _SECRETS:
             raise SettingsError(f"{name} belongs in the environment (NKICACHE_{name.upper()}), not on the command line")
@@ -242,6 +242,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(Settings)}
     if name not in fields:
         raise SettingsError(f"{source}: unknown setting {name!r}")
+    if name == "tier" and isinstance(value, list | tuple):
+        value = _tier_stack(value, source)
+    if name == "tier" and isinstance(value, str) and len(tier_levels(value)) > 1:
+        value = " ".join(tier_levels(value))  # one space between levels, however they were separated
     default = fields[name].default
     kind = type(default) if default is not dataclasses.MISSING else str
     try:
@@ -264,6 +268,18 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         except UnicodeEncodeError:
             raise SettingsError(f"{source}: {name} is not UTF-8 text") from None
     return coerced
+
+
+def _tier_stack(levels: list | tuple, source: str) -> str:
+    """A stack of tier levels (a list in the config file, --tier repeated), nearest first, as the one string
+    the setting holds: the levels separated by spaces, as NKICACHE_TIER takes them (cachestore.api.tier_levels)."""
+    if not levels or not all(isinstance(level, str) and level.strip() for level in levels):
+        raise SettingsError(f"{source}: tier must be a URL or a list of URLs (nearest first), got {levels!r}")
+    for level in levels:  # each one, so that an unknown scheme is not read as part of a local path before it
+        problem = tier_url_problem(level.strip())
+        if problem:
+            raise SettingsError(f"{source}: tier level {redact_url(level.strip())!r} {problem}")
+    return " ".join(level.strip() for level in levels)
 
 
 def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
