@@ -32,6 +32,8 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       storage_ratio          Redis bytes per entry / binary bytes; dedupe saving          goal <= 0.15
       wire_bytes_ratio       bytes read from Redis per hit / binary bytes                 goal <= 0.15
       upgrade_first_pass_hit_rate  a new compiler's first pass after nkicache warm          goal >= 0.99
+      l1_redis_read_reduction  1 - Redis reads of a second compile with a local level in front
+                             / with Redis alone (INFO commandstats, private server)       goal >= 0.9
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed

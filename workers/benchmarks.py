@@ -35,6 +35,7 @@ GOALS = {
     "storage_ratio": ("max", 0.15),
     "wire_bytes_ratio": ("max", 0.15),
     "upgrade_first_pass_hit_rate": ("min", 0.99),
+    "l1_redis_read_reduction": ("min", 0.9),
 }
 
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
@@ -408,6 +409,79 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
     }
 
 
+# -- l1_redis_read_reduction: a local level in front of Redis ----------------------------------------------
+# What a lookup sends Redis (cachestore.backends.redis fetch: EXPIRE or PTTL with GETRANGE, STRLEN for a long
+# value) and what a wait for another's trace adds (GET of the lease): the commands a near level saves.
+REDIS_READ_COMMANDS = ("get", "getrange", "mget", "strlen", "pttl", "ttl", "expire", "exists")
+
+
+def l1_redis_read_reduction(config: BenchConfig, work: Path) -> dict:
+    """A machine's second compile of the workload, against a private redis-server: with `--tier redis://`
+    alone, and with `--tier local:... --tier redis://` (each machine's first compile filled its tiers). The
+    Redis read commands of each second compile are counted from INFO commandstats (reset just before it);
+    the figure is 1 - stacked / alone. Both second compiles' artifacts must be byte-identical to a compile
+    with no tier, or the measurement fails."""
+    from workers.dev_redis import start_private_server
+    from workers.passes import compile_graph
+    from workers.workload import generate_workload
+
+    files = generate_workload(work / "l1-graphs", config.models, config.seed)
+    untiered = [compile_graph(path)[1] for path in files]
+    server = start_private_server()
+    try:
+        alone = _second_compile_reads(files, server.url, server.url, "alone")
+        stacked = _second_compile_reads(files, f"local:{work / 'l1.sqlite'} {server.url}", server.url, "stacked")
+    finally:
+        server.cleanup()
+    if alone["artifacts"] != untiered or stacked["artifacts"] != untiered:
+        raise NkiCacheError("a stacked or Redis-only compile produced an artifact unlike the untiered compile's")
+    reads_alone, reads_stacked = alone["read_commands"], stacked["read_commands"]
+    return {
+        "l1_redis_read_reduction": 1 - reads_stacked / reads_alone if reads_alone else 0.0,
+        "redis_reads_alone": reads_alone,
+        "redis_reads_stacked": reads_stacked,
+        "redis_commands_alone": alone["commands"],
+        "redis_commands_stacked": stacked["commands"],
+        "level_hits_stacked": stacked["level_hits"],
+        "traces_second_compile": alone["traces"] + stacked["traces"],
+        "graphs": len(files),
+        "artifacts_identical": True,
+    }
+
+
+def _second_compile_reads(files: Sequence[Path], tier: str, redis_url: str, label: str) -> dict:
+    """Compile `files` twice, each with a fresh tier client (two compiles of one machine), and count what the
+    second sent Redis."""
+    import redis
+
+    from workers.passes import add_level_hits, compile_graph
+
+    settings = load_settings({"tier": tier, "namespace": f"nkibench-l1-{label}"})
+    first = open_tier(settings)
+    for path in files:
+        compile_graph(path, tier=first)
+    first.close(30)
+    stats = redis.Redis.from_url(redis_url)
+    try:
+        stats.config_resetstat()
+        second = open_tier(settings)
+        compiled = [compile_graph(path, tier=second) for path in files]
+        second.close(30)
+        commands = stats.info("commandstats")
+    finally:
+        stats.close()
+    calls = {name.removeprefix("cmdstat_"): int(item["calls"]) for name, item in commands.items()}
+    calls.pop("config", None)  # the reset itself
+    calls.pop("info", None)
+    return {
+        "read_commands": sum(calls.get(name, 0) for name in REDIS_READ_COMMANDS),
+        "commands": sum(calls.values()),
+        "artifacts": [encoded for _, encoded in compiled],
+        "traces": sum(int(result.counts["traces"]) for result, _ in compiled),
+        "level_hits": add_level_hits([result for result, _ in compiled]),
+    }
+
+
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
 REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
                     "nkibench-storage", "nkibench-upgrade")  # fmt: skip
@@ -468,6 +542,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
             ("pool_scaling", lambda: pool_scaling(config)),
             ("report_seconds_100k", lambda: report_scale(config)),
             ("upgrade_first_pass_hit_rate", lambda: upgrade(config, work)),
+            ("l1_redis_read_reduction", lambda: l1_redis_read_reduction(config, work)),
         ]
         for name, step in steps:
             progress(name)
