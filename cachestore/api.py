@@ -74,6 +74,8 @@ class StoreRequest:
     # digest: only the backend learns which key that is, and only the client can sign the encoding.
     reference: Callable[[str], bytes]
     kernel_name: str
+    compile_seconds: float = 0.0  # what tracing it cost: the local tier ranks what it keeps by it
+    ttl: int | None = None  # its own TTL (cachestore.value: grows with its value); None: the call's
 
 
 @dataclass
@@ -211,6 +213,7 @@ class WriteItem:
     data: bytes
     digest: str | None  # set for an entry holding its binary: the digest index points at it
     ttl: float
+    compile_seconds: float = 0.0  # from the entry: the local tier ranks what it keeps by it
 
 
 # -- the protocols ----------------------------------------------------------------------------------------
@@ -237,6 +240,10 @@ class Backend(Protocol):
         """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
     def release_lease(self, cache_key: str, owner: str) -> None: ...
+
+    def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
+        """Set each (cache key, TTL) entry's TTL, if it is still stored: the value-ranked TTL of an entry read
+        (cachestore.value), sent in the background after the read's own refresh to entry_ttl."""
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         """release_lease for each (cache key, owner), in one round trip (per master on a cluster)."""

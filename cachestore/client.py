@@ -52,6 +52,7 @@ from cachestore.api import (
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
 from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings
+from cachestore.value import ValueMedian, entry_value
 
 if TYPE_CHECKING:
     from cachestore.stacked import StackedTier
@@ -64,6 +65,14 @@ LEASE_POLL_SECONDS = 0.05
 class LeaseRelease:
     cache_key: str
     owner: str
+
+
+@dataclass
+class TtlRefresh:
+    """An entry read whose value earns it more than entry_ttl (cachestore.value): its TTL, set in the background."""
+
+    cache_key: str
+    ttl: int
 
 
 @dataclass
@@ -118,6 +127,9 @@ class TierClient:
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
+        # Redis keeps an entry by its TTL, which grows with its value; the local tier ranks by value itself.
+        self._value_ttls = settings.tier.startswith(REDIS_SCHEMES)
+        self._values = ValueMedian()
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -215,8 +227,18 @@ class TierClient:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
+                self._keep_by_value(key, entry, data)
         self.stats.add("entries_found", len(entries))
         return entries, set(found)
+
+    def _keep_by_value(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
+        """The read refreshed the entry's TTL to entry_ttl; one worth more than the usual entry gets its longer
+        TTL back in the background (a writer's client only: a read-only one refreshes nothing)."""
+        if not (self._value_ttls and self.writes) or isinstance(data, TooLarge):
+            return
+        ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(data)))
+        if ttl > self.settings.entry_ttl:
+            self._enqueue(TtlRefresh(cache_key, ttl))
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
@@ -309,7 +331,11 @@ class TierClient:
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
                 reference = self._reference_encoder(entry)
-                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name)
+                ttl = None
+                if self._value_ttls:
+                    ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(full)))
+                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name,
+                                               entry.compile_seconds, ttl)  # fmt: skip
             pending.prepared = True
         return pending.request
 
@@ -439,7 +465,7 @@ class TierClient:
 
     def _send(self, group: list) -> bool:
         head = group[0]
-        if isinstance(head, PendingStore | LeaseRelease):
+        if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
             requests = [request for request in map(self._prepare, stores) if request is not None]
@@ -449,6 +475,9 @@ class TierClient:
             releases = [(item.cache_key, item.owner) for item in group if isinstance(item, LeaseRelease)]
             if ok and releases:
                 ok, _ = self._guarded(lambda b: b.release_leases(releases), "lease release")
+            refreshes = [(item.cache_key, item.ttl) for item in group if isinstance(item, TtlRefresh)]
+            if ok and refreshes:
+                ok, _ = self._guarded(lambda b: b.refresh_ttls(refreshes), "TTL refresh")
         else:
             ok, applied = self._guarded(lambda b: b.apply_metrics(head), "metrics")
             if ok and applied:
@@ -499,11 +528,11 @@ class TierClient:
 def _leading_group(items: list) -> list:
     """The first item, with the entries and lease releases right after it when it is one of them: the
     entries go in one pipeline and the releases in another, instead of a round trip for each release."""
-    if not isinstance(items[0], PendingStore | LeaseRelease):
+    if not isinstance(items[0], PendingStore | LeaseRelease | TtlRefresh):
         return items[:1]
     group = []
     for item in items:
-        if not isinstance(item, PendingStore | LeaseRelease) or len(group) == 256:
+        if not isinstance(item, PendingStore | LeaseRelease | TtlRefresh) or len(group) == 256:
             break
         group.append(item)
     return group

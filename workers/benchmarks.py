@@ -36,6 +36,7 @@ GOALS = {
     "wire_bytes_ratio": ("max", 0.15),
     "upgrade_first_pass_hit_rate": ("min", 0.99),
     "l1_redis_read_reduction": ("min", 0.9),
+    "value_retention_ratio": ("min", 1.3),
 }
 
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
@@ -482,6 +483,56 @@ def _second_compile_reads(files: Sequence[Path], tier: str, redis_url: str, labe
     }
 
 
+# -- value_retention_ratio: value-ranked retention against LRU, on a replayed pass log ----------------------
+def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dict:
+    """Record the workload's pass log (each pass's calls per cache key) and its entries (compile seconds, stored
+    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (cachestore.replay:
+    passes drawn with Zipf-like popularity) against a cache holding a quarter of the bytes of the entries it
+    uses, once under LRU and once under value-ranked retention. The figure: compile seconds the hits saved
+    under value / under LRU."""
+    from cachestore.replay import LoggedPass, compare, scaled_log
+
+    settings = tier_settings(f"local:{work / 'replay.sqlite'}")
+    tier = open_tier(settings)
+    recorded = []
+    try:
+        for graph in graphs:
+            loop = BirCodeGenLoop(make_target(graph.target or "Trn2"), tier=tier)
+            loop.run(graph)
+            variants = loop.pass_record(graph.name, 0.0, 0.0).variants
+            recorded.append(LoggedPass(0.0, {key: use.usage for key, use in variants.items()}))
+        tier.flush(30)
+        entries = _logged_entries(tier)
+    finally:
+        tier.close()
+    passes = scaled_log(recorded, 10, config.seed)
+    used = {key for logged in passes for key in logged.uses}
+    budget = sum(entries[key].stored_bytes for key in used) // 4
+    results = compare(passes, entries, budget)
+    lru, value = results["lru"], results["value"]
+    return {
+        "value_retention_ratio": value.saved_seconds / lru.saved_seconds if lru.saved_seconds else 0.0,
+        "lru": lru.as_json(),
+        "value": value.as_json(),
+        "passes": len(passes),
+        "recorded_passes": len(recorded),
+        "entries": len(used),
+        "budget_bytes": budget,
+    }
+
+
+def _logged_entries(tier: Any) -> dict:
+    """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes (a
+    reference is counted as large as the entry holding its binary: alone, it would be stored whole)."""
+    from cachestore.entry import decode_entry
+    from cachestore.replay import LoggedEntry
+
+    raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
+    decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
+    return {key: LoggedEntry(entry.compile_seconds, len(raw[entry.ref] if entry.is_reference else raw[key]))
+            for key, entry in decoded.items()}  # fmt: skip
+
+
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
 REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
                     "nkibench-storage", "nkibench-upgrade")  # fmt: skip
@@ -543,6 +594,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
             ("report_seconds_100k", lambda: report_scale(config)),
             ("upgrade_first_pass_hit_rate", lambda: upgrade(config, work)),
             ("l1_redis_read_reduction", lambda: l1_redis_read_reduction(config, work)),
+            ("value_retention_ratio", lambda: value_retention(graphs, config, work)),
         ]
         for name, step in steps:
             progress(name)

@@ -461,13 +461,18 @@ class RedisBackend:
 
         def write(pipe: Any) -> None:
             for r in requests:
+                expiry = r.ttl or ttl  # value-ranked (cachestore.value)
                 if r.cache_key in referenced:
-                    pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
+                    pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=expiry)
                 else:
-                    pipe.set(self._entry(r.cache_key), r.full, ex=ttl)
-                    pipe.set(self._digest(r.digest), r.cache_key, ex=ttl)
+                    pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
+                    pipe.set(self._digest(r.digest), r.cache_key, ex=expiry)
 
         self._pipeline(write)
+
+    def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
+        if items:  # EXPIRE leaves a key that is gone (evicted, deleted since the read) gone
+            self._pipeline(lambda pipe: [pipe.expire(self._entry(key), ttl) for key, ttl in items])
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
