@@ -81,8 +81,8 @@ class Settings:
     job_memory: int = 4 * 1024**3  # bytes of address space a job's compiling process may use (RLIMIT_AS)
     job_ttl: int = 7 * DAY  # seconds a job's result, artifact and batch are kept after it finishes
     wait_timeout: float = 3600.0  # seconds `submit --wait` waits unless --timeout says otherwise
-    # The local tier's file, in bytes: past it the least recently used entries are deleted as entries are written,
-    # and the space goes back to the file system (ccache's default cap is 5 GB).
+    # The local tier's file, in bytes: past it the least valuable entries (cachestore.value) are deleted as entries
+    # are written, and the space goes back to the file system (ccache's default cap is 5 GB).
     max_size: int = 5 * 1024**3
     # Shards of the fleet's job queue, each in its own slot (a cluster spreads them over its nodes). Used once,
     # when a namespace's first job is submitted or its first worker starts; the namespace keeps that count.

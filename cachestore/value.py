@@ -23,6 +23,9 @@ DAY = 86400.0
 MAX_SECONDS = 10 * 365 * 86400  # the longest TTL a setting may hold (cachestore.settings), and so any entry
 HALF_LIFE = 7 * DAY  # an entry unused for a week keeps half its score in the local trim
 MIN_COMPILE_SECONDS = 1e-3  # an entry with no recorded compile time (imported, older) still saves a little
+# No trace takes longer (a fleet job is killed after job_timeout, 600 s by default): a larger recorded time, from
+# a broken or hostile writer, counts as this, so a planted entry cannot make itself impossible to evict.
+MAX_COMPILE_SECONDS = 3600.0
 MAX_TTL_FACTOR = 8.0  # the most valuable entries live at most this many entry_ttl on Redis
 MEDIAN_WINDOW = 1024  # values of the entries a client stored or read lately, for the TTL rule's median
 MEDIAN_MIN_SAMPLES = 16  # until a client has seen this many, every entry gets the base TTL
@@ -30,7 +33,8 @@ MEDIAN_MIN_SAMPLES = 16  # until a client has seen this many, every entry gets t
 
 def entry_value(compile_seconds: float, uses: int, stored_bytes: int) -> float:
     """Compile seconds saved per stored byte: compile seconds x uses / stored bytes."""
-    return max(compile_seconds, MIN_COMPILE_SECONDS) * max(uses, 0) / max(stored_bytes, 1)
+    seconds = min(max(compile_seconds, MIN_COMPILE_SECONDS), MAX_COMPILE_SECONDS)
+    return seconds * max(uses, 0) / max(stored_bytes, 1)
 
 
 def retention_score(compile_seconds: float, uses: int, stored_bytes: int, idle_seconds: float) -> float:

@@ -79,7 +79,7 @@ def test_bench_help_names_every_goal() -> None:
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
                 "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate",
                 "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct",
-                "l1_redis_read_reduction"):  # fmt: skip
+                "l1_redis_read_reduction", "value_retention_ratio"):  # fmt: skip
         assert key in result.output
 
 

@@ -115,8 +115,8 @@ class SqliteBackend:
         longer delays no compile. `create=False` (reports, inspection): a missing file is an error, not a
         new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
         this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge).
-        `max_size`: bytes the file may hold; writes past it delete the least recently used entries and give
-        the space back to the file system (None: no cap). `writable=False` (a read-only client): the file is
+        `max_size`: bytes the file may hold; writes past it delete the least valuable entries (cachestore.value)
+        and give the space back to the file system (None: no cap). `writable=False` (a read-only client): the file is
         opened read-only (SQLite may still add its -wal and -shm files beside it), never created, upgraded or
         refreshed, and a missing file is an empty tier."""
         self.path = Path(path).expanduser()
@@ -647,19 +647,26 @@ class SqliteBackend:
         if excess <= 0:
             return False
         excess += int(self.max_size * (1 - TRIM_TO))
-        now = time.time()
-        rows = db.execute(
-            "SELECT e.toolchain, e.cache_key, length(e.data), e.compile_seconds, e.used, COALESCE(u.passes, 1) "
-            "FROM entries e LEFT JOIN key_usage u ON u.cache_key = e.cache_key"
-        ).fetchall()
-        # Whole rows in memory, once per trim (about a tenth of the cap apart): ~100 bytes for each entry.
-        rows.sort(key=lambda r: (retention_score(r[3], r[5], r[2] + ROW_OVERHEAD, now - r[4]), r[4]))
+        # SQLite sorts (spilling to its temporary files for a large file); only the victims reach Python.
+        db.create_function("retention_score", 4, retention_score, deterministic=True)
+        cursor = db.execute(
+            "SELECT e.toolchain, e.cache_key, length(e.data) FROM entries e "
+            "LEFT JOIN key_usage u ON u.cache_key = e.cache_key "
+            "ORDER BY retention_score(e.compile_seconds, COALESCE(u.passes, 1), length(e.data) + ?, ? - e.used), "
+            "e.used",
+            (ROW_OVERHEAD, time.time()),
+        )
         victims: list[tuple[str, str]] = []
-        for toolchain, key, size, *_ in rows:
-            if excess <= 0:
+        while excess > 0:
+            rows = cursor.fetchmany(256)
+            if not rows:
                 break
-            victims.append((toolchain, key))
-            excess -= size + ROW_OVERHEAD
+            for toolchain, key, size in rows:
+                victims.append((toolchain, key))
+                excess -= size + ROW_OVERHEAD
+                if excess <= 0:
+                    break
+        cursor.close()
         db.executemany("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", victims)
         db.executemany("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", victims)
         return bool(victims)
