@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bridge.port import PassRecord, StoredTrace
+from cachestore.api import MetricsBatch
 from cachestore.client import TierClient, TierStats, _stored_trace
 from cachestore.entry import Entry
 from cachestore.settings import Settings
@@ -162,6 +163,11 @@ class StackedTier:
         fleet's, a local level's are this machine's usage, which its retention ranks entries by."""
         for level in self.levels:
             level.record_pass(record)
+
+    def record(self, batch: MetricsBatch) -> None:
+        """A metrics batch (warm's) to every level, as record_pass."""
+        for level in self.levels:
+            level.record(batch)
 
     def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
         """Every level flushed within one deadline (not one timeout per level)."""

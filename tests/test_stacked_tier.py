@@ -268,3 +268,9 @@ def test_compile_json_reports_hits_per_level(private_redis_server: Any, tmp_path
     assert warm["tier"] == f"{local} {redis_url}"
     artifacts = {out: (tmp_path / out / "mixed.nkibb").read_bytes() for out in "abc"}
     assert artifacts["a"] == artifacts["b"] == artifacts["c"]
+
+
+def test_a_stack_answers_every_call_a_tier_client_does() -> None:
+    """The pool, the fleet worker, warm and the codegen loop take either: what one offers, the other must."""
+    public = {name for name in dir(TierClient) if not name.startswith("_")}
+    assert public - set(dir(StackedTier)) == set()
