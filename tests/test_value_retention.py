@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_graphs import local_or_fake_backend
+from helpers_graphs import delete_namespace, local_or_fake_backend, unique_namespace
 
 from cachestore.client import TierClient
 from cachestore.entry import Entry
@@ -206,3 +206,34 @@ def test_the_bench_measurement_replays_the_recorded_workload(tmp_path: Path) -> 
     for policy in ("lru", "value"):
         result = measured[policy]
         assert result["hits"] + result["misses"] > 0 and result["evictions"] > 0
+
+
+def test_value_ttls_on_a_cluster(redis_cluster: str) -> None:
+    """The background TTL refresh is one pipeline over the masters the keys live on."""
+    from cachestore.settings import load_settings
+
+    namespace = unique_namespace()
+    settings = load_settings({"tier": redis_cluster, "namespace": namespace, "entry_ttl": BASE_TTL}, environ={})
+    writer = TierClient(lambda: _cluster_backend(settings), settings, "cluster")
+    keys = [f"usual-{i}" for i in range(MEDIAN_MIN_SAMPLES)] + ["costly"]
+    for key in keys[:-1]:
+        writer.publish(key, entry(0.01, key=key))
+    writer.flush(timeout=10)
+    writer.publish("costly", entry(0.05, key="costly"))
+    writer.close(timeout=10)
+    reader = TierClient(lambda: _cluster_backend(settings), settings, "cluster")
+    assert set(reader.find_many(keys)[0]) == set(keys)
+    reader.close(timeout=10)
+    backend = _cluster_backend(settings)
+    try:
+        assert ttl_of(backend, "costly") > 3 * BASE_TTL and ttl_of(backend, "usual-3") <= BASE_TTL
+        assert reader.counts()["tier_errors"] == 0
+    finally:
+        delete_namespace(backend.client, namespace)
+        backend.close()
+
+
+def _cluster_backend(settings: Settings) -> Any:
+    from cachestore.api import open_backend
+
+    return open_backend(settings)
