@@ -274,3 +274,17 @@ def test_a_stack_answers_every_call_a_tier_client_does() -> None:
     """The pool, the fleet worker, warm and the codegen loop take either: what one offers, the other must."""
     public = {name for name in dir(TierClient) if not name.startswith("_")}
     assert public - set(dir(StackedTier)) == set()
+
+
+def test_commands_on_one_store_use_the_shared_level(tmp_path: Path) -> None:
+    """report, inspect, warm and the fleet's queue open the farthest level of a configured stack."""
+    from cachestore.api import open_backend
+    from cachestore.backends.sqlite import SqliteBackend
+
+    near, far = tmp_path / "near.sqlite", tmp_path / "far.sqlite"
+    SqliteBackend(far).close()  # the shared level exists; the near one does not, and must not be made
+    reader = open_backend(load_settings({"tier": (f"local:{near}", f"local:{far}")}, environ={}), reading=True)
+    try:
+        assert Path(reader.path) == far and not near.exists()
+    finally:
+        reader.close()
