@@ -223,17 +223,19 @@ class TierClient:
         entries = {}
         for key, data in found.items():
             entry = self._decode(key, data)
+            if entry is not None and not entry.is_reference:
+                self._keep_by_value(key, entry, data)
             if entry is not None and entry.is_reference:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
-                self._keep_by_value(key, entry, data)
         self.stats.add("entries_found", len(entries))
         return entries, set(found)
 
     def _keep_by_value(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
         """The read refreshed the entry's TTL to entry_ttl; one worth more than the usual entry gets its longer
-        TTL back in the background (a writer's client only: a read-only one refreshes nothing)."""
+        TTL back in the background (a writer's client only: a read-only one refreshes nothing). A reference
+        keeps entry_ttl, as the holder its read refreshes does: it must not outlive the binary it points to."""
         if not (self._value_ttls and self.writes) or isinstance(data, TooLarge):
             return
         ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(data)))

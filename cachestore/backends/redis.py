@@ -462,8 +462,8 @@ class RedisBackend:
         def write(pipe: Any) -> None:
             for r in requests:
                 expiry = r.ttl or ttl  # value-ranked (cachestore.value)
-                if r.cache_key in referenced:
-                    pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=expiry)
+                if r.cache_key in referenced:  # the base TTL: a reference must not outlive its holder's binary
+                    pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
                     pipe.set(self._digest(r.digest), r.cache_key, ex=expiry)
