@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -73,6 +74,8 @@ class StoreRequest:
     # digest: only the backend learns which key that is, and only the client can sign the encoding.
     reference: Callable[[str], bytes]
     kernel_name: str
+    compile_seconds: float = 0.0  # what tracing it cost: the local tier ranks what it keeps by it
+    ttl: int | None = None  # its own TTL (cachestore.value: grows with its value); None: the call's
     # Fields of the kernel's variant index (cachestore.variant_index) this store sets: how misses get a cause.
     index_fields: dict[str, str] = field(default_factory=dict)
 
@@ -212,6 +215,7 @@ class WriteItem:
     data: bytes
     digest: str | None  # set for an entry holding its binary: the digest index points at it
     ttl: float
+    compile_seconds: float = 0.0  # from the entry: the local tier ranks what it keeps by it
 
 
 # -- the protocols ----------------------------------------------------------------------------------------
@@ -243,6 +247,10 @@ class Backend(Protocol):
         """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
     def release_lease(self, cache_key: str, owner: str) -> None: ...
+
+    def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
+        """Set each (cache key, TTL) entry's TTL, if it is still stored: the value-ranked TTL of an entry read
+        (cachestore.value), sent in the background after the read's own refresh to entry_ttl."""
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         """release_lease for each (cache key, owner), in one round trip (per master on a cluster)."""
@@ -340,7 +348,9 @@ def open_backend(
     Redis tier is only sent reads by such a client anyway."""
     from cachestore.settings import SettingsError
 
-    url = settings.tier
+    url = shared_level(settings.tier)  # a stack of levels: the shared one holds the fleet's entries and metrics
+    if url != settings.tier:
+        settings = settings.replace(tier=url)
     if url.startswith("local:"):
         from cachestore.backends.sqlite import SqliteBackend
 
@@ -359,6 +369,22 @@ def open_backend(
     )
 
 
+# A level of a stacked tier starts after whitespace with a scheme, so a local path may still hold spaces.
+_LEVEL_START = re.compile(r"\s+(?=off(?:\s|$)|local:|redis://|rediss://|unix://|redis\+cluster://|rediss\+cluster://)")
+
+
+def tier_levels(tier: str) -> list[str]:
+    """The levels of a tier setting, nearest first: `local:PATH redis://HOST` is a local level in front of
+    Redis (`--tier` repeated, a list in the config file, a space-separated NKICACHE_TIER)."""
+    return [level for level in _LEVEL_START.split(tier.strip()) if level] or [tier]
+
+
+def shared_level(tier: str) -> str:
+    """The farthest level of a tier setting: the one machines share, holding the leases and the fleet metrics.
+    Commands that read or administer one store (report, inspect, warm, the fleet queue) use it."""
+    return tier_levels(tier)[-1]
+
+
 SECRET_QUERY_PARAMETERS = ("password", "ssl_password")  # redis-py takes both from a URL's query
 
 
@@ -366,6 +392,9 @@ def redact_url(url: str) -> str:
     """The URL without its secrets, for every output (logs, errors, JSON, reports): the password of the
     user-info part (`redis://user:SECRET@host`) and secret query parameters (`?password=SECRET`), read as
     redis-py reads a URL (urlsplit), so what it would send is what is hidden."""
+    levels = tier_levels(url)
+    if len(levels) > 1:
+        return " ".join(map(redact_url, levels))
     if "://" not in url:
         return url  # off, local:PATH
     parts = urlsplit(url)
@@ -394,19 +423,36 @@ SSL_CERT_REQS = ("none", "optional", "required")
 
 
 def tier_url_problem(url: str) -> str | None:
-    """What is wrong with a tier URL, or None: checked when settings are read, so that a bad URL is one
-    error before anything runs instead of a failure in every compile."""
+    """What is wrong with a tier URL (or a stack of them), or None: checked when settings are read, so that a
+    bad URL is one error before anything runs instead of a failure in every compile."""
+    levels = tier_levels(url)
+    if len(levels) > 1:
+        return _stack_problem(levels)
     if url == "off" or (url.startswith("local:") and url[len("local:") :].strip()):
         return None
     if url.startswith("local:"):
         return "local: needs a path (local:PATH)"
     if not url.startswith(REDIS_SCHEMES):
         return "is not a tier; use off, local:PATH, redis://, rediss://, unix:// or redis+cluster://"
+    if any(character.isspace() for character in url):
+        return "holds a space; each level of a stack starts with off, local:, redis://, rediss://, unix:// or redis+cluster://"
     try:
         parts = urlsplit(url)
         return _address_problem(parts) or _query_problem(parts.query)
     except ValueError as exc:
         return f"is not a valid URL: {exc}"
+
+
+def _stack_problem(levels: list[str]) -> str | None:
+    if "off" in levels:
+        return "off cannot be a level of a stack; leave the other levels out instead"
+    if len(set(levels)) < len(levels):
+        return "names one level twice"
+    for level in levels:
+        problem = tier_url_problem(level)
+        if problem:
+            return f"level {redact_url(level)!r} {problem}"
+    return None
 
 
 def _address_problem(parts: SplitResult) -> str | None:

@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
@@ -48,13 +48,18 @@ from cachestore.api import (
     batch_problem,
     open_backend,
     redact_url,
+    tier_levels,
 )
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
 from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings, SettingsError
 from cachestore.trust import Credentials, TrustError, load_credentials
+from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
+
+if TYPE_CHECKING:
+    from cachestore.stacked import StackedTier
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -64,6 +69,14 @@ LEASE_POLL_SECONDS = 0.05
 class LeaseRelease:
     cache_key: str
     owner: str
+
+
+@dataclass
+class TtlRefresh:
+    """An entry read whose value earns it more than entry_ttl (cachestore.value): its TTL, set in the background."""
+
+    cache_key: str
+    ttl: int
 
 
 @dataclass
@@ -80,8 +93,9 @@ class PendingStore:
 class TierStats:
     """Thread-safe counters of what the tier did for this process."""
 
-    # What a pass reports (TIER_COUNTERS), and lookups skipped while the breaker was open and batches applied.
-    NAMES = (*TIER_COUNTERS, "tier_skipped", "metrics_applied")
+    # What a pass reports (TIER_COUNTERS), lookups skipped while the breaker was open, batches applied, and
+    # verified entries handed to the loop (a stacked tier reports them per level: `level_hits`).
+    NAMES = (*TIER_COUNTERS, "tier_skipped", "metrics_applied", "entries_found")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -132,6 +146,9 @@ class TierClient:
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
         self._writer_counts: collections.Counter[str] = collections.Counter()
         self._writer_lock = threading.Lock()
+        # Redis keeps an entry by its TTL, which grows with its value; the local tier ranks by value itself.
+        self._value_ttls = settings.tier.startswith(REDIS_SCHEMES)
+        self._values = ValueMedian()
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -165,6 +182,10 @@ class TierClient:
     def available(self) -> bool:
         """False while the breaker keeps the tier off after a failure."""
         return self._available()
+
+    def level_hits(self) -> dict[str, int]:
+        """{this tier: verified entries it answered so far}: one level (cachestore.stacked has several)."""
+        return {self.description: self.stats.snapshot()["entries_found"]}
 
     # -- fault handling ---------------------------------------------------------------------------
     def _available(self) -> bool:
@@ -231,16 +252,29 @@ class TierClient:
         entries = {}
         for key, data in found.items():
             entry = self._decode(key, data)
+            if entry is not None and not entry.is_reference:
+                self._keep_by_value(key, entry, data)
             if entry is not None and entry.is_reference:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
         self._count_writers(f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer)
+        self.stats.add("entries_found", len(entries))
         return entries, set(found)
 
     def _count_writers(self, names: Iterable[str]) -> None:
         with self._writer_lock:
             self._writer_counts.update(names)
+
+    def _keep_by_value(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
+        """The read refreshed the entry's TTL to entry_ttl; one worth more than the usual entry gets its longer
+        TTL back in the background (a writer's client only: a read-only one refreshes nothing). A reference
+        keeps entry_ttl, as the holder its read refreshes does: it must not outlive the binary it points to."""
+        if not (self._value_ttls and self.writes) or isinstance(data, TooLarge):
+            return
+        ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(data)))
+        if ttl > self.settings.entry_ttl:
+            self._enqueue(TtlRefresh(cache_key, ttl))
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
@@ -261,6 +295,8 @@ class TierClient:
             return None
         if entry.unverified:
             self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
+        if isinstance(data, bytes):
+            entry.stored = data
         return entry
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
@@ -333,6 +369,24 @@ class TierClient:
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
         self._publish(PendingStore(cache_key, lambda: entry), release_lease)
 
+    def publish_copy(self, cache_key: str, entry: Entry) -> None:
+        """Keep a copy of an entry another tier handed over (a stack's farther level): its stored bytes as they
+        are, so the writer's signature over them still verifies here (this client's own key, or none, would
+        re-sign it, and a trust policy would then refuse it); an entry without them is encoded anew."""
+        if not self.writes:
+            return
+        if entry.stored is None:
+            self.publish(cache_key, entry)
+            return
+        stored = entry.stored
+        pending = PendingStore(cache_key, lambda: entry)
+        index = stored_fields(cache_key, entry.key_components, self._partition)
+        pending.request = StoreRequest(cache_key, entry.digest, stored, lambda _holder: stored,
+                                       str(entry.key_components.get("kernel_name", "")), entry.compile_seconds,
+                                       None, index)  # fmt: skip
+        pending.prepared = True
+        self._enqueue(pending)
+
     def _publish(self, pending: PendingStore, release_lease: bool) -> None:
         """Queue the entry (it is encoded on the flusher thread), then the lease release, in that order."""
         self._enqueue(pending)
@@ -352,7 +406,11 @@ class TierClient:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
                 reference = self._reference_encoder(entry, pending.cache_key)
                 index = stored_fields(pending.cache_key, entry.key_components, self._partition)
-                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name, index)
+                ttl = None
+                if self._value_ttls:
+                    ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(full)))
+                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name,
+                                               entry.compile_seconds, ttl, index)  # fmt: skip
             pending.prepared = True
         return pending.request
 
@@ -490,7 +548,7 @@ class TierClient:
 
     def _send(self, group: list) -> bool:
         head = group[0]
-        if isinstance(head, PendingStore | LeaseRelease):
+        if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
             requests = [request for request in map(self._prepare, stores) if request is not None]
@@ -500,6 +558,9 @@ class TierClient:
             releases = [(item.cache_key, item.owner) for item in group if isinstance(item, LeaseRelease)]
             if ok and releases:
                 ok, _ = self._guarded(lambda b: b.release_leases(releases), "lease release")
+            refreshes = [(item.cache_key, item.ttl) for item in group if isinstance(item, TtlRefresh)]
+            if ok and refreshes:
+                ok, _ = self._guarded(lambda b: b.refresh_ttls(refreshes), "TTL refresh")
         else:
             ok, applied = self._guarded(lambda b: b.apply_metrics(head), "metrics")
             if ok and applied:
@@ -550,11 +611,11 @@ class TierClient:
 def _leading_group(items: list) -> list:
     """The first item, with the entries and lease releases right after it when it is one of them: the
     entries go in one pipeline and the releases in another, instead of a round trip for each release."""
-    if not isinstance(items[0], PendingStore | LeaseRelease):
+    if not isinstance(items[0], PendingStore | LeaseRelease | TtlRefresh):
         return items[:1]
     group = []
     for item in items:
-        if not isinstance(item, PendingStore | LeaseRelease) or len(group) == 256:
+        if not isinstance(item, PendingStore | LeaseRelease | TtlRefresh) or len(group) == 256:
             break
         group.append(item)
     return group
@@ -584,11 +645,16 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
                         toolchain)  # fmt: skip
 
 
-def open_tier(settings: Settings) -> TierClient | None:
-    """The tier client for these settings, or None for `off`. Nothing connects until first used, so an
-    unreachable tier costs a compile only counted errors."""
+def open_tier(settings: Settings) -> TierClient | StackedTier | None:
+    """The tier client for these settings, or None for `off`; a StackedTier for a stack of levels (nearest
+    first). Nothing connects until first used, so an unreachable tier costs a compile only counted errors."""
     if settings.tier == "off" or settings.tier_mode == "off":
         return None
+    levels = tier_levels(settings.tier)
+    if len(levels) > 1:
+        from cachestore.stacked import StackedTier, level_settings
+
+        return StackedTier([open_tier(level_settings(settings, levels, index)) for index in range(len(levels))])
     if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
     credentials = settings_credentials(settings)

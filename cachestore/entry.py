@@ -107,6 +107,9 @@ class Entry:
     signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
     unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
     writer: str = field(default="", compare=False)  # the key id (hex) of the writer that signed it, if any
+    # The bytes it was decoded from, as stored (None for an entry built here, or a followed reference): a
+    # stack's nearer level keeps a copy of them, with its writer's signature, instead of encoding it anew.
+    stored: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.digest:

@@ -32,6 +32,7 @@ from cachestore.entry import (
     writer_of,
 )
 from cachestore.keys import split_partition
+from cachestore.value import entry_value
 
 # For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
 # `verify` is where the configured policy is applied.
@@ -458,7 +459,7 @@ def _import_partition(
             elif entry.is_reference:
                 references += 1
             else:
-                items.append(WriteItem(raw.cache_key, raw.data, entry.digest, ttl_of(raw)))
+                items.append(WriteItem(raw.cache_key, raw.data, entry.digest, ttl_of(raw), entry.compile_seconds))
         tier.put_entries(items)
         result["imported"] += len(items)
     if not references:
@@ -478,7 +479,7 @@ def _import_partition(
             if problem:
                 rejected.append({"key": key, "reason": problem})
             else:
-                items.append(WriteItem(key, raw.data, None, ttl_of(raw)))
+                items.append(WriteItem(key, raw.data, None, ttl_of(raw), entry.compile_seconds))
         tier.put_entries(items)
         result["imported"] += len(items)
 
@@ -508,8 +509,8 @@ class _Candidate:
 
     @property
     def value(self) -> float:
-        """Compile seconds its reuse saves per stored byte: keep the entries that save the most."""
-        return (self.usage * max(self.compile_seconds, 1e-3)) / max(self.bytes, 1)
+        """Compile seconds its reuse saves per stored byte (cachestore.value): keep the entries that save the most."""
+        return entry_value(self.compile_seconds, self.usage, self.bytes)
 
 
 def collect_garbage(
@@ -627,8 +628,8 @@ def _evict_over_budget(
         if c.ref is not None:
             return c.value
         group = [c, *(candidates[k] for k in references.get(c.id, ()) if not candidates[k].reason)]
-        seconds = max(c.compile_seconds, 1e-3) * sum(member.usage for member in group)
-        return seconds / max(1, sum(member.bytes for member in group))
+        # The binary saves its compile time for every use of the group, and takes the group's bytes.
+        return entry_value(c.compile_seconds, sum(m.usage for m in group), sum(m.bytes for m in group))
 
     order = sorted((c for c in candidates.values() if not c.reason), key=lambda c: (group_value(c), c.last_use, c.id))
     for c in order:

@@ -19,7 +19,7 @@ from typing import Any
 
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
-from cachestore.api import redact_url, tier_url_problem
+from cachestore.api import redact_url, tier_levels, tier_url_problem
 from cachestore.keys import (
     DEFAULT_JOB_SHARDS,
     DEFAULT_METRICS_SHARDS,
@@ -89,8 +89,8 @@ class Settings:
     job_memory: int = 4 * 1024**3  # bytes of address space a job's compiling process may use (RLIMIT_AS)
     job_ttl: int = 7 * DAY  # seconds a job's result, artifact and batch are kept after it finishes
     wait_timeout: float = 3600.0  # seconds `submit --wait` waits unless --timeout says otherwise
-    # The local tier's file, in bytes: past it the least recently used entries are deleted as entries are written,
-    # and the space goes back to the file system (ccache's default cap is 5 GB).
+    # The local tier's file, in bytes: past it the least valuable entries (cachestore.value) are deleted as entries
+    # are written, and the space goes back to the file system (ccache's default cap is 5 GB).
     max_size: int = 5 * 1024**3
     # Shards of the fleet's job queue, each in its own slot (a cluster spreads them over its nodes). Used once,
     # when a namespace's first job is submitted or its first worker starts; the namespace keeps that count.
@@ -142,7 +142,7 @@ def load_settings_with_sources(
         values[name] = value
         sources[name] = source
     for name, value in (overrides or {}).items():
-        if value is None:
+        if value is None or value == ():  # () is a repeatable flag (--tier) not given
             continue
         if name in _SECRETS:
             raise SettingsError(f"{name} belongs in the environment (NKICACHE_{name.upper()}), not on the command line")
@@ -261,6 +261,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(Settings)}
     if name not in fields:
         raise SettingsError(f"{source}: unknown setting {name!r}")
+    if name == "tier" and isinstance(value, list | tuple):
+        value = _tier_stack(value, source)
+    if name == "tier" and isinstance(value, str) and len(tier_levels(value)) > 1:
+        value = " ".join(tier_levels(value))  # one space between levels, however they were separated
     default = fields[name].default
     kind = type(default) if default is not dataclasses.MISSING else str
     try:
@@ -283,6 +287,18 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         except UnicodeEncodeError:
             raise SettingsError(f"{source}: {name} is not UTF-8 text") from None
     return coerced
+
+
+def _tier_stack(levels: list | tuple, source: str) -> str:
+    """A stack of tier levels (a list in the config file, --tier repeated), nearest first, as the one string
+    the setting holds: the levels separated by spaces, as NKICACHE_TIER takes them (cachestore.api.tier_levels)."""
+    if not levels or not all(isinstance(level, str) and level.strip() for level in levels):
+        raise SettingsError(f"{source}: tier must be a URL or a list of URLs (nearest first), got {levels!r}")
+    for level in levels:  # each one, so that an unknown scheme is not read as part of a local path before it
+        problem = tier_url_problem(level.strip())
+        if problem:
+            raise SettingsError(f"{source}: tier level {redact_url(level.strip())!r} {problem}")
+    return " ".join(level.strip() for level in levels)
 
 
 def _validate(settings: Settings, sources: Mapping[str, str]) -> None:

@@ -232,7 +232,8 @@ class LocalView(TierView):
 
     def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
         self._write(
-            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO entries (toolchain, cache_key, data, digest, expires, used) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
             (*self._at(cache_key), data, "0" * 64, time.time() + ttl, time.time()),
         )
 

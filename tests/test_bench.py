@@ -80,8 +80,19 @@ def test_bench_help_names_every_goal() -> None:
     assert result.exit_code == 0
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
                 "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate",
-                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct", "signature_overhead"):  # fmt: skip
+                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct", "signature_overhead",
+                "l1_redis_read_reduction", "value_retention_ratio"):  # fmt: skip
         assert key in result.output
+
+
+def test_l1_measurement(tiny, tmp_path: Path) -> None:
+    """A second compile through a local level asks Redis (nearly) nothing; the measurement compares artifacts."""
+    config, _graphs = tiny
+    measured = bench.l1_redis_read_reduction(config, tmp_path)
+    assert measured["redis_reads_alone"] > 0 and measured["traces_second_compile"] == 0
+    assert measured["l1_redis_read_reduction"] >= 0.9 and measured["artifacts_identical"]
+    local, remote = measured["level_hits_stacked"].values()
+    assert local > 0 and remote == 0
 
 
 def test_upgrade_measurement(tiny, tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ def test_kubernetes_redis_statefulset_keeps_its_data_on_a_claim() -> None:
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     conf = redis_conf(objects[("ConfigMap", "nkicache-redis")]["data"]["redis.conf"])
     assert mounts[conf["dir"]] == claim["metadata"]["name"]  # AOF files on the claim
-    assert conf["appendonly"] == "yes" and conf["maxmemory-policy"] == "volatile-lru"
+    assert conf["appendonly"] == "yes" and conf["maxmemory-policy"] == "volatile-ttl"
     acl_volume = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == mounts[conf["aclfile"]])
     assert "secret" in acl_volume  # the ACL file holds password hashes: a Secret, not a ConfigMap
 
@@ -208,7 +208,7 @@ def redis_confs() -> dict[str, str]:
 def test_redis_conf_boots_with_the_acl_users(source: str, redis_confs: dict, tmp_path: Path) -> None:
     text = redis_confs[source]
     conf = redis_conf(text)
-    assert conf["maxmemory-policy"] == "volatile-lru" and conf["appendonly"] == "yes" and conf["save"] == ""
+    assert conf["maxmemory-policy"] == "volatile-ttl" and conf["appendonly"] == "yes" and conf["save"] == ""
     try:
         server = start_acl_server(tmp_path, text)
     except RuntimeError as exc:

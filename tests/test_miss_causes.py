@@ -320,3 +320,26 @@ def test_a_key_another_scope_of_this_toolchain_stored_is_new_here_not_evicted() 
     assert facts([trusted, None, None, None], laptop).stored_by_other_toolchain is False
     assert facts([partition("fedcba9876543210"), None, None, None], trusted).stored_by_other_toolchain
     assert facts([trusted, None, None, None], trusted).stored_here_before
+
+
+@pytest.mark.redis
+def test_a_stacks_misses_take_the_shared_levels_index_and_its_outage(tmp_path: Path, redis_url: str) -> None:
+    namespace = unique_namespace()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        near = f"local:{tmp_path / 'near.sqlite'}"
+        stacked = open_tier(Settings(tier=f"{near} {redis_url}", namespace=namespace, host="h"))
+        compile_with(stacked, graph_of(SOFTMAX_64, RMS_A))
+        assert causes(compile_with(stacked, graph_of(SOFTMAX_128, RMS_B))) == {"new_shape": 1, "attrs_differ": 1}
+        stacked.close()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            down = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+        behind_down = open_tier(Settings(tier=f"{near} {down}", connect_timeout=0.3, host="h"))
+        loop = compile_with(behind_down, graph_of(SOFTMAX_64, SOFTMAX_128, ("Softmax", (192, 32), None)))
+        assert loop.remote_hits == 2  # the near level serves what it holds
+        assert causes(loop) == {"tier_unavailable": 1}  # and the one it lacks the shared level could have held
+        behind_down.close(timeout=0.1)
+    finally:
+        delete_namespace(client, namespace)
+        client.close()

@@ -184,7 +184,7 @@ def test_a_local_tier_of_the_previous_layout_is_upgraded_keeping_its_metrics(tmp
         "INSERT INTO totals VALUES ('passes', 7);"
     )
     db.close()
-    with pytest.raises(Exception, match="has schema v1; this build uses v3"):
+    with pytest.raises(Exception, match="has schema v1; this build uses v4"):
         SqliteBackend(path, create=False)
     backend = SqliteBackend(path)
     assert backend.totals() == {"passes": 7.0}

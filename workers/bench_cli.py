@@ -34,6 +34,10 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       upgrade_first_pass_hit_rate  a new compiler's first pass after nkicache warm          goal >= 0.99
       signature_overhead     writer-signature checks / remote hits, entries hit again     goal <= 0.05
                              (signature_overhead_first_hit: a first hit's Ed25519 verify, reported)
+      l1_redis_read_reduction  1 - Redis reads of a second compile with a local level in front
+                             / with Redis alone (INFO commandstats, private server)       goal >= 0.9
+      value_retention_ratio  compile seconds saved, value-ranked / LRU retention, on the
+                             workload's pass log replayed 10x at a quarter of its bytes   goal >= 1.3
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed

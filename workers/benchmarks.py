@@ -39,6 +39,8 @@ GOALS = {
     "miss_cause_coverage": ("min", 0.95),
     "miss_classification_overhead": ("max", 1.02),
     "signature_overhead": ("max", 0.05),
+    "l1_redis_read_reduction": ("min", 0.9),
+    "value_retention_ratio": ("min", 1.3),
 }
 
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
@@ -475,6 +477,129 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
     }
 
 
+# -- l1_redis_read_reduction: a local level in front of Redis ----------------------------------------------
+# What a lookup sends Redis (cachestore.backends.redis fetch: EXPIRE or PTTL with GETRANGE, STRLEN for a long
+# value) and what a wait for another's trace adds (GET of the lease): the commands a near level saves.
+REDIS_READ_COMMANDS = ("get", "getrange", "mget", "strlen", "pttl", "ttl", "expire", "exists")
+
+
+def l1_redis_read_reduction(config: BenchConfig, work: Path) -> dict:
+    """A machine's second compile of the workload, against a private redis-server: with `--tier redis://`
+    alone, and with `--tier local:... --tier redis://` (each machine's first compile filled its tiers). The
+    Redis read commands of each second compile are counted from INFO commandstats (reset just before it);
+    the figure is 1 - stacked / alone. Both second compiles' artifacts must be byte-identical to a compile
+    with no tier, or the measurement fails."""
+    from workers.dev_redis import start_private_server
+    from workers.passes import compile_graph
+    from workers.workload import generate_workload
+
+    files = generate_workload(work / "l1-graphs", config.models, config.seed)
+    untiered = [compile_graph(path)[1] for path in files]
+    server = start_private_server()
+    try:
+        alone = _second_compile_reads(files, server.url, server.url, "alone")
+        stacked = _second_compile_reads(files, f"local:{work / 'l1.sqlite'} {server.url}", server.url, "stacked")
+    finally:
+        server.cleanup()
+    if alone["artifacts"] != untiered or stacked["artifacts"] != untiered:
+        raise NkiCacheError("a stacked or Redis-only compile produced an artifact unlike the untiered compile's")
+    reads_alone, reads_stacked = alone["read_commands"], stacked["read_commands"]
+    return {
+        "l1_redis_read_reduction": 1 - reads_stacked / reads_alone if reads_alone else 0.0,
+        "redis_reads_alone": reads_alone,
+        "redis_reads_stacked": reads_stacked,
+        "redis_commands_alone": alone["commands"],
+        "redis_commands_stacked": stacked["commands"],
+        "level_hits_stacked": stacked["level_hits"],
+        "traces_second_compile": alone["traces"] + stacked["traces"],
+        "graphs": len(files),
+        "artifacts_identical": True,
+    }
+
+
+def _second_compile_reads(files: Sequence[Path], tier: str, redis_url: str, label: str) -> dict:
+    """Compile `files` twice, each with a fresh tier client (two compiles of one machine), and count what the
+    second sent Redis."""
+    import redis
+
+    from workers.passes import add_level_hits, compile_graph
+
+    settings = load_settings({"tier": tier, "namespace": f"nkibench-l1-{label}"})
+    first = open_tier(settings)
+    for path in files:
+        compile_graph(path, tier=first)
+    first.close(30)
+    stats = redis.Redis.from_url(redis_url)
+    try:
+        stats.config_resetstat()
+        second = open_tier(settings)
+        compiled = [compile_graph(path, tier=second) for path in files]
+        second.close(30)
+        commands = stats.info("commandstats")
+    finally:
+        stats.close()
+    calls = {name.removeprefix("cmdstat_"): int(item["calls"]) for name, item in commands.items()}
+    calls.pop("config", None)  # the reset itself
+    calls.pop("info", None)
+    return {
+        "read_commands": sum(calls.get(name, 0) for name in REDIS_READ_COMMANDS),
+        "commands": sum(calls.values()),
+        "artifacts": [encoded for _, encoded in compiled],
+        "traces": sum(int(result.counts["traces"]) for result, _ in compiled),
+        "level_hits": add_level_hits([result for result, _ in compiled]),
+    }
+
+
+# -- value_retention_ratio: value-ranked retention against LRU, on a replayed pass log ----------------------
+def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dict:
+    """Record the workload's pass log (each pass's calls per cache key) and its entries (compile seconds, stored
+    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (cachestore.replay:
+    passes drawn with Zipf-like popularity) against a cache holding a quarter of the bytes of the entries it
+    uses, once under LRU and once under value-ranked retention. The figure: compile seconds the hits saved
+    under value / under LRU."""
+    from cachestore.replay import LoggedPass, compare, scaled_log
+
+    settings = tier_settings(f"local:{work / 'replay.sqlite'}")
+    tier = open_tier(settings)
+    recorded = []
+    try:
+        for graph in graphs:
+            loop = BirCodeGenLoop(make_target(graph.target or "Trn2"), tier=tier)
+            loop.run(graph)
+            variants = loop.pass_record(graph.name, 0.0, 0.0).variants
+            recorded.append(LoggedPass(0.0, {key: use.usage for key, use in variants.items()}))
+        tier.flush(30)
+        entries = _logged_entries(tier)
+    finally:
+        tier.close()
+    passes = scaled_log(recorded, 10, config.seed)
+    used = {key for logged in passes for key in logged.uses}
+    budget = sum(entries[key].stored_bytes for key in used) // 4
+    results = compare(passes, entries, budget)
+    lru, value = results["lru"], results["value"]
+    return {
+        "value_retention_ratio": value.saved_seconds / lru.saved_seconds if lru.saved_seconds else 0.0,
+        "lru": lru.as_json(),
+        "value": value.as_json(),
+        "passes": len(passes),
+        "recorded_passes": len(recorded),
+        "entries": len(used),
+        "budget_bytes": budget,
+    }
+
+
+def _logged_entries(tier: Any) -> dict:
+    """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes (a
+    reference is counted as large as the entry holding its binary: alone, it would be stored whole)."""
+    from cachestore.entry import decode_entry
+    from cachestore.replay import LoggedEntry
+
+    raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
+    decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
+    return {key: LoggedEntry(entry.compile_seconds, len(raw[entry.ref] if entry.is_reference else raw[key]))
+            for key, entry in decoded.items()}  # fmt: skip
+
+
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
 REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
                     "nkibench-storage", "nkibench-upgrade", "nkibench-misses", "nkibench-sig")  # fmt: skip
@@ -546,6 +671,8 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
             ("upgrade_first_pass_hit_rate", lambda: upgrade(config, work)),
             ("miss_cause_coverage", lambda: miss_cause_coverage(graphs, redis_url)),
             ("miss_classification_overhead", lambda: _from_miss_causes(results)),
+            ("l1_redis_read_reduction", lambda: l1_redis_read_reduction(config, work)),
+            ("value_retention_ratio", lambda: value_retention(graphs, config, work)),
         ]
         for name, step in steps:
             progress(name)

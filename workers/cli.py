@@ -242,7 +242,7 @@ def compile_command(
     workers: int | None,
     as_json: bool,
     target_name: str | None,
-    tier: str | None,
+    tier: tuple[str, ...],
     tier_mode: str | None,
 ) -> None:
     """Compile graph files to BIR basic blocks, one compilation pass per file, in parallel processes.
@@ -266,7 +266,7 @@ def compile_command(
     --json keys: passes, compiled, kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces (beta3
     compiles actually run), compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, seconds, workers, tier, tier_mode,
-    interrupted, artifacts,
+    level_hits ({tier level: verified entries it answered}, nearest first), interrupted, artifacts,
     failed ([{file, error}]) and graphs (the same figures per pass). tier_dropped counts every write that did
     not reach the tier, the ones still queued when the compile ends with the tier down included: those are
     in the totals only, no pass's figures hold them.

@@ -34,10 +34,11 @@ def tier_options(command: Callable) -> Callable:
     )(command)
     return click.option(
         "--tier",
-        default=None,
+        multiple=True,
         metavar="URL",
         help="off, local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
-        "redis+cluster://host:port[,host:port]. Passwords belong in $NKICACHE_REDIS_PASSWORD, not here.",
+        "redis+cluster://host:port[,host:port]. Repeat it for a stack, nearest first (--tier local:PATH --tier "
+        "redis://HOST): reads go down it and fill the levels above. Passwords belong in $NKICACHE_REDIS_PASSWORD.",
     )(command)
 
 
@@ -164,7 +165,7 @@ def compile_and_summarize(
 ) -> tuple[dict, bool]:
     """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed).
     `print_json=False`: with `as_json`, print nothing (the caller prints one document holding the summary)."""
-    from workers.passes import add_counts
+    from workers.passes import add_counts, add_level_hits
     from workers.pool import compile_run
 
     started = time.perf_counter()
@@ -194,6 +195,7 @@ def compile_and_summarize(
         "workers": workers,
         "tier": redact_url(settings.tier) if settings.tier_mode != "off" else "off",
         "tier_mode": settings.tier_mode,
+        "level_hits": add_level_hits(results),
         "interrupted": interrupted,
         "artifacts": [r.artifact for r in results if r.artifact],
         "failed": [{"file": r.file, "error": r.error} for r in failed],

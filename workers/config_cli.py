@@ -53,7 +53,7 @@ def effective_settings(flags: dict[str, Any]) -> dict[str, Any]:
 @click.command("config")
 @tier_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def config_command(tier: str | None, tier_mode: str | None, as_json: bool) -> None:
+def config_command(tier: tuple[str, ...], tier_mode: str | None, as_json: bool) -> None:
     """Show the effective settings, each with where its value came from: default, the config file (its
     path), an NKICACHE_* environment variable, or the command line. Secrets are masked.
 

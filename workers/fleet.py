@@ -52,7 +52,7 @@ import redis.exceptions as rex
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph, parse_graph_json
 from bridge.identity import toolchain_id
-from cachestore.api import REDIS_SCHEMES, redact_url, stored_number
+from cachestore.api import REDIS_SCHEMES, redact_url, shared_level, stored_number
 from cachestore.backends.redis import connect, text
 from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, stored_shard_count
 from cachestore.settings import Settings
@@ -154,9 +154,10 @@ class FleetError(NkiCacheError):
 
 
 def fleet_client(settings: Settings) -> Any:
-    if not settings.tier.startswith(REDIS_SCHEMES):
+    url = shared_level(settings.tier)  # a stack's shared level holds the queue
+    if not url.startswith(REDIS_SCHEMES):
         raise FleetError(f"the fleet runs on Redis; --tier must be a redis:// URL, got {redact_url(settings.tier)!r}")
-    return connect(settings.tier, connect_timeout=settings.connect_timeout, op_timeout=max(settings.op_timeout,
+    return connect(url, connect_timeout=settings.connect_timeout, op_timeout=max(settings.op_timeout,
                    BLOCK_MS / 1000 + 1), password=settings.redis_password)  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from workers.cli_common import (
 )
 
 
-def _fleet(tier: str | None, tier_mode: str | None = None, **extra) -> tuple:
+def _fleet(tier: tuple[str, ...], tier_mode: str | None = None, **extra) -> tuple:
     from cachestore.keys import KeySpace
     from workers.fleet import fleet_client
 

@@ -34,6 +34,8 @@ class PassResult:
     seconds: float = 0.0
     artifact: str | None = None
     error: str | None = None
+    # {tier level: verified entries it answered during the pass}, nearest first (one item for a single tier).
+    level_hits: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if key != "counts"} | self.counts
@@ -60,6 +62,7 @@ def compile_graph(
     started = time.perf_counter()
     loop = None
     encoded = None
+    hits_before = _level_hits(tier)
     try:
         # A parsed graph (a fleet job) is named by its file, so errors and the default name match a local compile.
         if isinstance(source, Mapping):
@@ -98,8 +101,25 @@ def compile_graph(
         if loop is not None:
             summary = loop.pass_summary()
             result.counts = {key: summary[key] for key in COUNT_KEYS}
+        hits_after = _level_hits(tier)
+        result.level_hits = {level: hits - hits_before.get(level, 0) for level, hits in hits_after.items()}
         result.seconds = time.perf_counter() - started
     return result, encoded
+
+
+def _level_hits(tier: KernelStore | None) -> dict[str, int]:
+    """The tier client's hits per level so far; a store of another kind (the port takes any) reports none."""
+    level_hits = getattr(tier, "level_hits", None)
+    return level_hits() if level_hits is not None else {}
+
+
+def add_level_hits(results: list[PassResult]) -> dict[str, int]:
+    """Hits per tier level over passes."""
+    totals: dict[str, int] = {}
+    for result in results:
+        for level, hits in result.level_hits.items():
+            totals[level] = totals.get(level, 0) + hits
+    return totals
 
 
 def add_counts(results: list[PassResult]) -> dict[str, float]:

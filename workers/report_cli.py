@@ -158,10 +158,11 @@ def _report_reader(settings: Any) -> Iterator[Any]:
     one is made in a temporary folder and read instead."""
     import tempfile
 
-    from cachestore.api import open_backend
+    from cachestore.api import open_backend, shared_level
     from cachestore.backends.sqlite import SqliteBackend
 
-    path = Path(settings.tier[len("local:") :]).expanduser() if settings.tier.startswith("local:") else None
+    url = shared_level(settings.tier)  # what open_backend opens
+    path = Path(url[len("local:") :]).expanduser() if url.startswith("local:") else None
     if path is None or path.exists():
         reader = open_backend(settings, reading=True)
         try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from cachestore.api import REDIS_SCHEMES
+from cachestore.api import REDIS_SCHEMES, shared_level
 from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings, refuse_read_only
 
 
@@ -77,7 +77,7 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
         variants = pick_variants(reader, source, top=top, min_usage=min_usage, since=since)
     finally:
         reader.close()
-    if fleet and not settings.tier.startswith(REDIS_SCHEMES):
+    if fleet and not shared_level(settings.tier).startswith(REDIS_SCHEMES):
         raise click.UsageError("--fleet needs the fleet's Redis tier (--tier redis://...)")
     client = open_tier(settings.replace(tier_mode="read-through", worker="warm"))
     progress = Progress(len(variants), f"warming from {source[:8]}", quiet=as_json)

@@ -482,11 +482,12 @@ class RedisBackend:
 
         def write(pipe: Any) -> None:
             for r in requests:
-                if r.cache_key in referenced:
+                expiry = r.ttl or ttl  # value-ranked (cachestore.value)
+                if r.cache_key in referenced:  # the base TTL: a reference must not outlive its holder's binary
                     pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
-                    pipe.set(self._entry(r.cache_key), r.full, ex=ttl)
-                    pipe.set(self._digest(r.digest), r.cache_key, ex=ttl)
+                    pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
+                    pipe.set(self._digest(r.digest), r.cache_key, ex=expiry)
             for kernel_name, fields in index.items():
                 if fields:
                     pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
@@ -514,6 +515,10 @@ class RedisBackend:
             )
         )
         return [None if isinstance(reply, Exception) else reply for reply in replies]  # a key of another type
+
+    def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
+        if items:  # EXPIRE leaves a key that is gone (evicted, deleted since the read) gone
+            self._pipeline(lambda pipe: [pipe.expire(self._entry(key), ttl) for key, ttl in items])
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:

@@ -35,19 +35,30 @@ from cachestore.api import (
     stored_number,
 )
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
+from cachestore.value import retention_score
 
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
 # no compiler could ever take them again: upgrading drops those three tables and keeps the fleet metrics.
 # 3: entries record when they were last used (`used`, for trimming to max_size), and the file vacuums
 # incrementally. Version 2's entries are of entry schema 2, which no compiler of this build takes: dropped too.
-SCHEMA_VERSION = 3
+# 4: entries record their compile seconds and key usage the passes that used each key, which the max_size trim
+# ranks entries by (cachestore.value); a version 3 file keeps its entries (compile seconds and passes 0: they
+# rank as the cheapest until rewritten and used again).
+SCHEMA_VERSION = 4
 UPGRADABLE = {"1": ("entries", "digests", "leases"), "2": ("entries", "digests", "leases")}
+COLUMNS_ADDED = {
+    "3": (
+        "ALTER TABLE entries ADD COLUMN compile_seconds REAL NOT NULL DEFAULT 0",
+        "ALTER TABLE key_usage ADD COLUMN passes INTEGER NOT NULL DEFAULT 0",
+    )
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS entries (
     toolchain TEXT NOT NULL, cache_key TEXT NOT NULL, data BLOB NOT NULL, digest TEXT NOT NULL,
-    expires REAL NOT NULL, used REAL NOT NULL, PRIMARY KEY (toolchain, cache_key));
+    expires REAL NOT NULL, used REAL NOT NULL, compile_seconds REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (toolchain, cache_key));
 CREATE INDEX IF NOT EXISTS entries_by_use ON entries (used);
 CREATE TABLE IF NOT EXISTS digests (
     toolchain TEXT NOT NULL, digest TEXT NOT NULL, cache_key TEXT NOT NULL, PRIMARY KEY (toolchain, digest));
@@ -63,7 +74,7 @@ CREATE TABLE IF NOT EXISTS kernels (
     kernel_name TEXT PRIMARY KEY, call_count INTEGER NOT NULL, variants INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS key_usage (
     cache_key TEXT PRIMARY KEY, kernel_name TEXT NOT NULL, usage INTEGER NOT NULL,
-    first_use REAL NOT NULL, last_use REAL NOT NULL);
+    first_use REAL NOT NULL, last_use REAL NOT NULL, passes INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS key_hosts (cache_key TEXT NOT NULL, host TEXT NOT NULL, PRIMARY KEY (cache_key, host));
 CREATE TABLE IF NOT EXISTS pass_log (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS variant_index (
@@ -107,8 +118,8 @@ class SqliteBackend:
         longer delays no compile. `create=False` (reports, inspection): a missing file is an error, not a
         new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
         this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge).
-        `max_size`: bytes the file may hold; writes past it delete the least recently used entries and give
-        the space back to the file system (None: no cap). `writable=False` (a read-only client): the file is
+        `max_size`: bytes the file may hold; writes past it delete the least valuable entries (cachestore.value)
+        and give the space back to the file system (None: no cap). `writable=False` (a read-only client): the file is
         opened read-only (SQLite may still add its -wal and -shm files beside it), never created, upgraded or
         refreshed, and a missing file is an empty tier."""
         self.path = Path(path).expanduser()
@@ -143,6 +154,9 @@ class SqliteBackend:
             if row is not None and row[0] in UPGRADABLE:
                 for table in UPGRADABLE[row[0]]:
                     db.execute(f"DROP TABLE IF EXISTS {table}")
+            elif row is not None and row[0] in COLUMNS_ADDED:
+                for statement in COLUMNS_ADDED[row[0]]:
+                    db.execute(statement)
             elif row is not None and row[0] != str(SCHEMA_VERSION):
                 raise TierUnavailable(f"local tier {self.path} has schema v{row[0]}; this build uses v{SCHEMA_VERSION}")
             for statement in _SCHEMA.split(";"):
@@ -305,7 +319,15 @@ class SqliteBackend:
                            (self.toolchain, request.digest, request.cache_key))  # fmt: skip
             db.execute(
                 f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}",
-                (self.toolchain, request.cache_key, data, request.digest, now + ttl, now),
+                (
+                    self.toolchain,
+                    request.cache_key,
+                    data,
+                    request.digest,
+                    now + (request.ttl or ttl),
+                    now,
+                    request.compile_seconds,
+                ),
             )
             db.executemany("INSERT OR REPLACE INTO variant_index VALUES (?, ?, ?, ?)",
                            [(request.kernel_name, name, value, now + ttl)
@@ -336,6 +358,12 @@ class SqliteBackend:
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         self.release_leases([(cache_key, owner)])
+
+    def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
+        now = time.time()
+        with self._write() as db:
+            db.executemany("UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
+                           [(now + ttl, self.toolchain, key) for key, ttl in items])  # fmt: skip
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         with self._write() as db:
@@ -405,12 +433,13 @@ class SqliteBackend:
     @staticmethod
     def _apply_key(db: sqlite3.Connection, host: str, key: str, usage: KeyUsage) -> None:
         new = db.execute(
-            "INSERT OR IGNORE INTO key_usage VALUES (?, ?, 0, ?, ?)",
+            "INSERT OR IGNORE INTO key_usage VALUES (?, ?, 0, ?, ?, 0)",
             (key, usage.kernel_name, usage.first_use, usage.last_use),
         ).rowcount
         db.execute(
-            "UPDATE key_usage SET usage = usage + ?, first_use = min(first_use, ?), last_use = max(last_use, ?) "
-            "WHERE cache_key = ?",
+            # passes: the passes that used the key, each of which its entry saves a trace (cachestore.value)
+            "UPDATE key_usage SET usage = usage + ?, first_use = min(first_use, ?), last_use = max(last_use, ?), "
+            "passes = passes + 1 WHERE cache_key = ?",
             (usage.usage, usage.first_use, usage.last_use, key),
         )
         db.execute("INSERT OR IGNORE INTO key_hosts VALUES (?, ?)", (key, host))
@@ -589,7 +618,15 @@ class SqliteBackend:
         now = time.time()
         with self._write() as db:
             for item in items:
-                row = (self.toolchain, item.cache_key, item.data, item.digest or "", now + item.ttl, now)
+                row = (
+                    self.toolchain,
+                    item.cache_key,
+                    item.data,
+                    item.digest or "",
+                    now + item.ttl,
+                    now,
+                    item.compile_seconds,
+                )
                 db.execute(f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}", row)
                 if item.digest:
                     db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
@@ -619,20 +656,29 @@ class SqliteBackend:
         return pages * db.execute("PRAGMA page_size").fetchone()[0]
 
     def _trim(self, db: sqlite3.Connection) -> bool:
-        """Within a write: past max_size, delete the least recently used entries (of every toolchain: the cap
-        is the file's) until about TRIM_TO of it would be left. True when it deleted any."""
+        """Within a write: past max_size, delete the entries of lowest retention score (cachestore.value: compile
+        seconds saved per stored byte, by the passes this file's metrics saw use it (at least one), halved for
+        every week unused; equal scores
+        least recently used first), of every toolchain (the cap is the file's), until about TRIM_TO of it would
+        be left. True when it deleted any."""
         if self.max_size is None:
             return False
         excess = self._bytes_in_use(db) - self.max_size
         if excess <= 0:
             return False
         excess += int(self.max_size * (1 - TRIM_TO))
+        # SQLite sorts (spilling to its temporary files for a large file); only the victims reach Python.
+        db.create_function("retention_score", 4, retention_score, deterministic=True)
+        cursor = db.execute(
+            "SELECT e.toolchain, e.cache_key, length(e.data) FROM entries e "
+            "LEFT JOIN key_usage u ON u.cache_key = e.cache_key "
+            "ORDER BY retention_score(e.compile_seconds, COALESCE(u.passes, 1), length(e.data) + ?, ? - e.used), "
+            "e.used",
+            (ROW_OVERHEAD, time.time()),
+        )
         victims: list[tuple[str, str]] = []
         while excess > 0:
-            rows = db.execute(
-                "SELECT toolchain, cache_key, length(data) FROM entries ORDER BY used, expires LIMIT 256 OFFSET ?",
-                (len(victims),),
-            ).fetchall()
+            rows = cursor.fetchmany(256)
             if not rows:
                 break
             for toolchain, key, size in rows:
@@ -640,6 +686,7 @@ class SqliteBackend:
                 excess -= size + ROW_OVERHEAD
                 if excess <= 0:
                     break
+        cursor.close()
         db.executemany("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", victims)
         db.executemany("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", victims)
         return bool(victims)
@@ -670,7 +717,7 @@ class SqliteBackend:
         self._local = threading.local()
 
 
-_ENTRY_COLUMNS = "(toolchain, cache_key, data, digest, expires, used) VALUES (?, ?, ?, ?, ?, ?)"
+_ENTRY_COLUMNS = "(toolchain, cache_key, data, digest, expires, used, compile_seconds) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
 def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
