@@ -29,7 +29,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       key_throughput_ratio   keys/s through _compute_cache_key_from_components / hashlib
       pool_scaling           graphs/s with 2 workers / 1 worker                           goal >= 1.6
       report_seconds_100k    report and verify over 100k entries, and peak memory
-      storage_ratio          Redis bytes per entry / binary bytes; dedupe saving          goal <= 0.15
+      storage_ratio          Redis bytes per variant (entry, digest and variant index) / binary bytes  goal <= 0.15
       wire_bytes_ratio       bytes read from Redis per hit / binary bytes                 goal <= 0.15
       upgrade_first_pass_hit_rate  a new compiler's first pass after nkicache warm          goal >= 0.99
       signature_overhead     writer-signature checks / remote hits, entries hit again     goal <= 0.05
@@ -38,6 +38,9 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
                              / with Redis alone (INFO commandstats, private server)       goal >= 0.9
       value_retention_ratio  compile seconds saved, value-ranked / LRU retention, on the
                              workload's pass log replayed 10x at a quarter of its bytes   goal >= 1.3
+      miss_cause_coverage    tier misses given a cause other than unknown, on a workload
+                             built to contain every cause                                 goal >= 0.95
+      miss_classification_overhead  1 + seconds finding the causes / cold compile seconds    goal <= 1.02
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling and report_seconds_100k run scripts from bench/ in the source checkout; an installed
