@@ -94,10 +94,19 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
         cold.append(compile_run(graphs, tmp / f"cold-{repeat}", 2, tier, env))
         warm.append(compile_run(graphs, tmp / f"warm-{repeat}", 2, tier, env))
         warm_serial.append(compile_run(graphs, tmp / f"warm1-{repeat}", 1, tier, env))
-    counted = ("traces", "remote_hits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "lease_waits")
+    counted = (
+        "traces",
+        "parallel_traces",
+        "remote_hits",
+        "tier_errors",
+        "tier_timeouts",
+        "tier_rejected",
+        "tier_dropped",
+        "lease_waits",
+    )
     for before, *after in zip(cold, warm, warm_serial, strict=True):
         for name, run in zip(("warm (2 workers)", "warm (1 worker)"), after, strict=True):
-            if run["traces"]:
+            if run["traces"] or run["parallel_traces"]:
                 raise SystemExit(
                     f"a {name} run traced: the tier did not serve every variant; that run: "
                     f"{ {key: run[key] for key in counted} }, the cold run before it: "
@@ -108,7 +117,7 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
         "warm": median([r["seconds"] for r in warm]),
         "warm_1": median([r["seconds"] for r in warm_serial]),
         "ratio": median([c["seconds"] / w["seconds"] for c, w in zip(cold, warm, strict=True)]),
-        "cold_traces": cold[0]["traces"],
+        "cold_traces": cold[0]["traces"] + cold[0]["parallel_traces"],
         "cold_remote_hits": cold[0]["remote_hits"],
         "warm_remote_hits": warm[0]["remote_hits"],
     }

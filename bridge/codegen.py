@@ -33,7 +33,7 @@ from bridge.ir import (
 )
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
-from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, VariantUse
+from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, TracedVariant, VariantUse
 from bridge.registry import InternalKernelConfig, KernelCall, get_internal_kernel_registry
 from bridge.targets import Target, get_platform_target, make_target
 
@@ -76,6 +76,10 @@ class BirCodeGenLoop:
         self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
         self._tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
+        # Variants another process traced for this pass (bridge.parallel): key -> trace. A miss on one is
+        # answered as a remote hit is, and counted in parallel_traces, not in traces or remote_hits.
+        self.traced_elsewhere: dict[str, TracedVariant] = {}
+        self.parallel_traces = 0
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -99,7 +103,9 @@ class BirCodeGenLoop:
         else:
             self.cache_misses += 1
             logger.info("Cache miss for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
-            result = self._read_through_tier(inst, cache_key)
+            result = self._take_traced_elsewhere(cache_key)
+            if result is None:
+                result = self._read_through_tier(inst, cache_key)
             if result is None:
                 result = self._trace_and_publish(inst, cache_key, key_components)
             self._cache_new_nki_frontend_binary(cache_key, result, key_components)
@@ -236,6 +242,20 @@ class BirCodeGenLoop:
         self._compile_seconds[cache_key] = stored.compile_seconds
         return dict(stored.result)
 
+    def _take_traced_elsewhere(self, cache_key: str) -> dict | None:
+        """On a local miss, the trace another process made of this variant for this pass, else None. It is
+        taken as a remote hit is taken, and counted apart: the tier did not hold it (when the tier reads, it
+        was asked, for the whole pass at once, and missed: a tier lookup), and this process did not trace it."""
+        traced = self.traced_elsewhere.pop(cache_key, None)
+        if traced is None:
+            return None
+        if self._tier_reads():
+            self.tier_lookups += 1
+        self.parallel_traces += 1
+        self.trace_seconds += traced.seconds
+        self._compile_seconds[cache_key] = traced.seconds
+        return dict(traced.result)
+
     def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
         traces, held = self.tier.find_traces([cache_key])
         return self._accepted(cache_key, traces.get(cache_key)), cache_key in held
@@ -324,6 +344,7 @@ class BirCodeGenLoop:
             "remote_hits": self.remote_hits,
             "tier_lookups": self.tier_lookups,
             "traces": self.traces,
+            "parallel_traces": self.parallel_traces,
             "compile_seconds": round(self.trace_seconds, 6),
             "saved_seconds": round(self.saved_seconds, 6),
             "lease_waits": self.lease_waits,
