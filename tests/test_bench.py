@@ -63,6 +63,7 @@ def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
     results = json.loads(as_json.stdout)
     assert results["skipped"] == {
         "pool_scaling": "needs bench/pool_scaling.py from a source checkout",
+        "single_graph_scaling": "measured with pool_scaling, which was not",
         "report_seconds_100k": "needs bench/report_scale.py from a source checkout",
     }
     assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results
@@ -78,7 +79,8 @@ def test_bench_help_names_every_goal() -> None:
     assert result.exit_code == 0
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
                 "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate",
-                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct"):  # fmt: skip
+                "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct",
+                "single_graph_scaling"):  # fmt: skip
         assert key in result.output
 
 
