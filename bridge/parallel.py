@@ -18,14 +18,14 @@ pass counts what it counts sequentially (`traces` there = `traces` + `parallel_t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.codegen import BirCodeGenLoop, stored_trace_problem
 from bridge.errors import NkiCacheError
-from bridge.graph import load_graph
-from bridge.ir import InternalNkiKernel
+from bridge.graph import GraphError, load_graph
+from bridge.ir import InternalNkiKernel, Tensor
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.port import KernelStore, TracedVariant
 from bridge.targets import get_platform_target, make_target
@@ -45,13 +45,16 @@ class TraceTask:
 
 @dataclass(frozen=True)
 class TraceOutcome:
-    """What a trace task gave: the trace, or the error (the pass then traces the op itself and fails on it as
-    a sequential pass does), or neither when another process published it first (the pass reads the tier)."""
+    """What a trace task gave: the trace made here, or the error (the pass then traces the op itself and fails
+    on it as a sequential pass does), or `found`, another process's trace the tier held once the lease was
+    ours or its holder done, or none of them: another process holds the lease (`busy`: not waited for)."""
 
     task_id: int
     cache_key: str
     traced: TracedVariant | None = None
     error: str | None = None
+    found: TracedVariant | None = None
+    busy: bool = False
 
 
 @dataclass
@@ -63,16 +66,22 @@ class VariantPlan:
 
 
 def plan_variants(
-    paths: Sequence[str], *, tier: KernelStore | None, target_name: str | None, limits: Limits
+    paths: Sequence[str | Mapping],
+    *,
+    tier: KernelStore | None,
+    target_name: str | None,
+    limits: Limits,
+    labels: Sequence[str] | None = None,
 ) -> VariantPlan:
-    """The trace tasks of compiling `paths`, ordered by the first graph that needs them. A graph that cannot
-    be read, keyed or passes no limit check gets none: its pass meets the error itself and reports it."""
+    """The trace tasks of compiling `paths` (graph files, or parsed graphs named by `labels`), ordered by the
+    first graph that needs them. A graph that cannot be read, keyed or passes no limit check gets none: its
+    pass meets the error itself and reports it."""
     shared = tier is not None and tier.reads  # a pass reads what an earlier one published
     plan = VariantPlan()
     first_task: dict[str, int] = {}  # cache key -> task, across graphs when the tier is shared
     for index, path in enumerate(paths):
         plan.needs[index], plan.owned[index] = set(), []
-        keyed = _keyed_ops(path, target_name, limits)
+        keyed = _keyed_ops(path, target_name, limits, labels[index] if labels else None)
         if not shared:
             first_task = {}
         for op, components, cache_key, target in keyed:
@@ -86,11 +95,16 @@ def plan_variants(
     return plan
 
 
-def _keyed_ops(path: str, target_name: str | None, limits: Limits) -> list[tuple[InternalNkiKernel, dict, str, str]]:
+def _keyed_ops(
+    source: str | Mapping, target_name: str | None, limits: Limits, label: str | None
+) -> list[tuple[InternalNkiKernel, dict, str, str]]:
     """(op, key components, cache key, target) of every internal kernel op of the graph, in order; none when the
     graph is not one its pass would compile."""
     try:
-        graph = load_graph(path, max_bytes=limits.max_graph_bytes)
+        if isinstance(source, Mapping):
+            graph = load_graph(source, source=label)
+        else:
+            graph = load_graph(source, max_bytes=limits.max_graph_bytes)
         check_graph(graph, limits)
         name = target_name or graph.target
         target = make_target(name) if name else get_platform_target()
@@ -119,14 +133,22 @@ def _without_held(plan: VariantPlan, tier: KernelStore) -> VariantPlan:
     )
 
 
-def trace_task(task: TraceTask, tier: KernelStore | None, limits: Limits) -> TraceOutcome:
+def trace_task(task: TraceTask, tier: KernelStore | None, limits: Limits, wait: bool = True) -> TraceOutcome:
     """Trace one task's variant as the loop's own miss would (single-flight lease, publish to the tier, the
-    kernel instruction limit), in this process."""
+    kernel instruction limit), in this process. When another process holds the lease: wait for its trace
+    (`wait`), else answer `busy` at once, so a process with other tasks to trace goes on to the next."""
     lease = tier is not None and tier.reads and tier.single_flight
-    if lease and not tier.acquire_lease(task.cache_key):
-        # Another process (another compile, a fleet worker) traces it: the pass reads its trace from the tier.
-        tier.wait_for_trace(task.cache_key)
-        return TraceOutcome(task.task_id, task.cache_key)
+    if lease:
+        if not tier.acquire_lease(task.cache_key):
+            if not wait:
+                return TraceOutcome(task.task_id, task.cache_key, busy=True)
+            return TraceOutcome(task.task_id, task.cache_key, found=_variant(task, tier.wait_for_trace(task.cache_key)))
+        # The holder before us may have published and released between the plan's lookup and our lease.
+        traces, _ = tier.find_traces([task.cache_key])
+        found = _variant(task, traces.get(task.cache_key))
+        if found is not None:
+            tier.release_lease(task.cache_key)
+            return TraceOutcome(task.task_id, task.cache_key, found=found)
     loop = BirCodeGenLoop(make_target(task.target))
     started = time.perf_counter()
     try:
@@ -141,3 +163,49 @@ def trace_task(task: TraceTask, tier: KernelStore | None, limits: Limits) -> Tra
         tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)
         tier.flush()  # a later pass reads it from the tier: stored before the answer
     return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds))
+
+
+def _variant(task: TraceTask, stored: Any) -> TracedVariant | None:
+    """A stored trace as a traced variant, when it is what tracing the task would give."""
+    if stored is None or stored_trace_problem(task.cache_key, stored) is not None:
+        return None
+    return TracedVariant(dict(stored.result), stored.compile_seconds)
+
+
+# -- a task as JSON (fleet trace tasks travel on the job stream) -------------------------------------------
+def task_document(task: TraceTask) -> dict[str, Any]:
+    """A trace task as JSON: its key, its target, and a graph of its one op (tensor names kept: a trace holds
+    them), which `task_from_document` reads back through the graph loader's checks."""
+    op = task.op
+    tensors = {tensor.name: _tensor_document(tensor) for tensor in (*op.operands, *op.results)}
+    kernel = {"type": "InternalNkiKernel", "func_name": op.func_name, "kernel_name": op.kernel_name,
+              "operands": [t.name for t in op.operands], "results": [t.name for t in op.results],
+              "attrs": op.get_attrs_dict()}  # fmt: skip
+    graph = {"name": "trace-task", "target": task.target, "tensors": tensors, "ops": [kernel]}
+    return {"cache_key": task.cache_key, "target": task.target, "graph": graph}
+
+
+def _tensor_document(tensor: Tensor) -> dict[str, Any]:
+    document: dict[str, Any] = {"shape": list(tensor.shape), "dtype": tensor.dtype}
+    if hasattr(tensor, "access_shape"):
+        document["access_shape"] = list(tensor.access_shape)
+    return document
+
+
+def task_from_document(document: object, task_id: int = 0) -> TraceTask:
+    """The trace task a `task_document` describes; GraphError when it is not one (malformed, or its op does
+    not hash to the key it names: a task is never traced under another variant's key)."""
+    if not isinstance(document, Mapping) or not isinstance(document.get("cache_key"), str):
+        raise GraphError("trace task: not an object naming a cache_key")
+    if not isinstance(document.get("graph"), Mapping):  # never a string: load_graph would take it for a path
+        raise GraphError("trace task: its graph is not an object")
+    graph = load_graph(document["graph"], source="trace task")
+    ops = [op for op in graph.ops if isinstance(op, InternalNkiKernel)]
+    if len(ops) != 1 or graph.target is None:
+        raise GraphError("trace task: its graph must hold one internal kernel op and name its target")
+    loop = BirCodeGenLoop(make_target(graph.target))
+    components = loop._key_components(ops[0])
+    cache_key = loop._compute_cache_key_from_components(components)
+    if cache_key != document["cache_key"]:
+        raise GraphError(f"trace task: its op hashes to {cache_key[:16]}..., not to {document['cache_key'][:16]}...")
+    return TraceTask(task_id, 0, cache_key, ops[0], graph.target, components)
