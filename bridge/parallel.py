@@ -133,10 +133,14 @@ def _without_held(plan: VariantPlan, tier: KernelStore) -> VariantPlan:
     )
 
 
-def trace_task(task: TraceTask, tier: KernelStore | None, limits: Limits, wait: bool = True) -> TraceOutcome:
+def trace_task(
+    task: TraceTask, tier: KernelStore | None, limits: Limits, wait: bool = True, flush: bool = True
+) -> TraceOutcome:
     """Trace one task's variant as the loop's own miss would (single-flight lease, publish to the tier, the
     kernel instruction limit), in this process. When another process holds the lease: wait for its trace
-    (`wait`), else answer `busy` at once, so a process with other tasks to trace goes on to the next."""
+    (`wait`), else answer `busy` at once, so a process with other tasks to trace goes on to the next. `flush`:
+    the trace is stored before the answer (else written behind: the lease is released once it is stored, so
+    a process waiting on the lease still finds it)."""
     lease = tier is not None and tier.reads and tier.single_flight
     if lease:
         if not tier.acquire_lease(task.cache_key):
@@ -161,7 +165,8 @@ def trace_task(task: TraceTask, tier: KernelStore | None, limits: Limits, wait: 
     seconds = time.perf_counter() - started
     if tier is not None:
         tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)
-        tier.flush()  # a later pass reads it from the tier: stored before the answer
+        if flush:
+            tier.flush()  # a later pass reads it from the tier without a lease wait
     return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds))
 
 

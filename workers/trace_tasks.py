@@ -104,14 +104,14 @@ def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limit
     handed: dict[str, TracedVariant] = {}
     busy = []
     for task in reversed(tasks):
-        outcome = trace_task(task, tier, limits, wait=False)
+        outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the pass is handed it directly
         if outcome.busy:
             busy.append(task)
         _take(handed, outcome)
     for task in reversed(busy):
-        outcome = trace_task(task, tier, limits, wait=True)
+        outcome = trace_task(task, tier, limits, wait=True, flush=False)
         if outcome.traced is None and outcome.found is None and outcome.error is None:
-            outcome = trace_task(task, tier, limits, wait=True)  # its holder died: the lease lapsed, ours now
+            outcome = trace_task(task, tier, limits, wait=True, flush=False)  # its holder died: the lease lapsed
         _take(handed, outcome)
     return handed
 
@@ -133,7 +133,7 @@ def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
         result.error = f"trace task: not a trace task: {' '.join(str(exc).split())}"
         return result
     result.file = f"trace task {task.cache_key[:16]}... of job {document.get('job')}"
-    outcome = trace_task(task, tier, limits, wait=False)
+    outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the job's process waits on the lease
     result.error = outcome.error
     result.counts["parallel_traces"] = int(outcome.traced is not None)
     return result
