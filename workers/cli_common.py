@@ -192,6 +192,8 @@ def compile_and_summarize(
     # Every write that did not reach the tier, the ones the clients dropped as they closed included (with the
     # tier down, all of them): no pass's own figures hold those.
     totals["tier_dropped"] += run.tier_dropped_outside_passes
+    for name, count in run.tier_faults_outside_passes.items():
+        totals[name] += count
     summary = {
         "passes": len(results),
         "compiled": len(results) - len(failed),

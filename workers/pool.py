@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,9 @@ class CompileRun:
     # Tier writes dropped outside every pass, so in no result: above all those still queued when the tier
     # clients closed after the last pass (the tier being down), but also any refused between passes.
     tier_dropped_outside_passes: int = 0
+    # Tier errors and timeouts outside every pass: `compile --workers N`'s plan asks the tier for the compile's
+    # variants before any pass runs (workers/variant_pool.py).
+    tier_faults_outside_passes: dict[str, int] = field(default_factory=dict)
 
 
 def compile_run(

@@ -68,8 +68,11 @@ def compile_in_parallel(
             executor.shutdown(wait=True, cancel_futures=True)
     run = CompileRun(results, ctrl_c.pressed)
     if tier is not None:
+        counts = tier.counts()
         passes_dropped = sum(int(r.counts.get("tier_dropped", 0)) for r in results)
-        run.tier_dropped_outside_passes = tier.counts()["tier_dropped"] - passes_dropped
+        run.tier_dropped_outside_passes = counts["tier_dropped"] - passes_dropped
+        for name in ("tier_errors", "tier_timeouts"):
+            run.tier_faults_outside_passes[name] = counts[name] - sum(int(r.counts.get(name, 0)) for r in results)
     run.tier_dropped_outside_passes += dropped_outside_passes.value
     return run
 
@@ -149,6 +152,8 @@ class Scheduler:
     def _run_pass(self, path: str, index: int, out_dir: str, target_name: str | None) -> PassResult:
         with self.changed:
             owned = [self.outcomes[task_id] for task_id in self.plan.owned[index]]
+            for outcome in owned:  # handed to its one pass: the binary is not kept for the rest of the compile
+                self.outcomes[outcome.task_id] = TraceOutcome(outcome.task_id, outcome.cache_key)
         handed = {outcome.cache_key: outcome.traced for outcome in owned if outcome.traced is not None}
         result, _ = compile_graph(path, tier=self.tier, target_name=target_name, out_dir=out_dir, limits=self.limits,
                                   traced_elsewhere=handed)  # fmt: skip
