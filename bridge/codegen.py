@@ -76,8 +76,9 @@ class BirCodeGenLoop:
         self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
         self._tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
-        # Variants another process traced for this pass (bridge.parallel): key -> trace. A miss on one is
-        # answered as a remote hit is, and counted in parallel_traces, not in traces or remote_hits.
+        # Variants a trace task traced for this pass (bridge.parallel; in this process or another): key -> trace.
+        # A miss on one is answered as a remote hit is, and counted in parallel_traces, not in traces or
+        # remote_hits.
         self.traced_elsewhere: dict[str, TracedVariant] = {}
         self.parallel_traces = 0
 
@@ -243,9 +244,9 @@ class BirCodeGenLoop:
         return dict(stored.result)
 
     def _take_traced_elsewhere(self, cache_key: str) -> dict | None:
-        """On a local miss, the trace another process made of this variant for this pass, else None. It is
-        taken as a remote hit is taken, and counted apart: the tier did not hold it (when the tier reads, it
-        was asked, for the whole pass at once, and missed: a tier lookup), and this process did not trace it."""
+        """On a local miss, the trace a trace task made of this variant for this pass, else None. It is taken as
+        a remote hit is taken, and counted apart: the tier did not hold it (when the tier reads, it was asked,
+        for the whole compile at once, and missed: a tier lookup), and the pass did not trace it."""
         traced = self.traced_elsewhere.pop(cache_key, None)
         if traced is None:
             return None
