@@ -54,9 +54,9 @@ def _close_process_tier(dropped_outside_passes: Any) -> None:
         dropped_outside_passes.value += unreported
 
 
-def _trace_in_process(task: TraceTask) -> TraceOutcome:
-    """A trace task of `workers.variant_pool`, in a pool process, with its tier client and limits."""
-    return trace_task(task, _process_tier, _process_limits)
+def _trace_in_process(tasks: list[TraceTask]) -> list[TraceOutcome]:
+    """Trace tasks of `workers.variant_pool`, in a pool process, with its tier client and limits."""
+    return [trace_task(task, _process_tier, _process_limits) for task in tasks]
 
 
 def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:
