@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 GROUP = "nkicache-workers"  # workers.fleet.GROUP (not imported: the compiling process need not load the fleet)
 TRACE_FIELD = "trace"  # the stream message field of a trace task (a job's is "job")
 MIN_TASKS = 2  # fewer untraced variants than this: nothing to share, the pass traces alone
+BUSY_POLL_SECONDS = 0.005
+BUSY_POLL_LIMIT = 30.0  # seconds of polling a variant traced elsewhere before the tier client's own wait
 
 
 def enqueue_tasks(client: Any, streams: Sequence[str], job_id: str, tasks: Sequence[TraceTask]) -> Callable[[], None]:
@@ -108,7 +110,20 @@ def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limit
         if outcome.busy:
             busy.append(task)
         _take(handed, outcome)
-    for task in reversed(busy):
+    # Poll the leases held elsewhere every few milliseconds (the tier client's own wait polls at 50 ms, which
+    # the job would spend idle): a lease free again is the holder done (its trace is found under the lease)
+    # or dead (the lease lapsed: traced here).
+    deadline = time.monotonic() + BUSY_POLL_LIMIT
+    while busy and time.monotonic() < deadline:
+        time.sleep(BUSY_POLL_SECONDS)
+        still = []
+        for task in busy:
+            outcome = trace_task(task, tier, limits, wait=False, flush=False)
+            if outcome.busy:
+                still.append(task)
+            _take(handed, outcome)
+        busy = still
+    for task in busy:  # held for longer than the poll: the tier client's bounded wait (lease_wait)
         outcome = trace_task(task, tier, limits, wait=True, flush=False)
         if outcome.traced is None and outcome.found is None and outcome.error is None:
             outcome = trace_task(task, tier, limits, wait=True, flush=False)  # its holder died: the lease lapsed
