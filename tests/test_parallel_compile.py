@@ -166,3 +166,23 @@ def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest
     for one, two in zip(sequential.results, parallel.results, strict=True):
         assert two.counts["traces"] + two.counts["parallel_traces"] == one.counts["traces"]
     assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
+
+
+def test_a_trace_task_from_the_stream_is_checked_before_it_is_traced(default_workload: Path) -> None:
+    """A fleet trace task is JSON read from a stream anyone with the queue's credentials writes: its graph is
+    never taken for a path, and its op must hash to the key it names (never traced under another's key)."""
+    from bridge.errors import NkiCacheError
+    from bridge.parallel import task_document, task_from_document
+
+    paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+    task = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks[0]
+    document = json.loads(json.dumps(task_document(task)))
+    assert task_from_document(document).cache_key == task.cache_key
+    for hostile in (
+        {**document, "graph": str(paths[0])},  # a path on the worker's machine
+        {**document, "cache_key": "0" * 64},  # another variant's key
+        {"graph": document["graph"]},  # no key at all
+        [document],
+    ):
+        with pytest.raises(NkiCacheError, match=r"^trace task"):
+            task_from_document(hostile)
