@@ -1,4 +1,5 @@
-"""Local pool scaling: graphs/s with 2 pool workers vs 1, and the warm/cold ratio with the embedded tier.
+"""Local pool scaling: graphs/s with 2 workers vs 1 on the workload and on one large graph, and the warm/cold
+ratio with the embedded tier.
 
 Every figure comes from `nkicache compile --json` run as its own process, as a user runs it, on workloads from
 `nkicache workload`; "s" is the command's own `seconds` (from the start of compiling to the summary: pool
@@ -6,16 +7,17 @@ start-up included, interpreter start and imports not), "wall" the whole process.
 (1 worker, 2 workers, 1, 2, ...) so load from other jobs on the machine falls on both alike; medians.
 
 - throughput: `--tier off`, so every run traces every variant it meets (nothing carries over between runs).
-  `--workers 1` compiles in the command's own process; `--workers 2` starts a pool (forkserver + 2 processes).
-- what bounds the 2-worker figure: the pool's start-up, measured alone in fresh processes (forkserver, its
-  import of the compiler, two processes answering a first task); the longest single pass (a pass is not
-  split between processes); what each new process pays for its first traces of each kernel; and what two
+  `--workers 1` compiles in the command's own process; `--workers 2` traces the variants in the command's
+  process and one forked pool process (workers/variant_pool.py), the passes run in the command's process.
+- single graph: the same on one cold graph holding a layer of every workload configuration in two dtypes
+  (`big_graph`: 120 kernel ops, over 90 distinct variants).
+- what bounds the 2-worker figure: the pool's start-up, measured alone in fresh processes; and what two
   processes get from this machine at all, measured right before each 1-vs-2 pair with a pure-Python CPU
   loop (2 processes at once vs 1: 2.0x on two idle cores).
 - warm/cold: a fresh local tier file per repetition; a cold compile with 2 workers, then the same compile
   again (warm: every variant comes from the tier, nothing is traced), and once more with 1 worker.
 
-    python bench/pool_scaling.py [--models 12 40] [--repeats 3] [--seed 0]
+    python bench/pool_scaling.py [--models 12 40] [--repeats 3] [--seed 0] [--single-graph-repeats 5]
 """
 
 from __future__ import annotations
@@ -61,13 +63,12 @@ def throughput(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
             runs[workers].append(compile_run(graphs, tmp / f"out-{workers}-{repeat}", workers, "off", env))
     one, two = runs[1], runs[2]
     rate = {w: median([r["passes"] / r["seconds"] for r in runs[w]]) for w in runs}
-    # The best two processes can do on these passes: the sum split in two, or the longest pass if it is longer.
     passes = [median(list(seconds)) for seconds in zip(*(r["pass_seconds"] for r in one), strict=True)]
-    bound = sum(passes) / max(sum(passes) / 2, max(passes))
     return {
         "graphs": one[0]["passes"],
         "kernels": one[0]["kernels"],
         "traces": one[0]["traces"],
+        "parallel_traces_2": two[0]["parallel_traces"],
         "seconds_1": median([r["seconds"] for r in one]),
         "seconds_2": median([r["seconds"] for r in two]),
         "wall_1": median([r["wall"] for r in one]),
@@ -75,11 +76,12 @@ def throughput(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
         "rate_1": rate[1],
         "rate_2": rate[2],
         "ratio": rate[2] / rate[1],
+        "wall_ratio": median([r["wall"] for r in one]) / median([r["wall"] for r in two]),
+        "pair_ratios": [round(a["seconds"] / b["seconds"], 2) for a, b in zip(one, two, strict=True)],
         "trace_cpu_1": median([r["compile_seconds"] for r in one]),
         "trace_cpu_2": median([r["compile_seconds"] for r in two]),
         "longest_pass": max(passes),
         "pass_sum": sum(passes),
-        "bound": bound,
         "all_seconds_1": [round(r["seconds"], 2) for r in one],
         "all_seconds_2": [round(r["seconds"], 2) for r in two],
         "control": median(controls),
@@ -94,10 +96,19 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
         cold.append(compile_run(graphs, tmp / f"cold-{repeat}", 2, tier, env))
         warm.append(compile_run(graphs, tmp / f"warm-{repeat}", 2, tier, env))
         warm_serial.append(compile_run(graphs, tmp / f"warm1-{repeat}", 1, tier, env))
-    counted = ("traces", "remote_hits", "tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "lease_waits")
+    counted = (
+        "traces",
+        "parallel_traces",
+        "remote_hits",
+        "tier_errors",
+        "tier_timeouts",
+        "tier_rejected",
+        "tier_dropped",
+        "lease_waits",
+    )
     for before, *after in zip(cold, warm, warm_serial, strict=True):
         for name, run in zip(("warm (2 workers)", "warm (1 worker)"), after, strict=True):
-            if run["traces"]:
+            if run["traces"] or run["parallel_traces"]:
                 raise SystemExit(
                     f"a {name} run traced: the tier did not serve every variant; that run: "
                     f"{ {key: run[key] for key in counted} }, the cold run before it: "
@@ -108,7 +119,7 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
         "warm": median([r["seconds"] for r in warm]),
         "warm_1": median([r["seconds"] for r in warm_serial]),
         "ratio": median([c["seconds"] / w["seconds"] for c, w in zip(cold, warm, strict=True)]),
-        "cold_traces": cold[0]["traces"],
+        "cold_traces": cold[0]["traces"] + cold[0]["parallel_traces"],
         "cold_remote_hits": cold[0]["remote_hits"],
         "warm_remote_hits": warm[0]["remote_hits"],
     }
@@ -120,11 +131,13 @@ def probe_startup() -> None:
     from concurrent.futures import ProcessPoolExecutor
 
     from cachestore.settings import load_settings
-    from workers.pool import _init_process, pool_context
+    from workers.pool import _init_process
+    from workers.variant_pool import pool_start_context
 
     settings = load_settings({"tier": "off"})
     started = time.perf_counter()
-    executor = ProcessPoolExecutor(2, mp_context=pool_context(), initializer=_init_process, initargs=(settings,))
+    executor = ProcessPoolExecutor(2, mp_context=pool_start_context(), initializer=_init_process,
+                                   initargs=(settings,))  # fmt: skip
     first = executor.submit(os.getpid)
     second = executor.submit(os.getpid)
     first.result()
@@ -182,11 +195,28 @@ def warm_up(graphs: Path, env: dict) -> dict:
     return {"first": first, "second": second}
 
 
+def big_graph(folder: Path) -> Path:
+    """One large cold model: a UNet block of every UNet configuration and an MoE layer of every MoE configuration
+    of the workload generator (docs/workload.md), in float32 and again in bfloat16."""
+    from workers.workload import MOE_CONFIGS, UNET_CONFIGS, GraphBuilder, moe_layer, unet_block
+
+    graph = GraphBuilder("one-big-model")
+    layers = [(unet_block, c) for c in UNET_CONFIGS] + [(moe_layer, c) for c in MOE_CONFIGS]
+    for dtype in ("float32", "bfloat16"):
+        for layer, config in layers:
+            layer(graph, len(graph.ops), config, dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "one-big-model.json"
+    path.write_text(json.dumps(graph.document(), indent=1, sort_keys=True) + "\n")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=int, nargs="+", default=[12, 40])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--single-graph-repeats", type=int, default=5)
     parser.add_argument("--probe-startup", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="Print one JSON object (for nkicache bench).")
     args = parser.parse_args()
@@ -211,16 +241,20 @@ def main() -> None:
             generate_workload(graphs, models, args.seed)
             rows.append((models, throughput(graphs, tmp, args.repeats, env)))
             warm_rows.append((models, warm_cold(graphs, tmp, args.repeats, env)))
+        single = throughput(big_graph(tmp / "single").parent, tmp, args.single_graph_repeats, env)
         first_traces = warm_up(tmp / f"workload-{args.models[0]}", env)
         say(f"load average {os.getloadavg()[0]:.2f} at the end")
         if args.json:
-            models, largest = rows[-1]
+            models, default = rows[0]  # the first workload given: 12 models, `nkicache workload`'s default
             print(
                 json.dumps(
                     {
-                        "pool_scaling": largest["ratio"],
+                        "pool_scaling": default["ratio"],
                         "models": models,
-                        "cpu_control": largest["control"],
+                        "cpu_control": default["control"],
+                        "single_graph_scaling": single["ratio"],
+                        "single_graph_cpu_control": single["control"],
+                        "single_graph": single,
                         "startup_seconds": start["up"],
                         "rows": dict(rows),
                         "warm_cold": dict(warm_rows),
@@ -228,31 +262,32 @@ def main() -> None:
                 )
             )
             return
-        print_tables(start, first_traces, rows, warm_rows, args.models[0])
+        print_tables(start, first_traces, [*rows, ("1 graph", single)], warm_rows, args.models[0])
 
 
 def print_tables(start: dict, first_traces: dict, rows: list, warm_rows: list, warm_up_models: int) -> None:
     print()
     print("Throughput, --tier off (every run traces):")
     print()
-    print("| models | kernels | traces | 1 worker s | 2 workers s | 1 worker graphs/s | 2 workers graphs/s "
-          "| 2 vs 1 | bound by longest pass | CPU control | trace CPU s 1 / 2 | wall s 1 / 2 |")  # fmt: skip
+    print("| models | kernels | traces (2 workers: parallel) | 1 worker s | 2 workers s | 1 worker graphs/s "
+          "| 2 workers graphs/s | 2 vs 1 | CPU control | trace CPU s 1 / 2 | wall s 1 / 2 | wall 2 vs 1 |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for models, r in rows:
         cells = [
-            models, r["kernels"], r["traces"], f"{r['seconds_1']:.2f}", f"{r['seconds_2']:.2f}",
-            f"{r['rate_1']:.2f}", f"{r['rate_2']:.2f}", f"**{r['ratio']:.2f}x**", f"{r['bound']:.2f}x",
+            models, r["kernels"], f"{r['traces']} ({r['parallel_traces_2']})", f"{r['seconds_1']:.2f}",
+            f"{r['seconds_2']:.2f}", f"{r['rate_1']:.2f}", f"{r['rate_2']:.2f}", f"**{r['ratio']:.2f}x**",
             f"{r['control']:.2f}x",
             f"{r['trace_cpu_1']:.2f} / {r['trace_cpu_2']:.2f}", f"{r['wall_1']:.2f} / {r['wall_2']:.2f}",
+            f"{r['wall_ratio']:.2f}x",
         ]  # fmt: skip
         print("| " + " | ".join(str(c) for c in cells) + " |")
     print()
     for models, r in rows:
-        print(f"  {models} models: seconds per run, 1 worker {r['all_seconds_1']}, 2 workers {r['all_seconds_2']}; "
-              f"CPU control before each pair {r['all_controls']}; 1-worker passes sum {r['pass_sum']:.2f} s, "
-              f"longest {r['longest_pass']:.2f} s")  # fmt: skip
+        print(f"  {models}: seconds per run, 1 worker {r['all_seconds_1']}, 2 workers {r['all_seconds_2']}; "
+              f"2 vs 1 per pair {r['pair_ratios']}, CPU control before each pair {r['all_controls']}; "
+              f"1-worker passes sum {r['pass_sum']:.2f} s, longest {r['longest_pass']:.2f} s")  # fmt: skip
     print()
-    print(f"Pool start-up alone (fresh process; forkserver, its import of the compiler, 2 processes): first task "
+    print(f"Pool start-up alone (fresh process; 2 pool processes forked as compile --workers 3 forks them): first task "
           f"answered after {start['up']:.2f} s, start + shutdown {start['total']:.2f} s")  # fmt: skip
     print(f"First traces in a fresh process ({warm_up_models} models, tier off): {first_traces['first']:.2f} s of "
           f"tracing, the same passes again in that process {first_traces['second']:.2f} s")  # fmt: skip

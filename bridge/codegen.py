@@ -34,7 +34,7 @@ from bridge.ir import (
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
 from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss
-from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, VariantUse
+from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, TracedVariant, VariantUse
 from bridge.registry import InternalKernelConfig, KernelCall, get_internal_kernel_registry
 from bridge.targets import Target, get_platform_target, make_target
 
@@ -83,6 +83,11 @@ class BirCodeGenLoop:
         self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
         self._tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
+        # Variants a trace task traced for this pass (bridge.parallel; in this process or another): key -> trace.
+        # A miss on one is answered as a remote hit is, and counted in parallel_traces, not in traces or
+        # remote_hits.
+        self.traced_elsewhere: dict[str, TracedVariant] = {}
+        self.parallel_traces = 0
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -106,7 +111,9 @@ class BirCodeGenLoop:
         else:
             self.cache_misses += 1
             logger.info("Cache miss for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
-            result = self._read_through_tier(inst, cache_key)
+            result = self._take_traced_elsewhere(inst, cache_key)
+            if result is None:
+                result = self._read_through_tier(inst, cache_key)
             if result is None:
                 result = self._trace_and_publish(inst, cache_key, key_components)
             self._cache_new_nki_frontend_binary(cache_key, result, key_components)
@@ -250,10 +257,28 @@ class BirCodeGenLoop:
     def _count_tier_miss(self, inst: InternalNkiKernel, cache_key: str, seen: MissObservation) -> None:
         """Count a tier miss under its cause (bridge.miss_causes), for the pass and for its kernel."""
         facts = None if self._variant_facts is None else self._variant_facts.get(cache_key)
-        cause = classify_miss(seen, facts)
+        self._count_cause(inst, cache_key, classify_miss(seen, facts))
+
+    def _count_cause(self, inst: InternalNkiKernel, cache_key: str, cause: str) -> None:
         self.miss_causes[cause] += 1
         self.kernel_miss_causes[inst.kernel_name][cause] += 1
         logger.debug("Tier miss for %s (cache key: %s...): %s", inst.func_name, cache_key[:CACHE_KEY_LOG_PREFIX], cause)
+
+    def _take_traced_elsewhere(self, inst: InternalNkiKernel, cache_key: str) -> dict | None:
+        """On a local miss, the trace a trace task made of this variant for this pass, else None. It is taken as
+        a remote hit is taken, and counted apart: the tier did not hold it (when the tier reads, it was asked,
+        for the whole compile at once, and missed: a tier lookup, whose cause the plan found), and the pass
+        did not trace it."""
+        traced = self.traced_elsewhere.pop(cache_key, None)
+        if traced is None:
+            return None
+        if self._tier_reads():
+            self.tier_lookups += 1
+            self._count_cause(inst, cache_key, traced.miss_cause)
+        self.parallel_traces += 1
+        self.trace_seconds += traced.seconds
+        self._compile_seconds[cache_key] = traced.seconds
+        return dict(traced.result)
 
     def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
         traces, held = self.tier.find_traces([cache_key])
@@ -348,6 +373,7 @@ class BirCodeGenLoop:
             "remote_hits": self.remote_hits,
             "tier_lookups": self.tier_lookups,
             "traces": self.traces,
+            "parallel_traces": self.parallel_traces,
             "compile_seconds": round(self.trace_seconds, 6),
             "saved_seconds": round(self.saved_seconds, 6),
             "lease_waits": self.lease_waits,

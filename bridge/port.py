@@ -19,9 +19,11 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # What one pass counts, in the order reports show them. `kernels` = cache_hits + cache_misses (the
 # specification's counters, the in-pass cache); `tier_lookups` are the in-pass misses that asked the shared
 # tier (none with the tier off or in mirror mode), `remote_hits` the ones it answered; `traces` are the misses
-# that neither the in-pass cache nor the tier answered.
+# that neither the in-pass cache nor the tier answered and the pass traced itself; `parallel_traces` the ones
+# another process traced for the pass (`nkicache compile --workers N`), so `traces` summed over passes is what
+# the passes traced themselves and the sum of both is what a sequential compile of the same passes traces.
 PASS_COUNTERS = (
-    "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "compile_seconds",
+    "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "parallel_traces", "compile_seconds",
     "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
     "tier_lookups", *MISS_COUNTERS,
 )  # fmt: skip
@@ -87,6 +89,16 @@ class StoredTrace:
     compile_seconds: float
     key_components: Mapping[str, Any]
     toolchain: str
+
+
+@dataclass(frozen=True)
+class TracedVariant:
+    """A kernel variant another process traced for a pass: the specification's trace-result dict and what
+    tracing it took."""
+
+    result: dict
+    seconds: float
+    miss_cause: str = "unknown"  # why the tier missed it when the compile's plan asked (bridge.miss_causes)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ TOTAL_LABELS = {
     "tier_lookups": "tier lookups (in-pass misses that asked the shared tier)",
     "remote_hits": "remote hits (answered by the shared tier)",
     "traces": "traces (misses neither cache answered; beta3 compiles run)",
+    "parallel_traces": "parallel traces (misses a trace task traced for the pass, compile --workers N)",
     **{name: f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]})" for name in RATES},
     "compile_seconds": "compile seconds spent",
     "saved_seconds": "compile seconds saved",
@@ -515,7 +516,7 @@ def plot_hit_rate(report: FleetReport) -> str | None:
     width_days = report.bucket_seconds / 86400 * 0.9
     local = [b.counts["cache_hits"] for b in report.timeline]
     remote = [b.counts["remote_hits"] for b in report.timeline]
-    traced = [b.counts["traces"] for b in report.timeline]
+    traced = [b.counts["traces"] + b.counts.get("parallel_traces", 0) for b in report.timeline]
     centers = [datetime.fromtimestamp(b.start + report.bucket_seconds / 2) for b in report.timeline]
 
     figure = Figure(figsize=(10, 5.5), layout="constrained")

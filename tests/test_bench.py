@@ -65,6 +65,8 @@ def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
     results = json.loads(as_json.stdout)
     assert results["skipped"] == {
         "pool_scaling": "needs bench/pool_scaling.py from a source checkout",
+        "single_graph_scaling": "measured with pool_scaling, which was not",
+        "fleet_single_graph_scaling": "needs bench/fleet_single_graph.py from a source checkout",
         "report_seconds_100k": "needs bench/report_scale.py from a source checkout",
     }
     assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results
@@ -81,7 +83,8 @@ def test_bench_help_names_every_goal() -> None:
     for key in ("warm_speedup", "mirror_overhead", "remote_hit_vs_raw_get", "local_hit_us", "key_throughput_ratio",
                 "pool_scaling", "report_seconds_100k", "storage_ratio", "upgrade_first_pass_hit_rate",
                 "warm_speedup_redis", "wire_bytes_ratio", "mirror_overhead_direct", "signature_overhead",
-                "l1_redis_read_reduction", "value_retention_ratio"):  # fmt: skip
+                "l1_redis_read_reduction", "value_retention_ratio", "single_graph_scaling",
+                "fleet_single_graph_scaling"):  # fmt: skip
         assert key in result.output
 
 
@@ -117,7 +120,15 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
     def skipped(*args: object) -> dict:
         raise bench.MeasurementSkipped("not measured in this test")
 
-    for name in ("warm_speedup", "local_hit_cost", "key_throughput", "pool_scaling", "report_scale", "upgrade"):
+    for name in (
+        "warm_speedup",
+        "local_hit_cost",
+        "key_throughput",
+        "pool_scaling",
+        "report_scale",
+        "upgrade",
+        "fleet_single_graph_scaling",
+    ):
         monkeypatch.setattr(bench, name, skipped)
     results = bench.run_benchmarks(config, url, lambda name: None)
     # The Redis measurements ran (and wrote entries and metrics), then their keys were deleted.

@@ -65,9 +65,12 @@ def test_two_workers_compile_a_workload_and_a_second_run_traces_nothing(tmp_path
     assert sorted(Path(a).name for a in cold["artifacts"]) == [f"{name}{ARTIFACT_SUFFIX}" for name in names]
     assert cold["kernels"] == cold["cache_hits"] + cold["cache_misses"] > 0
     assert cold["cache_hits"] > 0  # the workload repeats layers inside a model
-    # Every variant was traced exactly once across the two processes (the rest came from the tier).
+    # Every variant was traced exactly once across the two processes (the rest came from the tier), by a trace
+    # task (parallel_traces) or by its pass.
     entries = tier_rows("SELECT COUNT(*) FROM entries")[0][0]
-    assert cold["traces"] == entries and cold["traces"] + cold["remote_hits"] == cold["cache_misses"]
+    traced = cold["traces"] + cold["parallel_traces"]
+    assert traced == entries and traced + cold["remote_hits"] == cold["cache_misses"]
+    assert cold["parallel_traces"] > 0
     assert cold["tier_errors"] == cold["tier_timeouts"] == cold["tier_rejected"] == cold["tier_dropped"] == 0
     # Both pool processes' passes count under one stable worker label (no new metrics series per process).
     workers = {json.loads(record)["worker"] for (record,) in tier_rows("SELECT record FROM pass_log")}
@@ -75,13 +78,13 @@ def test_two_workers_compile_a_workload_and_a_second_run_traces_nothing(tmp_path
     assert {worker for (worker,) in tier_rows("SELECT DISTINCT worker FROM worker_totals")} == {"local"}
     # The tier's fleet totals are the sum of this run's passes.
     totals = dict(tier_rows("SELECT name, value FROM totals"))
-    for key in ("kernels", "cache_hits", "cache_misses", "remote_hits", "traces"):
+    for key in ("kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "parallel_traces"):
         assert totals[key] == cold[key], key
     assert totals["passes"] == 6
 
     warm = compile_json(graphs, tmp_path / "warm")
     assert (warm["passes"], warm["compiled"], warm["failed"]) == (6, 6, [])
-    assert warm["traces"] == 0 and warm["compile_seconds"] == 0
+    assert warm["traces"] == warm["parallel_traces"] == 0 and warm["compile_seconds"] == 0
     assert warm["remote_hits"] == warm["cache_misses"] == cold["cache_misses"]
     assert (warm["kernels"], warm["cache_hits"]) == (cold["kernels"], cold["cache_hits"])
     assert warm["shared_hit_rate"] == 1.0 and warm["tier_lookups"] == warm["cache_misses"]
@@ -105,7 +108,9 @@ def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path: Path) -> N
     assert len(lines) == 4, done.stdout
     for i, line in enumerate(lines[:3], start=1):
         assert re.fullmatch(
-            rf"\[{i}/3\] {re.escape(str(graphs))}/\S+\.json -> \S+\.nkibb: Trn2, .* traces?, .* s", line
+            rf"\[{i}/3\] {re.escape(str(graphs))}/\S+\.json -> \S+\.nkibb: Trn2, .* traces?"
+            rf"( \(\d+ in parallel\))?, .* s",
+            line,
         )
     assert lines[3].startswith("3 passes (3 compiled, 0 failed): ")
     assert "\x1b[" not in done.stdout + done.stderr  # no terminal control sequences
@@ -149,7 +154,8 @@ def test_ctrl_c_keeps_finished_artifacts_and_nothing_half_written(tmp_path: Path
     assert 1 <= compiled < total
     assert stopped_after < 30  # running passes finish, nothing new starts
     summary = [line for line in stdout.splitlines() if " passes (" in line or line.startswith("1 pass (")]
-    assert summary and summary[0].startswith(f"{compiled} passes ({compiled} compiled, 0 failed)"), stdout
+    passes = f"{compiled} pass" if compiled == 1 else f"{compiled} passes"
+    assert summary and summary[0].startswith(f"{passes} ({compiled} compiled, 0 failed)"), stdout
 
     # Every file in --out is a whole, loadable artifact; no temporary files are left behind.
     files = sorted(out.iterdir())

@@ -224,7 +224,8 @@ DEFAULT_OUT_DIR = "out"
     "--workers",
     type=click.IntRange(min=1),
     default=None,
-    help="Processes compiling in parallel. Default: the number of CPUs (at most one per graph).",
+    help="Processes tracing the graphs' kernel variants in parallel (the passes then run in order, each handed "
+    "what was traced for it; a single graph gets them all too). Default: the number of CPUs (at most one per graph).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (totals, artifacts, failures).")
 @click.option(

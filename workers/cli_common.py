@@ -97,7 +97,7 @@ def summary_line(passes: int, failed: int, totals: dict, seconds: float) -> str:
     return (
         f"{plural(passes, 'pass')} ({passes - failed} compiled, {failed} failed): "
         f"{plural(totals['kernels'], 'kernel')}, {plural(totals['cache_hits'], 'in-pass hit')}, "
-        f"{plural(totals['remote_hits'], 'remote hit')}, {plural(totals['traces'], 'trace')}; {rates_text(totals)}; "
+        f"{plural(totals['remote_hits'], 'remote hit')}, {traces_text(totals)}; {rates_text(totals)}; "
         f"compile time {totals['compile_seconds']:.2f} s, saved {totals['saved_seconds']:.2f} s, "
         f"wall time {seconds:.2f} s"
         + (
@@ -149,8 +149,15 @@ def _pass_line(result: Any) -> str:
     return (
         f"{result.file} -> {result.artifact}: {result.target}, {plural(c['kernels'], 'kernel')}, "
         f"{plural(c['cache_hits'], 'in-pass hit')}, {plural(c['remote_hits'], 'remote hit')}, "
-        f"{plural(c['traces'], 'trace')}, {result.seconds:.2f} s"
+        f"{traces_text(c)}, {result.seconds:.2f} s"
     )
+
+
+def traces_text(counts: dict) -> str:
+    """'N traces', and how many of them trace tasks made for the passes (`compile --workers N`)."""
+    parallel = counts.get("parallel_traces", 0)
+    traced = plural(counts["traces"] + parallel, "trace")
+    return f"{traced} ({parallel} in parallel)" if parallel else traced
 
 
 def compile_and_summarize(
@@ -186,6 +193,8 @@ def compile_and_summarize(
     # Every write that did not reach the tier, the ones the clients dropped as they closed included (with the
     # tier down, all of them): no pass's own figures hold those.
     totals["tier_dropped"] += run.tier_dropped_outside_passes
+    for name, count in run.tier_faults_outside_passes.items():
+        totals[name] += count
     summary = {
         "passes": len(results),
         "compiled": len(results) - len(failed),

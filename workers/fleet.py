@@ -369,6 +369,15 @@ def _group_of(client: Any, stream: str) -> dict:
     return next((g for g in groups if text(g["name"]) == GROUP), {})
 
 
+def _waiting(client: Any, stream: str, group: dict) -> int:
+    """Messages of `stream` no worker has taken yet. A finished message is acknowledged and deleted, so the
+    stream holds the waiting ones and the group's pending (taken) ones; the group's `lag` cannot count them
+    once a message was deleted before its delivery (a trace task withdrawn: workers/trace_tasks.py)."""
+    if not group:
+        return 0
+    return max(0, client.xlen(stream) - int(group.get("pending", 0)))
+
+
 def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict[str, Any]:
     """The queue as `nkicache queue --json` prints it. `pending` and `in_flight` are summed over the
     toolchains' streams; `toolchains` breaks them down (with the live workers of each) for every toolchain that
@@ -380,8 +389,9 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
     shards = [keys.job_shard(i) for i in range(job_shards(client, keys))]
     toolchains: dict[str, dict[str, int]] = {}
     for toolchain in sorted(known):
-        groups = [_group_of(client, shard.stream(toolchain)) for shard in shards]
-        row = {"pending": sum(int(group.get("lag") or 0) for group in groups),
+        streams = [shard.stream(toolchain) for shard in shards]
+        groups = [_group_of(client, stream) for stream in streams]
+        row = {"pending": sum(_waiting(client, stream, group) for stream, group in zip(streams, groups, strict=True)),
                "in_flight": sum(int(group.get("pending", 0)) for group in groups),
                "live_workers": sum(1 for w in workers if w["toolchain"] == toolchain)}  # fmt: skip
         # Idle streams of toolchains long gone stay registered; listing them would bury the ones that matter.
@@ -440,6 +450,7 @@ class Worker:
         self.failed = 0  # failed attempts (each retried or dead-lettered)
         self.taken_over = 0  # jobs taken from a worker whose heartbeat stopped
         self.queue_errors = 0  # failed operations on the job queue (the worker waits and retries)
+        self.traced_tasks = 0  # other jobs' trace tasks answered (workers/trace_tasks.py)
         self._last_claim = 0.0
         self._last_takeover_look = 0.0
         self._looked = False  # whether a takeover look ran: the first one looks for this name's own old jobs
@@ -593,6 +604,10 @@ class Worker:
     def _process(self, shard: JobKeys, message_id: str, fields: dict) -> None:
         """Compile a job and record it in the shard it was read from (a job queued before sharding, in shard 0,
         finishes there): the scripts' keys are all in that shard's slot."""
+        trace = fields.get(b"trace", fields.get("trace"))
+        if trace is not None:
+            self._trace(shard, message_id, trace)
+            return
         raw = fields.get(b"job", fields.get("job"))
         job = _job(raw)
         if isinstance(job, str):
@@ -614,7 +629,29 @@ class Worker:
         self.done += 1
         self._heartbeat()
 
+    def _trace(self, shard: JobKeys, message_id: str, raw: bytes | str) -> None:
+        """Another job's trace task (workers/trace_tasks.py), in the compiling process; acknowledged and deleted
+        whatever came of it: a task that failed or died here is traced by its job's own worker."""
+        # Kept claimed while it traces, as a job is, and named in the heartbeat.
+        self.current, self._current_message = f"trace-{message_id}", (shard, message_id)
+        try:
+            self._heartbeat()
+            result, _ = self.compiler.compile({"id": f"trace-{message_id}", "file": "trace task", "graph": "",
+                                               "trace": text(raw)})  # fmt: skip
+        finally:
+            self.current, self._current_message = None, None
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.xack(self._stream(shard), GROUP, message_id)
+            pipe.xdel(self._stream(shard), message_id)
+            pipe.execute()
+        self.traced_tasks += 1
+        logger.info("worker %s: %s: %s", self.name, result.file,
+                    result.error or ("traced" if result.counts["parallel_traces"] else "traced elsewhere"))  # fmt: skip
+
     def _compile_and_record(self, job: dict, shard: JobKeys, message_id: str) -> None:
+        # The streams its trace tasks go on: this toolchain's, read by its workers.
+        streams = [self._stream(each) for each in self.shards]
+        job = {**{key: value for key, value in job.items() if key != "trace"}, "streams": streams}
         result, artifact = self._compile(job)
         ttl = self.settings.job_ttl
         if result.error is None and artifact is not None:
@@ -626,8 +663,9 @@ class Worker:
             self._complete(keys=keys, args=[job["id"], json.dumps(record), ttl, message_id])
             c = result.counts
             logger.info("worker %s: job %s (%s) finished in %.2f s: %d kernels, %d hits, %d misses, %d remote hits, "
-                        "%d traces", self.name, job["id"], job["file"], result.seconds, c["kernels"], c["cache_hits"],
-                        c["cache_misses"], c["remote_hits"], c["traces"])  # fmt: skip
+                        "%d traces, %d parallel traces", self.name, job["id"], job["file"], result.seconds,
+                        c["kernels"], c["cache_hits"], c["cache_misses"], c["remote_hits"], c["traces"],
+                        c["parallel_traces"])  # fmt: skip
         else:
             # A retry goes back onto the stream the job was read from.
             error = result.error or "no artifact"

@@ -73,7 +73,8 @@ class CompileProcess:
         """Compile one job in the child; any failure, the child's death included, is the job's error."""
         try:
             self._ensure_started()
-            self._send.send_bytes(json.dumps({"id": job["id"], "file": job["file"], "graph": job["graph"]}).encode())
+            message = {key: job[key] for key in ("id", "file", "graph", "streams", "trace") if key in job}
+            self._send.send_bytes(json.dumps(message).encode())
             if not self._receive.poll(self.settings.job_timeout):
                 self._kill()
                 limit = self.settings.job_timeout
@@ -172,7 +173,7 @@ def _child() -> None:
     from bridge.graph import GraphError, parse_graph_json
     from cachestore.client import open_tier
     from workers.cli_common import configure_logging
-    from workers.passes import compile_graph
+    from workers.trace_tasks import compile_job, run_task
 
     # The protocol owns the real stdout; anything the compiler prints goes to stderr, not into a message.
     receive = Connection(os.dup(0), writable=False)
@@ -205,6 +206,7 @@ def _child() -> None:
 
     threading.Thread(target=read, name="nkicache-job-reader", daemon=True).start()
     tier = open_tier(settings)
+    queue_for = _trace_task_queue(settings)
     limits = settings.limits()
     send.send_bytes(READY)
     try:
@@ -213,13 +215,16 @@ def _child() -> None:
             if gone.is_set():
                 os._exit(1)
             job = json.loads(message)
-            try:
-                graph = parse_graph_json(job["graph"], job["file"])
-            except GraphError as exc:
-                result, artifact = PassResult(job["file"], error=str(exc)), None
+            if "trace" in job:  # another job's trace task (workers/trace_tasks.py)
+                result, artifact = run_task(job["trace"], tier, limits), None
             else:
-                result, artifact = compile_graph(graph, tier=tier, label=job["file"], out_dir=hello["out_dir"],
-                                                 pass_id=f"job-{job['id']}", limits=limits)  # fmt: skip
+                try:
+                    graph = parse_graph_json(job["graph"], job["file"])
+                except GraphError as exc:
+                    result, artifact = PassResult(job["file"], error=str(exc)), None
+                else:
+                    result, artifact = compile_job(graph, job, tier=tier, limits=limits, out_dir=hello["out_dir"],
+                                                   enqueue=queue_for(job))  # fmt: skip
             out_of_memory = result.error is not None and "out of memory" in result.error
             header = {**asdict(result), "artifact": artifact is not None, "exit": out_of_memory}
             send.send_bytes(json.dumps(header).encode())
@@ -231,6 +236,31 @@ def _child() -> None:
     finally:
         if tier is not None:
             tier.close()
+
+
+def _trace_task_queue(settings: Settings) -> Any:
+    """queue_for(job): how a job's trace tasks go onto its stream (None: the job names none), over one Redis
+    connection opened on the first job that has tasks to share."""
+    from functools import partial
+
+    from workers.trace_tasks import enqueue_tasks
+
+    clients: list[Any] = []
+
+    def enqueue(streams: list[str], job_id: str, tasks: Any) -> Any:
+        if not clients:
+            from workers.fleet import fleet_client
+
+            clients.append(fleet_client(settings))
+        return enqueue_tasks(clients[0], streams, job_id, tasks)
+
+    def queue_for(job: dict) -> Any:
+        streams = job.get("streams")
+        if not isinstance(streams, list) or not streams or not all(isinstance(s, str) for s in streams):
+            return None
+        return partial(enqueue, streams, job["id"])
+
+    return queue_for
 
 
 if __name__ == "__main__":

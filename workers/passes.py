@@ -19,7 +19,7 @@ from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.metrics import KernelMetricsCollector
-from bridge.port import PASS_COUNTERS, KernelStore
+from bridge.port import PASS_COUNTERS, KernelStore, TracedVariant
 from bridge.targets import get_platform_target, make_target
 
 COUNT_KEYS = tuple(name for name in PASS_COUNTERS if name != "passes")  # a pass's own counts
@@ -50,13 +50,15 @@ def compile_graph(
     label: str | None = None,
     pass_id: str | None = None,
     limits: Limits | None = None,
+    traced_elsewhere: Mapping[str, TracedVariant] | None = None,
 ) -> tuple[PassResult, bytes | None]:
     """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
 
     With `out_dir` the artifact is written there atomically and its path recorded; the encoded artifact is
     returned either way, for callers that ship it elsewhere (the fleet). `pass_id` names the pass's metrics
     batch: two passes with one id count once in the fleet metrics. `limits` bound the graph's work (default:
-    the settings' defaults); exceeding one fails the pass with an error naming the graph, the op and the limit."""
+    the settings' defaults); exceeding one fails the pass with an error naming the graph, the op and the limit.
+    `traced_elsewhere` holds variants other processes traced for this pass (bridge.parallel), by cache key."""
     limits = limits or Limits()
     result = PassResult(label or (str(source) if not isinstance(source, Mapping) else "<graph>"))
     started = time.perf_counter()
@@ -79,6 +81,7 @@ def compile_graph(
         KernelMetricsCollector.get_instance().reset()
         loop = BirCodeGenLoop(target, tier=tier)
         loop.pass_id = pass_id
+        loop.traced_elsewhere = dict(traced_elsewhere or {})
         with kernel_instruction_limit(limits.max_kernel_instructions):
             bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)

@@ -1,8 +1,10 @@
-"""The local pool: N processes compiling graph files, all sharing the configured tier.
+"""The local pool: `nkicache compile --workers N`, all processes sharing the configured tier.
 
-Each process opens its own tier client once and runs one pass per graph with a fresh BirCodeGenLoop.
-Workers ignore Ctrl-C: the parent stops handing out graphs, lets the running passes finish (their
-artifacts are written atomically) and reports what was done.
+With one worker every pass runs here, one after the other. With N, this process and N - 1 pool processes
+trace the compile's distinct kernel variants (workers/variant_pool.py, bridge/parallel.py), and this process
+runs each pass, in order, with a fresh BirCodeGenLoop handed the variants traced for it. Each pool process
+opens its own tier client once. Pool processes ignore Ctrl-C: the parent stops tracing and starting passes,
+lets the running ones finish (artifacts are written atomically) and reports what was done.
 """
 
 from __future__ import annotations
@@ -14,18 +16,17 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge.parallel import TraceOutcome, TraceTask, trace_task
 from cachestore.client import open_tier
 from cachestore.settings import Settings
 from workers.passes import PassResult, compile_graph
 
 _process_tier = None  # the tier client of a pool process, opened by _init_process
 _process_limits = None  # the settings' bounds on one graph's work, set by _init_process
-_process_passes_dropped = 0  # tier_dropped the passes of this pool process counted in their own results
 
 
 def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> None:
@@ -43,21 +44,19 @@ def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> Non
 
 def _close_process_tier(dropped_outside_passes: Any) -> None:
     """Close this process's tier client and add what it dropped outside every pass (at close above all: the
-    writes still queued when the tier is down) to the parent's shared counter, which no result carries."""
+    writes still queued when the tier is down) to the parent's shared counter, which no result carries: a pool
+    process runs trace tasks, never a pass, so every write it dropped is outside the passes."""
     _process_tier.close()
     if dropped_outside_passes is None:
         return
-    unreported = _process_tier.counts()["tier_dropped"] - _process_passes_dropped
+    unreported = _process_tier.counts()["tier_dropped"]
     with dropped_outside_passes.get_lock():
         dropped_outside_passes.value += unreported
 
 
-def _compile_in_process(path: str, target_name: str | None, out_dir: str) -> PassResult:
-    global _process_passes_dropped
-    result, _ = compile_graph(path, tier=_process_tier, target_name=target_name, out_dir=out_dir,
-                              limits=_process_limits)  # fmt: skip
-    _process_passes_dropped += int(result.counts.get("tier_dropped", 0))
-    return result
+def _trace_in_process(tasks: list[TraceTask]) -> list[TraceOutcome]:
+    """Trace tasks of `workers.variant_pool`, in a pool process, with its tier client and limits."""
+    return [trace_task(task, _process_tier, _process_limits) for task in tasks]
 
 
 def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:
@@ -93,6 +92,9 @@ class CompileRun:
     # Tier writes dropped outside every pass, so in no result: above all those still queued when the tier
     # clients closed after the last pass (the tier being down), but also any refused between passes.
     tier_dropped_outside_passes: int = 0
+    # Tier errors and timeouts outside every pass: `compile --workers N`'s plan asks the tier for the compile's
+    # variants before any pass runs (workers/variant_pool.py).
+    tier_faults_outside_passes: dict[str, int] = field(default_factory=dict)
 
 
 def compile_run(
@@ -136,33 +138,12 @@ def _compile_all(
     target_name: str | None,
     on_result: Callable[[PassResult], None],
 ) -> CompileRun:
-    if workers <= 1 or len(paths) <= 1:
+    if workers <= 1:
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
-    results: dict[int, PassResult] = {}
-    context = pool_context()
-    pending: dict[Future, int] = {}
-    # Each process's client is closed by a finalizer as the process ends, after its last result came back:
-    # what it drops then reaches this process through shared memory, complete once shutdown() has joined them.
-    dropped_outside_passes = context.Value("q", 0)
-    with CtrlC() as ctrl_c:
-        executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_process,
-                                       initargs=(settings, dropped_outside_passes))  # fmt: skip
-        try:
-            for index, path in enumerate(paths):
-                pending[executor.submit(_compile_in_process, path, target_name, out_dir)] = index
-            while pending and not ctrl_c.pressed:
-                done, _ = wait(pending, timeout=CTRL_C_POLL_SECONDS, return_when=FIRST_COMPLETED)
-                for future in done:
-                    index = pending.pop(future)
-                    results[index] = future.result()
-                    on_result(results[index])
-        finally:
-            # On Ctrl-C: drop the graphs not started, let the running passes finish, keep what they wrote.
-            executor.shutdown(wait=True, cancel_futures=True)
-        for future, index in pending.items():
-            if not future.cancelled() and future.exception() is None:
-                results[index] = future.result()
-    return CompileRun([results[i] for i in sorted(results)], ctrl_c.pressed, dropped_outside_passes.value)
+    from workers.variant_pool import compile_in_parallel
+
+    return compile_in_parallel(paths, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
+                               on_result=on_result)  # fmt: skip
 
 
 CTRL_C_POLL_SECONDS = 0.1

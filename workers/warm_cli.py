@@ -141,5 +141,6 @@ def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) 
         elif result.get("status") != "completed":
             report.failed.append({"job": job_id, "reason": result.get("error") or result.get("status", "failed")})
         else:
-            report.traced += int(result.get("traces", 0))
+            # By the job's pass, or by trace tasks for it (workers/trace_tasks.py): each variant once.
+            report.traced += int(result.get("traces", 0)) + int(result.get("parallel_traces", 0))
             report.trace_seconds += float(result.get("compile_seconds", 0.0))

@@ -1,0 +1,98 @@
+"""Issue 17: a fleet job's untraced kernel variants become trace tasks on its stream (workers/trace_tasks.py),
+traced by the other workers through the tier with the single-flight lease, so one graph gets every worker; a
+worker SIGKILLed holding a trace task costs nothing but time: the task is taken over and the job completes.
+Real `nkicache worker` processes on a private Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from test_fleet import NKICACHE, WAIT, Fleet, wait_until
+
+from bridge.identity import toolchain_id
+from workers.workload import UNET_CONFIGS, GraphBuilder, unet_block
+
+
+def unet_graph(folder: Path, name: str, configs: list[tuple[int, int, int]]) -> Path:
+    """A UNet block per configuration: five distinct kernel variants each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    graph = GraphBuilder(name)
+    for layer, config in enumerate(configs):
+        unet_block(graph, layer, config, "float32")
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(graph.document()))
+    return path
+
+
+def local_artifact(graph: Path, out: Path) -> bytes:
+    done = subprocess.run([NKICACHE, "compile", str(graph), "--workers", "1", "--tier", "off", "--out", str(out)],
+                          capture_output=True, text=True, timeout=WAIT)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    [artifact] = out.iterdir()
+    return artifact.read_bytes()
+
+
+def stream_drained(f: Fleet) -> bool:
+    streams = [shard.stream(toolchain_id()) for shard in f.shards()]
+    return f.in_flight() == 0 and sum(f.redis.xlen(stream) for stream in streams) == 0
+
+
+def test_one_job_is_traced_by_two_workers(fleet, tmp_path: Path) -> None:
+    f = fleet()
+    graph = unet_graph(tmp_path / "graphs", "wide", [*UNET_CONFIGS, (32, 32, 112)])
+    f.start_worker("w1")
+    f.start_worker("w2")
+    f.wait_live("w1", "w2")
+    wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2")))
+    f.submit(graph, out=tmp_path / "out")
+    [result] = f.results().values()
+    assert result["status"] == "completed", result
+    # Every variant was traced by a trace task, by the job's worker or the other one, none by the pass itself.
+    assert result["traces"] == 0 and result["parallel_traces"] == result["cache_misses"] > 5
+    job_worker = result["worker"]
+    helper = "w2" if job_worker == "w1" else "w1"
+    wait_until(lambda: stream_drained(f))
+    assert ": traced" in f.log(helper), f.log(helper)  # the other worker traced some of the job's variants
+    assert (tmp_path / "out" / "wide.nkibb").read_bytes() == local_artifact(graph, tmp_path / "local")
+
+
+def test_a_trace_task_whose_worker_is_killed_is_taken_over_and_the_job_completes(fleet, tmp_path: Path) -> None:
+    f = fleet(lease_ttl=2)
+    # Large images: each variant traces for a good fraction of a second, time to kill a worker holding one.
+    graph = unet_graph(tmp_path / "graphs", "slow", [(32, 32, 112), (32, 32, 128), (32, 32, 144)])
+    for name in ("w1", "w2"):
+        f.start_worker(name)
+    f.wait_live("w1", "w2")
+    wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2")))
+    f.submit(graph, wait=False)
+
+    def tracing_worker() -> str | None:
+        for name, beat in f.heartbeats().items():
+            if str(beat.get("job") or "").startswith("trace-"):
+                return name
+        return None
+
+    victim = wait_until(tracing_worker, interval=0.01)
+    f.workers[victim].kill()  # SIGKILL: its compiling process dies with it, its lease is no longer renewed
+    f.workers[victim].wait()
+    message_id = f.heartbeats()[victim]["job"].removeprefix("trace-").encode()
+    [stream] = [shard.stream(toolchain_id()) for shard in f.shards()
+                if any(entry["message_id"] == message_id for entry in f.redis.xpending_range(
+                    shard.stream(toolchain_id()), "nkicache-workers", "-", "+", 10, consumername=victim))]  # fmt: skip
+    [(_, fields)] = f.redis.xrange(stream, message_id, message_id)
+    held = json.loads(fields[b"trace"])["cache_key"]
+    f.start_worker("w3")
+    wait_until(lambda: f.results())
+    [result] = f.results().values()
+    assert result["status"] == "completed" and result["worker"] != victim, result
+    assert result["traces"] + result["parallel_traces"] == result["cache_misses"]
+    # The variant the dead worker held was traced by another (the job's worker once the lease lapsed, or the
+    # worker that took the task over), and nothing is left pending on the stream.
+    assert f.redis.exists(f.keys.entry(toolchain_id(), held))
+    wait_until(lambda: stream_drained(f))
+    done = subprocess.run([NKICACHE, "submit", str(graph), "--tier", f.url, "--wait", "--out", str(tmp_path / "out"),
+                           "--json", "--timeout", str(WAIT)], env=f.env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "slow.nkibb").read_bytes() == local_artifact(graph, tmp_path / "local")

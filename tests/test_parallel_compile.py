@@ -1,0 +1,193 @@
+"""`nkicache compile --workers N` traces a compile's distinct kernel variants in several processes (bridge/parallel.py,
+workers/variant_pool.py) while each pass stays the specification's loop: per pass, the same counts and the same
+artifact bytes as a sequential compile, for every graph of the default workload, with and without a tier."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_graphs import delete_namespace, unique_namespace
+
+from bridge.limits import Limits
+from bridge.miss_causes import MISS_COUNTERS
+from bridge.parallel import plan_variants
+from cachestore.settings import load_settings
+from workers.workload import generate_workload
+
+NKICACHE = str(Path(sys.executable).with_name("nkicache"))
+# What a pass counts that does not depend on which process traced: the specification's counters and the tier's.
+SAME = ("kernels", "cache_hits", "cache_misses", "remote_hits", "tier_lookups", "lease_waits", "tier_errors",
+        "tier_rejected", "tier_dropped")  # fmt: skip
+
+
+def compile_json(graphs: Path, out: Path, workers: int, tier: str, env: dict | None = None) -> dict:
+    done = subprocess.run(
+        [NKICACHE, "compile", str(graphs), "--workers", str(workers), "--tier", tier, "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def artifact_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def assert_same_passes(sequential: dict, parallel: dict) -> None:
+    assert [g["file"] for g in parallel["graphs"]] == [g["file"] for g in sequential["graphs"]]
+    for one, two in zip(sequential["graphs"], parallel["graphs"], strict=True):
+        assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
+        assert {key: two[key] for key in SAME} == {key: one[key] for key in SAME}, one["file"]
+        # What the sequential pass traced, the parallel one traced or was handed by a trace task.
+        assert one["parallel_traces"] == 0
+        assert two["traces"] + two["parallel_traces"] == one["traces"], one["file"]
+        # Every tier miss has one cause, a parallel trace's too (the plan's lookup found it).
+        for run in (one, two):
+            assert sum(run[name] for name in MISS_COUNTERS) == run["tier_lookups"] - run["remote_hits"], one["file"]
+            assert run["misses_unknown"] == 0
+
+
+@pytest.fixture(scope="module")
+def default_workload(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    graphs = tmp_path_factory.mktemp("workload")
+    generate_workload(graphs, 12, 0)  # `nkicache workload`'s defaults
+    return graphs
+
+
+@pytest.mark.parametrize("tier", ["off", "local"])
+def test_parallel_compile_counts_and_artifacts_equal_a_sequential_one(
+    default_workload: Path, tmp_path: Path, tier: str
+) -> None:
+    runs = {}
+    for workers in (1, 2):
+        url = "off" if tier == "off" else f"local:{tmp_path / f'tier-{workers}.sqlite'}"  # a fresh tier each
+        runs[workers] = compile_json(default_workload, tmp_path / f"out-{workers}", workers, url)
+    assert runs[1]["passes"] == runs[2]["passes"] == 12
+    assert_same_passes(runs[1], runs[2])
+    assert runs[2]["traces"] == 0 and runs[2]["parallel_traces"] > 0  # every variant traced by a trace task
+    if tier == "local":
+        assert runs[2]["remote_hits"] > 0  # a variant another graph needs first comes from the tier, as sequentially
+    assert artifact_bytes(tmp_path / "out-2") == artifact_bytes(tmp_path / "out-1")
+
+
+def test_parallel_compile_on_redis_counts_as_a_sequential_one(
+    default_workload: Path, tmp_path: Path, redis_url: str, redis_client: Any
+) -> None:
+    runs = {}
+    for workers in (1, 2):
+        namespace = unique_namespace()  # a cold tier each
+        try:
+            env = {**os.environ, "NKICACHE_NAMESPACE": namespace}
+            runs[workers] = compile_json(default_workload, tmp_path / f"out-{workers}", workers, redis_url, env)
+        finally:
+            delete_namespace(redis_client, namespace)
+    assert_same_passes(runs[1], runs[2])
+    assert artifact_bytes(tmp_path / "out-2") == artifact_bytes(tmp_path / "out-1")
+
+
+def test_a_single_graph_is_traced_by_every_worker(default_workload: Path, tmp_path: Path) -> None:
+    graph = default_workload / "unet-011.json"
+    one = compile_json(graph, tmp_path / "one", 1, "off")
+    two = compile_json(graph, tmp_path / "two", 2, "off")
+    assert_same_passes(one, two)
+    assert two["parallel_traces"] == one["traces"] > 1
+    assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
+
+
+def test_the_plan_follows_what_a_sequential_compile_traces(default_workload: Path, tmp_path: Path) -> None:
+    """Tier off: one task per variant of each graph (no pass reads another's traces). A tier that reads: one
+    per variant of the whole compile, for the first graph that uses it, and none for what the tier holds."""
+    from cachestore.client import open_tier
+
+    paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+    alone = plan_variants(paths, tier=None, target_name=None, limits=Limits())
+    sequential = compile_json(default_workload, tmp_path / "seq", 1, "off")
+    assert [len(alone.owned[i]) for i in range(len(paths))] == [g["traces"] for g in sequential["graphs"]]
+
+    tier = open_tier(load_settings({"tier": f"local:{tmp_path / 'tier.sqlite'}"}))
+    try:
+        shared = plan_variants(paths, tier=tier, target_name=None, limits=Limits())
+        keys = [task.cache_key for task in shared.tasks]
+        assert len(keys) == len(set(keys)) == len({task.cache_key for task in alone.tasks})
+        for task in shared.tasks:
+            assert task.graph == min(graph for graph, needs in shared.needs.items() if task.task_id in needs)
+        compile_json(default_workload, tmp_path / "warm", 1, f"local:{tmp_path / 'tier.sqlite'}")
+        warm = plan_variants(paths, tier=tier, target_name=None, limits=Limits())
+        assert warm.tasks == [] and warm.held == len(keys)
+    finally:
+        tier.close()
+
+
+def test_a_failing_variant_fails_its_pass_as_a_sequential_compile_does(tmp_path: Path) -> None:
+    graphs = tmp_path / "graphs"
+    generate_workload(graphs, 3, seed=4)
+    path = sorted(graphs.glob("*.json"))[0]
+    document = json.loads(path.read_text())
+    kernel = next(op for op in document["ops"] if "kernel_name" in op)
+    kernel["kernel_name"] = "not_this_kernel"  # the registry selects another: the trace fails
+    path.write_text(json.dumps(document))
+    runs = {}
+    for workers in (1, 2):
+        done = subprocess.run(
+            [NKICACHE, "compile", str(graphs), "--workers", str(workers), "--tier", "off", "--out",
+             str(tmp_path / f"out-{workers}"), "--json"], capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        runs[workers] = json.loads(done.stdout)
+    assert runs[2]["failed"] == runs[1]["failed"] != []
+    assert artifact_bytes(tmp_path / "out-2") == artifact_bytes(tmp_path / "out-1")
+
+
+def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every trace task SIGKILLs the pool process that takes it: the pool breaks, this process traces what was
+    lost and the rest, and every pass completes with the artifacts of a sequential compile."""
+    import workers.pool
+    import workers.variant_pool
+    from workers.pool import compile_run
+
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 4, seed=6)]
+    killed = tmp_path / "killed"
+
+    def die(task, tier, limits):
+        killed.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # Forked pool processes inherit the patched module; the parent traces through its own binding.
+    monkeypatch.setattr(workers.pool, "trace_task", die)
+    monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
+    settings = load_settings({"tier": "off"})
+    parallel = compile_run(paths, settings=settings, workers=2, out_dir=str(tmp_path / "two"))
+    sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
+    assert killed.exists() and int(killed.read_text()) != os.getpid()
+    assert not parallel.interrupted and [r.error for r in parallel.results] == [None] * 4
+    for one, two in zip(sequential.results, parallel.results, strict=True):
+        assert two.counts["traces"] + two.counts["parallel_traces"] == one.counts["traces"]
+    assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
+
+
+def test_a_trace_task_from_the_stream_is_checked_before_it_is_traced(default_workload: Path) -> None:
+    """A fleet trace task is JSON read from a stream anyone with the queue's credentials writes: its graph is
+    never taken for a path, and its op must hash to the key it names (never traced under another's key)."""
+    from bridge.errors import NkiCacheError
+    from bridge.parallel import task_document, task_from_document
+
+    paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+    task = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks[0]
+    document = json.loads(json.dumps(task_document(task)))
+    assert task_from_document(document).cache_key == task.cache_key
+    for hostile in (
+        {**document, "graph": str(paths[0])},  # a path on the worker's machine
+        {**document, "cache_key": "0" * 64},  # another variant's key
+        {"graph": document["graph"]},  # no key at all
+        [document],
+    ):
+        with pytest.raises(NkiCacheError, match=r"^trace task"):
+            task_from_document(hostile)

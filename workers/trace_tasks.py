@@ -1,0 +1,162 @@
+"""Fleet trace tasks: one job's untraced kernel variants, traced by the other fleet workers too.
+
+The worker compiling a job (in its compiling process, workers/job_process.py) plans the job's variants
+(bridge.parallel.plan_variants: the ones the tier does not hold), puts one trace task per variant on the
+job's stream, and traces the same list itself from the other end. Another worker that reads a task traces it
+through the tier with the single-flight lease (`trace_task` with `wait=False`: a variant someone already
+traces is left to them), publishes it, and acknowledges the task. So every variant is traced once fleet-wide,
+whichever process gets to it first.
+
+When the job's process reaches a variant another worker holds the lease on, it waits for that trace through the
+tier; a worker killed holding a task stops renewing its lease, which lapses within `lease_ttl`, and the job's
+process traces the variant itself (the task, still pending, is taken over by another worker like a job and
+finds the variant traced). Then the job's pass runs, the specification's loop, handed every variant traced
+for it (counted in `parallel_traces`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from bridge.errors import NkiCacheError
+from bridge.limits import Limits
+from bridge.parallel import (
+    TraceOutcome,
+    TraceTask,
+    plan_variants,
+    task_document,
+    task_from_document,
+    trace_task,
+    with_causes,
+)
+from bridge.port import KernelStore, TracedVariant
+from workers.passes import PassResult, compile_graph
+
+logger = logging.getLogger(__name__)
+
+GROUP = "nkicache-workers"  # workers.fleet.GROUP (not imported: the compiling process need not load the fleet)
+TRACE_FIELD = "trace"  # the stream message field of a trace task (a job's is "job")
+MIN_TASKS = 2  # fewer untraced variants than this: nothing to share, the pass traces alone
+BUSY_POLL_SECONDS = 0.005
+BUSY_POLL_LIMIT = 30.0  # seconds of polling a variant traced elsewhere before the tier client's own wait
+
+
+def enqueue_tasks(client: Any, streams: Sequence[str], job_id: str, tasks: Sequence[TraceTask]) -> Callable[[], None]:
+    """One trace task message per variant, dealt over the toolchain's job streams (one per shard) in the pass's
+    order, in one round trip: an idle worker blocks on one shard at a time, so every idle worker wakes at once.
+    Returns how to withdraw them once the job's variants are all traced: acknowledged and deleted, so no worker
+    takes one any more, nor takes over one a dead worker held (a worker tracing one acknowledges it again)."""
+    dealt = [streams[index % len(streams)] for index in range(len(tasks))]
+    with client.pipeline(transaction=False) as pipe:
+        for stream, task in zip(dealt, tasks, strict=True):
+            pipe.xadd(stream, {TRACE_FIELD: json.dumps({"job": job_id, **task_document(task)})})
+        message_ids = pipe.execute()
+
+    def withdraw() -> None:
+        with client.pipeline(transaction=False) as pipe:
+            for stream, message_id in zip(dealt, message_ids, strict=True):
+                pipe.xack(stream, GROUP, message_id)
+                pipe.xdel(stream, message_id)
+            pipe.execute()
+
+    return withdraw
+
+
+def compile_job(
+    graph: Mapping,
+    job: Mapping,
+    *,
+    tier: KernelStore | None,
+    limits: Limits,
+    out_dir: str | None,
+    enqueue: Callable[[Sequence[TraceTask]], Callable[[], None]] | None,
+) -> tuple[PassResult, bytes | None]:
+    """A fleet job's pass, its untraced variants shared with the fleet through `enqueue` (None: traced alone).
+    The result's seconds are the job's: its share of the tracing and the pass."""
+    started = time.perf_counter()
+    handed: dict[str, TracedVariant] = {}
+    shared = enqueue is not None and tier is not None and tier.reads and tier.single_flight
+    if shared:
+        plan = plan_variants([graph], tier=tier, target_name=None, limits=limits, labels=[job["file"]])
+        if len(plan.tasks) >= MIN_TASKS:
+            withdraw = _queued(enqueue, plan.tasks, job["id"])
+            handed = with_causes(trace_alongside(plan.tasks, tier, limits), plan)
+            _withdrawn(withdraw, job["id"])
+    result, artifact = compile_graph(graph, tier=tier, label=job["file"], out_dir=out_dir,
+                                     pass_id=f"job-{job['id']}", limits=limits, traced_elsewhere=handed)  # fmt: skip
+    result.seconds = time.perf_counter() - started
+    return result, artifact
+
+
+def _queued(enqueue: Callable, tasks: Sequence[TraceTask], job_id: str) -> Callable[[], None] | None:
+    try:
+        return enqueue(tasks)
+    except Exception as exc:  # the queue's Redis refused: every variant is traced here, as without a fleet
+        logger.warning("job %s: trace tasks not queued (%s); traced here", job_id, exc)
+        return None
+
+
+def _withdrawn(withdraw: Callable[[], None] | None, job_id: str) -> None:
+    try:
+        if withdraw is not None:
+            withdraw()
+    except Exception as exc:  # left on the stream, they are answered as traced elsewhere: only time lost
+        logger.warning("job %s: trace tasks not withdrawn (%s)", job_id, exc)
+
+
+def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limits) -> dict[str, TracedVariant]:
+    """Trace the tasks from the last one back (other workers take them from the first), skipping the ones
+    another process holds the lease on; then wait for those, tracing any whose holder died without a trace."""
+    handed: dict[str, TracedVariant] = {}
+    busy = []
+    for task in reversed(tasks):
+        outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the pass is handed it directly
+        if outcome.busy:
+            busy.append(task)
+        _take(handed, outcome)
+    # Poll the leases held elsewhere every few milliseconds (the tier client's own wait polls at 50 ms, which
+    # the job would spend idle): a lease free again is the holder done (its trace is found under the lease)
+    # or dead (the lease lapsed: traced here).
+    deadline = time.monotonic() + BUSY_POLL_LIMIT
+    while busy and time.monotonic() < deadline:
+        time.sleep(BUSY_POLL_SECONDS)
+        still = []
+        for task in busy:
+            outcome = trace_task(task, tier, limits, wait=False, flush=False)
+            if outcome.busy:
+                still.append(task)
+            _take(handed, outcome)
+        busy = still
+    for task in busy:  # held for longer than the poll: the tier client's bounded wait (lease_wait)
+        outcome = trace_task(task, tier, limits, wait=True, flush=False)
+        if outcome.traced is None and outcome.found is None and outcome.error is None:
+            outcome = trace_task(task, tier, limits, wait=True, flush=False)  # its holder died: the lease lapsed
+        _take(handed, outcome)
+    return handed
+
+
+def _take(handed: dict[str, TracedVariant], outcome: TraceOutcome) -> None:
+    variant = outcome.traced or outcome.found
+    if variant is not None:
+        handed[outcome.cache_key] = variant
+
+
+def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
+    """A trace task read from the stream, traced here unless the tier holds it or another process traces it.
+    The result names what happened (`error` when the message is no task); it records no pass."""
+    result = PassResult("trace task")
+    try:
+        document = json.loads(raw)
+        task = task_from_document(document)
+    except (ValueError, TypeError, RecursionError, NkiCacheError) as exc:
+        result.error = f"trace task: not a trace task: {' '.join(str(exc).split())}"
+        return result
+    result.file = f"trace task {task.cache_key[:16]}... of job {document.get('job')}"
+    outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the job's process waits on the lease
+    result.error = outcome.error
+    result.counts["parallel_traces"] = int(outcome.traced is not None)
+    return result
