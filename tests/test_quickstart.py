@@ -37,3 +37,12 @@ def test_the_last_line_says_where_everything_is(tmp_path: Path) -> None:
     assert last.startswith(f"== everything is in {folder}/")
     for part in (folder / "graphs", folder / "out", folder / "tier.sqlite"):
         assert str(part) in last
+
+
+def test_the_summary_counts_what_the_cold_run_traced_in_parallel(tmp_path: Path) -> None:
+    folder = tmp_path / "qs"
+    result = CliRunner().invoke(main, ["quickstart", "--dir", str(folder), "--models", "2", "--workers", "2"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("== warm run"))
+    cold_traces = int(line.split("traces ")[1].split(" ->")[0])
+    assert cold_traces > 0 and " -> 0;" in line  # a cold run with 2 workers traced, in parallel traces

@@ -86,11 +86,16 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
         echo_json(report)
     else:
         warm_rates = rates_text(report["warm"])
-        click.echo(f"== warm run {speedup:.1f}x faster than cold; traces {report['cold']['traces']} -> "
-                   f"{report['warm']['traces']}; warm {warm_rates}")  # fmt: skip
+        click.echo(f"== warm run {speedup:.1f}x faster than cold; traces {_traced(report['cold'])} -> "
+                   f"{_traced(report['warm'])}; warm {warm_rates}")  # fmt: skip
         click.echo(f"== check: {len(checks)} compiled graphs run, {kernels} kernel outputs compared with numpy "
                    f"references: {'all OK' if not bad else f'{len(bad)} FAILED'}")  # fmt: skip
         click.echo(f"== everything is in {root}/: graphs in {graphs}, compiled artifacts in {out} (nkicache run "
                    f"{out} --check), the tier in {tier_path} (nkicache report --tier local:{tier_path})")  # fmt: skip
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _traced(summary: dict) -> int:
+    """Variants a compile traced, by its passes or by its processes in parallel (`parallel_traces`)."""
+    return int(summary.get("traces", 0)) + int(summary.get("parallel_traces", 0))
