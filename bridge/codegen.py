@@ -33,7 +33,7 @@ from bridge.ir import (
 )
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
-from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss
+from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
 from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, TracedVariant, VariantUse
 from bridge.registry import InternalKernelConfig, KernelCall, get_internal_kernel_registry
 from bridge.targets import Target, get_platform_target, make_target
@@ -317,11 +317,8 @@ class BirCodeGenLoop:
         components = {cache_key: key_components for _, key_components, cache_key in self._op_keys.values()}
         traces, self._prefetch_stored = self.tier.find_traces(sorted(components))
         self._prefetched = {key: traces.get(key) for key in components}
-        self._tier_down = not self.tier.available
-        absent = {key: components[key] for key in components if key not in self._prefetch_stored}
-        if absent and not self._tier_down:
-            # One more round trip, only for a pass that will miss: what the tier's index knows of those keys.
-            self._variant_facts = self.tier.variant_facts(absent)
+        # For a pass that will miss, one more round trip: what the tier's index knows of the absent keys.
+        self._tier_down, self._variant_facts = facts_of_absent(self.tier, components, self._prefetch_stored)
 
     def _key_components(self, inst: InternalNkiKernel) -> dict[str, Any]:
         """The key components the orchestrator builds for `inst` (before target and neuroncores are folded)."""

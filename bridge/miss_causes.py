@@ -19,9 +19,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.ir import freeze_key_components
+
+if TYPE_CHECKING:
+    from bridge.port import KernelStore
 
 # Each cause and what it means, in the order they are checked (and shown).
 MISS_CAUSE_MEANINGS = {
@@ -84,6 +87,16 @@ def variant_fingerprints(key_components: Mapping[str, Any]) -> VariantFingerprin
 def _digest(components: Mapping[str, Any]) -> str:
     # The key rule's own canonical form (str of the sorted items), so equal components always match.
     return hashlib.sha256(str(sorted(components.items())).encode()).hexdigest()[:FINGERPRINT_HEX]
+
+
+def facts_of_absent(
+    tier: KernelStore, components: Mapping[str, Mapping[str, Any]], stored: set[str]
+) -> tuple[bool, dict[str, VariantFacts] | None]:
+    """(whether the tier was down for a lookup of `components`' keys, what its variant index knows of those it
+    held nothing under): one more round trip, made only when some were absent and the tier is up."""
+    down = not tier.available
+    absent = {key: parts for key, parts in components.items() if key not in stored}
+    return down, tier.variant_facts(absent) if absent and not down else None
 
 
 def classify_miss(seen: MissObservation, facts: VariantFacts | None) -> str:

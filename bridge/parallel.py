@@ -27,7 +27,7 @@ from bridge.errors import NkiCacheError
 from bridge.graph import GraphError, load_graph
 from bridge.ir import InternalNkiKernel, Tensor
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
-from bridge.miss_causes import MissObservation, classify_miss
+from bridge.miss_causes import MissObservation, classify_miss, facts_of_absent
 from bridge.port import KernelStore, TracedVariant
 from bridge.targets import get_platform_target, make_target
 
@@ -139,9 +139,7 @@ def _without_held(plan: VariantPlan, tier: KernelStore) -> VariantPlan:
 def _miss_causes(kept: Sequence[TraceTask], stored: set[str], tier: KernelStore) -> dict[str, str]:
     """Why the tier missed each variant the plan traces (bridge.miss_causes), from the plan's own lookup and
     one read of the tier's variant index, as a pass's prefetch finds them; a pass counts its miss under it."""
-    down = not tier.available
-    absent = {task.cache_key: task.key_components for task in kept if task.cache_key not in stored}
-    facts = tier.variant_facts(absent) if absent and not down else None
+    down, facts = facts_of_absent(tier, {task.cache_key: task.key_components for task in kept}, stored)
     return {
         task.cache_key: classify_miss(MissObservation(down, rejected=task.cache_key in stored),
                                       None if facts is None else facts.get(task.cache_key))
