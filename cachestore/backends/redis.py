@@ -173,8 +173,9 @@ for i, k in ipairs(p.keys) do
   if redis.call('HSETNX', KEYS[8], key, first) == 1 then
     add('HINCRBY', KEYS[6], kernel, 1)
     redis.call('HSET', KEYS[10], key, kernel)
-  elseif not (stored(KEYS[8], key) and first >= stored(KEYS[8], key)) then
-    redis.call('HSET', KEYS[8], key, first)
+  else
+    local known = stored(KEYS[8], key)
+    if not (known and first >= known) then redis.call('HSET', KEYS[8], key, first) end
   end
   if last > (stored(KEYS[9], key) or 0) then redis.call('HSET', KEYS[9], key, last) end
   add('HINCRBY', KEYS[7], key, usage)
