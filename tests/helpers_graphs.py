@@ -18,6 +18,7 @@ import sqlite3
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,32 @@ class RedisView(TierView):
 
     def delete(self, cache_key: str) -> None:
         self._r.delete(self._k.entry(self.backend.toolchain, cache_key))
+
+
+def fresh_tier_backend(request: Any, tmp_path: Path) -> Iterator[tuple[str, str, Any]]:
+    """(URL, namespace, a backend of the test's own on it) of a fresh tier, for a fixture parametrized "local"
+    (an embedded file, created up front as a tier that persists between runs would be) or "redis" (a namespace
+    of its own on the test Redis, deleted afterwards)."""
+    import redis
+
+    from cachestore.backends.redis import RedisBackend
+    from cachestore.backends.sqlite import SqliteBackend
+    from cachestore.keys import KeySpace
+
+    namespace = unique_namespace()
+    if request.param == "local":
+        path = tmp_path / "tier.sqlite"
+        backend = SqliteBackend(path)
+        yield f"local:{path}", namespace, backend
+        backend.close()
+        return
+    url = request.getfixturevalue("redis_url")
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        yield url, namespace, RedisBackend(client, KeySpace(namespace))
+    finally:
+        delete_namespace(client, namespace)
+        client.close()
 
 
 def delete_namespace(client: Any, namespace: str) -> None:

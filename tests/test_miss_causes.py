@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers_graphs import delete_namespace, kernel_op, tensor, unique_namespace
+from helpers_graphs import delete_namespace, fresh_tier_backend, kernel_op, tensor, unique_namespace
 
 from bridge.codegen import BirCodeGenLoop, kernel_cache_key
 from bridge.graph import load_graph
@@ -28,7 +28,6 @@ from bridge.miss_causes import (
 from bridge.port import PASS_COUNTERS
 from bridge.targets import make_target
 from cachestore.backends.redis import RedisBackend
-from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient, open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
@@ -50,20 +49,8 @@ class Tier:
 
 @pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
-    namespace = unique_namespace()
-    if request.param == "local":
-        path = tmp_path / "tier.sqlite"
-        backend = SqliteBackend(path)
-        yield Tier(f"local:{path}", namespace, backend)
-        backend.close()
-        return
-    url = request.getfixturevalue("redis_url")
-    client = redis.Redis.from_url(url, socket_timeout=5)
-    try:
-        yield Tier(url, namespace, RedisBackend(client, KeySpace(namespace)))
-    finally:
-        delete_namespace(client, namespace)
-        client.close()
+    for url, namespace, backend in fresh_tier_backend(request, tmp_path):
+        yield Tier(url, namespace, backend)
 
 
 def graph_of(*ops: tuple[str, tuple[int, int], dict | None], name: str = "g", target: str | None = None) -> dict:

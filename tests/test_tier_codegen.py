@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from helpers_entries import payload_of
 from helpers_graphs import (
     MIXED_DISTINCT_KEYS,
@@ -22,12 +21,11 @@ from helpers_graphs import (
     assert_outputs_correct,
     binary_digests,
     compile_process_result,
-    delete_namespace,
+    fresh_tier_backend,
     mixed_graph,
     slow_graph,
     start_compile_process,
     stored_entries,
-    unique_namespace,
     wait_until,
     write_graph,
 )
@@ -35,11 +33,9 @@ from helpers_graphs import (
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.api import TOTAL_COUNTERS
-from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient, open_tier
 from cachestore.entry import SignaturePolicy, decode_entry, encode_entry
-from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 
 HOST = "test-host"
@@ -66,21 +62,8 @@ class Tier:
 
 @pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
-    namespace = unique_namespace()
-    if request.param == "local":
-        path = tmp_path / "tier.sqlite"
-        backend = SqliteBackend(path)  # created up front, as a tier that persists between runs would be
-        yield Tier(f"local:{path}", namespace, backend)
-        backend.close()
-        return
-    url = request.getfixturevalue("redis_url")
-    client = redis.Redis.from_url(url, socket_timeout=5)
-    backend = RedisBackend(client, KeySpace(namespace))
-    try:
+    for url, namespace, backend in fresh_tier_backend(request, tmp_path):
         yield Tier(url, namespace, backend)
-    finally:
-        delete_namespace(client, namespace)
-        client.close()
 
 
 def summed(batches: list[dict]) -> dict[str, float]:
