@@ -22,12 +22,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -50,11 +51,21 @@ from cachestore.api import (
     redact_url,
     tier_levels,
 )
-from cachestore.entry import Entry, EntryRejected, SignaturePolicy, TooLarge, decode_entry, encode_entry
+from cachestore.entry import (
+    Entry,
+    EntryRejected,
+    SignaturePolicy,
+    TooLarge,
+    Unsealed,
+    decode_entry,
+    encode_entry,
+    seal,
+    unsealed_entry,
+)
 from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.settings import Settings, SettingsError
-from cachestore.trust import Credentials, TrustError, load_credentials
+from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
 
@@ -88,6 +99,8 @@ class PendingStore:
     build: Callable[[], Entry]
     request: StoreRequest | None = None
     prepared: bool = False  # `request` is None after preparing when the entry is too large to store
+    # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
+    unsealed: Unsealed | None = None
 
 
 class TierStats:
@@ -394,13 +407,20 @@ class TierClient:
             self.release_lease(pending.cache_key)
 
     def _prepare(self, pending: PendingStore) -> StoreRequest | None:
-        """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes."""
+        """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes. A writer's
+        entry is encoded but for its signature, which `_seal` adds with its group's on send."""
         if not pending.prepared:
             entry = pending.build()
-            full = encode_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
-            if len(full) > self.settings.max_entry_bytes:
+            full, unsealed = b"", None
+            if self.writer is not None:
+                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
+                size = unsealed.most_bytes
+            else:
+                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key)
+                size = len(full)
+            if size > self.settings.max_entry_bytes:
                 logger.warning(
-                    "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], len(full)
+                    "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], size
                 )
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
@@ -408,11 +428,26 @@ class TierClient:
                 index = stored_fields(pending.cache_key, entry.key_components, self._partition)
                 ttl = None
                 if self._value_ttls:
-                    ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(full)))
+                    ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, size))
                 pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name,
                                                entry.compile_seconds, ttl, index)  # fmt: skip
+                pending.unsealed = unsealed
             pending.prepared = True
         return pending.request
+
+    def _seal(self, stores: list[PendingStore]) -> None:
+        """Sign the writer's entries of one send together: one signature per group of at most MAX_GROUP (split
+        evenly), over the Merkle root of the group, so a reader that reads them verifies it once. An entry
+        sealed before a failed send keeps its signature for the retry."""
+        waiting = [pending for pending in stores if pending.unsealed is not None and pending.request is not None]
+        if not waiting or self.writer is None:
+            return
+        groups = math.ceil(len(waiting) / MAX_GROUP)
+        size = math.ceil(len(waiting) / groups)
+        for start in range(0, len(waiting), size):
+            group = waiting[start : start + size]
+            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer), strict=True):
+                pending.request, pending.unsealed = replace(pending.request, full=data), None
 
     def publish_trace(
         self,
@@ -551,7 +586,10 @@ class TierClient:
         if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
-            requests = [request for request in map(self._prepare, stores) if request is not None]
+            for pending in stores:
+                self._prepare(pending)
+            self._seal(stores)
+            requests = [pending.request for pending in stores if pending.request is not None]
             ok = True
             if requests:  # (none when every one was too large: warned and dropped)
                 ok, _ = self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")

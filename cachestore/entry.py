@@ -1,15 +1,20 @@
 """The cache entry as stored in a tier: a short binary header, then the body, msgpack, compressed with zstd.
 
     stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>]
-              [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>] payload
+              [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>
+               [<leaf index: 2 bytes> <group size: 2 bytes> <audit path: 32 bytes a hash>]] payload
     payload = one zstd frame (its decompressed size declared) of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
 
-Flag bit 0 says the HMAC is there, bit 1 the writer's signature (`cachestore.trust`: it covers the schema,
-flags, key id, the cache key the entry is stored under and the payload's SHA-256, so it costs one Ed25519
-verify whatever the binary's size). Entries written before writer signatures have bit 1 clear and stay
-readable as they were, except by a reader with a trust policy, which rejects them (no trusted writer).
+Flag bit 0 says the HMAC is there, bit 1 a writer's signature of this entry alone, bit 2 a writer's batch
+signature (`cachestore.trust`). Either covers the schema, flags, key id, the cache key the entry is stored
+under and the payload's SHA-256, so it costs no hashing of the binary: bit 1's signature signs that message;
+bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), and the entry carries its leaf
+index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
+reading many entries of one group verifies one signature. Writers write bit 2 only; entries signed with bit 1
+(before batch signatures) verify as they did. Entries written before writer signatures have neither bit and
+stay readable as they were, except by a reader with a trust policy, which rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
 one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
@@ -37,13 +42,23 @@ import hashlib
 import hmac
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import zstandard
 
-from cachestore.trust import KEY_ID_BYTES, SIGNATURE_BYTES, TrustPolicy, WriterKey, signed_message
+from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, root_from_path, tree_root
+from cachestore.trust import (
+    KEY_ID_BYTES,
+    MAX_GROUP,
+    SIGNATURE_BYTES,
+    TrustPolicy,
+    WriterKey,
+    batch_message,
+    signed_message,
+)
 
 SCHEMA_VERSION = 3  # 2: the body names its toolchain; 3: binary header, zstd payload, body a list
 MAGIC = b"NKC"
@@ -52,10 +67,15 @@ MAGIC = b"NKC"
 COMPRESSION_LEVEL = 3
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _SIGNED = 0x01
-_WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature follow the HMAC (cachestore.trust)
-_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED
+_WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
+_WRITER_BATCH = 0x04  # the same, the signature a group's, then the leaf index, group size and audit path
+_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED | _WRITER_BATCH
 _SUM_AT, _SUM_BYTES, _SIG_BYTES = len(MAGIC) + 2, 32, 32
 _WRITER_BYTES = KEY_ID_BYTES + SIGNATURE_BYTES
+_PLACE_BYTES = 4  # leaf index and group size, 2 bytes each
+# The most bytes a writer section adds to an entry (a group of MAX_GROUP): what a writer allows for when it
+# checks an entry's size before the group is known.
+MAX_WRITER_SECTION = _WRITER_BYTES + _PLACE_BYTES + HASH_BYTES * (MAX_GROUP - 1).bit_length()
 # A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
 # four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
 MAX_BODY_OBJECTS = 1 << 16
@@ -150,17 +170,77 @@ def encode_entry(
     entry: Entry, hmac_key: bytes | None = None, writer: WriterKey | None = None, cache_key: str = ""
 ) -> bytes:
     """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, the
-    writer's key id and signature when a writer key is given (over `cache_key`, the key it is stored under),
-    then the payload (the body, compressed)."""
-    payload = _compressor().compress(msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True))
-    signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
-    flags = (_SIGNED if signature else 0) | (_WRITER_SIGNED if writer else 0)
-    digest = hashlib.sha256(payload).digest()
-    by_writer = b""
+    writer's section when a writer key is given (a batch signature of a group of one: over `cache_key`, the
+    key it is stored under), then the payload (the body, compressed). A writer storing several entries at once
+    signs them together instead (`unsealed_entry`, `seal`)."""
     if writer is not None:
-        message = signed_message(SCHEMA_VERSION, flags, writer.key_id, cache_key, digest)
-        by_writer = writer.key_id + writer.sign(message)
-    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest, signature, by_writer, payload))
+        return seal([unsealed_entry(entry, hmac_key, writer, cache_key)], writer)[0]
+    payload = _payload(entry)
+    signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
+    flags = _SIGNED if signature else 0
+    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
+
+
+def _payload(entry: Entry) -> bytes:
+    return _compressor().compress(msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True))
+
+
+@dataclass(frozen=True)
+class Unsealed:
+    """An entry encoded but for its writer section, which `seal` adds once the group it is signed in is known."""
+
+    cache_key: str
+    head: bytes  # MAGIC, schema, flags (the batch bit set), the payload's SHA-256, its HMAC when there is one
+    payload: bytes
+    key_id: bytes
+
+    @property
+    def message(self) -> bytes:
+        """What a signature of this entry alone would sign: its leaf in the group's tree is the hash of it."""
+        digest = self.head[_SUM_AT : _SUM_AT + _SUM_BYTES]
+        return signed_message(SCHEMA_VERSION, self.head[len(MAGIC) + 1], self.key_id, self.cache_key, digest)
+
+    @property
+    def most_bytes(self) -> int:
+        """Its stored size at most, whatever group it is sealed in."""
+        return len(self.head) + MAX_WRITER_SECTION + len(self.payload)
+
+
+def unsealed_entry(entry: Entry, hmac_key: bytes | None, writer: WriterKey, cache_key: str) -> Unsealed:
+    """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`)."""
+    payload = _payload(entry)
+    signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
+    flags = (_SIGNED if signature else 0) | _WRITER_BATCH
+    head = b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature))
+    return Unsealed(cache_key, head, payload, writer.key_id)
+
+
+def seal(group: Sequence[Unsealed], writer: WriterKey) -> list[bytes]:
+    """The stored forms of `group` (1 to MAX_GROUP entries prepared for `writer`), signed with one signature
+    over the Merkle root of their messages; each carries its leaf index, the group's size and its audit path."""
+    if not 1 <= len(group) <= MAX_GROUP:
+        raise ValueError(f"a batch signature covers 1 to {MAX_GROUP} entries, not {len(group)}")
+    if any(item.key_id != writer.key_id for item in group):
+        raise ValueError("an entry of the group was prepared for another writer key")
+    leaves = [leaf_hash(item.message) for item in group]
+    size = len(group)
+    signature = writer.sign(batch_message(writer.key_id, size, tree_root(leaves)))
+    place = [(index.to_bytes(2, "big") + size.to_bytes(2, "big"), path) for index, path in
+             enumerate(inclusion_paths(leaves))]  # fmt: skip
+    return [b"".join((item.head, writer.key_id, signature, at, *path, item.payload))
+            for item, (at, path) in zip(group, place, strict=True)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WriterSection:
+    """What an entry's header says of its writer (unverified): the key id, the signature, and for a batch
+    signature the entry's place in its group (leaf index, group size, audit path)."""
+
+    key_id: bytes
+    signature: bytes
+    index: int = 0
+    size: int = 0  # 0: the signature is of this entry alone (written before batch signatures)
+    path: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -191,12 +271,12 @@ def decode_entry(
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
         raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    signature, payload = open_stored(data)
+    signature, section, payload = _open(data)
     digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
     if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
         raise EntryRejected("stored bytes do not match their digest")
     signed = _check_signature(payload, signature, policy)
-    writer = _check_writer(data, digest, policy, cache_key)
+    writer = _check_writer(section, data[len(MAGIC) + 1], digest, policy, cache_key)
     fields = _unpack(
         _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
@@ -211,6 +291,13 @@ def decode_entry(
 def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     """(signature or None, payload) of an encoded entry, both as stored; raises EntryRejected when `data`
     is not an entry of this schema (an older schema's entry is rejected like any other: a miss)."""
+    signature, _, payload = _open(data)
+    return signature, payload
+
+
+def _open(data: bytes) -> tuple[bytes | None, WriterSection | None, bytes]:
+    """(HMAC or None, writer section or None, payload) of an encoded entry; raises EntryRejected when `data` is
+    not an entry of this schema or its header is truncated."""
     if not data.startswith(MAGIC):
         older = data[:1] and 0x80 <= data[0] <= 0x8F  # schema 1 and 2 were a msgpack map
         raise EntryRejected("an entry of an older schema (a msgpack map)" if older else "not an nkicache entry")
@@ -227,29 +314,45 @@ def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
         if len(data) < start + _SIG_BYTES:
             raise EntryRejected("entry signature is truncated")
         signature, start = data[start : start + _SIG_BYTES], start + _SIG_BYTES
-    if flags & _WRITER_SIGNED:
-        if len(data) < start + _WRITER_BYTES:
-            raise EntryRejected("entry writer signature is truncated")
-        start += _WRITER_BYTES
-    return signature, data[start:]
+    section = None
+    if flags & (_WRITER_SIGNED | _WRITER_BATCH):
+        section, start = _writer_section_at(data, start, flags)
+    return signature, section, data[start:]
 
 
-def writer_section(data: bytes) -> tuple[bytes, bytes] | None:
-    """(writer key id, Ed25519 signature) of an encoded entry, or None when it carries none (or is no entry)."""
+def _writer_section_at(data: bytes, start: int, flags: int) -> tuple[WriterSection, int]:
+    """The writer section starting at `start`, and where the payload starts after it."""
+    if flags & _WRITER_SIGNED and flags & _WRITER_BATCH:
+        raise EntryRejected("entry header claims two kinds of writer signature")
+    batch = bool(flags & _WRITER_BATCH)
+    end = start + _WRITER_BYTES + (_PLACE_BYTES if batch else 0)
+    if len(data) < end:
+        raise EntryRejected("entry writer signature is truncated")
+    key_id, signature = data[start : start + KEY_ID_BYTES], data[start + KEY_ID_BYTES : start + _WRITER_BYTES]
+    if not batch:
+        return WriterSection(key_id, signature), end
+    index, size = int.from_bytes(data[end - 4 : end - 2], "big"), int.from_bytes(data[end - 2 : end], "big")
+    if not index < size:  # a size of 0 included; a size up to 65535 is read (a path of 16 hashes at most)
+        raise EntryRejected(f"entry writer signature names leaf {index} of a group of {size}")
+    hashes = path_length(index, size)
+    if len(data) < end + HASH_BYTES * hashes:
+        raise EntryRejected("entry audit path is truncated")
+    path = tuple(data[end + HASH_BYTES * i : end + HASH_BYTES * (i + 1)] for i in range(hashes))
+    return WriterSection(key_id, signature, index, size, path), end + HASH_BYTES * hashes
+
+
+def writer_section(data: bytes) -> WriterSection | None:
+    """The writer section of an encoded entry, unverified, or None when it carries none (or is no entry)."""
     try:
-        payload = open_stored(data)[1]
+        return _open(data)[1]
     except EntryRejected:
         return None
-    if not data[len(MAGIC) + 1] & _WRITER_SIGNED:
-        return None
-    end = len(data) - len(payload)
-    return data[end - _WRITER_BYTES : end - SIGNATURE_BYTES], data[end - SIGNATURE_BYTES : end]
 
 
 def writer_of(data: bytes | TooLarge) -> str:
     """The key id (hex) of the writer that signed an encoded entry, unverified; "" when none (listings, gc)."""
     section = None if isinstance(data, TooLarge) else writer_section(data)
-    return section[0].hex() if section else ""
+    return section.key_id.hex() if section else ""
 
 
 def is_signed(data: bytes) -> bool:
@@ -314,21 +417,29 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
     return False
 
 
-def _check_writer(data: bytes, digest: bytes, policy: SignaturePolicy, cache_key: str | None) -> bytes | None:
+def _check_writer(
+    section: WriterSection | None, flags: int, digest: bytes, policy: SignaturePolicy, cache_key: str | None
+) -> bytes | None:
     """The writer's key id when the entry carries a writer signature (checked against the trust policy when
     the reader holds one); raises EntryRejected when the policy does not accept it."""
-    section = writer_section(data)
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
-        return None if section is None else section[0]
+        return None if section is None else section.key_id
     if section is None:
         raise EntryRejected("entry has no writer signature and this reader trusts signed entries only")
     if cache_key is None:
         raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
-    key_id, signature = section
-    flags = data[len(MAGIC) + 1]
-    problem = policy.trust.check(key_id, signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest), signature)
+    key_id = section.key_id
+    message = signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest)
+    if section.size:
+        # The leaf walked up its path: a root no signature covers (another group's path, another index, another
+        # key or payload) fails the signature check below, as a forged signature does.
+        root = root_from_path(leaf_hash(message), section.index, section.size, section.path)
+        if root is None:  # the parse took the path length from index and size: cannot happen, but never accept
+            raise EntryRejected("entry audit path does not fit its place in the group")
+        message = batch_message(key_id, section.size, root)
+    problem = policy.trust.check(key_id, message, section.signature)
     if problem is not None:
         raise EntryRejected(problem)
     return key_id

@@ -126,7 +126,7 @@ def test_wrong_schema_version_is_rejected(schema: int) -> None:
 
 def test_unknown_header_flags_are_rejected() -> None:
     data = bytearray(encode_entry(make_entry()))
-    data[4] = 0x04  # bits 0 (HMAC) and 1 (writer signature) are known
+    data[4] = 0x08  # bits 0 (HMAC), 1 (writer signature) and 2 (batch signature) are known
     assert "flags" in rejected(bytes(data))
 
 
