@@ -49,7 +49,7 @@ from typing import Any
 import msgpack
 import zstandard
 
-from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, root_from_path, tree_root
+from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
 from cachestore.trust import (
     KEY_ID_BYTES,
     MAX_GROUP,
@@ -242,6 +242,11 @@ class WriterSection:
     size: int = 0  # 0: the signature is of this entry alone (written before batch signatures)
     path: tuple[bytes, ...] = ()
 
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes it takes in the entry's header."""
+        return _WRITER_BYTES + (_PLACE_BYTES + HASH_BYTES * len(self.path) if self.size else 0)
+
 
 @dataclass(frozen=True)
 class SignaturePolicy:
@@ -433,12 +438,13 @@ def _check_writer(
     key_id = section.key_id
     message = signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest)
     if section.size:
-        # The leaf walked up its path: a root no signature covers (another group's path, another index, another
-        # key or payload) fails the signature check below, as a forged signature does.
-        root = root_from_path(leaf_hash(message), section.index, section.size, section.path)
-        if root is None:  # the parse took the path length from index and size: cannot happen, but never accept
-            raise EntryRejected("entry audit path does not fit its place in the group")
-        message = batch_message(key_id, section.size, root)
+        # The leaf walked up its path to a root the signature must cover: another group's path, another index,
+        # another cache key or payload give a root no signature of the writer covers, as a forgery does.
+        place = (section.index, section.size, section.path)
+        problem = policy.trust.check_batch(key_id, leaf_hash(message), place, section.signature)
+        if problem is not None:
+            raise EntryRejected(problem)
+        return key_id
     problem = policy.trust.check(key_id, message, section.signature)
     if problem is not None:
         raise EntryRejected(problem)

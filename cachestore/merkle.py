@@ -11,7 +11,7 @@ attack on plain Merkle trees). The tree over n leaves splits at the largest powe
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 HASH_BYTES = 32
 _LEAF, _NODE = b"\x00", b"\x01"
@@ -60,22 +60,40 @@ def path_length(index: int, size: int) -> int:
     return length
 
 
-def root_from_path(leaf: bytes, index: int, size: int, path: Sequence[bytes]) -> bytes | None:
-    """The root that `path` proves `leaf` (a leaf hash) at `index` of a tree of `size` leaves under, by RFC 9162
-    2.1.3.2; None when the path cannot be one of that tree (an index out of range, too many or too few hashes).
-    The caller compares the root with a signed one: a path from another tree gives another root."""
+def climb(leaf: bytes, index: int, size: int, path: Sequence[bytes]) -> Iterator[bytes]:
+    """The nodes from `leaf` (a leaf hash) at `index` of a tree of `size` leaves up to the root, by RFC 9162
+    2.1.3.2: the leaf first, then each parent `path` gives, the root last. Raises PathMismatch, once the nodes
+    are given, when `path` cannot be one of that tree (an index out of range, too many or too few hashes). A
+    caller may stop early, at a node it already knows to be under a signed root."""
     if not 0 <= index < size:
-        return None
-    fn, sn, root = index, size - 1, leaf
+        raise PathMismatch(f"leaf {index} of a tree of {size}")
+    fn, sn, node = index, size - 1, leaf
+    yield node
     for sibling in path:
         if sn == 0:
-            return None  # more hashes than the tree is high
+            raise PathMismatch("more hashes than the tree is high")
         if fn & 1 or fn == sn:
-            root = node_hash(sibling, root)
+            node = node_hash(sibling, node)
             if not fn & 1:
                 while not (fn & 1 or fn == 0):
                     fn, sn = fn >> 1, sn >> 1
         else:
-            root = node_hash(root, sibling)
+            node = node_hash(node, sibling)
         fn, sn = fn >> 1, sn >> 1
-    return root if sn == 0 else None
+        yield node
+    if sn != 0:
+        raise PathMismatch("fewer hashes than the tree is high")
+
+
+class PathMismatch(ValueError):
+    """An audit path that cannot belong to the tree its index and size describe."""
+
+
+def root_from_path(leaf: bytes, index: int, size: int, path: Sequence[bytes]) -> bytes | None:
+    """The root that `path` proves `leaf` at `index` of a tree of `size` leaves under; None when the path cannot
+    be one of that tree. The caller compares the root with a signed one: a path from another tree gives
+    another root."""
+    try:
+        return list(climb(leaf, index, size, path))[-1]
+    except PathMismatch:
+        return None

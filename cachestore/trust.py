@@ -35,6 +35,7 @@ import os
 import stat
 import threading
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from bridge.errors import NkiCacheError
+from cachestore.merkle import PathMismatch, climb
 
 KEY_ID_BYTES = 16
 SIGNATURE_BYTES = 64
@@ -168,6 +170,11 @@ class TrustPolicy:
         self.writers = {writer.key_id: writer for writer in writers}
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # Tree nodes (leaves, interior nodes, roots) known to be under a root a trusted writer signed, each to
+        # the key id of that writer: an entry whose path reaches one is in that writer's signed group, so the
+        # second entry of a group read costs its leaf and a hash or two, and no verify.
+        self._nodes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self.verifies = 0  # Ed25519 verifies this policy ran (the memos answer the others): `nkicache bench`
 
     def adding(self, writer: WriterKey, name: str) -> TrustPolicy:
         """This policy, trusting `writer` too."""
@@ -191,6 +198,7 @@ class TrustPolicy:
             if memo in self._verified:
                 self._verified.move_to_end(memo)
                 return None
+            self.verifies += 1
         try:
             writer.public.verify(signature, message)
         except InvalidSignature:
@@ -200,6 +208,41 @@ class TrustPolicy:
             if len(self._verified) > VERIFIED_MEMO_SIZE:
                 self._verified.popitem(last=False)
         return None
+
+    def check_batch(
+        self, key_id: bytes, leaf: bytes, place: tuple[int, int, Sequence[bytes]], signature: bytes
+    ) -> str | None:
+        """None when `leaf` (cachestore.merkle.leaf_hash of an entry's `signed_message`) is, by its audit path
+        (leaf index, group size, path), in a group whose root `signature` of the trusted key `key_id` signs, or
+        in one already verified; else why not. Verifies one signature per group this process reads."""
+        writer = self.writers.get(key_id)
+        if writer is None:
+            return f"signed by writer {key_id.hex()}, which the trust policy does not trust"
+        index, size, path = place
+        walked = []
+        try:
+            for node in climb(leaf, index, size, path):
+                if self._nodes.get(node) == key_id:  # a read of a dict: atomic under the GIL
+                    self._remember(walked, key_id)
+                    return None
+                walked.append(node)
+        except PathMismatch as exc:
+            return f"audit path of writer {key_id.hex()} ({writer.name}) does not verify: {exc}"
+        with self._lock:
+            self.verifies += 1
+        try:
+            writer.public.verify(signature, batch_message(key_id, size, walked[-1]))
+        except InvalidSignature:
+            return f"signature of writer {key_id.hex()} ({writer.name}) does not verify over its group's root"
+        self._remember(walked, key_id)
+        return None
+
+    def _remember(self, nodes: list[bytes], key_id: bytes) -> None:
+        with self._lock:
+            for node in nodes:
+                self._nodes[node] = key_id
+            while len(self._nodes) > VERIFIED_MEMO_SIZE:
+                self._nodes.popitem(last=False)
 
 
 def load_trust_policy(path: str | Path) -> TrustPolicy:
