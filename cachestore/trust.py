@@ -223,7 +223,8 @@ class TrustPolicy:
         try:
             for node in climb(leaf, index, size, path):
                 if self._nodes.get(node) == key_id:  # a read of a dict: atomic under the GIL
-                    self._remember(walked, key_id)
+                    if walked:
+                        self._remember(walked, key_id)
                     return None
                 walked.append(node)
         except PathMismatch as exc:

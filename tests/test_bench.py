@@ -33,7 +33,11 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     assert bench.local_hit_cost(graphs, config)["local_hit_us"] > 0
     assert 0 < bench.key_throughput(graphs, config)["key_throughput_ratio"] < 1  # hashing alone is cheaper
     signed = bench.signature_overhead(graphs, config, url, tmp_path)
-    assert signed["entries"] > 0 and signed["rejected"] == 0 and signed["verify_us"] > signed["memo_check_us"] > 0
+    assert signed["entries"] > 0 and signed["rejected"] == 0 and signed["first_check_us"] > signed["memo_check_us"] > 0
+    # A first hit verifies at most once, and a group signs one entry at least: never more verifies than hits.
+    assert 0 < signed["prefetch_verifies_per_hit"] <= 1 and 0 < signed["first_hit_verifies_per_hit"] <= 1
+    assert signed["groups"] <= signed["entries"] and signed["big_pass_hits"] > 0
+    assert signed["signature_overhead"] >= signed["signature_overhead_prefetch"]
     storage = bench.storage_ratio(graphs, url)
     assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
     assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0

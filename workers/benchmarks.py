@@ -231,10 +231,10 @@ def _is_reference(tier: Any, key: str) -> bool:
 # -- signature_overhead (issue 22) ----------------------------------------------------------------------
 def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str, work: Path) -> dict:
     """The time a trusted reader spends checking writers' signatures / the time of its remote hits, measured in
-    the same reads, on entries a writer with an Ed25519 key stored by compiling the workload (its flusher signs
-    each flush group once, cachestore.entry.seal). The headline `signature_overhead` is the worse of two
-    first-hit figures, every hit an entry's first in its process (a reader with a fresh trust policy, so an
-    empty memo of verified signatures):
+    the same reads, on entries a writer with an Ed25519 key stored by compiling the workload, a pass a graph
+    (its flusher signs each flush group once, cachestore.entry.seal). The headline `signature_overhead` is the
+    worse of two first-hit figures, every hit an entry's first in its process (a reader with a fresh trust
+    policy, so empty memos of verified signatures and tree nodes):
 
     - `signature_overhead_prefetch`: a fresh reader compiles the workload graph by graph, as a worker does:
       each pass's prefetch reads the graph's variants in one round trip; the time is that of the tier's reads
@@ -242,16 +242,18 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     - `signature_overhead_first_hit`: a fresh reader hits every full entry one lookup at a time, in the order
       the tier lists them (the time of each lookup, plus handing it to the loop).
 
-    `signature_overhead_hit_again`: the same lookups again in the same process (the memo answers). Each figure
-    comes with its Ed25519 verifies per hit."""
+    `signature_overhead_hit_again`: the same lookups again in the same process (the memos answer).
+    `signature_overhead_big_pass`: the prefetch figure when the writer stores, and the reader reads, one large
+    graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit."""
     from cachestore.trust import write_writer_key
 
+    drop_namespaces(redis_url, SIGNATURE_NAMESPACES)  # a run before this one left entries of another key
     key = write_writer_key(work / "bench-writer.key", "bench")
     policy = work / "bench-trust.toml"
     policy.write_text(key.policy_entry("bench"))
-    settings = tier_settings(redis_url, namespace="nkibench-sig")
-    writer = open_tier(settings.replace(writer_key_file=str(work / "bench-writer.key"), trust_policy=str(policy)))
-    reader_settings = settings.replace(trust_policy=str(policy), tier_mode="read-only")
+    settings = tier_settings(redis_url, namespace=SIGNATURE_NAMESPACES[0]).replace(trust_policy=str(policy))
+    writer = open_tier(settings.replace(writer_key_file=str(work / "bench-writer.key")))
+    reader_settings = settings.replace(tier_mode="read-only")
     try:
         compile_all(graphs, writer)
         writer.flush(30)
@@ -261,24 +263,52 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
         lookups = _lookup_rounds(full, reader_settings, max(2, 1000 // max(1, len(full))))
     finally:
         writer.close()
+    big = _big_pass(settings.replace(namespace=SIGNATURE_NAMESPACES[1]), work)
     first, again = lookups["rounds"][0], lookups["rounds"][1:]
     first_hit = _overhead(first)
     hit_again = _overhead([hit for rounds in again for hit in rounds])
+    worst_is_prefetch = prefetch["overhead"] >= first_hit["overhead"]
+    first_verifies = lookups["first_verifies"] / max(1, len(full))
     result = {
         "signature_overhead": max(prefetch["overhead"], first_hit["overhead"]),
+        "verifies_per_hit": prefetch["verifies_per_hit"] if worst_is_prefetch else first_verifies,
         "signature_overhead_prefetch": prefetch["overhead"],
         "signature_overhead_first_hit": first_hit["overhead"],
         "signature_overhead_hit_again": hit_again["overhead"],
-        "prefetch_verifies_per_hit": prefetch["verifies"] / max(1, prefetch["hits"]),
-        "prefetch_hit_us": prefetch["read_us"] / max(1, prefetch["hits"]),
-        "prefetch_check_us": prefetch["check_us"] / max(1, prefetch["hits"]),
-        "first_hit_verifies_per_hit": lookups["first_verifies"] / max(1, len(full)),
+        "signature_overhead_big_pass": big.get("overhead"),
+        **{f"prefetch_{name}": value for name, value in prefetch.items() if name != "overhead"},
+        **{f"big_pass_{name}": value for name, value in big.items() if name != "overhead"},
+        "first_hit_verifies_per_hit": first_verifies,
         "first_hit_us": first_hit["hit_us"], "first_check_us": first_hit["check_us"],
         "hit_us": hit_again["hit_us"], "memo_check_us": hit_again["check_us"],
         "entries": len(full), "references": len(stored) - len(full), "rounds": len(lookups["rounds"]),
-        "prefetch_hits": prefetch["hits"], "rejected": prefetch["rejected"] + lookups["rejected"],
+        "rejected": prefetch["rejected"] + lookups["rejected"],
     }  # fmt: skip
     return {**result, **_group_shape(stored.values())}
+
+
+SIGNATURE_NAMESPACES = ("nkibench-sig", "nkibench-sig-big")
+
+
+def _big_pass(settings: Any, work: Path) -> dict:
+    """The writer compiles bench/pool_scaling.py's one large graph in one pass, a fresh reader reads it: the
+    prefetch figures ({} when bench/ is not beside the package)."""
+    import importlib.util
+
+    script = BENCH_SCRIPTS / "pool_scaling.py"
+    if not script.is_file():
+        return {}
+    spec = importlib.util.spec_from_file_location("nkibench_pool_scaling", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    graph = load_graph(module.big_graph(work / "big"))
+    writer = open_tier(settings.replace(writer_key_file=str(work / "bench-writer.key")))
+    try:
+        compile_all([graph], writer)
+        writer.flush(30)
+    finally:
+        writer.close()
+    return _first_pass_reads([graph], settings.replace(tier_mode="read-only"))
 
 
 def _timed(owner: Any, name: str, spent: list[float]) -> None:
@@ -306,8 +336,9 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
         _timed(reader, "find_many", reads)
         compile_all(graphs, reader)
         counts = reader.counts()
-        return {"overhead": checks[0] / reads[0], "read_us": reads[0] * 1e6, "check_us": checks[0] * 1e6,
-                "hits": counts["entries_found"], "verifies": reader.policy.trust.verifies,
+        hits = max(1, counts["entries_found"])
+        return {"overhead": checks[0] / reads[0], "hit_us": reads[0] * 1e6 / hits, "check_us": checks[0] * 1e6 / hits,
+                "verifies_per_hit": reader.policy.trust.verifies / hits, "hits": counts["entries_found"],
                 "rejected": counts["tier_rejected"]}  # fmt: skip
     finally:
         reader.close()
@@ -350,11 +381,13 @@ def _group_shape(stored: Any) -> dict:
     """How the writer's entries were grouped under batch signatures, and the bytes of the writer section."""
     from cachestore.entry import writer_section
 
+    stored = list(stored)
     sections = [section for data in stored if (section := writer_section(data)) is not None]
     groups = {(s.key_id, s.signature) for s in sections}
     return {"groups": len(groups), "mean_group_size": len(sections) / max(1, len(groups)),
             "largest_group": max((s.size for s in sections), default=0),
-            "writer_section_bytes": statistics.mean(s.stored_bytes for s in sections) if sections else 0}  # fmt: skip
+            "writer_section_bytes": statistics.mean(s.stored_bytes for s in sections) if sections else 0,
+            "entry_bytes": statistics.mean(len(data) for data in stored) if stored else 0}  # fmt: skip
 
 
 # -- 4. local_hit_us and 5. key_throughput_ratio ---------------------------------------------------
@@ -692,7 +725,7 @@ def _logged_entries(tier: Any) -> dict:
 
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
 REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
-                    "nkibench-storage", "nkibench-upgrade", "nkibench-misses", "nkibench-sig")  # fmt: skip
+                    "nkibench-storage", "nkibench-upgrade", "nkibench-misses", *SIGNATURE_NAMESPACES)  # fmt: skip
 
 
 def drop_namespaces(redis_url: str, namespaces: Sequence[str] = REDIS_NAMESPACES) -> int:
