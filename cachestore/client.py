@@ -51,6 +51,7 @@ from cachestore.api import (
     redact_url,
     tier_levels,
 )
+from cachestore.checkpoint import CheckpointLog, CheckpointReader, CheckpointRecord
 from cachestore.entry import (
     Entry,
     EntryRejected,
@@ -143,9 +144,15 @@ class TierClient:
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
         self.credentials = credentials or settings_credentials(settings)
         self.writer = self.credentials.writer
-        self.policy = SignaturePolicy(
-            settings.hmac_key, settings.require_signed, settings.reject_unverifiable, self.credentials.trust
-        )
+        trust = self.credentials.trust
+        # Writers' checkpoints (cachestore.checkpoint) live on Redis only: a local tier's reader checks each entry
+        # by its group signature, and a writer's log is made with the backend, once it says it keeps them.
+        self.checkpoints = None
+        if trust is not None and settings.tier.startswith(REDIS_SCHEMES):
+            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition)
+        self._checkpoint_log: CheckpointLog | None = None
+        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust,
+                                      self.checkpoints)  # fmt: skip
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
@@ -312,6 +319,28 @@ class TierClient:
             entry.stored = data
         return entry
 
+    def _fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
+        """A writer's checkpoint chunk as stored (CheckpointReader's fetch), or None; a timeout or an outage is
+        counted and opens the breaker as any read's does."""
+
+        def read(backend: Backend) -> bytes | None:
+            if not getattr(backend, "keeps_checkpoints", False):
+                return None
+            return backend.fetch_checkpoint(key_id_hex, instance_hex, chunk)  # type: ignore[attr-defined]
+
+        ok, data = self._guarded(read, "checkpoint")
+        return data if ok else None
+
+    def _checkpoint_writer(self) -> CheckpointLog | None:
+        """This writer's checkpoint log, made the first time it is asked for on a backend that keeps them (the
+        backend is opened for that: it is about to be written anyway)."""
+        if self._checkpoint_log is None and self.writer is not None and self.writes:
+            if self._backend is None:
+                self._guarded(lambda backend: None, "store")
+            if self._backend is not None and getattr(self._backend, "keeps_checkpoints", False):
+                self._checkpoint_log = CheckpointLog(self.writer, self._partition)
+        return self._checkpoint_log
+
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         """What the variant index knows of each missed cache key (its key components given), in one round
         trip; None when the index cannot be read. A diagnosis only: a failure is logged at debug level and
@@ -413,7 +442,8 @@ class TierClient:
             entry = pending.build()
             full, unsealed = b"", None
             if self.writer is not None:
-                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
+                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key,
+                                          self._checkpoint_writer() is not None)  # fmt: skip
                 size = unsealed.most_bytes
             else:
                 full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key)
@@ -446,8 +476,16 @@ class TierClient:
         size = math.ceil(len(waiting) / groups)
         for start in range(0, len(waiting), size):
             group = waiting[start : start + size]
-            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer), strict=True):
+            refs = self._chunk_refs([p.unsealed for p in group])
+            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer, refs), strict=True):
                 pending.request, pending.unsealed = replace(pending.request, full=data), None
+
+    def _chunk_refs(self, group: Sequence[Unsealed]) -> list[bytes]:
+        """The checkpoint chunk each entry of `group` is listed in (b"" for one prepared without a checkpoint)."""
+        log = self._checkpoint_log
+        listed = [item for item in group if item.checkpointed]
+        refs = iter(log.place([item.leaf for item in listed]) if listed and log is not None else ())
+        return [next(refs) if item.checkpointed else b"" for item in group]
 
     def publish_trace(
         self,
@@ -482,8 +520,15 @@ class TierClient:
 
     def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
         """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
-        key, writer = self.settings.hmac_key, self.writer
-        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
+        key, writer, log = self.settings.hmac_key, self.writer, self._checkpoint_log
+        if writer is None or log is None:
+            return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
+
+        def listed(holder: str) -> bytes:  # in the checkpoint too: a reference's first hit then costs no verify
+            unsealed = unsealed_entry(entry.as_reference_to(holder), key, writer, cache_key, True)
+            return seal([unsealed], writer, log.place([unsealed.leaf]))[0]
+
+        return listed
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
@@ -592,7 +637,7 @@ class TierClient:
             requests = [pending.request for pending in stores if pending.request is not None]
             ok = True
             if requests:  # (none when every one was too large: warned and dropped)
-                ok, _ = self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")
+                ok = self._store(requests)
             releases = [(item.cache_key, item.owner) for item in group if isinstance(item, LeaseRelease)]
             if ok and releases:
                 ok, _ = self._guarded(lambda b: b.release_leases(releases), "lease release")
@@ -603,6 +648,22 @@ class TierClient:
             ok, applied = self._guarded(lambda b: b.apply_metrics(head), "metrics")
             if ok and applied:
                 self.stats.add("metrics_applied")
+        return ok
+
+    def _store(self, requests: list[StoreRequest]) -> bool:
+        """The entries, then (in the same pipeline) this writer's checkpoint chunks that changed."""
+        log, ttl = self._checkpoint_log, self.settings.entry_ttl
+        if log is None:
+            return self._guarded(lambda b: b.store(requests, ttl), "store")[0]
+        sent: list[CheckpointRecord] = []
+
+        def records() -> list[CheckpointRecord]:  # called once the references among the entries are sealed
+            sent[:] = log.records()
+            return sent
+
+        ok, _ = self._guarded(lambda b: b.store(requests, ttl, checkpoints=records), "store")  # type: ignore[call-arg]
+        if ok:
+            log.written(sent)
         return ok
 
     def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:

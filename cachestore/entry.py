@@ -2,7 +2,8 @@
 
     stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>]
               [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>
-               [<leaf index: 2 bytes> <group size: 2 bytes> <audit path: 32 bytes a hash>]] payload
+               [<leaf index: 2 bytes> <group size: 2 bytes> [<checkpoint chunk: 12 bytes>]
+                <audit path: 32 bytes a hash>]] payload
     payload = one zstd frame (its decompressed size declared) of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
@@ -13,8 +14,12 @@ under and the payload's SHA-256, so it costs no hashing of the binary: bit 1's s
 bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), and the entry carries its leaf
 index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
 reading many entries of one group verifies one signature. Writers write bit 2 only; entries signed with bit 1
-(before batch signatures) verify as they did. Entries written before writer signatures have neither bit and
-stay readable as they were, except by a reader with a trust policy, which rejects them (no trusted writer).
+(before batch signatures) verify as they did. Bit 3 (with bit 2) says the entry names the writer checkpoint
+chunk that lists its leaf (cachestore.checkpoint: the writer process's instance id and the chunk number), so a
+reader that verified that chunk once checks the entry by its leaf alone; the chunk ref is a hint the signature
+does not cover (a wrong one costs the fallback to the group signature). Entries written before writer
+signatures have neither bit and stay readable as they were, except by a reader with a trust policy, which
+rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
 one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
@@ -44,11 +49,12 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zstandard
 
+from cachestore.checkpoint import REF_BYTES
 from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
 from cachestore.trust import (
     KEY_ID_BYTES,
@@ -57,6 +63,7 @@ from cachestore.trust import (
     TrustPolicy,
     WriterKey,
     batch_message,
+    entry_leaf,
     signed_message,
 )
 
@@ -69,13 +76,14 @@ MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
 _WRITER_BATCH = 0x04  # the same, the signature a group's, then the leaf index, group size and audit path
-_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED | _WRITER_BATCH
+_CHECKPOINTED = 0x08  # with _WRITER_BATCH: the chunk ref of the writer's checkpoint that lists the entry follows
+_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED | _WRITER_BATCH | _CHECKPOINTED
 _SUM_AT, _SUM_BYTES, _SIG_BYTES = len(MAGIC) + 2, 32, 32
 _WRITER_BYTES = KEY_ID_BYTES + SIGNATURE_BYTES
 _PLACE_BYTES = 4  # leaf index and group size, 2 bytes each
 # The most bytes a writer section adds to an entry (a group of MAX_GROUP): what a writer allows for when it
 # checks an entry's size before the group is known.
-MAX_WRITER_SECTION = _WRITER_BYTES + _PLACE_BYTES + HASH_BYTES * (MAX_GROUP - 1).bit_length()
+MAX_WRITER_SECTION = _WRITER_BYTES + _PLACE_BYTES + REF_BYTES + HASH_BYTES * (MAX_GROUP - 1).bit_length()
 # A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
 # four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
 MAX_BODY_OBJECTS = 1 << 16
@@ -205,30 +213,47 @@ class Unsealed:
         """Its stored size at most, whatever group it is sealed in."""
         return len(self.head) + MAX_WRITER_SECTION + len(self.payload)
 
+    @property
+    def leaf(self) -> bytes:
+        """Its leaf in its group's tree, and in its writer's checkpoint."""
+        return leaf_hash(self.message)
 
-def unsealed_entry(entry: Entry, hmac_key: bytes | None, writer: WriterKey, cache_key: str) -> Unsealed:
-    """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`)."""
+    @property
+    def checkpointed(self) -> bool:
+        return bool(self.head[len(MAGIC) + 1] & _CHECKPOINTED)
+
+
+def unsealed_entry(
+    entry: Entry, hmac_key: bytes | None, writer: WriterKey, cache_key: str, checkpointed: bool = False
+) -> Unsealed:
+    """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`); `checkpointed`: it is
+    to name the checkpoint chunk that lists it (the writer keeps one: cachestore.checkpoint)."""
     payload = _payload(entry)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
-    flags = (_SIGNED if signature else 0) | _WRITER_BATCH
+    flags = (_SIGNED if signature else 0) | _WRITER_BATCH | (_CHECKPOINTED if checkpointed else 0)
     head = b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature))
     return Unsealed(cache_key, head, payload, writer.key_id)
 
 
-def seal(group: Sequence[Unsealed], writer: WriterKey) -> list[bytes]:
+def seal(group: Sequence[Unsealed], writer: WriterKey, chunks: Sequence[bytes] | None = None) -> list[bytes]:
     """The stored forms of `group` (1 to MAX_GROUP entries prepared for `writer`), signed with one signature
-    over the Merkle root of their messages; each carries its leaf index, the group's size and its audit path."""
+    over the Merkle root of their messages; each carries its leaf index, the group's size and its audit path,
+    and a checkpointed entry the chunk ref `chunks` gives it (cachestore.checkpoint.CheckpointLog.place)."""
     if not 1 <= len(group) <= MAX_GROUP:
         raise ValueError(f"a batch signature covers 1 to {MAX_GROUP} entries, not {len(group)}")
     if any(item.key_id != writer.key_id for item in group):
         raise ValueError("an entry of the group was prepared for another writer key")
-    leaves = [leaf_hash(item.message) for item in group]
+    refs = list(chunks) if chunks is not None else [b""] * len(group)
+    if len(refs) != len(group) or any(len(ref) != (REF_BYTES if item.checkpointed else 0)
+                                      for item, ref in zip(group, refs, strict=True)):  # fmt: skip
+        raise ValueError("a checkpointed entry needs its chunk ref, and only a checkpointed one has one")
+    leaves = [item.leaf for item in group]
     size = len(group)
     signature = writer.sign(batch_message(writer.key_id, size, tree_root(leaves)))
     place = [(index.to_bytes(2, "big") + size.to_bytes(2, "big"), path) for index, path in
              enumerate(inclusion_paths(leaves))]  # fmt: skip
-    return [b"".join((item.head, writer.key_id, signature, at, *path, item.payload))
-            for item, (at, path) in zip(group, place, strict=True)]  # fmt: skip
+    return [b"".join((item.head, writer.key_id, signature, at, ref, *path, item.payload))
+            for item, (at, path), ref in zip(group, place, refs, strict=True)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -241,11 +266,12 @@ class WriterSection:
     index: int = 0
     size: int = 0  # 0: the signature is of this entry alone (written before batch signatures)
     path: tuple[bytes, ...] = ()
+    chunk: bytes = b""  # the checkpoint chunk that lists it (cachestore.checkpoint.chunk_ref), b"" for none
 
     @property
     def stored_bytes(self) -> int:
         """The bytes it takes in the entry's header."""
-        return _WRITER_BYTES + (_PLACE_BYTES + HASH_BYTES * len(self.path) if self.size else 0)
+        return _WRITER_BYTES + (_PLACE_BYTES + len(self.chunk) + HASH_BYTES * len(self.path) if self.size else 0)
 
 
 @dataclass(frozen=True)
@@ -260,6 +286,15 @@ class SignaturePolicy:
     # With a trust policy, every entry must carry a writer signature by a key it trusts (over the cache key
     # the entry is read under); without one, a writer signature is not checked (an unverified entry).
     trust: TrustPolicy | None = None
+    # Where the chunks entries name are fetched from (cachestore.checkpoint.CheckpointReader; None: not used, an
+    # entry is checked by its group's signature).
+    checkpoints: CheckpointSource | None = None
+
+
+class CheckpointSource(Protocol):
+    def load(self, key_id: bytes, ref: bytes) -> None:
+        """Fetch and verify the chunk `ref` of writer `key_id` unless done lately; its leaves go to the trust
+        policy's memo. Never raises."""
 
 
 def decode_entry(
@@ -313,6 +348,8 @@ def _open(data: bytes) -> tuple[bytes | None, WriterSection | None, bytes]:
         raise EntryRejected(f"schema version {schema}, expected {SCHEMA_VERSION}")
     if flags & ~_KNOWN_FLAGS:
         raise EntryRejected(f"unknown header flags {flags:#04x}")
+    if flags & _CHECKPOINTED and not flags & _WRITER_BATCH:
+        raise EntryRejected("entry header names a checkpoint chunk without a batch signature")
     start = _SUM_AT + _SUM_BYTES
     signature = None
     if flags & _SIGNED:
@@ -339,11 +376,16 @@ def _writer_section_at(data: bytes, start: int, flags: int) -> tuple[WriterSecti
     index, size = int.from_bytes(data[end - 4 : end - 2], "big"), int.from_bytes(data[end - 2 : end], "big")
     if not index < size:  # a size of 0 included; a size up to 65535 is read (a path of 16 hashes at most)
         raise EntryRejected(f"entry writer signature names leaf {index} of a group of {size}")
+    chunk = b""
+    if flags & _CHECKPOINTED:
+        chunk, end = data[end : end + REF_BYTES], end + REF_BYTES
+        if len(chunk) < REF_BYTES:
+            raise EntryRejected("entry checkpoint chunk is truncated")
     hashes = path_length(index, size)
     if len(data) < end + HASH_BYTES * hashes:
         raise EntryRejected("entry audit path is truncated")
     path = tuple(data[end + HASH_BYTES * i : end + HASH_BYTES * (i + 1)] for i in range(hashes))
-    return WriterSection(key_id, signature, index, size, path), end + HASH_BYTES * hashes
+    return WriterSection(key_id, signature, index, size, path, chunk), end + HASH_BYTES * hashes
 
 
 def writer_section(data: bytes) -> WriterSection | None:
@@ -436,15 +478,20 @@ def _check_writer(
     if cache_key is None:
         raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
     key_id = section.key_id
-    message = signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest)
     if section.size:
         # The leaf walked up its path to a root the signature must cover: another group's path, another index,
         # another cache key or payload give a root no signature of the writer covers, as a forgery does.
+        leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
+        if policy.trust.knows(key_id, leaf):  # in a checkpoint or group of this writer verified already
+            return key_id
+        if section.chunk and policy.checkpoints is not None:
+            policy.checkpoints.load(key_id, section.chunk)  # then the leaf alone, when the chunk lists it
         place = (section.index, section.size, section.path)
-        problem = policy.trust.check_batch(key_id, leaf_hash(message), place, section.signature)
+        problem = policy.trust.check_batch(key_id, leaf, place, section.signature)
         if problem is not None:
             raise EntryRejected(problem)
         return key_id
+    message = signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest)
     problem = policy.trust.check(key_id, message, section.signature)
     if problem is not None:
         raise EntryRejected(problem)

@@ -5,6 +5,9 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     NS:vV:tc:TC:entry:{KEY}      string   encoded entry for cache key KEY (TTL, refreshed on use)
     NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
     NS:vV:tc:TC:digest:{DIGEST}  string   the cache key whose entry holds the binary with this SHA-256 (TTL)
+    NS:vV:tc:TC:checkpoint:{KEYID.INSTANCE}:CHUNK  string   chunk CHUNK of the checkpoint a writer process
+                               (its key id, its random instance id) signs of the entries it stored
+                               (cachestore.checkpoint; TTL like entries, rewritten at each flush while current)
     NS:vV:variants:{KERNEL}      hash     the variant index of one kernel name (cachestore.variant_index): what
                                each toolchain stored of it, for the cause of a miss (TTL, refreshed on store)
     NS:vV:metrics-shards       string   S, the number of metrics shards (set once, by the first batch)
@@ -19,7 +22,9 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
                                the worker heartbeats and the batches' job lists
     NS:vV:artifact:{JOB}       string   a finished job's artifact (TTL job_ttl), in the slot of its job id
 
-The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
+The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), a
+writer process's checkpoint chunks share one (the tag is the writer key and instance: the chunks of the fleet's
+many writers spread over the nodes, and a reader fetches one chunk at a time anyway), and
 every key of a metrics shard shares that shard's slot, which is what lets the part of a batch that goes to a
 shard apply atomically and exactly once (each shard keeps its own applied-batch marker). The shards spread
 the metrics over a cluster's nodes: with one slot, every pass's batch and every variant's usage sat on one.
@@ -85,6 +90,15 @@ class KeySpace:
 
     def digest(self, toolchain: str, digest: str) -> str:
         return f"{self.prefix}:tc:{toolchain}:digest:{{{digest}}}"
+
+    def checkpoint(self, toolchain: str, key_id_hex: str, instance_hex: str, chunk: int) -> str:
+        """Inside the partition, so a scope's ACL (`NS:vV:tc:*:scope:*`) covers its writers' checkpoints and an
+        untrusted writer cannot write the trusted scope's."""
+        return f"{self.prefix}:tc:{toolchain}:checkpoint:{{{key_id_hex}.{instance_hex}}}:{chunk}"
+
+    def checkpoint_pattern(self, key_id_hex: str | None = None) -> str:
+        """SCAN pattern of one writer key's checkpoints in every toolchain and scope, or of every writer's."""
+        return f"{self.prefix}:tc:*:checkpoint:{{{key_id_hex or '*'}.*"
 
     def variant_index(self, kernel_name: str) -> str:
         """Shared by every toolchain: a miss under one tells `other_toolchain` from `new_variant` by it."""

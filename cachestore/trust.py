@@ -22,6 +22,10 @@ carries the signature, its leaf index, the group's size and its audit path; a re
 walks the path to the root and verifies the signature once per root (the memo below), so reading N entries of
 one group costs one Ed25519 verify, not N. Each entry is still bound to the writer's signature over exactly
 what a signature of its own would cover: a forger needs the private key as before.
+
+Checkpoints (cachestore.checkpoint): a writer also signs the list of the leaves it stored, chunk by chunk; a
+reader that verified a chunk adds its leaves to the same memo of nodes (`remember_leaves`), so an entry the
+chunk lists costs its leaf hash and one lookup.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from cachestore.merkle import PathMismatch, climb
 KEY_ID_BYTES = 16
 SIGNATURE_BYTES = 64
 _DOMAIN = b"nkicache-entry-ed25519\x00"
+_LEAF_DOMAIN = b"\x00" + _DOMAIN  # RFC 9162's leaf prefix, then an entry message's start (`entry_leaf`)
 _BATCH_DOMAIN = b"nkicache-batch-ed25519\x00"  # another domain: a root message is never an entry's message
 # The most entries one batch signature covers: a path of 6 hashes (192 bytes an entry) at most, and the bench
 # workload's passes store fewer than this at a time (bench/RESULTS.md, batch signatures).
@@ -71,6 +76,14 @@ def signed_message(schema: int, flags: int, key_id: bytes, cache_key: str, paylo
     """The bytes a writer signs for one stored entry."""
     key = cache_key.encode("utf-8")
     return b"".join((_DOMAIN, bytes((schema, flags)), key_id, len(key).to_bytes(2, "big"), key, payload_sha256))
+
+
+def entry_leaf(schema: int, flags: int, key_id: bytes, cache_key: str, payload_sha256: bytes) -> bytes:
+    """cachestore.merkle.leaf_hash of `signed_message(...)`, in one hash of one join: the whole cost of checking
+    an entry whose leaf a verified checkpoint or group lists (a hit's hot path)."""
+    key = cache_key.encode("utf-8")
+    parts = (_LEAF_DOMAIN, bytes((schema, flags)), key_id, len(key).to_bytes(2, "big"), key, payload_sha256)
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 def batch_message(key_id: bytes, size: int, root: bytes) -> bytes:
@@ -237,6 +250,15 @@ class TrustPolicy:
             return f"signature of writer {key_id.hex()} ({writer.name}) does not verify over its group's root"
         self._remember(walked, key_id)
         return None
+
+    def knows(self, key_id: bytes, leaf: bytes) -> bool:
+        """Whether `leaf` is known to be under a signature of `key_id` (a verified group or checkpoint)."""
+        return self._nodes.get(leaf) == key_id
+
+    def remember_leaves(self, leaves: Sequence[bytes], key_id: bytes) -> None:
+        """Leaves a verified checkpoint of the trusted writer `key_id` lists (cachestore.checkpoint): an entry
+        whose leaf is one of them is that writer's, as if its group's signature had been verified."""
+        self._remember(list(leaves), key_id)
 
     def _remember(self, nodes: list[bytes], key_id: bytes) -> None:
         with self._lock:

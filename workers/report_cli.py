@@ -625,7 +625,8 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     byte) until the rest fit. An entry holding a binary is evicted only with the references to it.
 
     --json keys: dry_run, entries, bytes, evicted, evicted_bytes, reasons, kept, kept_bytes,
-    expired_purged, keys, evicted_by_toolchain.
+    expired_purged, keys, evicted_by_toolchain, checkpoints_evicted (with --writer on Redis: that writer's
+    checkpoint chunks).
     """
     from bridge.identity import toolchain_id
     from cachestore.inspect import collect_garbage
@@ -647,3 +648,5 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
                f"({result['kept_bytes']:,} bytes)")  # fmt: skip
     if result["expired_purged"]:
         click.echo(f"{'would purge' if dry_run else 'purged'} {result['expired_purged']} expired entries")
+    if result["checkpoints_evicted"]:
+        click.echo(f"{verb} {result['checkpoints_evicted']} checkpoint chunks of the writer")

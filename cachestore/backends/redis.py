@@ -26,6 +26,7 @@ import copy
 import heapq
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -58,6 +59,7 @@ from cachestore.api import (
     stored_number,
 )
 from cachestore.backends.deadline import watchdog
+from cachestore.checkpoint import MAX_CHECKPOINT_BYTES, CheckpointRecord
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
     DEFAULT_METRICS_SHARDS,
@@ -267,6 +269,7 @@ class RedisBackend:
 
     read_only = False
     keeps_expired = False  # Redis expires entries itself
+    keeps_checkpoints = True  # writers' checkpoints (cachestore.checkpoint): `store(checkpoints=)`, `fetch_checkpoint`
 
     def __init__(
         self,
@@ -454,7 +457,14 @@ class RedisBackend:
                 found[i] = (whole, found[i][1])
         return found
 
-    def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
+    def store(
+        self,
+        requests: Sequence[StoreRequest],
+        ttl: int,
+        checkpoints: Callable[[], Sequence[CheckpointRecord]] | None = None,
+    ) -> None:
+        """`checkpoints`: the writer's checkpoint chunks to write after the entries, in the same pipeline (called
+        once the entries, references included, are encoded, so the chunks list them all)."""
         if not requests:
             return
         claims = self._pipeline(
@@ -489,22 +499,40 @@ class RedisBackend:
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
                     pipe.set(self._digest(r.digest), r.cache_key, ex=expiry)
+            for record in checkpoints() if checkpoints is not None else ():
+                key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
+                pipe.set(key, record.data, ex=max([ttl, *(r.ttl for r in requests if r.ttl)]))
             for kernel_name, fields in index.items():
                 if fields:
                     pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
                     pipe.expire(self.keys.variant_index(kernel_name), ttl)
 
-        # The index is a diagnosis: a key of another type under its name (another tool's, a hand's) must not
-        # fail the entries' writes, which would then be retried, and fail, for ever.
+        # The index is a diagnosis and a checkpoint a shortcut for readers: neither failing (a key of another
+        # type under the index's name, a hand's) may fail the entries' writes, which would be retried for ever.
         replies = self._pipeline(write, raise_on_error=False)
-        written = replies[: len(replies) - 2 * sum(1 for fields in index.values() if fields)]
+        written = replies[: sum(1 if r.cache_key in referenced else 2 for r in requests)]
         failed = next((reply for reply in written if isinstance(reply, Exception)), None)
         if failed is not None:
             with redis_errors(self.description):
                 raise failed
         if len(written) < len(replies):
-            logger.debug("%s: variant index not written: %s", self.description,
+            logger.debug("%s: variant index or checkpoint not written: %s", self.description,
                          [reply for reply in replies[len(written) :] if isinstance(reply, Exception)])  # fmt: skip
+
+    def fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
+        """The stored chunk of a writer's checkpoint, or None: none there, another type of key under its name, or
+        longer than any chunk (never more than MAX_CHECKPOINT_BYTES + 1 bytes of it are read). GETRANGE only,
+        which the nkicache-reader ACL user may run. On the compile path: bounded like fetch."""
+        key = self.keys.checkpoint(self.toolchain, key_id_hex, instance_hex, chunk)
+        reply = self._within_op_timeout(
+            lambda: self._pipeline(lambda pipe: pipe.getrange(key, 0, MAX_CHECKPOINT_BYTES), raise_on_error=False)
+        )[0]
+        if isinstance(reply, Exception) or not reply or len(reply) > MAX_CHECKPOINT_BYTES:
+            if isinstance(reply, Exception) or reply:
+                why = reply if isinstance(reply, Exception) else f"over {MAX_CHECKPOINT_BYTES} bytes"
+                logger.debug("%s: checkpoint %s not used: %s", self.description, key, why)
+            return None
+        return bytes(reply)
 
     def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
         if not queries:
@@ -821,6 +849,17 @@ class RedisBackend:
 
         if items:
             self._pipeline(fill)
+
+    def delete_checkpoints(self, key_id_hex: str, dry_run: bool = False) -> int:
+        """How many checkpoint chunks writer `key_id_hex` (32 hex digits; anything else matches none) has, in
+        every toolchain and scope; deleted unless `dry_run` (`inspect gc --writer`)."""
+        if not re.fullmatch("[0-9a-f]{32}", key_id_hex):
+            return 0
+        pattern = self.keys.checkpoint_pattern(key_id_hex)
+        found = list(self._stream(lambda: self.client.scan_iter(match=pattern, count=1000)))
+        for chunk in [] if dry_run else batched(found):
+            self._pipeline(lambda pipe, chunk=chunk: [pipe.delete(key) for key in chunk])
+        return len(found)
 
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:

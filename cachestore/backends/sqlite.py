@@ -99,6 +99,7 @@ class SqliteBackend:
 
     read_only = False
     keeps_expired = True  # nothing deletes an expired row but `purge_expired` (inspect gc)
+    keeps_checkpoints = False  # no writer checkpoints: entries verify by their group signatures
 
     def __init__(
         self,

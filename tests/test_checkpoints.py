@@ -1,0 +1,421 @@
+"""Writer checkpoints (issue 22, cachestore.checkpoint): a writer signs the list of the leaves it stored, chunk by
+chunk; a reader that verified a chunk checks the entries it lists by their leaf alone, and any entry the chunk
+does not vouch for (a forged, stale, garbage or missing chunk) falls back to its own group signature."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from helpers_graphs import delete_namespace, unique_namespace
+from test_entry import make_entry
+
+import cachestore.checkpoint as checkpoint_module
+from cachestore.checkpoint import (
+    MAX_CHECKPOINT_BYTES,
+    REF_BYTES,
+    CheckpointLog,
+    CheckpointReader,
+    CheckpointRejected,
+    chunk_ref,
+    decode_checkpoint,
+    encode_checkpoint,
+)
+from cachestore.client import TierClient, open_tier
+from cachestore.entry import (
+    EntryRejected,
+    SignaturePolicy,
+    decode_entry,
+    seal,
+    unsealed_entry,
+    writer_section,
+)
+from cachestore.inspect import collect_garbage
+from cachestore.keys import KeySpace
+from cachestore.merkle import leaf_hash
+from cachestore.settings import Settings
+from cachestore.trust import TrustPolicy, WriterKey, entry_leaf, signed_message, write_writer_key
+
+KEYS = [hashlib.sha256(b"checkpoint %d" % n).hexdigest() for n in range(64)]
+PARTITION = "tc-test"
+INSTANCE = b"\x01" * 8
+
+
+@pytest.fixture
+def ci(tmp_path: Path) -> WriterKey:
+    return write_writer_key(tmp_path / "ci.key", "ci")
+
+
+@pytest.fixture
+def laptop(tmp_path: Path) -> WriterKey:
+    return write_writer_key(tmp_path / "laptop.key", "laptop")
+
+
+def trusting(*writers: WriterKey) -> TrustPolicy:
+    policy = TrustPolicy([])
+    for writer in writers:
+        policy = policy.adding(writer, "w")
+    return policy
+
+
+class Store:
+    """Checkpoint chunks by (key id hex, instance hex, chunk), as a backend would hand them over; counts fetches."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[str, str, int], object] = {}
+        self.fetches = 0
+
+    def put(self, log: CheckpointLog) -> None:
+        for record in log.records():
+            self.chunks[(record.key_id_hex, record.instance_hex, record.chunk)] = record.data
+        log.written(log.records())
+
+    def fetch(self, key_id_hex: str, instance_hex: str, chunk: int) -> object:
+        self.fetches += 1
+        return self.chunks.get((key_id_hex, instance_hex, chunk))
+
+
+def written(writer: WriterKey, log: CheckpointLog | None, groups: list[list[str]]) -> dict[str, bytes]:
+    """Entries stored by `writer`, a group per list of cache keys, listed in `log` when one is given."""
+    stored = {}
+    for keys in groups:
+        items = [unsealed_entry(make_entry(binary=key.encode()), None, writer, key, log is not None) for key in keys]
+        refs = log.place([item.leaf for item in items]) if log is not None else None
+        stored.update(zip(keys, seal(items, writer, refs), strict=True))
+    return stored
+
+
+def reading(trust: TrustPolicy, store: Store, partition: str = PARTITION) -> SignaturePolicy:
+    return SignaturePolicy(trust=trust, checkpoints=CheckpointReader(store.fetch, trust, partition))
+
+
+def read_all(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
+    """cache key -> "ok" or the reason the entry was rejected."""
+    result = {}
+    for key, data in entries.items():
+        try:
+            decode_entry(data, policy, cache_key=key)
+            result[key] = "ok"
+        except EntryRejected as exc:
+            result[key] = exc.reason
+    return result
+
+
+# -- the format -------------------------------------------------------------------------------------------------
+def test_an_entrys_leaf_is_the_merkle_leaf_of_its_signed_message(ci: WriterKey) -> None:
+    digest = hashlib.sha256(b"payload").digest()
+    message = signed_message(3, 0x0C, ci.key_id, KEYS[0], digest)
+    assert entry_leaf(3, 0x0C, ci.key_id, KEYS[0], digest) == leaf_hash(message)
+
+
+def test_a_chunk_verifies_once_and_lists_its_leaves(ci: WriterKey) -> None:
+    leaves = [hashlib.sha256(b"%d" % n).digest() for n in range(5)]
+    data = encode_checkpoint(ci, PARTITION, INSTANCE, 7, leaves)
+    trust = trusting(ci)
+    assert decode_checkpoint(data, ci.key_id, PARTITION, chunk_ref(INSTANCE, 7), trust) == leaves
+    assert trust.verifies == 1
+
+
+def test_a_chunk_signed_by_an_untrusted_key_is_rejected(ci: WriterKey, laptop: WriterKey) -> None:
+    data = encode_checkpoint(laptop, PARTITION, INSTANCE, 0, [b"\x00" * 32])
+    with pytest.raises(CheckpointRejected, match="does not trust"):
+        decode_checkpoint(data, laptop.key_id, PARTITION, chunk_ref(INSTANCE, 0), trusting(ci))
+
+
+def test_a_chunk_of_one_key_claiming_anothers_id_is_rejected(ci: WriterKey, laptop: WriterKey) -> None:
+    """laptop signs a chunk whose header names ci's key id: it is fetched for ci's entries and verified with ci's
+    key, and fails. Fetched for laptop's own ref it names the wrong writer."""
+    own = encode_checkpoint(laptop, PARTITION, INSTANCE, 0, [b"\x01" * 32])
+    claimed = own[:4] + ci.key_id + own[4 + 16 :]
+    with pytest.raises(CheckpointRejected, match="does not verify"):
+        decode_checkpoint(claimed, ci.key_id, PARTITION, chunk_ref(INSTANCE, 0), trusting(ci, laptop))
+    with pytest.raises(CheckpointRejected, match="names writer"):
+        decode_checkpoint(claimed, laptop.key_id, PARTITION, chunk_ref(INSTANCE, 0), trusting(ci, laptop))
+
+
+def test_a_chunk_copied_to_another_partition_chunk_or_altered_is_rejected(ci: WriterKey) -> None:
+    data = encode_checkpoint(ci, PARTITION, INSTANCE, 3, [b"\x02" * 32, b"\x03" * 32])
+    trust = trusting(ci)
+    with pytest.raises(CheckpointRejected, match="does not verify"):  # another toolchain or scope
+        decode_checkpoint(data, ci.key_id, "tc-test:scope:w-x", chunk_ref(INSTANCE, 3), trust)
+    with pytest.raises(CheckpointRejected, match="names writer"):  # stored where another chunk goes
+        decode_checkpoint(data, ci.key_id, PARTITION, chunk_ref(INSTANCE, 4), trust)
+    altered = bytearray(data)
+    altered[40] ^= 1  # a leaf
+    with pytest.raises(CheckpointRejected, match="does not verify"):
+        decode_checkpoint(bytes(altered), ci.key_id, PARTITION, chunk_ref(INSTANCE, 3), trust)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"NKK", b"garbage" * 20, "a string", 12345, ["a", "list"], None, b"\x00" * (MAX_CHECKPOINT_BYTES + 1)],
+    ids=["empty", "magic", "garbage", "str", "int", "list", "none", "huge"],
+)
+def test_garbage_under_a_chunks_name_is_rejected_without_a_verify(ci: WriterKey, garbage: object) -> None:
+    trust = trusting(ci)
+    with pytest.raises(CheckpointRejected):
+        decode_checkpoint(garbage, ci.key_id, PARTITION, chunk_ref(INSTANCE, 0), trust)
+    assert trust.verifies == 0
+
+
+def test_a_truncated_extended_or_lying_chunk_is_rejected(ci: WriterKey) -> None:
+    data = encode_checkpoint(ci, PARTITION, INSTANCE, 0, [b"\x04" * 32, b"\x05" * 32])
+    trust, ref = trusting(ci), chunk_ref(INSTANCE, 0)
+    lying_count = data[:32] + (1000).to_bytes(4, "big") + data[36:]
+    for bad in (data[:-1], data + b"\x00", data[: -64 - 32] + data[-64:], lying_count):
+        with pytest.raises(CheckpointRejected):
+            decode_checkpoint(bad, ci.key_id, PARTITION, ref, trust)
+
+
+def test_the_log_freezes_a_full_chunk_and_begins_another(ci: WriterKey, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_LEAVES", 3)
+    log = CheckpointLog(ci, PARTITION)
+    leaves = [hashlib.sha256(b"%d" % n).digest() for n in range(7)]
+    refs = log.place(leaves[:2] + leaves[:1])  # the same leaf again is listed once
+    assert refs == [chunk_ref(log.instance, 0)] * 3
+    refs = log.place(leaves[2:])
+    assert [ref[-4:] for ref in refs] == [(n).to_bytes(4, "big") for n in (0, 1, 1, 1, 2)]
+    records = log.records()
+    assert [(r.chunk, r.count) for r in records] == [(0, 3), (1, 3), (2, 1)]
+    log.written(records)
+    assert log.records() == []
+    log.place([b"\x09" * 32])
+    assert [(r.chunk, r.count) for r in log.records()] == [(2, 2)]  # only the current chunk, grown, is rewritten
+
+
+# -- a reader ---------------------------------------------------------------------------------------------------
+def test_a_reader_verifies_one_chunk_for_many_groups(ci: WriterKey) -> None:
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    entries = written(ci, log, [KEYS[0:5], KEYS[5:12], KEYS[12:13], KEYS[13:20]])
+    store.put(log)
+    policy = reading(trusting(ci), store)
+    assert set(read_all(entries, policy).values()) == {"ok"}
+    assert (policy.trust.verifies, store.fetches) == (1, 1)  # four groups: four verifies without the checkpoint
+
+
+def test_a_forged_entry_and_a_forged_chunk_listing_it_are_both_rejected(ci: WriterKey, laptop: WriterKey) -> None:
+    """laptop forges an entry claiming ci as its writer, and a chunk (its own signature, ci's id) listing the
+    forged entry's leaf: the chunk is rejected, the entry falls back to its group signature, and is rejected."""
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    honest = written(ci, log, [KEYS[0:3]])
+    store.put(log)
+    forger_log = CheckpointLog(laptop, PARTITION)
+    forged = written(laptop, forger_log, [KEYS[3:4]])[KEYS[3]]
+    forged = forged[:37] + ci.key_id + forged[37 + 16 :]  # the header names ci
+    section = writer_section(forged)
+    assert section is not None and section.key_id == ci.key_id
+    leaf = entry_leaf(3, forged[4], ci.key_id, KEYS[3], forged[5:37])
+    planted = encode_checkpoint(laptop, PARTITION, forger_log.instance, 0, [leaf])
+    planted = planted[:4] + ci.key_id + planted[4 + 16 :]
+    store.chunks[(ci.key_id_hex, forger_log.instance.hex(), 0)] = planted
+    policy = reading(trusting(ci), store)
+    result = read_all({**honest, KEYS[3]: forged}, policy)
+    assert [result[key] for key in KEYS[0:3]] == ["ok"] * 3
+    assert "does not verify" in result[KEYS[3]]
+    assert policy.checkpoints.rejected == 1
+
+
+def test_a_chunk_replaced_by_an_older_version_leaves_the_newer_entries_to_their_group_signatures(
+    ci: WriterKey,
+) -> None:
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    first = written(ci, log, [KEYS[0:4]])
+    store.put(log)
+    older = dict(store.chunks)
+    later = written(ci, log, [KEYS[4:8], KEYS[8:10]])
+    store.put(log)
+    store.chunks.update(older)  # a stale copy put back (a restore, a replica, a hand)
+    policy = reading(trusting(ci), store)
+    assert set(read_all({**first, **later}, policy).values()) == {"ok"}
+    assert policy.trust.verifies == 3  # the chunk, then each of the two later groups by its own signature
+    assert store.fetches == 1  # the later entries do not make the reader fetch the chunk again at once
+
+
+@pytest.mark.parametrize("stored", ["missing", "garbage", "wrong type"])
+def test_entries_of_a_missing_or_garbage_chunk_verify_by_their_group_signature(ci: WriterKey, stored: str) -> None:
+    """What a reader finds when the writer was killed between its entries and its checkpoint, or something else
+    stands under the chunk's name."""
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    entries = written(ci, log, [KEYS[0:4], KEYS[4:6]])
+    if stored != "missing":
+        key = (ci.key_id_hex, log.instance.hex(), 0)
+        store.chunks[key] = b"NKK garbage" if stored == "garbage" else {"a": "hash"}
+    policy = reading(trusting(ci), store)
+    assert set(read_all(entries, policy).values()) == {"ok"}
+    assert policy.trust.verifies == 2 and store.fetches == 1
+
+
+def test_a_chunk_ref_pointing_elsewhere_costs_the_fallback_only(ci: WriterKey) -> None:
+    """The ref is a hint the signature does not cover: changed, the entry still verifies by its group."""
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    entries = written(ci, log, [KEYS[0:2]])
+    store.put(log)
+    data = entries[KEYS[0]]
+    ref_at = 37 + 16 + 64 + 4
+    assert data[ref_at : ref_at + REF_BYTES] == chunk_ref(log.instance, 0)
+    moved = data[:ref_at] + chunk_ref(log.instance, 99) + data[ref_at + REF_BYTES :]
+    policy = reading(trusting(ci), store)
+    assert read_all({KEYS[0]: moved}, policy) == {KEYS[0]: "ok"}
+    assert policy.trust.verifies == 1 and policy.checkpoints.loaded == 0
+
+
+def test_an_untrusted_writers_chunk_is_never_fetched(ci: WriterKey, laptop: WriterKey) -> None:
+    log, store = CheckpointLog(laptop, PARTITION), Store()
+    entries = written(laptop, log, [KEYS[0:3]])
+    store.put(log)
+    policy = reading(trusting(ci), store)
+    assert all("does not trust" in reason for reason in read_all(entries, policy).values())
+    assert store.fetches == 0 and policy.trust.verifies == 0
+
+
+# -- on Redis ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def redis_settings(redis_url: str, tmp_path: Path, ci: WriterKey) -> Iterator[Settings]:
+    namespace = unique_namespace()
+    policy = tmp_path / "trust.toml"
+    policy.write_text(ci.policy_entry("ci"))
+    yield Settings(tier=redis_url, namespace=namespace, host="h", flush_interval=0.05, trust_policy=str(policy))
+    client = redis.Redis.from_url(redis_url)
+    delete_namespace(client, namespace)
+    client.close()
+
+
+def publish_all(writer: TierClient, keys: list[str]) -> None:
+    for n, key in enumerate(keys):
+        writer.publish(key, make_entry(binary=b"checkpointed " + key.encode()))
+        if n % 4 == 3:
+            assert writer.flush(10)  # several flushes: several groups, one chunk
+    assert writer.flush(10)
+
+
+def checkpoint_keys(settings: Settings, key_id_hex: str | None = None) -> list[bytes]:
+    client = redis.Redis.from_url(settings.tier)
+    try:
+        return list(client.scan_iter(match=KeySpace(settings.namespace).checkpoint_pattern(key_id_hex), count=1000))
+    finally:
+        client.close()
+
+
+def test_on_redis_a_fresh_reader_verifies_the_writers_chunk_once(redis_settings: Settings, tmp_path: Path) -> None:
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:12])
+    writer.close()
+    [key] = checkpoint_keys(redis_settings)
+    client = redis.Redis.from_url(redis_settings.tier)
+    assert 0 < client.ttl(key) <= redis_settings.entry_ttl
+    client.close()
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:12])
+        assert len(found) == 12 and reader.counts()["tier_rejected"] == 0
+        assert len({writer_section(e.stored).signature for e in found.values()}) >= 3  # groups
+        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+    finally:
+        reader.close()
+
+
+def test_on_redis_a_reference_is_listed_in_the_checkpoint_too(redis_settings: Settings, tmp_path: Path) -> None:
+    """An entry whose binary another key holds is stored as a reference, sealed in the backend's store: it is
+    listed in the chunk as well, so its first hit costs no verify of its own."""
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    writer.publish(KEYS[0], make_entry(binary=b"shared"))
+    assert writer.flush(10)
+    writer.publish(KEYS[1], make_entry(binary=b"shared"))
+    writer.close()
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:2])
+        assert found[KEYS[1]].binary == b"shared" and reader.counts()["tier_rejected"] == 0
+        raw = reader._backend.fetch([KEYS[1]], None)[KEYS[1]]
+        assert decode_entry(raw, SignaturePolicy(), cache_key=KEYS[1]).is_reference
+        assert writer_section(raw).chunk and (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+    finally:
+        reader.close()
+
+
+def test_on_redis_a_wrong_type_under_the_chunk_costs_no_tier_error(redis_settings: Settings, tmp_path: Path) -> None:
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:8])
+    writer.close()
+    [key] = checkpoint_keys(redis_settings)
+    client = redis.Redis.from_url(redis_settings.tier)
+    client.delete(key)
+    client.hset(key, mapping={"not": "a chunk"})
+    client.close()
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:8])
+        counts = reader.counts()
+        assert len(found) == 8 and counts["tier_rejected"] == counts["tier_errors"] == 0 and reader.available
+        assert reader.policy.trust.verifies == 2  # the two groups, by their own signatures
+    finally:
+        reader.close()
+
+
+def test_on_redis_a_writer_killed_before_its_checkpoint_leaves_entries_that_verify(
+    redis_settings: Settings, tmp_path: Path
+) -> None:
+    """The entries went out and the checkpoint never did (as if the writer died between them)."""
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    writer.publish(KEYS[0], make_entry())  # the log exists once the first entry is prepared
+    assert writer.flush(10)
+    writer._checkpoint_log.records = list  # type: ignore[union-attr,method-assign]
+    client = redis.Redis.from_url(redis_settings.tier)
+    for key in checkpoint_keys(redis_settings):
+        client.delete(key)
+    client.close()
+    publish_all(writer, KEYS[1:6])
+    writer.close()
+    assert checkpoint_keys(redis_settings) == []
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:6])
+        assert len(found) == 6 and reader.counts()["tier_rejected"] == 0
+        assert reader.checkpoints.loaded == 0 and reader.policy.trust.verifies >= 2
+    finally:
+        reader.close()
+
+
+def test_on_redis_gc_by_writer_removes_its_checkpoints(redis_settings: Settings, tmp_path: Path, ci: WriterKey) -> None:
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:4])
+    writer.close()
+    other = write_writer_key(tmp_path / "other.key", "other")
+    (tmp_path / "both.toml").write_text(ci.policy_entry("ci") + other.policy_entry("other"))
+    both = redis_settings.replace(trust_policy=str(tmp_path / "both.toml"))
+    second = open_tier(both.replace(writer_key_file=str(tmp_path / "other.key")))
+    publish_all(second, KEYS[4:6])
+    second.close()
+    assert len(checkpoint_keys(redis_settings, ci.key_id_hex)) == 1
+    from cachestore.api import open_backend
+
+    reader = open_backend(both, reading=True)
+    try:
+        dry = collect_garbage(reader, SignaturePolicy(), writer=ci.key_id_hex, dry_run=True)
+        assert dry["checkpoints_evicted"] == 1 and len(checkpoint_keys(redis_settings, ci.key_id_hex)) == 1
+        done = collect_garbage(reader, SignaturePolicy(), writer=ci.key_id_hex)
+        assert done["checkpoints_evicted"] == 1 and done["evicted"] == 4
+    finally:
+        reader.close()
+    assert checkpoint_keys(redis_settings, ci.key_id_hex) == []
+    assert len(checkpoint_keys(redis_settings, other.key_id_hex)) == 1  # another writer's stay
+
+
+def test_a_local_tier_keeps_no_checkpoints_and_its_entries_verify(tmp_path: Path, ci: WriterKey) -> None:
+    policy = tmp_path / "trust.toml"
+    policy.write_text(ci.policy_entry("ci"))
+    settings = Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", host="h", flush_interval=0.05,
+                        trust_policy=str(policy))  # fmt: skip
+    writer = open_tier(settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:4])
+    writer.close()
+    reader = open_tier(settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:4])
+        assert len(found) == 4 and reader.checkpoints is None
+        assert all(not writer_section(entry.stored).chunk for entry in found.values())
+    finally:
+        reader.close()
