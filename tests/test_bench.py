@@ -38,6 +38,10 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     assert 0 < signed["prefetch_verifies_per_hit"] <= 1 and 0 < signed["first_hit_verifies_per_hit"] <= 1
     assert signed["groups"] <= signed["entries"] and signed["big_pass_hits"] > 0
     assert signed["signature_overhead"] >= signed["signature_overhead_prefetch"]
+    # The writer's checkpoint: fetched once per fresh reader, and every first-hit figure a median of fresh readers.
+    assert 0 < signed["prefetch_checkpoint_fetches_per_hit"] <= signed["prefetch_verifies_per_hit"]
+    assert len(signed["signature_overhead_prefetch_runs"]) == len(signed["signature_overhead_first_hit_runs"]) == 5
+    assert signed["signature_overhead_prefetch"] in signed["signature_overhead_prefetch_runs"]
     storage = bench.storage_ratio(graphs, url)
     assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
     assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0
