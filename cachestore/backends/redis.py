@@ -524,9 +524,14 @@ class RedisBackend:
         longer than any chunk (never more than MAX_CHECKPOINT_BYTES + 1 bytes of it are read). GETRANGE only,
         which the nkicache-reader ACL user may run. On the compile path: bounded like fetch."""
         key = self.keys.checkpoint(self.toolchain, key_id_hex, instance_hex, chunk)
-        reply = self._within_op_timeout(
-            lambda: self._pipeline(lambda pipe: pipe.getrange(key, 0, MAX_CHECKPOINT_BYTES), raise_on_error=False)
-        )[0]
+
+        def read() -> bytes | Exception:
+            try:
+                return self.client.getrange(key, 0, MAX_CHECKPOINT_BYTES)
+            except rex.ResponseError as exc:  # WRONGTYPE (another type under the name), NOPERM: no chunk to use
+                return exc
+
+        reply = self._within_op_timeout(read)
         if isinstance(reply, Exception) or not reply or len(reply) > MAX_CHECKPOINT_BYTES:
             if isinstance(reply, Exception) or reply:
                 why = reply if isinstance(reply, Exception) else f"over {MAX_CHECKPOINT_BYTES} bytes"
