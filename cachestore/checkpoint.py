@@ -26,7 +26,7 @@ message), the key id, the partition (a checkpoint copied into another toolchain 
 instance, the chunk, the count and the SHA-256 of the leaves. Leaves are not truncated: whoever can get a
 trusted writer to compile inputs of their choosing (a model graph sent upstream) could search for two entries
 whose 16-byte truncated leaves collide in about 2^64 hashes, one honest for the writer to store and one of
-their own to plant; full leaves keep the 2^128 of a signature. A chunk of MAX_CHUNK_LEAVES is 32 KB.
+their own to plant; full leaves keep the 2^128 of a signature. A chunk of MAX_CHUNK_LEAVES is 8 KB.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ from cachestore.trust import KEY_ID_BYTES, SIGNATURE_BYTES, TrustPolicy, WriterK
 
 logger = logging.getLogger(__name__)
 
-# A fresh reader that reads few entries of a full chunk pays for its 32 KB and for indexing it (about 0.2 ms,
-# two Ed25519 verifies), and a writer rewrites its current chunk at each flush (up to 32 KB each): 1024 keeps
-# both small while a chunk still answers a long-lived worker's entries for hours.
-MAX_CHUNK_LEAVES = 1024
+# The current chunk is rewritten whole at each flush: with chunks of 1024 leaves (32 KB) a writer whose flushes
+# carry ~5 entries (7 KB) would send about twice those bytes again in checkpoints over a chunk's life; 256 bounds
+# that to 8 KB a flush (0.6 of the entries' bytes on average), and a fresh reader still verifies one chunk per
+# 256 entries of a writer process, 0.4 us a hit (bench/RESULTS.md, writer checkpoints).
+MAX_CHUNK_LEAVES = 256
 INSTANCE_BYTES = 8
 REF_BYTES = INSTANCE_BYTES + 4  # instance id, chunk number: what an entry's writer section names
 MAGIC = b"NKK"
