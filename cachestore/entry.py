@@ -2,7 +2,7 @@
 
     stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>]
               [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>] payload
-    payload = one zstd frame (its decompressed size declared) of
+    payload = one zstd frame (its decompressed size declared), compressed with the shipped dictionary, of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
 
@@ -12,8 +12,15 @@ verify whatever the binary's size). Entries written before writer signatures hav
 readable as they were, except by a reader with a trust policy, which rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
-one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
-Entries of an older schema (a msgpack map) are rejected like any bad entry: a miss, traced and rewritten.
+one msgpack unpack. Bodies compress to about a tenth of the binary (bench/RESULTS.md).
+Entries of an older schema (a msgpack map, or schema 3's payload compressed without the dictionary) are
+rejected like any bad entry: a miss, traced and rewritten.
+
+The dictionary (`entry_dictionary.zstd`, next to this module; `bench/train_zstd_dictionary.py` trains it on
+entries of graphs no workload uses) holds what every body repeats: msgpack field names and op names of BIR
+binaries, dtypes, key component names. Entries are small (a median binary of 1.3 KB), so compressed alone
+each would pay for that structure again. The schema byte names the dictionary: a new dictionary is a new
+schema, and entries written with another one are misses, never mis-decoded.
 
 `toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
 toolchain's entries apart, and the codegen loop takes only its own toolchain's. `digest` is the SHA-256 of
@@ -38,6 +45,7 @@ import hmac
 import math
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -45,11 +53,13 @@ import zstandard
 
 from cachestore.trust import KEY_ID_BYTES, SIGNATURE_BYTES, TrustPolicy, WriterKey, signed_message
 
-SCHEMA_VERSION = 3  # 2: the body names its toolchain; 3: binary header, zstd payload, body a list
+# 2: the body names its toolchain; 3: binary header, zstd payload, body a list; 4: the payload compressed with
+# the shipped dictionary (ENTRY_DICTIONARY_PATH)
+SCHEMA_VERSION = 4
 MAGIC = b"NKC"
-# Level 3 (zstd's default): on the bench workload's 55 binaries, 11.5% of their size at 114 µs a binary; level
-# 1 gives 11.8%, 6 11.6%, 19 10.2% at 40 times the time (bench/RESULTS.md, issue 16).
-COMPRESSION_LEVEL = 3
+ENTRY_DICTIONARY_PATH = Path(__file__).with_name("entry_dictionary.zstd")
+# With the dictionary, measured on the bench workload's bodies (bench/RESULTS.md, "Compact entries").
+COMPRESSION_LEVEL = 15
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature follow the HMAC (cachestore.trust)
@@ -281,21 +291,43 @@ def _decompress(payload: bytes, max_bytes: int) -> bytes:
     return body
 
 
+def body_of(data: bytes, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
+    """The decompressed body of an encoded entry, unchecked against its digest (training the dictionary,
+    measurements); raises EntryRejected when it is no entry of this schema."""
+    return _decompress(open_stored(data)[1], max_bytes)
+
+
 _local = threading.local()  # zstd contexts are not thread-safe, and making one costs more than a small entry
+_dictionary_lock = threading.Lock()
+_dictionary: list[zstandard.ZstdCompressionDict] = []
+
+
+def entry_dictionary() -> zstandard.ZstdCompressionDict:
+    """The shipped dictionary, read once per process."""
+    with _dictionary_lock:
+        if not _dictionary:
+            try:
+                data = ENTRY_DICTIONARY_PATH.read_bytes()
+            except OSError as exc:
+                raise RuntimeError(f"{ENTRY_DICTIONARY_PATH}: cannot read the entry dictionary: {exc}") from None
+            _dictionary.append(zstandard.ZstdCompressionDict(data))
+        return _dictionary[0]
 
 
 def _compressor() -> zstandard.ZstdCompressor:
     if not hasattr(_local, "compressor"):
-        # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and no dictionary is used.
+        # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and the schema byte
+        # names the dictionary.
         _local.compressor = zstandard.ZstdCompressor(
-            level=COMPRESSION_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False
-        )
+            level=COMPRESSION_LEVEL, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
+            write_dict_id=False,
+        )  # fmt: skip
     return _local.compressor
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
+        _local.decompressor = zstandard.ZstdDecompressor(dict_data=entry_dictionary())
     return _local.decompressor
 
 
