@@ -61,9 +61,13 @@ from cachestore.backends.deadline import watchdog
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
     DEFAULT_METRICS_SHARDS,
+    MAX_DIGEST_FIELDS,
     MAX_METRICS_SHARDS,
     KeySpace,
     MetricsKeys,
+    digest_field,
+    holder_of,
+    holder_value,
     key_shard,
     pass_shard,
     stored_shard_count,
@@ -335,8 +339,8 @@ class RedisBackend:
     def _lease(self, cache_key: str) -> str:
         return self.keys.lease(self.toolchain, cache_key)
 
-    def _digest(self, digest: str) -> str:
-        return self.keys.digest(self.toolchain, digest)
+    def _digest_bucket(self, digest: str) -> str:
+        return self.keys.digest_bucket(self.toolchain, digest)
 
     def _call(self, operation: Callable[[], T]) -> T:
         with redis_errors(self.description):
@@ -457,16 +461,7 @@ class RedisBackend:
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         if not requests:
             return
-        claims = self._pipeline(
-            lambda pipe: [
-                (
-                    pipe.set(self._digest(r.digest), r.cache_key, nx=True, ex=ttl),
-                    pipe.get(self._digest(r.digest)),
-                )
-                for r in requests
-            ]
-        )
-        holders = [text(claims[2 * i + 1]) for i in range(len(requests))]
+        holders, full_buckets = self._claim_digests(requests, ttl)
         others = [(r, holder) for r, holder in zip(requests, holders, strict=True) if holder not in (None, r.cache_key)]
         alive = self._pipeline(lambda pipe: [pipe.exists(self._entry(h)) for _, h in others]) if others else []
         # A holder earlier in this batch is written below, in the same pipeline, before its references.
@@ -477,10 +472,6 @@ class RedisBackend:
             if exists or holder in in_batch
         }
 
-        index: dict[str, dict[str, str]] = {}
-        for r in requests:
-            index.setdefault(r.kernel_name, {}).update(r.index_fields)
-
         def write(pipe: Any) -> None:
             for r in requests:
                 expiry = r.ttl or ttl  # value-ranked (cachestore.value)
@@ -488,25 +479,64 @@ class RedisBackend:
                     pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
-                    pipe.set(self._digest(r.digest), r.cache_key, ex=expiry)
+
+        self._pipeline(write)
+        written = [r for r in requests if r.cache_key not in referenced]
+        self._write_indexes(requests, written, full_buckets, ttl)
+
+    def _claim_digests(self, requests: Sequence[StoreRequest], ttl: int) -> tuple[list[str | None], set[str]]:
+        """(the cache key each request's binary is indexed under, after claiming it for the request where no
+        key held it; the buckets past MAX_DIGEST_FIELDS). A bucket that is no hash (another tool's key, a hand's)
+        claims nothing: its requests are written whole, never failed."""
+        buckets = sorted({self._digest_bucket(r.digest) for r in requests})
+
+        def claim(pipe: Any) -> None:
+            for r in requests:
+                bucket, name = self._digest_bucket(r.digest), digest_field(r.digest)
+                pipe.hsetnx(bucket, name, holder_value(r.cache_key))
+                pipe.hget(bucket, name)
+            for bucket in buckets:
+                pipe.hlen(bucket)
+
+        replies = self._pipeline(claim, raise_on_error=False)
+        holders = [holder_of(_unless_error(replies[2 * i + 1])) for i in range(len(requests))]
+        sizes = replies[2 * len(requests) :]
+        full = {b for b, size in zip(buckets, sizes, strict=True) if isinstance(size, int) and size > MAX_DIGEST_FIELDS}
+        return holders, full
+
+    def _write_indexes(
+        self, requests: Sequence[StoreRequest], written: Sequence[StoreRequest], full: set[str], ttl: int
+    ) -> None:
+        """The dedupe index fields of the entries written whole, and the variant index. Both only save bytes or
+        name a miss's cause: a key of another type under their names must not fail the entries' writes, which
+        would then be retried, and fail, for ever."""
+        index: dict[str, dict[bytes, bytes]] = {}
+        for r in requests:
+            index.setdefault(r.kernel_name, {}).update(r.index_fields)
+        expiry: dict[str, int] = {}
+        for r in written:
+            bucket = self._digest_bucket(r.digest)
+            expiry[bucket] = max(expiry.get(bucket, 0), r.ttl or ttl)
+
+        def fill(pipe: Any) -> None:
+            for bucket in sorted(full):  # emptied before this batch's fields go in: a bound, not a loss of these
+                pipe.delete(bucket)
+            for r in written:
+                pipe.hset(self._digest_bucket(r.digest), digest_field(r.digest), holder_value(r.cache_key))
+            for bucket, seconds in expiry.items():
+                # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
+                pipe.expire(bucket, seconds, gt=True)
+                pipe.expire(bucket, seconds, nx=True)
             for kernel_name, fields in index.items():
                 if fields:
                     pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
                     pipe.expire(self.keys.variant_index(kernel_name), ttl)
 
-        # The index is a diagnosis: a key of another type under its name (another tool's, a hand's) must not
-        # fail the entries' writes, which would then be retried, and fail, for ever.
-        replies = self._pipeline(write, raise_on_error=False)
-        written = replies[: len(replies) - 2 * sum(1 for fields in index.values() if fields)]
-        failed = next((reply for reply in written if isinstance(reply, Exception)), None)
-        if failed is not None:
-            with redis_errors(self.description):
-                raise failed
-        if len(written) < len(replies):
-            logger.debug("%s: variant index not written: %s", self.description,
-                         [reply for reply in replies[len(written) :] if isinstance(reply, Exception)])  # fmt: skip
+        failed = [reply for reply in self._pipeline(fill, raise_on_error=False) if isinstance(reply, Exception)]
+        if failed:
+            logger.debug("%s: index not written: %s", self.description, failed)
 
-    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         if not queries:
             return []
         replies = self._within_op_timeout(
@@ -817,7 +847,11 @@ class RedisBackend:
                 ttl_ms = max(1, int(item.ttl * 1000))
                 pipe.set(self._entry(item.cache_key), item.data, px=ttl_ms)
                 if item.digest:
-                    pipe.set(self._digest(item.digest), item.cache_key, px=ttl_ms)
+                    bucket = self._digest_bucket(item.digest)
+                    pipe.hset(bucket, digest_field(item.digest), holder_value(item.cache_key))
+                    # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
+                    pipe.pexpire(bucket, ttl_ms, gt=True)
+                    pipe.pexpire(bucket, ttl_ms, nx=True)
 
         if items:
             self._pipeline(fill)
@@ -829,12 +863,19 @@ class RedisBackend:
         indexed = [(key, digest) for key, digest in items if digest]
         if not indexed:
             return
-        holders = self._pipeline(lambda pipe: [pipe.get(self._digest(digest)) for _, digest in indexed])
+        holders = self._pipeline(
+            lambda pipe: [pipe.hget(self._digest_bucket(digest), digest_field(digest)) for _, digest in indexed],
+            raise_on_error=False,
+        )
         # Only index entries still naming a deleted key. One stored again in between loses its index entry,
         # which costs that binary its deduplication once, never correctness (stores check the holder exists).
-        stale = [digest for (key, digest), holder in zip(indexed, holders, strict=True) if text(holder) == key]
+        stale = [
+            digest
+            for (key, digest), holder in zip(indexed, holders, strict=True)
+            if holder_of(_unless_error(holder)) == key
+        ]
         if stale:
-            self._pipeline(lambda pipe: [pipe.delete(self._digest(digest)) for digest in stale])
+            self._pipeline(lambda pipe: [pipe.hdel(self._digest_bucket(d), digest_field(d)) for d in stale])
 
     def expired_count(self) -> tuple[int, int]:
         return 0, 0  # Redis drops an entry when it expires
@@ -885,6 +926,11 @@ def _pipelined_script(
         client.script_load(script.script)
         pending = missing
     return results
+
+
+def _unless_error(reply: T | Exception) -> T | None:
+    """A pipeline reply read without raising, None for a command's error (a key of another type)."""
+    return None if isinstance(reply, Exception) else reply
 
 
 def _summed(hashes: Sequence[dict | Exception]) -> dict[str, float]:
