@@ -201,12 +201,12 @@ def decode_entry(
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
         raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    signature, payload = open_stored(data)
+    flags, signature, section, payload = _open(data)
     digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
     if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
         raise EntryRejected("stored bytes do not match their digest")
     signed = _check_signature(payload, signature, policy)
-    writer = _check_writer(data, digest, policy, cache_key)
+    writer = _check_writer(flags, section, digest, policy, cache_key)
     fields = _unpack(
         _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
@@ -221,6 +221,13 @@ def decode_entry(
 def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     """(signature or None, payload) of an encoded entry, both as stored; raises EntryRejected when `data`
     is not an entry of this schema (an older schema's entry is rejected like any other: a miss)."""
+    _, signature, _, payload = _open(data)
+    return signature, payload
+
+
+def _open(data: bytes) -> tuple[int, bytes | None, tuple[bytes, bytes] | None, bytes]:
+    """(flags, HMAC or None, (writer key id, Ed25519 signature) or None, payload) of an encoded entry: its
+    header read once. Raises EntryRejected when `data` is not an entry of this schema."""
     if not data.startswith(MAGIC):
         older = data[:1] and 0x80 <= data[0] <= 0x8F  # schema 1 and 2 were a msgpack map
         raise EntryRejected("an entry of an older schema (a msgpack map)" if older else "not an nkicache entry")
@@ -232,7 +239,7 @@ def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     if flags & ~_KNOWN_FLAGS:
         raise EntryRejected(f"unknown header flags {flags:#04x}")
     start = _SUM_AT + _SUM_BYTES
-    signature = None
+    signature = section = None
     if flags & _SIGNED:
         if len(data) < start + _SIG_BYTES:
             raise EntryRejected("entry signature is truncated")
@@ -240,20 +247,17 @@ def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     if flags & _WRITER_SIGNED:
         if len(data) < start + _WRITER_BYTES:
             raise EntryRejected("entry writer signature is truncated")
+        section = (data[start : start + KEY_ID_BYTES], data[start + KEY_ID_BYTES : start + _WRITER_BYTES])
         start += _WRITER_BYTES
-    return signature, data[start:]
+    return flags, signature, section, data[start:]
 
 
 def writer_section(data: bytes) -> tuple[bytes, bytes] | None:
     """(writer key id, Ed25519 signature) of an encoded entry, or None when it carries none (or is no entry)."""
     try:
-        payload = open_stored(data)[1]
+        return _open(data)[2]
     except EntryRejected:
         return None
-    if not data[len(MAGIC) + 1] & _WRITER_SIGNED:
-        return None
-    end = len(data) - len(payload)
-    return data[end - _WRITER_BYTES : end - SIGNATURE_BYTES], data[end - SIGNATURE_BYTES : end]
 
 
 def writer_of(data: bytes | TooLarge) -> str:
@@ -346,10 +350,11 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
     return False
 
 
-def _check_writer(data: bytes, digest: bytes, policy: SignaturePolicy, cache_key: str | None) -> bytes | None:
-    """The writer's key id when the entry carries a writer signature (checked against the trust policy when
-    the reader holds one); raises EntryRejected when the policy does not accept it."""
-    section = writer_section(data)
+def _check_writer(
+    flags: int, section: tuple[bytes, bytes] | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
+) -> bytes | None:
+    """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
+    policy when the reader holds one); raises EntryRejected when the policy does not accept it."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
@@ -359,7 +364,6 @@ def _check_writer(data: bytes, digest: bytes, policy: SignaturePolicy, cache_key
     if cache_key is None:
         raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
     key_id, signature = section
-    flags = data[len(MAGIC) + 1]
     problem = policy.trust.check(key_id, signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest), signature)
     if problem is not None:
         raise EntryRejected(problem)
@@ -469,20 +473,25 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }  # fmt: skip
 
 
+_KINDS = tuple(_FIELD_TYPES[name] for name in _BODY_FIELDS)  # in body order: one pass over the list, no dict
+
+
 def _entry_from_fields(values: object) -> Entry:
     if not isinstance(values, list) or len(values) != len(_BODY_FIELDS):
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
-    fields = dict(zip(_BODY_FIELDS, values, strict=True))
-    for name, kinds in _FIELD_TYPES.items():
-        if not isinstance(fields[name], kinds) or isinstance(fields[name], bool):
+    for name, value, kinds in zip(_BODY_FIELDS, values, _KINDS, strict=True):
+        if not isinstance(value, kinds):
             raise EntryRejected(f"body field {name!r} has the wrong type")
-    for name in ("created", "compile_seconds"):
+    _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
+    for name, number in (("created", created), ("compile_seconds", compile_seconds)):
+        if isinstance(number, bool):  # an int to isinstance, and the only kinds a bool could pass for are numbers
+            raise EntryRejected(f"body field {name!r} has the wrong type")
         # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json).
-        if not math.isfinite(fields[name]) or fields[name] < 0:
-            raise EntryRejected(f"body field {name!r} is {fields[name]!r}, not a finite number >= 0")
-    if fields["format"] not in ("bir", "klir"):
-        raise EntryRejected(f"unknown binary format {fields['format']!r}")
-    names = fields["input_names"] + fields["output_names"]
-    if not all(isinstance(n, str) for n in names):
-        raise EntryRejected("input/output names must be strings")
-    return Entry(**fields)
+        if not math.isfinite(number) or number < 0:
+            raise EntryRejected(f"body field {name!r} is {number!r}, not a finite number >= 0")
+    if form not in ("bir", "klir"):
+        raise EntryRejected(f"unknown binary format {form!r}")
+    for name in inputs + outputs:
+        if not isinstance(name, str):
+            raise EntryRejected("input/output names must be strings")
+    return Entry(*values)

@@ -491,3 +491,13 @@ def test_a_short_lived_store_never_shortens_a_buckets_life(redis_backend: RedisB
     )
     redis_backend.store([request_for("key-short", short_lived)], 5)
     assert redis_backend.client.ttl(bucket) > 5
+
+
+def test_a_read_without_ttls_tells_a_missing_key_from_an_empty_value(redis_backend: RedisBackend) -> None:
+    """verify and du read one GETRANGE a key (no PTTL); an empty reply is asked again with EXISTS, so a key
+    deleted since the SCAN is skipped and an empty value is still handed over (and reported as no entry)."""
+    view = TierView.of(redis_backend)
+    view.put_raw("empty", b"")
+    view.put_raw("whole", b"w" * 300)
+    keys = [redis_backend.keys.entry(redis_backend.toolchain, key) for key in ("empty", "gone", "whole")]
+    assert redis_backend._read_entries(keys, with_ttl=False) == [(b"", None), (None, None), (b"w" * 300, None)]
