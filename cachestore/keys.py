@@ -2,8 +2,8 @@
 
 Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.identity`):
 
-    NS:vV:tc:TC:entry:{KEY}      string   encoded entry for cache key KEY (TTL, refreshed on use)
-    NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
+    NS:vV:tc:TC:entry:{K}        string   encoded entry for cache key KEY (TTL, refreshed on use); K = key_tag(KEY)
+    NS:vV:tc:TC:lease:{K}        string   single-flight lease: the tracing worker's id (short TTL)
     NS:vV:tc:TC:digests:B        hash     the dedupe index, bucket B of DIGEST_BUCKETS: field the binary's SHA-256
                                (its first 16 bytes, raw), value the cache key (32 bytes, raw) whose entry holds
                                that binary (TTL, refreshed by every store into the bucket)
@@ -20,6 +20,13 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
                                job goes to shard crc32(job id) % J. Shard 0 also holds the hash of toolchains,
                                the worker heartbeats and the batches' job lists
     NS:vV:artifact:{JOB}       string   a finished job's artifact (TTL job_ttl), in the slot of its job id
+
+K, an entry's and its lease's tag, is the 32 bytes of the cache key (a SHA-256 in hex, as the codegen loop makes
+every key) in unpadded base64url: 43 characters instead of 64 (issue 16: the key's name is stored with it, and
+Redis rounds the name's allocation up to a size class: 96 bytes instead of 128 here). Its alphabet has no brace
+and no glob character. A key that is no SHA-256 hex (tests, hands) is its tag as it is, after a "=" that no
+base64url tag holds. Entries an older release stored under the hex key (`entry:{<64 hex>}`) are never read: they
+are misses, expire with their TTL, and `delete_entries` removes them with their new name (gc).
 
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
 every key of a metrics shard shares that shard's slot, which is what lets the part of a batch that goes to a
@@ -52,6 +59,8 @@ metrics and the job queue stay shared. The specification's SHA-256 stays the cac
 
 from __future__ import annotations
 
+import base64
+import string
 import zlib
 from dataclasses import dataclass
 
@@ -93,10 +102,14 @@ class KeySpace:
 
     # -- entries (one partition per toolchain) ----------------------------------------------------
     def entry(self, toolchain: str, cache_key: str) -> str:
+        return f"{self.prefix}:tc:{toolchain}:entry:{{{key_tag(cache_key)}}}"
+
+    def legacy_entry(self, toolchain: str, cache_key: str) -> str:
+        """Where a release before issue 16 stored the entry: never read, only deleted with the entry."""
         return f"{self.prefix}:tc:{toolchain}:entry:{{{cache_key}}}"
 
     def lease(self, toolchain: str, cache_key: str) -> str:
-        return f"{self.prefix}:tc:{toolchain}:lease:{{{cache_key}}}"
+        return f"{self.prefix}:tc:{toolchain}:lease:{{{key_tag(cache_key)}}}"
 
     def digest_bucket(self, toolchain: str, digest: str) -> str:
         """The hash of the dedupe index that holds `digest`'s field (`digest_field`)."""
@@ -121,7 +134,15 @@ class KeySpace:
     def parse_entry(self, redis_key: str) -> tuple[str, str]:
         """(toolchain, cache key) of an entry's Redis key."""
         toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
-        return toolchain, tagged[1:-1]
+        return toolchain, cache_key_of_tag(tagged[1:-1])
+
+    def entry_prefix_pattern(self, toolchain: str, hex_prefix: str) -> str:
+        """A SCAN pattern matching at least the entries whose cache key starts with `hex_prefix` (hex digits):
+        base64 encodes 3 bytes (6 hex digits) as 4 characters, so the pattern holds the whole groups of the
+        prefix, and the caller checks the rest of it on the parsed keys."""
+        whole = len(hex_prefix) - len(hex_prefix) % 6
+        head = base64.urlsafe_b64encode(bytes.fromhex(hex_prefix[:whole])).decode() if whole else ""
+        return f"{self.prefix}:tc:{toolchain}:entry:{{{head}*"
 
     # -- metrics (S shards, one slot each) ---------------------------------------------------------
     @property
@@ -285,6 +306,31 @@ def job_shard(job_id: str, shards: int) -> int:
     """The shard a job is queued in, and so holds its result: a function of the job id alone, so that
     `results_of` and `job show` find it without a lookup."""
     return zlib.crc32(job_id.encode()) % shards
+
+
+_BASE64URL = frozenset(string.ascii_letters + string.digits + "-_")
+
+
+def key_tag(cache_key: str) -> str:
+    """An entry's and its lease's hash tag: a SHA-256 hex cache key in 43 characters of unpadded base64url,
+    any other key as "=" and its text."""
+    if _is_sha256_hex(cache_key):
+        return base64.urlsafe_b64encode(_raw(cache_key)).decode().rstrip("=")
+    return "=" + cache_key
+
+
+def cache_key_of_tag(tag: str) -> str:
+    """The cache key a tag names (`key_tag`); a tag of neither form (an older release's hex key, a hand's) as
+    it is."""
+    if tag.startswith("="):
+        return tag[1:]
+    # Decoding alone would drop characters out of the alphabet and accept a last character whose unused bits are
+    # set: only the one tag key_tag gives a key names it.
+    if len(tag) == 43 and set(tag) <= _BASE64URL:
+        cache_key = base64.urlsafe_b64decode(tag + "=").hex()
+        if key_tag(cache_key) == tag:
+            return cache_key
+    return tag
 
 
 def digest_bucket_of(digest: str) -> int:

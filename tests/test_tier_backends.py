@@ -501,3 +501,46 @@ def test_a_read_without_ttls_tells_a_missing_key_from_an_empty_value(redis_backe
     view.put_raw("whole", b"w" * 300)
     keys = [redis_backend.keys.entry(redis_backend.toolchain, key) for key in ("empty", "gone", "whole")]
     assert redis_backend._read_entries(keys, with_ttl=False) == [(b"", None), (None, None), (b"w" * 300, None)]
+
+
+# -- entry key names: the cache key in base64url (cachestore.keys.key_tag, issue 16) ---------------------
+def test_an_entry_key_names_its_cache_key_in_43_characters_and_reads_back() -> None:
+    from cachestore.keys import cache_key_of_tag, key_tag
+
+    space = KeySpace("ns")
+    for cache_key in (hashlib.sha256(b"%d" % i).hexdigest() for i in range(200)):
+        tag = key_tag(cache_key)
+        assert len(tag) == 43 and not set(tag) & set("{}*?[]\\\\=")  # no hash-tag, glob or marker character
+        assert space.parse_entry(space.entry("0123456789abcdef", cache_key)) == ("0123456789abcdef", cache_key)
+        assert space.entry("t", cache_key).endswith("{" + tag + "}") and space.lease("t", cache_key).endswith(
+            "{" + tag + "}"
+        )
+    for text_key in ("k", "key-a", "A" * 64, "0" * 63, "=odd", "x" * 43):  # no SHA-256 hex: "=" and the text
+        assert space.parse_entry(space.entry("t", text_key)) == ("t", text_key)
+    # An older release's hex name and names by hand: read back as they are, never an exception.
+    for tag in ("0" * 64, "!" * 43, "", "{", "\u00e9" * 43, "A" * 42 + "B"):  # B: bits past the 32 bytes
+        assert cache_key_of_tag(tag) == tag
+
+
+def test_find_keys_finds_every_prefix_length(redis_backend: RedisBackend) -> None:
+    keys = [hashlib.sha256(b"find-%d" % i).hexdigest() for i in range(30)]
+    redis_backend.store([request_for(k, entry(b"f-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)
+    target = keys[7]
+    for length in (1, 2, 5, 6, 7, 12, 13, 40, 64):
+        found = redis_backend.find_keys(target[:length], limit=100)
+        assert target in found and all(k.startswith(target[:length]) for k in found), length
+        assert set(found) == {k for k in keys if k.startswith(target[:length])}
+    absent = next(p for p in (f"{i:06x}" for i in range(1 << 12)) if not any(k.startswith(p) for k in keys))
+    assert redis_backend.find_keys(absent) == []
+
+
+def test_deleting_an_entry_removes_its_name_of_an_older_release_too(redis_backend: RedisBackend) -> None:
+    """An upgraded tier still holds entries under the hex names (never read): gc's deletes take them along."""
+    cache_key = hashlib.sha256(b"legacy").hexdigest()
+    old_name = redis_backend.keys.legacy_entry(redis_backend.toolchain, cache_key)
+    redis_backend.client.set(old_name, b"an entry of schema 3")
+    listed = [raw.cache_key for raw in redis_backend.scan_entries()]
+    assert listed == [cache_key]  # listed (and reported unreadable by verify), under its cache key
+    assert redis_backend.fetch([cache_key], TTL) == {}  # never read by a compile
+    redis_backend.delete_entries([(cache_key, None)])
+    assert redis_backend.client.exists(old_name) == 0

@@ -870,12 +870,16 @@ class RedisBackend:
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
-        pattern = self._entry(prefix.replace("*", "")).removesuffix("}") + "*"
+        """Cache keys starting with `prefix` (hex digits: inspect checks it), at most `limit`."""
+        prefix = "".join(c for c in prefix.lower() if c in "0123456789abcdef")
+        pattern = self.keys.entry_prefix_pattern(self.toolchain, prefix)
         found: list[str] = []
-        for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=1000)):
-            found.append(self.keys.parse_entry(text(redis_key) or "")[1])
-            if len(found) >= limit:
-                break
+        for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000)):
+            cache_key = self.keys.parse_entry(text(redis_key) or "")[1]
+            if cache_key.startswith(prefix):
+                found.append(cache_key)
+                if len(found) >= limit:
+                    break
         return sorted(found)
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
@@ -896,7 +900,11 @@ class RedisBackend:
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:
             return
-        self._pipeline(lambda pipe: [pipe.delete(self._entry(key)) for key, _ in items])
+        names = [self._entry(key) for key, _ in items]
+        # And each key's name before issue 16 (keys.legacy_entry), which an upgraded tier may still hold: one DEL
+        # a name, as a cluster refuses a DEL of keys in two slots.
+        legacy = {self.keys.legacy_entry(self.toolchain, key) for key, _ in items} - set(names)
+        self._pipeline(lambda pipe: [pipe.delete(name) for name in [*names, *sorted(legacy)]])
         indexed = [(key, digest) for key, digest in items if digest]
         if not indexed:
             return
