@@ -131,6 +131,11 @@ class KeySpace:
         """SCAN pattern of one toolchain's entries, or of every toolchain's."""
         return f"{self.prefix}:tc:{toolchain or '*'}:entry:*"
 
+    def lease_pattern(self, toolchain: str | None = None) -> str:
+        """SCAN pattern of one toolchain's leases, or of every toolchain's (`lease` takes a cache key, not a
+        pattern: its tag of "*" is "=*")."""
+        return f"{self.prefix}:tc:{toolchain or '*'}:lease:*"
+
     def parse_entry(self, redis_key: str) -> tuple[str, str]:
         """(toolchain, cache key) of an entry's Redis key."""
         toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
