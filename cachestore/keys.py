@@ -60,7 +60,7 @@ metrics and the job queue stay shared. The specification's SHA-256 stays the cac
 from __future__ import annotations
 
 import base64
-import string
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -313,7 +313,8 @@ def job_shard(job_id: str, shards: int) -> int:
     return zlib.crc32(job_id.encode()) % shards
 
 
-_BASE64URL = frozenset(string.ascii_letters + string.digits + "-_")
+# 32 bytes in unpadded base64url: 42 characters of 6 bits, then one holding the last 4 bits and two zero bits.
+_KEY_TAG = re.compile(r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]")
 
 
 def key_tag(cache_key: str) -> str:
@@ -329,12 +330,11 @@ def cache_key_of_tag(tag: str) -> str:
     it is."""
     if tag.startswith("="):
         return tag[1:]
-    # Decoding alone would drop characters out of the alphabet and accept a last character whose unused bits are
-    # set: only the one tag key_tag gives a key names it.
-    if len(tag) == 43 and set(tag) <= _BASE64URL:
-        cache_key = base64.urlsafe_b64decode(tag + "=").hex()
-        if key_tag(cache_key) == tag:
-            return cache_key
+    # Decoding alone would drop characters out of the alphabet and accept a last character whose two unused bits
+    # are set: only the one tag key_tag gives a key names it (a regular expression, not a second encoding: every
+    # entry of a scan is parsed).
+    if _KEY_TAG.fullmatch(tag):
+        return base64.urlsafe_b64decode(tag + "=").hex()
     return tag
 
 
