@@ -51,7 +51,7 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
     from cachestore.api import KeyUsage, MetricsBatch
     from cachestore.backends.redis import RedisBackend
     from cachestore.entry import Entry, encode_entry
-    from cachestore.keys import KeySpace
+    from cachestore.keys import KeySpace, digest_field, holder_value
 
     rng = np.random.default_rng(seed)
     client = redis.Redis.from_url(url)
@@ -86,7 +86,9 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
                           float(rng.uniform(0.005, 0.07)), toolchain=toolchain)  # fmt: skip
             data = encode_entry(entry)
             pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
-            pipe.set(keys.digest(toolchain, entry.digest), key, ex=30 * 86400)
+            bucket = keys.digest_bucket(toolchain, entry.digest)
+            pipe.hset(bucket, digest_field(entry.digest), holder_value(key))
+            pipe.expire(bucket, 30 * 86400)
             if len(holders) < 5000:
                 holders.append((key, entry))
         stored_bytes += len(data)

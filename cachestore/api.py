@@ -81,7 +81,7 @@ class StoreRequest:
     compile_seconds: float = 0.0  # what tracing it cost: the local tier ranks what it keeps by it
     ttl: int | None = None  # its own TTL (cachestore.value: grows with its value); None: the call's
     # Fields of the kernel's variant index (cachestore.variant_index) this store sets: how misses get a cause.
-    index_fields: dict[str, str] = field(default_factory=dict)
+    index_fields: dict[bytes, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -242,7 +242,7 @@ class Backend(Protocol):
     def apply_metrics(self, batch: MetricsBatch) -> bool:
         """Apply a batch unless one with its id was applied already; True when applied now."""
 
-    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         """The values of each (kernel name, fields) in the variant index (cachestore.variant_index), None for a
         field not set, and None for a query the store could not answer (another type of key under the kernel's
         name); in one round trip, bounded by the operation timeout like fetch."""

@@ -651,7 +651,7 @@ class TierClient:
         return ok
 
     def _store(self, requests: list[StoreRequest]) -> bool:
-        """The entries, then (in the same pipeline) this writer's checkpoint chunks that changed."""
+        """The entries, then (right after them, with the indexes) this writer's checkpoint chunks that changed."""
         log, ttl = self._checkpoint_log, self.settings.entry_ttl
         if log is None:
             return self._guarded(lambda b: b.store(requests, ttl), "store")[0]

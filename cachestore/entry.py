@@ -4,7 +4,7 @@
               [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>
                [<leaf index: 2 bytes> <group size: 2 bytes> [<checkpoint chunk: 12 bytes>]
                 <audit path: 32 bytes a hash>]] payload
-    payload = one zstd frame (its decompressed size declared) of
+    payload = one zstd frame (its decompressed size declared), compressed with the shipped dictionary, of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
 
@@ -22,8 +22,15 @@ signatures have neither bit and stay readable as they were, except by a reader w
 rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
-one msgpack unpack. Binaries compress to about a tenth (bench/RESULTS.md).
-Entries of an older schema (a msgpack map) are rejected like any bad entry: a miss, traced and rewritten.
+one msgpack unpack. Bodies compress to about a tenth of the binary (bench/RESULTS.md).
+Entries of an older schema (a msgpack map, or schema 3's payload compressed without the dictionary) are
+rejected like any bad entry: a miss, traced and rewritten.
+
+The dictionary (`entry_dictionary.zstd`, next to this module; `bench/train_zstd_dictionary.py` trains it on
+entries of graphs no workload uses) holds what every body repeats: msgpack field names and op names of BIR
+binaries, dtypes, key component names. Entries are small (a median binary of 1.3 KB), so compressed alone
+each would pay for that structure again. The schema byte names the dictionary: a new dictionary is a new
+schema, and entries written with another one are misses, never mis-decoded.
 
 `toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
 toolchain's entries apart, and the codegen loop takes only its own toolchain's. `digest` is the SHA-256 of
@@ -49,6 +56,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgpack
@@ -67,11 +75,13 @@ from cachestore.trust import (
     signed_message,
 )
 
-SCHEMA_VERSION = 3  # 2: the body names its toolchain; 3: binary header, zstd payload, body a list
+# 2: the body names its toolchain; 3: binary header, zstd payload, body a list; 4: the payload compressed with
+# the shipped dictionary (ENTRY_DICTIONARY_PATH)
+SCHEMA_VERSION = 4
 MAGIC = b"NKC"
-# Level 3 (zstd's default): on the bench workload's 55 binaries, 11.5% of their size at 114 µs a binary; level
-# 1 gives 11.8%, 6 11.6%, 19 10.2% at 40 times the time (bench/RESULTS.md, issue 16).
-COMPRESSION_LEVEL = 3
+ENTRY_DICTIONARY_PATH = Path(__file__).with_name("entry_dictionary.zstd")
+# With the dictionary, measured on the bench workload's bodies (bench/RESULTS.md, "Compact entries").
+COMPRESSION_LEVEL = 15
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
@@ -311,12 +321,12 @@ def decode_entry(
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
         raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    signature, section, payload = _open(data)
+    flags, signature, section, payload = _open(data)
     digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
     if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
         raise EntryRejected("stored bytes do not match their digest")
     signed = _check_signature(payload, signature, policy)
-    writer = _check_writer(section, data[len(MAGIC) + 1], digest, policy, cache_key)
+    writer = _check_writer(flags, section, digest, policy, cache_key)
     fields = _unpack(
         _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
@@ -331,13 +341,13 @@ def decode_entry(
 def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     """(signature or None, payload) of an encoded entry, both as stored; raises EntryRejected when `data`
     is not an entry of this schema (an older schema's entry is rejected like any other: a miss)."""
-    signature, _, payload = _open(data)
+    _, signature, _, payload = _open(data)
     return signature, payload
 
 
-def _open(data: bytes) -> tuple[bytes | None, WriterSection | None, bytes]:
-    """(HMAC or None, writer section or None, payload) of an encoded entry; raises EntryRejected when `data` is
-    not an entry of this schema or its header is truncated."""
+def _open(data: bytes) -> tuple[int, bytes | None, WriterSection | None, bytes]:
+    """(flags, HMAC or None, writer section or None, payload) of an encoded entry: its header read once. Raises
+    EntryRejected when `data` is not an entry of this schema or its header is truncated."""
     if not data.startswith(MAGIC):
         older = data[:1] and 0x80 <= data[0] <= 0x8F  # schema 1 and 2 were a msgpack map
         raise EntryRejected("an entry of an older schema (a msgpack map)" if older else "not an nkicache entry")
@@ -351,15 +361,14 @@ def _open(data: bytes) -> tuple[bytes | None, WriterSection | None, bytes]:
     if flags & _CHECKPOINTED and not flags & _WRITER_BATCH:
         raise EntryRejected("entry header names a checkpoint chunk without a batch signature")
     start = _SUM_AT + _SUM_BYTES
-    signature = None
+    signature = section = None
     if flags & _SIGNED:
         if len(data) < start + _SIG_BYTES:
             raise EntryRejected("entry signature is truncated")
         signature, start = data[start : start + _SIG_BYTES], start + _SIG_BYTES
-    section = None
     if flags & (_WRITER_SIGNED | _WRITER_BATCH):
         section, start = _writer_section_at(data, start, flags)
-    return signature, section, data[start:]
+    return flags, signature, section, data[start:]
 
 
 def _writer_section_at(data: bytes, start: int, flags: int) -> tuple[WriterSection, int]:
@@ -391,7 +400,7 @@ def _writer_section_at(data: bytes, start: int, flags: int) -> tuple[WriterSecti
 def writer_section(data: bytes) -> WriterSection | None:
     """The writer section of an encoded entry, unverified, or None when it carries none (or is no entry)."""
     try:
-        return _open(data)[1]
+        return _open(data)[2]
     except EntryRejected:
         return None
 
@@ -431,21 +440,43 @@ def _decompress(payload: bytes, max_bytes: int) -> bytes:
     return body
 
 
+def body_of(data: bytes, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
+    """The decompressed body of an encoded entry, unchecked against its digest (training the dictionary,
+    measurements); raises EntryRejected when it is no entry of this schema."""
+    return _decompress(open_stored(data)[1], max_bytes)
+
+
 _local = threading.local()  # zstd contexts are not thread-safe, and making one costs more than a small entry
+_dictionary_lock = threading.Lock()
+_dictionary: list[zstandard.ZstdCompressionDict] = []
+
+
+def entry_dictionary() -> zstandard.ZstdCompressionDict:
+    """The shipped dictionary, read once per process."""
+    with _dictionary_lock:
+        if not _dictionary:
+            try:
+                data = ENTRY_DICTIONARY_PATH.read_bytes()
+            except OSError as exc:
+                raise RuntimeError(f"{ENTRY_DICTIONARY_PATH}: cannot read the entry dictionary: {exc}") from None
+            _dictionary.append(zstandard.ZstdCompressionDict(data))
+        return _dictionary[0]
 
 
 def _compressor() -> zstandard.ZstdCompressor:
     if not hasattr(_local, "compressor"):
-        # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and no dictionary is used.
+        # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and the schema byte
+        # names the dictionary.
         _local.compressor = zstandard.ZstdCompressor(
-            level=COMPRESSION_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False
-        )
+            level=COMPRESSION_LEVEL, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
+            write_dict_id=False,
+        )  # fmt: skip
     return _local.compressor
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
+        _local.decompressor = zstandard.ZstdDecompressor(dict_data=entry_dictionary())
     return _local.decompressor
 
 
@@ -465,10 +496,10 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
 
 
 def _check_writer(
-    section: WriterSection | None, flags: int, digest: bytes, policy: SignaturePolicy, cache_key: str | None
+    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
 ) -> bytes | None:
-    """The writer's key id when the entry carries a writer signature (checked against the trust policy when
-    the reader holds one); raises EntryRejected when the policy does not accept it."""
+    """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
+    policy when the reader holds one); raises EntryRejected when the policy does not accept it."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
@@ -601,20 +632,25 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }  # fmt: skip
 
 
+_KINDS = tuple(_FIELD_TYPES[name] for name in _BODY_FIELDS)  # in body order: one pass over the list, no dict
+
+
 def _entry_from_fields(values: object) -> Entry:
     if not isinstance(values, list) or len(values) != len(_BODY_FIELDS):
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
-    fields = dict(zip(_BODY_FIELDS, values, strict=True))
-    for name, kinds in _FIELD_TYPES.items():
-        if not isinstance(fields[name], kinds) or isinstance(fields[name], bool):
+    for name, value, kinds in zip(_BODY_FIELDS, values, _KINDS, strict=True):
+        if not isinstance(value, kinds):
             raise EntryRejected(f"body field {name!r} has the wrong type")
-    for name in ("created", "compile_seconds"):
+    _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
+    for name, number in (("created", created), ("compile_seconds", compile_seconds)):
+        if isinstance(number, bool):  # an int to isinstance, and the only kinds a bool could pass for are numbers
+            raise EntryRejected(f"body field {name!r} has the wrong type")
         # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json).
-        if not math.isfinite(fields[name]) or fields[name] < 0:
-            raise EntryRejected(f"body field {name!r} is {fields[name]!r}, not a finite number >= 0")
-    if fields["format"] not in ("bir", "klir"):
-        raise EntryRejected(f"unknown binary format {fields['format']!r}")
-    names = fields["input_names"] + fields["output_names"]
-    if not all(isinstance(n, str) for n in names):
-        raise EntryRejected("input/output names must be strings")
-    return Entry(**fields)
+        if not math.isfinite(number) or number < 0:
+            raise EntryRejected(f"body field {name!r} is {number!r}, not a finite number >= 0")
+    if form not in ("bir", "klir"):
+        raise EntryRejected(f"unknown binary format {form!r}")
+    for name in inputs + outputs:
+        if not isinstance(name, str):
+            raise EntryRejected("input/output names must be strings")
+    return Entry(*values)

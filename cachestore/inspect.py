@@ -312,10 +312,11 @@ def disk_usage(reader: Reader) -> dict:
     for raw in (raw for partition in partitions(reader) for raw in partition.scan_entries(with_ttl=False)):
         toolchains[raw.toolchain]["entries"] += 1
         toolchains[raw.toolchain]["bytes"] += len(raw.data)
-        writer = writers[writer_of(raw.data)]
+        entry = decode_or_reason(raw.data)
+        # A decoded entry names its writer (the header read once); one that cannot be decoded, by its header alone.
+        writer = writers[writer_of(raw.data) if isinstance(entry, str) else entry.writer]
         writer["entries"] += 1
         writer["bytes"] += len(raw.data)
-        entry = decode_or_reason(raw.data)
         if isinstance(entry, str):
             unreadable["entries"] += 1
             unreadable["bytes"] += len(raw.data)

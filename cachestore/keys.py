@@ -2,9 +2,11 @@
 
 Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.identity`):
 
-    NS:vV:tc:TC:entry:{KEY}      string   encoded entry for cache key KEY (TTL, refreshed on use)
-    NS:vV:tc:TC:lease:{KEY}      string   single-flight lease: the tracing worker's id (short TTL)
-    NS:vV:tc:TC:digest:{DIGEST}  string   the cache key whose entry holds the binary with this SHA-256 (TTL)
+    NS:vV:tc:TC:entry:{K}        string   encoded entry for cache key KEY (TTL, refreshed on use); K = key_tag(KEY)
+    NS:vV:tc:TC:lease:{K}        string   single-flight lease: the tracing worker's id (short TTL)
+    NS:vV:tc:TC:digests:B        hash     the dedupe index, bucket B of DIGEST_BUCKETS: field the binary's SHA-256
+                               (its first 16 bytes, raw), value the cache key (32 bytes, raw) whose entry holds
+                               that binary (TTL, refreshed by every store into the bucket)
     NS:vV:tc:TC:checkpoint:{KEYID.INSTANCE}:CHUNK  string   chunk CHUNK of the checkpoint a writer process
                                (its key id, its random instance id) signs of the entries it stored
                                (cachestore.checkpoint; TTL like entries, rewritten at each flush while current)
@@ -22,6 +24,13 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
                                the worker heartbeats and the batches' job lists
     NS:vV:artifact:{JOB}       string   a finished job's artifact (TTL job_ttl), in the slot of its job id
 
+K, an entry's and its lease's tag, is the 32 bytes of the cache key (a SHA-256 in hex, as the codegen loop makes
+every key) in unpadded base64url: 43 characters instead of 64 (issue 16: the key's name is stored with it, and
+Redis rounds the name's allocation up to a size class: 96 bytes instead of 128 here). Its alphabet has no brace
+and no glob character. A key that is no SHA-256 hex (tests, hands) is its tag as it is, after a "=" that no
+base64url tag holds. Entries an older release stored under the hex key (`entry:{<64 hex>}`) are never read: they
+are misses, expire with their TTL, and `delete_entries` removes them with their new name (gc).
+
 The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), a
 writer process's checkpoint chunks share one (the tag is the writer key and instance: the chunks of the fleet's
 many writers spread over the nodes, and a reader fetches one chunk at a time anyway), and
@@ -32,11 +41,21 @@ the metrics over a cluster's nodes: with one slot, every pass's batch and every 
 A scope other than the trusted one (issue 22: an untrusted writer, `cachestore.trust.resolve_scope`) is a
 partition of its own inside the toolchain's, TC:scope:NAME (`partition`):
 
-    NS:vV:tc:TC:scope:NAME:entry:{KEY}   (and :lease:, :digest:) an untrusted scope's entries
+    NS:vV:tc:TC:scope:NAME:entry:{KEY}   (and :lease:, :digests:) an untrusted scope's entries
 
 so a trusted reader never reads them, and they never hold a lease on, replace, deduplicate against or evict
 a trusted entry. The trusted scope is the toolchain's partition itself: the layout of an existing tier is
 unchanged. A Redis ACL user can be limited to untrusted scopes by the key pattern `NS:vV:tc:*:scope:*`.
+
+The dedupe index was one string key per binary until issue 16's compact entries: each cost Redis about 250
+bytes (its name, its TTL, its dict entry) for 64 bytes of data, where a field of a small hash (listpack
+encoding, up to 128 fields) costs about 55 and of a large one about 100. A few buckets per partition keep the
+fields of a fleet's thousands of binaries in a few keys that a cluster still spreads (no hash tag: nothing
+needs them in one slot). Fields have no TTL of their own: a field whose holder expired stays until a store of
+the same binary replaces it, `delete_entries` drops it, its bucket goes unused for a TTL, or the bucket passes
+MAX_DIGEST_FIELDS and is emptied (those binaries lose their dedupe once; references already written keep
+working, since a reader follows a reference by its cache key and checks the binary's digest). Keys of the
+one-key-per-digest index an older release wrote are not read: they expire on their own.
 
 Entries, leases and the digest index are partitioned by toolchain: two compilers (a rolling upgrade) share
 one Redis without ever reading, deduplicating against or evicting each other's binaries, while the fleet
@@ -45,6 +64,8 @@ metrics and the job queue stay shared. The specification's SHA-256 stays the cac
 
 from __future__ import annotations
 
+import base64
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -54,6 +75,9 @@ DEFAULT_METRICS_SHARDS = 64
 MAX_METRICS_SHARDS = 1024  # a report reads every shard: more would cost it more than any cluster gains
 DEFAULT_JOB_SHARDS = 16  # of a new namespace's job queue: an idle worker polls each once a second
 MAX_JOB_SHARDS = 1024
+DIGEST_BUCKETS = 8  # hashes of a partition's dedupe index
+MAX_DIGEST_FIELDS = 1 << 16  # fields of a bucket past which it is emptied (a bound on fields of expired entries)
+DIGEST_FIELD_BYTES = 16  # of the binary's SHA-256: a reference is checked against the whole digest when followed
 
 
 TRUSTED_SCOPE = ""
@@ -83,13 +107,21 @@ class KeySpace:
 
     # -- entries (one partition per toolchain) ----------------------------------------------------
     def entry(self, toolchain: str, cache_key: str) -> str:
+        return f"{self.prefix}:tc:{toolchain}:entry:{{{key_tag(cache_key)}}}"
+
+    def legacy_entry(self, toolchain: str, cache_key: str) -> str:
+        """Where a release before issue 16 stored the entry: never read, only deleted with the entry."""
         return f"{self.prefix}:tc:{toolchain}:entry:{{{cache_key}}}"
 
     def lease(self, toolchain: str, cache_key: str) -> str:
-        return f"{self.prefix}:tc:{toolchain}:lease:{{{cache_key}}}"
+        return f"{self.prefix}:tc:{toolchain}:lease:{{{key_tag(cache_key)}}}"
 
-    def digest(self, toolchain: str, digest: str) -> str:
-        return f"{self.prefix}:tc:{toolchain}:digest:{{{digest}}}"
+    def digest_bucket(self, toolchain: str, digest: str) -> str:
+        """The hash of the dedupe index that holds `digest`'s field (`digest_field`)."""
+        return f"{self.prefix}:tc:{toolchain}:digests:{digest_bucket_of(digest)}"
+
+    def digest_bucket_pattern(self, toolchain: str | None = None) -> str:
+        return f"{self.prefix}:tc:{toolchain or '*'}:digests:*"
 
     def checkpoint(self, toolchain: str, key_id_hex: str, instance_hex: str, chunk: int) -> str:
         """Inside the partition, so a scope's ACL (`NS:vV:tc:*:scope:*`) covers its writers' checkpoints and an
@@ -113,10 +145,23 @@ class KeySpace:
         """SCAN pattern of one toolchain's entries, or of every toolchain's."""
         return f"{self.prefix}:tc:{toolchain or '*'}:entry:*"
 
+    def lease_pattern(self, toolchain: str | None = None) -> str:
+        """SCAN pattern of one toolchain's leases, or of every toolchain's (`lease` takes a cache key, not a
+        pattern: its tag of "*" is "=*")."""
+        return f"{self.prefix}:tc:{toolchain or '*'}:lease:*"
+
     def parse_entry(self, redis_key: str) -> tuple[str, str]:
         """(toolchain, cache key) of an entry's Redis key."""
         toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
-        return toolchain, tagged[1:-1]
+        return toolchain, cache_key_of_tag(tagged[1:-1])
+
+    def entry_prefix_pattern(self, toolchain: str, hex_prefix: str) -> str:
+        """A SCAN pattern matching at least the entries whose cache key starts with `hex_prefix` (hex digits):
+        base64 encodes 3 bytes (6 hex digits) as 4 characters, so the pattern holds the whole groups of the
+        prefix, and the caller checks the rest of it on the parsed keys."""
+        whole = len(hex_prefix) - len(hex_prefix) % 6
+        head = base64.urlsafe_b64encode(bytes.fromhex(hex_prefix[:whole])).decode() if whole else ""
+        return f"{self.prefix}:tc:{toolchain}:entry:{{{head}*"
 
     # -- metrics (S shards, one slot each) ---------------------------------------------------------
     @property
@@ -280,6 +325,68 @@ def job_shard(job_id: str, shards: int) -> int:
     """The shard a job is queued in, and so holds its result: a function of the job id alone, so that
     `results_of` and `job show` find it without a lookup."""
     return zlib.crc32(job_id.encode()) % shards
+
+
+# 32 bytes in unpadded base64url: 42 characters of 6 bits, then one holding the last 4 bits and two zero bits.
+_KEY_TAG = re.compile(r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]")
+
+
+def key_tag(cache_key: str) -> str:
+    """An entry's and its lease's hash tag: a SHA-256 hex cache key in 43 characters of unpadded base64url,
+    any other key as "=" and its text."""
+    if _is_sha256_hex(cache_key):
+        return base64.urlsafe_b64encode(_raw(cache_key)).decode().rstrip("=")
+    return "=" + cache_key
+
+
+def cache_key_of_tag(tag: str) -> str:
+    """The cache key a tag names (`key_tag`); a tag of neither form (an older release's hex key, a hand's) as
+    it is."""
+    if tag.startswith("="):
+        return tag[1:]
+    # Decoding alone would drop characters out of the alphabet and accept a last character whose two unused bits
+    # are set: only the one tag key_tag gives a key names it (a regular expression, not a second encoding: every
+    # entry of a scan is parsed).
+    if _KEY_TAG.fullmatch(tag):
+        return base64.urlsafe_b64decode(tag + "=").hex()
+    return tag
+
+
+def digest_bucket_of(digest: str) -> int:
+    """The bucket of a binary's SHA-256 (hex): its first byte, so buckets fill evenly."""
+    try:
+        return int(digest[:2], 16) % DIGEST_BUCKETS
+    except ValueError:  # no hex digest (a forged entry's): any bucket will do, the same each time
+        return zlib.crc32(digest.encode()) % DIGEST_BUCKETS
+
+
+def digest_field(digest: str) -> bytes:
+    """A digest's field in its bucket: the first DIGEST_FIELD_BYTES of the SHA-256, raw (a hex digest's; any
+    other text as its bytes, which no raw prefix of that length equals unless it has that length too)."""
+    return _raw(digest)[:DIGEST_FIELD_BYTES] if _is_sha256_hex(digest) else digest.encode()
+
+
+def holder_value(cache_key: str) -> bytes:
+    """A cache key as the dedupe index stores it: 32 raw bytes for a SHA-256 hex key (every key the codegen
+    loop makes), its text otherwise."""
+    return _raw(cache_key) if _is_sha256_hex(cache_key) else cache_key.encode()
+
+
+def holder_of(value: bytes | str | None) -> str | None:
+    """The cache key a dedupe index value names (None for none)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode(errors="surrogateescape")
+    return value.hex() if len(value) == 32 else value.decode(errors="backslashreplace")
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def _raw(hex_text: str) -> bytes:
+    return bytes.fromhex(hex_text)
 
 
 def stored_shard_count(stored: bytes | str, maximum: int) -> int | None:

@@ -1,5 +1,5 @@
-"""Stored entries built by hand (schema 3: header, SHA-256 and HMAC of the payload, zstd payload), for tests
-that plant what encode_entry would never write."""
+"""Stored entries built by hand (schema 4: header, SHA-256 and HMAC of the payload, zstd payload compressed with
+the shipped dictionary), for tests that plant what encode_entry would never write."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ import hmac
 import msgpack
 import zstandard
 
-from cachestore.entry import _BODY_FIELDS, MAGIC, SCHEMA_VERSION, Entry
+from cachestore.entry import _BODY_FIELDS, MAGIC, SCHEMA_VERSION, Entry, entry_dictionary
 
 
-def compress(body: bytes) -> bytes:
-    return zstandard.ZstdCompressor(write_content_size=True).compress(body)
+def compress(body: bytes, dictionary: zstandard.ZstdCompressionDict | None = None) -> bytes:
+    """`body` as one zstd frame, compressed with `dictionary` (default: the one entries use)."""
+    dictionary = entry_dictionary() if dictionary is None else dictionary
+    return zstandard.ZstdCompressor(write_content_size=True, write_dict_id=False, dict_data=dictionary).compress(body)
+
+
+def decompress(payload: bytes) -> bytes:
+    return zstandard.ZstdDecompressor(dict_data=entry_dictionary()).decompress(payload)
 
 
 def stored(

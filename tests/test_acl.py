@@ -164,7 +164,7 @@ def test_worker_compiles_with_the_redis_tier(acl_server: int, worker_env: dict, 
             data = reader.get(key)
             assert is_signed(data)
             decode_entry(data, SignaturePolicy(HMAC_KEY.encode(), require_signed=True))
-        assert list(reader.scan_iter(match=KEYS.lease("*", "*"), count=1000)) == []  # leases taken and released
+        assert list(reader.scan_iter(match=KEYS.lease_pattern(), count=1000)) == []  # leases taken and released
     finally:
         reader.close()
 
@@ -376,7 +376,7 @@ def test_reader_compiles_read_only_with_no_tier_errors(
         assert sorted(reader.scan_iter(match=KEYS.entry_pattern(), count=1000)) == sorted(entry_keys)
         assert all(0 < reader.ttl(key) <= 1000 for key in entry_keys)
         assert totals(reader)["passes"] == passes_before
-        assert list(reader.scan_iter(match=KEYS.lease("*", "*"), count=1000)) == []
+        assert list(reader.scan_iter(match=KEYS.lease_pattern(), count=1000)) == []
     finally:
         worker.close()
         reader.close()
@@ -525,7 +525,7 @@ def test_the_untrusted_user_writes_its_own_scope_only(
         assert len(trusted_keys) == MIXED_DISTINCT_KEYS
         cache_key = KEYS.parse_entry(trusted_keys[0].decode())[1]
         for key in (KEYS.entry(toolchain_id(), cache_key), KEYS.lease(toolchain_id(), cache_key),
-                    KEYS.digest(toolchain_id(), "0" * 64)):  # fmt: skip
+                    KEYS.digest_bucket(toolchain_id(), "0" * 64)):  # fmt: skip
             with pytest.raises(redis.exceptions.NoPermissionError):
                 untrusted.set(key, b"planted")
         with pytest.raises(redis.exceptions.NoPermissionError):

@@ -49,7 +49,7 @@ def new_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NewTier
 
     def remote() -> tuple[dict, Callable[[], int]]:
         namespaces.append(unique_namespace())
-        pattern = KeySpace(namespaces[-1]).lease("*", "*")
+        pattern = KeySpace(namespaces[-1]).lease_pattern()
         return {"tier": redis_url, "namespace": namespaces[-1]}, lambda: sum(1 for _ in client.scan_iter(match=pattern))
 
     try:

@@ -1,5 +1,6 @@
-"""The tier's entry format (schema 3): a header with the SHA-256 and optional HMAC of a zstd payload holding the
-msgpack body; old schemas, garbage and zstd bombs are rejected; never pickle."""
+"""The tier's entry format (schema 4): a header with the SHA-256 and optional HMAC of a zstd payload (compressed
+with the shipped dictionary) holding the msgpack body; old schemas, garbage and zstd bombs are rejected; never
+pickle."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zstandard
-from helpers_entries import body_of, compress, payload_of, signature_of, stored
+from helpers_entries import body_of, compress, decompress, payload_of, signature_of, stored
 
 from cachestore.entry import (
     SCHEMA_VERSION,
@@ -83,8 +84,39 @@ def test_the_stored_form_is_a_header_and_a_compressed_payload_its_digest_covers(
     payload = payload_of(data)
     assert data[5:37] == hashlib.sha256(payload).digest()  # a hit hashes this, not the binary
     assert len(data) < len(binary) / 5  # compressed
-    body = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(payload), raw=False)
+    body = msgpack.unpackb(decompress(payload), raw=False)
     assert body[0] == binary and body[10] == binary_digest(binary)
+
+
+def test_a_schema_3_entry_compressed_without_the_dictionary_is_a_miss() -> None:
+    """Schema 3 had the same header and a payload compressed without a dictionary: rejected by its schema byte."""
+    plain = zstandard.ZstdCompressor(write_content_size=True).compress(body_of(make_entry()))
+    assert "schema version 3, expected 4" in rejected(stored(payload=plain, schema=3))
+
+
+@pytest.mark.parametrize("dictionary", ["none", "another"])
+def test_a_payload_compressed_without_the_shipped_dictionary_is_rejected_not_misread(dictionary: str) -> None:
+    """Another tool writing schema 4 with its own dictionary (or none), under a digest it computed: no crash, and
+    never an entry with other contents than were written."""
+    body = body_of(make_entry())
+    other = zstandard.ZstdCompressionDict(os.urandom(4096), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    options = {"dict_data": other} if dictionary == "another" else {}
+    payload = zstandard.ZstdCompressor(write_content_size=True, **options).compress(body)
+    try:
+        decoded = decode_entry(stored(payload=payload), UNSIGNED_OK)
+    except EntryRejected:
+        return
+    assert decoded == make_entry()  # a frame that needed no dictionary content decodes to what was written
+
+
+def test_the_dictionary_makes_small_bodies_smaller() -> None:
+    """What the dictionary is for: a small BIR-like body compresses better with it than alone."""
+    from cachestore.entry import body_of as stored_body
+
+    binary = b"".join(b"\x93\xa6buffer\x92@@\xa7float32\xa4sbuf%d" % i for i in range(40))
+    data = encode_entry(make_entry(binary))
+    alone = zstandard.ZstdCompressor(level=12, write_content_size=True).compress(stored_body(data))
+    assert len(payload_of(data)) < len(alone)
 
 
 def test_an_entry_of_the_previous_schema_is_rejected() -> None:

@@ -422,13 +422,15 @@ def test_gc_evicts_unused_unreadable_and_dangling_entries(fleet: Tier) -> None:
         reader.close()
     assert raw_values(fleet) == {}
     # The index entries of the evicted binaries went with them (Redis cannot tell an unreadable entry's).
-    assert [d for d in digest_index(fleet) if garbled not in str(d)] == []
+    assert [d for d in digest_index(fleet) if garbled[:32] not in str(d)] == []
     assert json.loads(nkicache(fleet, "report", "--json").stdout)["totals"]["kernels"] == 24
 
 
 def digest_index(tier: Tier) -> list:
+    """The digests the dedupe index holds (on Redis their fields: the first 16 bytes, in hex)."""
     if tier.kind == "redis":
-        return list(tier.client.scan_iter(match=tier.backend.keys.digest("*", "*").replace("{*}", "*")))
+        buckets = tier.client.scan_iter(match=tier.backend.keys.digest_bucket_pattern())
+        return [field.hex() for bucket in buckets for field in tier.client.hkeys(bucket)]
     import sqlite3
 
     db = sqlite3.connect(tier.backend.path)

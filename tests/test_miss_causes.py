@@ -298,15 +298,28 @@ def test_another_tools_key_under_the_index_costs_causes_never_entries(redis_url:
 
 def test_a_key_another_scope_of_this_toolchain_stored_is_new_here_not_evicted() -> None:
     from cachestore.keys import partition
-    from cachestore.variant_index import facts
+    from cachestore.variant_index import facts, partition_tag
 
     trusted, laptop = partition("0123456789abcdef"), partition("0123456789abcdef", "w-laptop")
-    from_laptop = facts([laptop.encode(), None, None, None], trusted)
+    from_laptop = facts([partition_tag(laptop), None, None, None], trusted)
     assert not from_laptop.stored_here_before and not from_laptop.stored_by_other_toolchain
     assert classify_miss(MissObservation(), from_laptop) == "new_variant"
-    assert facts([trusted, None, None, None], laptop).stored_by_other_toolchain is False
-    assert facts([partition("fedcba9876543210"), None, None, None], trusted).stored_by_other_toolchain
-    assert facts([trusted, None, None, None], trusted).stored_here_before
+    assert facts([partition_tag(trusted), None, None, None], laptop).stored_by_other_toolchain is False
+    assert facts([partition_tag(partition("fedcba9876543210")), None, None, None], trusted).stored_by_other_toolchain
+    assert facts([partition_tag(trusted), None, None, None], trusted).stored_here_before
+    # Ids of other lengths and text ids: a toolchain's part is read back whole, never a prefix of another's.
+    assert facts([partition_tag("0123456789abcdef0123"), None, None, None], trusted).stored_by_other_toolchain
+    assert facts([partition_tag("other-compiler"), None, None, None], "other-compiler").stored_here_before
+    assert facts([partition_tag("other:scope:x"), None, None, None], "other").stored_by_other_toolchain is False
+
+
+@pytest.mark.parametrize("planted", [b"", b"\xff", b"\x08short", "0123456789abcdef", b"\x00" * 300])
+def test_a_hand_written_index_value_is_never_taken_for_this_partition(planted: bytes | str) -> None:
+    """Truncated, garbage or old-layout (hex text) values: no crash, and never 'stored here before'."""
+    from cachestore.variant_index import facts
+
+    found = facts([planted, None, None, None], "0123456789abcdef")
+    assert not found.stored_here_before and found.stored_by_other_toolchain
 
 
 @pytest.mark.redis

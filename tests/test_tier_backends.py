@@ -7,6 +7,7 @@ real redis-server (REDIS_URL, or a private server), each under a namespace of it
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sqlite3
 import time
 import uuid
@@ -23,7 +24,7 @@ from cachestore.backends.redis import FIRST_READ_BYTES, RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
 from cachestore.entry import Entry, SignaturePolicy, TooLarge, decode_entry, encode_entry
-from cachestore.keys import KeySpace
+from cachestore.keys import DIGEST_BUCKETS, KeySpace, digest_field
 from cachestore.settings import Settings
 
 TTL = 3600
@@ -414,3 +415,132 @@ def test_scan_entries_includes_references(backend) -> None:
     scanned = stored_entries(backend)
     assert decoded(scanned["a"]).binary == b"same"
     assert decoded(scanned["b"]).ref == "a"
+
+
+# -- the Redis dedupe index: a few hashes per partition (cachestore.keys, issue 16) -------------------------
+@pytest.fixture(params=["fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
+def redis_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisBackend]:
+    with backend_of(request.param, request, tmp_path) as tier:
+        yield tier
+
+
+def digest_buckets(backend: RedisBackend) -> list[bytes]:
+    return sorted(backend.client.scan_iter(match=backend.keys.digest_bucket_pattern(), count=1000))
+
+
+def test_the_dedupe_index_is_a_few_hashes_with_one_small_field_a_binary(redis_backend: RedisBackend) -> None:
+    # 64-hex cache keys, as the codegen loop makes them: each is held in 32 raw bytes.
+    keys = [hashlib.sha256(b"%d" % i).hexdigest() for i in range(40)]
+    redis_backend.store([request_for(k, entry(b"binary-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)
+    buckets = digest_buckets(redis_backend)
+    assert 1 <= len(buckets) <= DIGEST_BUCKETS
+    fields = {f: v for b in buckets for f, v in redis_backend.client.hgetall(b).items()}
+    assert len(fields) == 40 and {len(f) for f in fields} == {16} and {len(v) for v in fields.values()} == {32}
+    assert {v.hex() for v in fields.values()} == set(keys)
+    assert all(0 < redis_backend.client.ttl(b) <= TTL for b in buckets)
+
+
+def test_a_bucket_of_another_type_fails_no_store_and_costs_only_the_dedupe(redis_backend: RedisBackend) -> None:
+    binary = b"planted bucket" * 30
+    first, second = entry(binary, shape=1), entry(binary, shape=2)
+    bucket = redis_backend.keys.digest_bucket(redis_backend.toolchain, first.digest)
+    redis_backend.client.set(bucket, b"another tool's bytes")
+    redis_backend.store([request_for("key-a", first)], TTL)
+    redis_backend.store([request_for("key-b", second)], TTL)
+    stored = redis_backend.fetch(["key-a", "key-b"], TTL)
+    assert decoded(stored["key-a"]).binary == decoded(stored["key-b"]).binary == binary  # both whole
+    assert redis_backend.client.get(bucket) == b"another tool's bytes"  # not ours to remove
+    redis_backend.delete_entries([("key-a", first.digest)])  # reading that bucket fails nothing either
+    assert set(redis_backend.fetch(["key-a", "key-b"], TTL)) == {"key-b"}
+
+
+def test_garbage_in_a_bucket_never_becomes_a_reference(redis_backend: RedisBackend) -> None:
+    """A field naming no entry (a hand's, a truncated value, an expired holder): the binary is written whole."""
+    binary = b"forged holder" * 30
+    item = entry(binary)
+    bucket = redis_backend.keys.digest_bucket(redis_backend.toolchain, item.digest)
+    for planted in (b"\x00" * 32, b"trunc", b"", "k\u00e9y".encode()):
+        redis_backend.client.hset(bucket, digest_field(item.digest), planted)
+        redis_backend.store([request_for("key-x", item)], TTL)
+        assert decoded(redis_backend.fetch(["key-x"], TTL)["key-x"]) == item
+        redis_backend.client.hdel(bucket, digest_field(item.digest))
+
+
+def test_a_bucket_past_its_cap_is_emptied_and_dedupe_goes_on(redis_backend: RedisBackend, monkeypatch) -> None:
+    from cachestore.backends import redis as redis_module
+
+    monkeypatch.setattr(redis_module, "MAX_DIGEST_FIELDS", 3)
+    items = [entry(b"capped-%d" % i, shape=i) for i in range(12)]
+    for i, item in enumerate(items):
+        redis_backend.store([request_for(f"key-{i}", item)], TTL)
+    fields = sum(redis_backend.client.hlen(b) for b in digest_buckets(redis_backend))
+    assert fields <= DIGEST_BUCKETS * 4  # at most the cap and the batch that found it full, per bucket
+    again = entry(items[-1].binary, shape=99)  # the last binary's field was written after any emptying
+    redis_backend.store([request_for("key-again", again)], TTL)
+    assert decoded(redis_backend.fetch(["key-again"], TTL)["key-again"]).ref == "key-11"
+
+
+def test_a_short_lived_store_never_shortens_a_buckets_life(redis_backend: RedisBackend) -> None:
+    long_lived = entry(b"long" * 40, shape=1)
+    bucket = redis_backend.keys.digest_bucket(redis_backend.toolchain, long_lived.digest)
+    redis_backend.store([request_for("key-long", long_lived)], TTL)
+    # A second binary whose digest falls in the same bucket, stored with a far shorter TTL.
+    candidates = (entry(b"short-%d" % i, shape=2) for i in range(200))
+    short_lived = next(
+        e for e in candidates if redis_backend.keys.digest_bucket(redis_backend.toolchain, e.digest) == bucket
+    )
+    redis_backend.store([request_for("key-short", short_lived)], 5)
+    assert redis_backend.client.ttl(bucket) > 5
+
+
+def test_a_read_without_ttls_tells_a_missing_key_from_an_empty_value(redis_backend: RedisBackend) -> None:
+    """verify and du read one GETRANGE a key (no PTTL); an empty reply is asked again with EXISTS, so a key
+    deleted since the SCAN is skipped and an empty value is still handed over (and reported as no entry)."""
+    view = TierView.of(redis_backend)
+    view.put_raw("empty", b"")
+    view.put_raw("whole", b"w" * 300)
+    keys = [redis_backend.keys.entry(redis_backend.toolchain, key) for key in ("empty", "gone", "whole")]
+    assert redis_backend._read_entries(keys, with_ttl=False) == [(b"", None), (None, None), (b"w" * 300, None)]
+
+
+# -- entry key names: the cache key in base64url (cachestore.keys.key_tag, issue 16) ---------------------
+def test_an_entry_key_names_its_cache_key_in_43_characters_and_reads_back() -> None:
+    from cachestore.keys import cache_key_of_tag, key_tag
+
+    space = KeySpace("ns")
+    for cache_key in (hashlib.sha256(b"%d" % i).hexdigest() for i in range(200)):
+        tag = key_tag(cache_key)
+        assert len(tag) == 43 and not set(tag) & set("{}*?[]\\\\=")  # no hash-tag, glob or marker character
+        assert space.parse_entry(space.entry("0123456789abcdef", cache_key)) == ("0123456789abcdef", cache_key)
+        assert space.entry("t", cache_key).endswith("{" + tag + "}") and space.lease("t", cache_key).endswith(
+            "{" + tag + "}"
+        )
+    for text_key in ("k", "key-a", "A" * 64, "0" * 63, "=odd", "x" * 43):  # no SHA-256 hex: "=" and the text
+        assert space.parse_entry(space.entry("t", text_key)) == ("t", text_key)
+    # An older release's hex name and names by hand: read back as they are, never an exception.
+    for tag in ("0" * 64, "!" * 43, "", "{", "\u00e9" * 43, "A" * 42 + "B"):  # B: bits past the 32 bytes
+        assert cache_key_of_tag(tag) == tag
+
+
+def test_find_keys_finds_every_prefix_length(redis_backend: RedisBackend) -> None:
+    keys = [hashlib.sha256(b"find-%d" % i).hexdigest() for i in range(30)]
+    redis_backend.store([request_for(k, entry(b"f-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)
+    target = keys[7]
+    for length in (1, 2, 5, 6, 7, 12, 13, 40, 64):
+        found = redis_backend.find_keys(target[:length], limit=100)
+        assert target in found and all(k.startswith(target[:length]) for k in found), length
+        assert set(found) == {k for k in keys if k.startswith(target[:length])}
+    absent = next(p for p in (f"{i:06x}" for i in range(1 << 12)) if not any(k.startswith(p) for k in keys))
+    assert redis_backend.find_keys(absent) == []
+
+
+def test_deleting_an_entry_removes_its_name_of_an_older_release_too(redis_backend: RedisBackend) -> None:
+    """An upgraded tier still holds entries under the hex names (never read): gc's deletes take them along."""
+    cache_key = hashlib.sha256(b"legacy").hexdigest()
+    old_name = redis_backend.keys.legacy_entry(redis_backend.toolchain, cache_key)
+    redis_backend.client.set(old_name, b"an entry of schema 3")
+    listed = [raw.cache_key for raw in redis_backend.scan_entries()]
+    assert listed == [cache_key]  # listed (and reported unreadable by verify), under its cache key
+    assert redis_backend.fetch([cache_key], TTL) == {}  # never read by a compile
+    redis_backend.delete_entries([(cache_key, None)])
+    assert redis_backend.client.exists(old_name) == 0

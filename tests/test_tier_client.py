@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -218,11 +219,14 @@ def test_a_reference_to_another_binary_is_rejected(backend) -> None:
 
 
 def test_entries_over_the_size_limit_are_rejected(backend) -> None:
-    data = encode_entry(make_entry())
+    # An incompressible binary: its body is no larger than its stored form, which is what the limit is about
+    # (a body that decompresses past the limit is refused too: tests/test_entry.py).
+    binary = random.Random(7).randbytes(4096)
+    data = encode_entry(make_entry(binary))
     TierView.of(backend).put_raw("big", data)
     small = client_for(backend, max_entry_bytes=len(data) - 1)
     assert small.lookup("big") is None and counts(small)["tier_rejected"] == 1
-    assert client_for(backend, max_entry_bytes=len(data)).lookup("big") == make_entry()
+    assert client_for(backend, max_entry_bytes=len(data)).lookup("big") == make_entry(binary)
 
 
 def test_entries_over_the_size_limit_are_not_written(backend) -> None:

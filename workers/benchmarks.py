@@ -507,7 +507,7 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
                     binaries[hashlib.sha256(inst.klir_binary).hexdigest()] = len(inst.klir_binary)
         # Everything stored per variant: the entries, the digest index and the variant index (for miss causes).
         entry_keys = list(raw.scan_iter(match=space.entry_pattern(), count=1000))
-        digest_keys = list(raw.scan_iter(match=f"{space.prefix}:tc:*:digest:*", count=1000))
+        digest_keys = list(raw.scan_iter(match=space.digest_bucket_pattern(), count=1000))
         index_keys = list(raw.scan_iter(match=space.variant_index("*"), count=1000))
         kinds = {"entries": entry_keys, "digests": digest_keys, "index": index_keys}
         sizes = {name: sum(raw.memory_usage(k, samples=0) or 0 for k in keys) for name, keys in kinds.items()}

@@ -63,9 +63,13 @@ from cachestore.checkpoint import MAX_CHECKPOINT_BYTES, CheckpointRecord
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
     DEFAULT_METRICS_SHARDS,
+    MAX_DIGEST_FIELDS,
     MAX_METRICS_SHARDS,
     KeySpace,
     MetricsKeys,
+    digest_field,
+    holder_of,
+    holder_value,
     key_shard,
     pass_shard,
     stored_shard_count,
@@ -338,8 +342,8 @@ class RedisBackend:
     def _lease(self, cache_key: str) -> str:
         return self.keys.lease(self.toolchain, cache_key)
 
-    def _digest(self, digest: str) -> str:
-        return self.keys.digest(self.toolchain, digest)
+    def _digest_bucket(self, digest: str) -> str:
+        return self.keys.digest_bucket(self.toolchain, digest)
 
     def _call(self, operation: Callable[[], T]) -> T:
         with redis_errors(self.description):
@@ -384,11 +388,15 @@ class RedisBackend:
         with redis_errors(self.description):
             iterator = iterator_factory()
         while True:
-            with redis_errors(self.description):
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    return
+            # Not `with redis_errors` around each step: entering a context manager per key was a tenth of a
+            # 100k-entry verify. The same errors are translated, by the same function.
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                with redis_errors(self.description):
+                    raise exc from None
             yield item
 
     # -- entries ----------------------------------------------------------------------------------
@@ -403,7 +411,7 @@ class RedisBackend:
         return self._within_op_timeout(read)
 
     def _read_entries(
-        self, redis_keys: Sequence[str], refresh_ttl: int | None = None
+        self, redis_keys: Sequence[str], refresh_ttl: int | None = None, with_ttl: bool = True
     ) -> list[tuple[bytes | TooLarge | None, float | None]]:
         """(value, seconds left) of each key: None for a key with no value, TooLarge for a value over
         max_entry_bytes, and seconds left when not refreshing (None: the key never expires).
@@ -416,6 +424,8 @@ class RedisBackend:
         after its size was asked comes back longer than the limit, so it is refused all the same."""
         limit = self.max_entry_bytes
         first = min(FIRST_READ_BYTES, limit + 1)
+        if refresh_ttl is None and not with_ttl:
+            return self._read_heads_alone(redis_keys, first)
 
         def heads(pipe: Any) -> None:
             for key in redis_keys:
@@ -439,6 +449,35 @@ class RedisBackend:
             else:
                 found.append((None, ttl))
                 longer.append(i)
+        return self._read_longer(redis_keys, found, longer)
+
+    def _read_heads_alone(
+        self, redis_keys: Sequence[str], first: int
+    ) -> list[tuple[bytes | TooLarge | None, float | None]]:
+        """As `_read_entries` for a scan that wants no TTLs (verify, du, gc's sizes): one GETRANGE a key, half
+        the commands. An empty reply is a missing key or an empty value: EXISTS tells them apart, for those
+        alone (an empty value is rare, and is reported as the entry it is)."""
+        heads = self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
+        empty = [i for i, head in enumerate(heads) if not head]
+        there = self._pipeline(lambda pipe: [pipe.exists(redis_keys[i]) for i in empty]) if empty else []
+        present = {i for i, exists in zip(empty, there, strict=True) if exists}
+        found: list[tuple[bytes | TooLarge | None, float | None]] = []
+        longer: list[int] = []
+        for i, head in enumerate(heads):
+            if not head and i not in present:
+                found.append((None, None))
+            elif len(head) < first:
+                found.append((head, None))
+            else:
+                found.append((None, None))
+                longer.append(i)
+        return self._read_longer(redis_keys, found, longer)
+
+    def _read_longer(
+        self, redis_keys: Sequence[str], found: list[tuple[bytes | TooLarge | None, float | None]], longer: list[int]
+    ) -> list[tuple[bytes | TooLarge | None, float | None]]:
+        """`found` with the values longer than their head read (their size first: never more than the limit)."""
+        limit = self.max_entry_bytes
         if not longer:
             return found
         sizes = self._pipeline(lambda pipe: [pipe.strlen(redis_keys[i]) for i in longer])
@@ -467,16 +506,7 @@ class RedisBackend:
         once the entries, references included, are encoded, so the chunks list them all)."""
         if not requests:
             return
-        claims = self._pipeline(
-            lambda pipe: [
-                (
-                    pipe.set(self._digest(r.digest), r.cache_key, nx=True, ex=ttl),
-                    pipe.get(self._digest(r.digest)),
-                )
-                for r in requests
-            ]
-        )
-        holders = [text(claims[2 * i + 1]) for i in range(len(requests))]
+        holders, full_buckets = self._claim_digests(requests, ttl)
         others = [(r, holder) for r, holder in zip(requests, holders, strict=True) if holder not in (None, r.cache_key)]
         alive = self._pipeline(lambda pipe: [pipe.exists(self._entry(h)) for _, h in others]) if others else []
         # A holder earlier in this batch is written below, in the same pipeline, before its references.
@@ -487,10 +517,6 @@ class RedisBackend:
             if exists or holder in in_batch
         }
 
-        index: dict[str, dict[str, str]] = {}
-        for r in requests:
-            index.setdefault(r.kernel_name, {}).update(r.index_fields)
-
         def write(pipe: Any) -> None:
             for r in requests:
                 expiry = r.ttl or ttl  # value-ranked (cachestore.value)
@@ -498,26 +524,72 @@ class RedisBackend:
                     pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
-                    pipe.set(self._digest(r.digest), r.cache_key, ex=expiry)
-            for record in checkpoints() if checkpoints is not None else ():
-                key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
-                pipe.set(key, record.data, ex=max([ttl, *(r.ttl for r in requests if r.ttl)]))
+
+        self._pipeline(write)
+        written = [r for r in requests if r.cache_key not in referenced]
+        records = checkpoints() if checkpoints is not None else ()  # after the references are encoded
+        self._write_indexes(requests, written, full_buckets, ttl, records)
+
+    def _claim_digests(self, requests: Sequence[StoreRequest], ttl: int) -> tuple[list[str | None], set[str]]:
+        """(the cache key each request's binary is indexed under, after claiming it for the request where no
+        key held it; the buckets past MAX_DIGEST_FIELDS). A bucket that is no hash (another tool's key, a hand's)
+        claims nothing: its requests are written whole, never failed."""
+        buckets = sorted({self._digest_bucket(r.digest) for r in requests})
+
+        def claim(pipe: Any) -> None:
+            for r in requests:
+                bucket, name = self._digest_bucket(r.digest), digest_field(r.digest)
+                pipe.hsetnx(bucket, name, holder_value(r.cache_key))
+                pipe.hget(bucket, name)
+            for bucket in buckets:
+                pipe.hlen(bucket)
+
+        replies = self._pipeline(claim, raise_on_error=False)
+        holders = [holder_of(_unless_error(replies[2 * i + 1])) for i in range(len(requests))]
+        sizes = replies[2 * len(requests) :]
+        full = {b for b, size in zip(buckets, sizes, strict=True) if isinstance(size, int) and size > MAX_DIGEST_FIELDS}
+        return holders, full
+
+    def _write_indexes(
+        self,
+        requests: Sequence[StoreRequest],
+        written: Sequence[StoreRequest],
+        full: set[str],
+        ttl: int,
+        checkpoints: Sequence[CheckpointRecord] = (),
+    ) -> None:
+        """The dedupe index fields of the entries written whole, the variant index and the writer's checkpoint
+        chunks. They only save bytes, name a miss's cause or shortcut a reader's check: a key of another type
+        under their names must not fail the entries' writes, which would then be retried, and fail, for ever."""
+        index: dict[str, dict[bytes, bytes]] = {}
+        for r in requests:
+            index.setdefault(r.kernel_name, {}).update(r.index_fields)
+        expiry: dict[str, int] = {}
+        for r in written:
+            bucket = self._digest_bucket(r.digest)
+            expiry[bucket] = max(expiry.get(bucket, 0), r.ttl or ttl)
+
+        def fill(pipe: Any) -> None:
+            for bucket in sorted(full):  # emptied before this batch's fields go in: a bound, not a loss of these
+                pipe.delete(bucket)
+            for r in written:
+                pipe.hset(self._digest_bucket(r.digest), digest_field(r.digest), holder_value(r.cache_key))
+            for bucket, seconds in expiry.items():
+                # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
+                pipe.expire(bucket, seconds, gt=True)
+                pipe.expire(bucket, seconds, nx=True)
             for kernel_name, fields in index.items():
                 if fields:
                     pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
                     pipe.expire(self.keys.variant_index(kernel_name), ttl)
+            chunk_ttl = max([ttl, *(r.ttl for r in requests if r.ttl)])
+            for record in checkpoints:
+                key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
+                pipe.set(key, record.data, ex=chunk_ttl)
 
-        # The index is a diagnosis and a checkpoint a shortcut for readers: neither failing (a key of another
-        # type under the index's name, a hand's) may fail the entries' writes, which would be retried for ever.
-        replies = self._pipeline(write, raise_on_error=False)
-        written = replies[: sum(1 if r.cache_key in referenced else 2 for r in requests)]
-        failed = next((reply for reply in written if isinstance(reply, Exception)), None)
-        if failed is not None:
-            with redis_errors(self.description):
-                raise failed
-        if len(written) < len(replies):
-            logger.debug("%s: variant index or checkpoint not written: %s", self.description,
-                         [reply for reply in replies[len(written) :] if isinstance(reply, Exception)])  # fmt: skip
+        failed = [reply for reply in self._pipeline(fill, raise_on_error=False) if isinstance(reply, Exception)]
+        if failed:
+            logger.debug("%s: index or checkpoint not written: %s", self.description, failed)
 
     def fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
         """The stored chunk of a writer's checkpoint, or None: none there, another type of key under its name, or
@@ -539,7 +611,7 @@ class RedisBackend:
             return None
         return bytes(reply)
 
-    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         if not queries:
             return []
         replies = self._within_op_timeout(
@@ -821,9 +893,11 @@ class RedisBackend:
     # -- entries ------------------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         pattern = self.keys.entry_pattern(self.toolchain)
-        redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=1000))
+        # SCAN pages of 10k keys (the server matches them against the pattern): entries are a fraction of a
+        # tier's keys (metrics, hosts of each key), and a page of 1k cost a round trip per few hundred entries.
+        redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000))
         for batch in batched(text(key) for key in redis_keys):
-            for redis_key, (data, ttl) in zip(batch, self._read_entries(batch), strict=True):
+            for redis_key, (data, ttl) in zip(batch, self._read_entries(batch, with_ttl=with_ttl), strict=True):
                 if data is not None:
                     yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl if with_ttl else None, self.toolchain)
 
@@ -836,12 +910,16 @@ class RedisBackend:
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
-        pattern = self._entry(prefix.replace("*", "")).removesuffix("}") + "*"
+        """Cache keys starting with `prefix` (hex digits: inspect checks it), at most `limit`."""
+        prefix = "".join(c for c in prefix.lower() if c in "0123456789abcdef")
+        pattern = self.keys.entry_prefix_pattern(self.toolchain, prefix)
         found: list[str] = []
-        for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=1000)):
-            found.append(self.keys.parse_entry(text(redis_key) or "")[1])
-            if len(found) >= limit:
-                break
+        for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000)):
+            cache_key = self.keys.parse_entry(text(redis_key) or "")[1]
+            if cache_key.startswith(prefix):
+                found.append(cache_key)
+                if len(found) >= limit:
+                    break
         return sorted(found)
 
     def put_entries(self, items: Sequence[WriteItem]) -> None:
@@ -850,7 +928,11 @@ class RedisBackend:
                 ttl_ms = max(1, int(item.ttl * 1000))
                 pipe.set(self._entry(item.cache_key), item.data, px=ttl_ms)
                 if item.digest:
-                    pipe.set(self._digest(item.digest), item.cache_key, px=ttl_ms)
+                    bucket = self._digest_bucket(item.digest)
+                    pipe.hset(bucket, digest_field(item.digest), holder_value(item.cache_key))
+                    # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
+                    pipe.pexpire(bucket, ttl_ms, gt=True)
+                    pipe.pexpire(bucket, ttl_ms, nx=True)
 
         if items:
             self._pipeline(fill)
@@ -869,16 +951,27 @@ class RedisBackend:
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:
             return
-        self._pipeline(lambda pipe: [pipe.delete(self._entry(key)) for key, _ in items])
+        names = [self._entry(key) for key, _ in items]
+        # And each key's name before issue 16 (keys.legacy_entry), which an upgraded tier may still hold: one DEL
+        # a name, as a cluster refuses a DEL of keys in two slots.
+        legacy = {self.keys.legacy_entry(self.toolchain, key) for key, _ in items} - set(names)
+        self._pipeline(lambda pipe: [pipe.delete(name) for name in [*names, *sorted(legacy)]])
         indexed = [(key, digest) for key, digest in items if digest]
         if not indexed:
             return
-        holders = self._pipeline(lambda pipe: [pipe.get(self._digest(digest)) for _, digest in indexed])
+        holders = self._pipeline(
+            lambda pipe: [pipe.hget(self._digest_bucket(digest), digest_field(digest)) for _, digest in indexed],
+            raise_on_error=False,
+        )
         # Only index entries still naming a deleted key. One stored again in between loses its index entry,
         # which costs that binary its deduplication once, never correctness (stores check the holder exists).
-        stale = [digest for (key, digest), holder in zip(indexed, holders, strict=True) if text(holder) == key]
+        stale = [
+            digest
+            for (key, digest), holder in zip(indexed, holders, strict=True)
+            if holder_of(_unless_error(holder)) == key
+        ]
         if stale:
-            self._pipeline(lambda pipe: [pipe.delete(self._digest(digest)) for digest in stale])
+            self._pipeline(lambda pipe: [pipe.hdel(self._digest_bucket(d), digest_field(d)) for d in stale])
 
     def expired_count(self) -> tuple[int, int]:
         return 0, 0  # Redis drops an entry when it expires
@@ -929,6 +1022,11 @@ def _pipelined_script(
         client.script_load(script.script)
         pending = missing
     return results
+
+
+def _unless_error(reply: T | Exception) -> T | None:
+    """A pipeline reply read without raising, None for a command's error (a key of another type)."""
+    return None if isinstance(reply, Exception) else reply
 
 
 def _summed(hashes: Sequence[dict | Exception]) -> dict[str, float]:

@@ -334,7 +334,7 @@ class SqliteBackend:
                            [(request.kernel_name, name, value, now + ttl)
                             for name, value in request.index_fields.items()])  # fmt: skip
 
-    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[str]]]) -> list[list[str | bytes | None] | None]:
+    def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         if not self.writable and not self.path.is_file():
             return [[None] * len(fields) for _, fields in queries]  # no writer made the tier yet: nothing indexed
         now = time.time()
