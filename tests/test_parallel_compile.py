@@ -173,6 +173,70 @@ def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest
     assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
 
 
+def test_one_helper_of_two_killed_leaves_its_task_to_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--workers 3`: the first helper to trace is SIGKILLed mid-trace; the task it took is traced by this process,
+    the other helper keeps taking tasks, and every pass completes with a sequential compile's artifacts."""
+    import workers.pool
+    import workers.variant_pool
+    from bridge.parallel import trace_task
+    from workers.pool import compile_run
+
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 4, seed=6)]
+    killed, parent = tmp_path / "killed", os.getpid()
+
+    def die_once(task, tier, limits):
+        if os.getpid() != parent:
+            try:
+                descriptor = os.open(killed, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return trace_task(task, tier, limits)
+            os.write(descriptor, str(os.getpid()).encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return trace_task(task, tier, limits)
+
+    monkeypatch.setattr(workers.pool, "trace_task", die_once)
+    monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
+    settings = load_settings({"tier": "off"})
+    parallel = compile_run(paths, settings=settings, workers=3, out_dir=str(tmp_path / "three"))
+    sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
+    assert int(killed.read_text()) not in (0, parent)
+    assert not parallel.interrupted and [r.error for r in parallel.results] == [None] * 4
+    parallel_traces = sum(r.counts["parallel_traces"] for r in parallel.results)
+    assert parallel_traces == sum(r.counts["traces"] for r in sequential.results)  # the lost task included
+    assert artifact_bytes(tmp_path / "three") == artifact_bytes(tmp_path / "one")
+
+
+def test_a_helper_killed_holding_the_task_counter_costs_no_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper SIGKILLed while it holds the shared counter's lock (the OOM killer can strike anywhere): the
+    others give up on the lock after CLAIM_LOCK_SECONDS, this process traces what is left, no pass is lost."""
+    import workers.variant_pool
+    from workers.pool import compile_run
+    from workers.variant_pool import Claims
+
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 3, seed=6)]
+    parent, take = os.getpid(), Claims.take
+
+    def take_and_die(self, who, count):
+        if os.getpid() != parent:
+            self.next.get_lock().acquire()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return take(self, who, count)
+
+    monkeypatch.setattr(Claims, "take", take_and_die)
+    monkeypatch.setattr(workers.variant_pool, "CLAIM_LOCK_SECONDS", 0.2)
+    monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
+    settings = load_settings({"tier": "off"})
+    parallel = compile_run(paths, settings=settings, workers=2, out_dir=str(tmp_path / "two"))
+    sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
+    assert [r.error for r in parallel.results] == [None] * 3
+    assert [r.counts["parallel_traces"] for r in parallel.results] == [r.counts["traces"] for r in sequential.results]
+    assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
+
+
 def test_a_trace_task_from_the_stream_is_checked_before_it_is_traced(default_workload: Path) -> None:
     """A fleet trace task is JSON read from a stream anyone with the queue's credentials writes: its graph is
     never taken for a path, and its op must hash to the key it names (never traced under another's key)."""
