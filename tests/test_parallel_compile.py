@@ -255,3 +255,48 @@ def test_a_trace_task_from_the_stream_is_checked_before_it_is_traced(default_wor
     ):
         with pytest.raises(NkiCacheError, match=r"^trace task"):
             task_from_document(hostile)
+
+
+def test_a_trace_task_message_of_several_variants_is_checked_whole(default_workload: Path) -> None:
+    """A trace task message carries a few variants (workers/trace_tasks.py): all are traced when it is well
+    formed; one forged or malformed part, a list that is no list, empty or too long, and nothing is traced."""
+    from bridge.parallel import task_document
+    from workers.trace_tasks import MAX_TASKS_PER_MESSAGE, enqueue_tasks, message_size, run_task
+
+    paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+    tasks = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks[:2]
+    documents = [json.loads(json.dumps(task_document(task))) for task in tasks]
+    done = run_task(json.dumps({"job": "j", "tasks": documents}), None, Limits())
+    assert done.error is None and done.counts["parallel_traces"] == 2
+    assert run_task(json.dumps({"job": "j", **documents[0]}), None, Limits()).counts["parallel_traces"] == 1
+    forged = {**documents[1], "cache_key": "0" * 64}
+    too_many = [documents[0]] * (MAX_TASKS_PER_MESSAGE + 1)
+    for hostile in ({"tasks": [documents[0], forged]}, {"tasks": documents[0]}, {"tasks": []}, {"tasks": too_many},
+                    {"tasks": [documents[0], "x"]}):  # fmt: skip
+        result = run_task(json.dumps(hostile), None, Limits())
+        assert result.error.startswith("trace task: not a trace task") and result.counts["parallel_traces"] == 0
+    # Messages of a few variants, never fewer messages than a handful for a job with few variants.
+    assert [message_size(n) for n in (1, 8, 15, 16, 24, 94)] == [1, 1, 1, 2, 3, 3]
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def __enter__(self) -> Pipe:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def xadd(self, stream: str, fields: dict) -> None:
+            self.sent.append((stream, json.loads(fields["trace"])))
+
+        def execute(self) -> list[str]:
+            return [f"{i}-0" for i in range(len(self.sent))]
+
+    pipe = Pipe()
+    all_tasks = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks
+    enqueue_tasks(type("Client", (), {"pipeline": lambda self, transaction: pipe})(), ["s0", "s1"], "j", all_tasks)
+    sent_keys = [task["cache_key"] for _, message in pipe.sent for task in message["tasks"]]
+    assert sent_keys == [task.cache_key for task in all_tasks]  # every variant once, in the pass's order
+    assert {stream for stream, _ in pipe.sent} == {"s0", "s1"}
