@@ -16,6 +16,7 @@ process, which traces them; the others keep taking tasks, and each pass complete
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import threading
 from collections import deque
@@ -179,6 +180,9 @@ def compile_in_parallel(
         shared = tier is not None and tier.reads
         plan = key_variants(paths, shared=shared, target_name=target_name, limits=limits)
         claims = Claims(context, len(plan.tasks))
+        # Out of the collector's reach before the fork: its full collections would otherwise walk (and write) every
+        # object of this process in both, copying their pages (about 5% more trace CPU in two processes, measured).
+        gc.freeze()
         helpers = Helpers(context, plan.tasks, claims, workers - 1, settings, dropped_outside_passes)
         try:
             if shared and plan.tasks:
@@ -186,6 +190,7 @@ def compile_in_parallel(
             scheduler = Scheduler(plan, claims, helpers, tier, limits)
             results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
         finally:
+            gc.unfreeze()
             claims.stop()
             helpers.close()
             if tier is not None:
