@@ -16,6 +16,7 @@ process, which traces them; the others keep taking tasks, and each pass complete
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import threading
@@ -120,15 +121,11 @@ class Helpers:
                 child_end.close()
             self.processes[who], self.pipes[who] = process, parent_end
 
-    def hand_out(self, left: list[int]) -> list[int]:
-        """Tell the helpers which tasks are left to trace; the ones that cannot be told are dead."""
-        dead = []
-        for who, pipe in self.pipes.items():
-            try:
+    def hand_out(self, left: list[int]) -> None:
+        """Tell the helpers which tasks are left to trace (one that cannot be told is dead: `receive` sees it)."""
+        for pipe in self.pipes.values():
+            with contextlib.suppress(OSError):
                 pipe.send(left)
-            except OSError:
-                dead.append(who)
-        return dead
 
     def receive(self, timeout: float) -> tuple[list[TraceOutcome], list[int]]:
         """Outcomes the helpers sent (waiting up to `timeout` for one), and the helpers that died."""
@@ -216,8 +213,7 @@ class Scheduler:
         self.outcomes: dict[int, TraceOutcome] = {}
         self.orphans: deque[int] = deque()  # tasks a dead helper took: traced here
         self.broken = False  # the counter's lock is lost: every task not answered is traced here
-        for who in helpers.hand_out(self.left):
-            self._helper_died(who)
+        helpers.hand_out(self.left)
 
     def run(self, paths: Sequence[str], out_dir: str, target_name: str | None,
             on_result: Callable[[PassResult], None], ctrl_c: CtrlC) -> list[PassResult]:  # fmt: skip
