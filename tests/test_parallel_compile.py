@@ -300,3 +300,31 @@ def test_a_trace_task_message_of_several_variants_is_checked_whole(default_workl
     sent_keys = [task["cache_key"] for _, message in pipe.sent for task in message["tasks"]]
     assert sent_keys == [task.cache_key for task in all_tasks]  # every variant once, in the pass's order
     assert {stream for stream, _ in pipe.sent} == {"s0", "s1"}
+
+
+def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
+    default_workload: Path, redis_url: str, redis_client: Any
+) -> None:
+    """The job's process waits on the lease for a variant another worker traces: the trace is in the tier and
+    its lease gone as soon as `run_task` answers, not after the tier client's write-behind (flush_interval)."""
+    from bridge.identity import toolchain_id
+    from bridge.parallel import task_document
+    from cachestore.client import open_tier
+    from cachestore.keys import KeySpace
+    from workers.trace_tasks import run_task
+
+    namespace = unique_namespace()
+    settings = load_settings({"tier": redis_url, "namespace": namespace, "flush_interval": 30.0})
+    tier = open_tier(settings)
+    try:
+        paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+        tasks = plan_variants(paths, tier=tier, target_name=None, limits=Limits()).tasks[:3]
+        message = json.dumps({"job": "j", "tasks": [task_document(task) for task in tasks]})
+        assert run_task(message, tier, settings.limits()).counts["parallel_traces"] == 3
+        keys = KeySpace(namespace)
+        for task in tasks:
+            assert redis_client.exists(keys.entry(toolchain_id(), task.cache_key))
+            assert not redis_client.exists(keys.lease(toolchain_id(), task.cache_key))
+    finally:
+        tier.close()
+        delete_namespace(redis_client, namespace)
