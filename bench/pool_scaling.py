@@ -8,10 +8,10 @@ start-up included, interpreter start and imports not), "wall" the whole process.
 
 - throughput: `--tier off`, so every run traces every variant it meets (nothing carries over between runs).
   `--workers 1` compiles in the command's own process; `--workers 2` traces the variants in the command's
-  process and one forked pool process (workers/variant_pool.py), the passes run in the command's process.
+  process and one forked helper process (workers/variant_pool.py), the passes run in the command's process.
 - single graph: the same on one cold graph holding a layer of every workload configuration in two dtypes
   (`big_graph`: 120 kernel ops, over 90 distinct variants).
-- what bounds the 2-worker figure: the pool's start-up, measured alone in fresh processes; and what two
+- what bounds the 2-worker figure: the helpers' start-up, measured alone in fresh processes; and what two
   processes get from this machine at all, measured right before each 1-vs-2 pair with a pure-Python CPU
   loop (2 processes at once vs 1: 2.0x on two idle cores).
 - warm/cold: a fresh local tier file per repetition; a cold compile with 2 workers, then the same compile
@@ -127,23 +127,18 @@ def warm_cold(graphs: Path, tmp: Path, repeats: int, env: dict) -> dict:
 
 # -- the pool's start-up alone ----------------------------------------------------------------------
 def probe_startup() -> None:
-    """Run in a fresh process: a 2-process pool up and answering, as `workers.pool.compile_run` starts it."""
-    from concurrent.futures import ProcessPoolExecutor
-
+    """Run in a fresh process: 2 helper processes started as `compile --workers 3` starts them
+    (workers/variant_pool.py), told there is nothing to trace, and gone."""
     from cachestore.settings import load_settings
-    from workers.pool import _init_process
-    from workers.variant_pool import pool_start_context
+    from workers.variant_pool import Claims, Helpers, pool_start_context
 
     settings = load_settings({"tier": "off"})
+    context = pool_start_context()
     started = time.perf_counter()
-    executor = ProcessPoolExecutor(2, mp_context=pool_start_context(), initializer=_init_process,
-                                   initargs=(settings,))  # fmt: skip
-    first = executor.submit(os.getpid)
-    second = executor.submit(os.getpid)
-    first.result()
+    helpers = Helpers(context, [], Claims(context, 0), 2, settings, context.Value("q", 0))
     up = time.perf_counter() - started
-    second.result()
-    executor.shutdown(wait=True)
+    helpers.hand_out([])
+    helpers.close()
     print(json.dumps({"up": up, "total": time.perf_counter() - started}))
 
 
@@ -287,8 +282,8 @@ def print_tables(start: dict, first_traces: dict, rows: list, warm_rows: list, w
               f"2 vs 1 per pair {r['pair_ratios']}, CPU control before each pair {r['all_controls']}; "
               f"1-worker passes sum {r['pass_sum']:.2f} s, longest {r['longest_pass']:.2f} s")  # fmt: skip
     print()
-    print(f"Pool start-up alone (fresh process; 2 pool processes forked as compile --workers 3 forks them): first task "
-          f"answered after {start['up']:.2f} s, start + shutdown {start['total']:.2f} s")  # fmt: skip
+    print(f"Helpers' start-up alone (fresh process; 2 helpers forked as compile --workers 3 forks them): started "
+          f"after {start['up']:.3f} s, started, told nothing is left and gone {start['total']:.3f} s")  # fmt: skip
     print(f"First traces in a fresh process ({warm_up_models} models, tier off): {first_traces['first']:.2f} s of "
           f"tracing, the same passes again in that process {first_traces['second']:.2f} s")  # fmt: skip
     print()

@@ -79,6 +79,21 @@ def plan_variants(
     first graph that needs them. A graph that cannot be read, keyed or passes no limit check gets none: its
     pass meets the error itself and reports it."""
     shared = tier is not None and tier.reads  # a pass reads what an earlier one published
+    plan = key_variants(paths, shared=shared, target_name=target_name, limits=limits, labels=labels)
+    return without_held(plan, tier) if shared and plan.tasks else plan
+
+
+def key_variants(
+    paths: Sequence[str | Mapping],
+    *,
+    shared: bool,
+    target_name: str | None,
+    limits: Limits,
+    labels: Sequence[str] | None = None,
+) -> VariantPlan:
+    """`plan_variants` before it asks the tier (no tier used: `compile --workers N` keys the graphs before it
+    forks its pool, which may not inherit a tier client in use). `shared`: the tier reads, so a variant gets
+    one task, for the first graph that uses it."""
     plan = VariantPlan()
     first_task: dict[str, int] = {}  # cache key -> task, across graphs when the tier is shared
     for index, path in enumerate(paths):
@@ -92,8 +107,6 @@ def plan_variants(
                 plan.tasks.append(TraceTask(len(plan.tasks), index, cache_key, op, target, components))
                 plan.owned[index].append(first_task[cache_key])
             plan.needs[index].add(first_task[cache_key])
-    if shared and plan.tasks:
-        plan = _without_held(plan, tier)
     return plan
 
 
@@ -121,7 +134,7 @@ def _keyed_ops(
         return []
 
 
-def _without_held(plan: VariantPlan, tier: KernelStore) -> VariantPlan:
+def without_held(plan: VariantPlan, tier: KernelStore) -> VariantPlan:
     """The plan without the tasks whose variant the tier holds a trace the loop would accept for (one round
     trip): the passes read those from the tier."""
     traces, stored = tier.find_traces(sorted({task.cache_key for task in plan.tasks}))

@@ -173,6 +173,70 @@ def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest
     assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
 
 
+def test_one_helper_of_two_killed_leaves_its_task_to_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--workers 3`: the first helper to trace is SIGKILLed mid-trace; the task it took is traced by this process,
+    the other helper keeps taking tasks, and every pass completes with a sequential compile's artifacts."""
+    import workers.pool
+    import workers.variant_pool
+    from bridge.parallel import trace_task
+    from workers.pool import compile_run
+
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 4, seed=6)]
+    killed, parent = tmp_path / "killed", os.getpid()
+
+    def die_once(task, tier, limits):
+        if os.getpid() != parent:
+            try:
+                descriptor = os.open(killed, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return trace_task(task, tier, limits)
+            os.write(descriptor, str(os.getpid()).encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return trace_task(task, tier, limits)
+
+    monkeypatch.setattr(workers.pool, "trace_task", die_once)
+    monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
+    settings = load_settings({"tier": "off"})
+    parallel = compile_run(paths, settings=settings, workers=3, out_dir=str(tmp_path / "three"))
+    sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
+    assert int(killed.read_text()) not in (0, parent)
+    assert not parallel.interrupted and [r.error for r in parallel.results] == [None] * 4
+    parallel_traces = sum(r.counts["parallel_traces"] for r in parallel.results)
+    assert parallel_traces == sum(r.counts["traces"] for r in sequential.results)  # the lost task included
+    assert artifact_bytes(tmp_path / "three") == artifact_bytes(tmp_path / "one")
+
+
+def test_a_helper_killed_holding_the_task_counter_costs_no_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper SIGKILLed while it holds the shared counter's lock (the OOM killer can strike anywhere): the
+    others give up on the lock after CLAIM_LOCK_SECONDS, this process traces what is left, no pass is lost."""
+    import workers.variant_pool
+    from workers.pool import compile_run
+    from workers.variant_pool import Claims
+
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 3, seed=6)]
+    parent, take = os.getpid(), Claims.take
+
+    def take_and_die(self, who, count):
+        if os.getpid() != parent:
+            self.next.get_lock().acquire()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return take(self, who, count)
+
+    monkeypatch.setattr(Claims, "take", take_and_die)
+    monkeypatch.setattr(workers.variant_pool, "CLAIM_LOCK_SECONDS", 0.2)
+    monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
+    settings = load_settings({"tier": "off"})
+    parallel = compile_run(paths, settings=settings, workers=2, out_dir=str(tmp_path / "two"))
+    sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
+    assert [r.error for r in parallel.results] == [None] * 3
+    assert [r.counts["parallel_traces"] for r in parallel.results] == [r.counts["traces"] for r in sequential.results]
+    assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
+
+
 def test_a_trace_task_from_the_stream_is_checked_before_it_is_traced(default_workload: Path) -> None:
     """A fleet trace task is JSON read from a stream anyone with the queue's credentials writes: its graph is
     never taken for a path, and its op must hash to the key it names (never traced under another's key)."""
@@ -191,3 +255,76 @@ def test_a_trace_task_from_the_stream_is_checked_before_it_is_traced(default_wor
     ):
         with pytest.raises(NkiCacheError, match=r"^trace task"):
             task_from_document(hostile)
+
+
+def test_a_trace_task_message_of_several_variants_is_checked_whole(default_workload: Path) -> None:
+    """A trace task message carries a few variants (workers/trace_tasks.py): all are traced when it is well
+    formed; one forged or malformed part, a list that is no list, empty or too long, and nothing is traced."""
+    from bridge.parallel import task_document
+    from workers.trace_tasks import MAX_TASKS_PER_MESSAGE, enqueue_tasks, message_size, run_task
+
+    paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+    tasks = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks[:2]
+    documents = [json.loads(json.dumps(task_document(task))) for task in tasks]
+    done = run_task(json.dumps({"job": "j", "tasks": documents}), None, Limits())
+    assert done.error is None and done.counts["parallel_traces"] == 2
+    assert run_task(json.dumps({"job": "j", **documents[0]}), None, Limits()).counts["parallel_traces"] == 1
+    forged = {**documents[1], "cache_key": "0" * 64}
+    too_many = [documents[0]] * (MAX_TASKS_PER_MESSAGE + 1)
+    for hostile in ({"tasks": [documents[0], forged]}, {"tasks": documents[0]}, {"tasks": []}, {"tasks": too_many},
+                    {"tasks": [documents[0], "x"]}):  # fmt: skip
+        result = run_task(json.dumps(hostile), None, Limits())
+        assert result.error.startswith("trace task: not a trace task") and result.counts["parallel_traces"] == 0
+    # Messages of a few variants, never fewer messages than a handful for a job with few variants.
+    assert [message_size(n) for n in (1, 8, 15, 16, 24, 94)] == [1, 1, 1, 2, 3, 3]
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def __enter__(self) -> Pipe:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def xadd(self, stream: str, fields: dict) -> None:
+            self.sent.append((stream, json.loads(fields["trace"])))
+
+        def execute(self) -> list[str]:
+            return [f"{i}-0" for i in range(len(self.sent))]
+
+    pipe = Pipe()
+    all_tasks = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks
+    enqueue_tasks(type("Client", (), {"pipeline": lambda self, transaction: pipe})(), ["s0", "s1"], "j", all_tasks)
+    sent_keys = [task["cache_key"] for _, message in pipe.sent for task in message["tasks"]]
+    assert sent_keys == [task.cache_key for task in all_tasks]  # every variant once, in the pass's order
+    assert {stream for stream, _ in pipe.sent} == {"s0", "s1"}
+
+
+def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
+    default_workload: Path, redis_url: str, redis_client: Any
+) -> None:
+    """The job's process waits on the lease for a variant another worker traces: the trace is in the tier and
+    its lease gone as soon as `run_task` answers, not after the tier client's write-behind (flush_interval)."""
+    from bridge.identity import toolchain_id
+    from bridge.parallel import task_document
+    from cachestore.client import open_tier
+    from cachestore.keys import KeySpace
+    from workers.trace_tasks import run_task
+
+    namespace = unique_namespace()
+    settings = load_settings({"tier": redis_url, "namespace": namespace, "flush_interval": 30.0})
+    tier = open_tier(settings)
+    try:
+        paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+        tasks = plan_variants(paths, tier=tier, target_name=None, limits=Limits()).tasks[:3]
+        message = json.dumps({"job": "j", "tasks": [task_document(task) for task in tasks]})
+        assert run_task(message, tier, settings.limits()).counts["parallel_traces"] == 3
+        keys = KeySpace(namespace)
+        for task in tasks:
+            assert redis_client.exists(keys.entry(toolchain_id(), task.cache_key))
+            assert not redis_client.exists(keys.lease(toolchain_id(), task.cache_key))
+    finally:
+        tier.close()
+        delete_namespace(redis_client, namespace)

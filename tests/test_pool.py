@@ -173,26 +173,24 @@ def test_ctrl_c_keeps_finished_artifacts_and_nothing_half_written(tmp_path: Path
 
 
 def test_ctrl_c_while_the_pool_starts_is_a_clean_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C inside the first submit, while the executor starts its processes, is held until every graph is
-    handed over, then stops the pool like any other Ctrl-C (an executor interrupted mid-start cannot be shut
-    down)."""
-    from concurrent.futures import ProcessPoolExecutor
+    """Ctrl-C while the helper processes start (workers/variant_pool.py) is held as a flag, then stops the
+    compile like any other Ctrl-C: the passes done are complete, the helpers are joined, SIGINT is restored."""
+    from multiprocessing.process import BaseProcess
 
     from cachestore.settings import load_settings
     from workers.pool import compile_run
 
     paths = [str(p) for p in generate_workload(tmp_path / "graphs", 8, seed=2)]
-    real_submit = ProcessPoolExecutor.submit
+    real_start = BaseProcess.start
     sent: list[int] = []
 
-    def submit_then_ctrl_c(self, *args, **kwargs):
-        future = real_submit(self, *args, **kwargs)
+    def start_then_ctrl_c(self, *args, **kwargs):
+        real_start(self, *args, **kwargs)
         if not sent:
             sent.append(1)
             os.kill(os.getpid(), signal.SIGINT)
-        return future
 
-    monkeypatch.setattr(ProcessPoolExecutor, "submit", submit_then_ctrl_c)
+    monkeypatch.setattr(BaseProcess, "start", start_then_ctrl_c)
     out = tmp_path / "out"
     run = compile_run(paths, settings=load_settings({"tier": "off"}), workers=2, out_dir=str(out))
     results, interrupted = run.results, run.interrupted

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bridge.errors import NkiCacheError
+from bridge.graph import GraphError
 from bridge.limits import Limits
 from bridge.parallel import (
     TraceOutcome,
@@ -42,18 +43,28 @@ GROUP = "nkicache-workers"  # workers.fleet.GROUP (not imported: the compiling p
 TRACE_FIELD = "trace"  # the stream message field of a trace task (a job's is "job")
 MIN_TASKS = 2  # fewer untraced variants than this: nothing to share, the pass traces alone
 BUSY_POLL_SECONDS = 0.005
+# Each message a worker takes costs it a read, a heartbeat, a round trip to its compiling process and an
+# acknowledgement (about 2.5 ms, a sixth of a small trace): a message carries a few consecutive variants. Those
+# a worker has not started yet when the job's own process reaches them are traced there, as any variant
+# nobody holds the lease on, so a larger message costs no tail.
+TASKS_PER_MESSAGE = 3
+MIN_MESSAGES = 8  # a job with few variants still gives every idle worker a message
+MAX_TASKS_PER_MESSAGE = 64  # a message holding more is no trace task (it bounds a forged message's work)
 BUSY_POLL_LIMIT = 30.0  # seconds of polling a variant traced elsewhere before the tier client's own wait
 
 
 def enqueue_tasks(client: Any, streams: Sequence[str], job_id: str, tasks: Sequence[TraceTask]) -> Callable[[], None]:
-    """One trace task message per variant, dealt over the toolchain's job streams (one per shard) in the pass's
-    order, in one round trip: an idle worker blocks on one shard at a time, so every idle worker wakes at once.
-    Returns how to withdraw them once the job's variants are all traced: acknowledged and deleted, so no worker
-    takes one any more, nor takes over one a dead worker held (a worker tracing one acknowledges it again)."""
-    dealt = [streams[index % len(streams)] for index in range(len(tasks))]
+    """The trace tasks as messages of a few consecutive variants each (`message_size`), dealt over the
+    toolchain's job streams (one per shard) in the pass's order, in one round trip: an idle worker blocks on one
+    shard at a time, so every idle worker wakes at once. Returns how to withdraw them once the job's variants
+    are all traced: acknowledged and deleted, so no worker takes one any more, nor takes over one a dead worker
+    held (a worker tracing one acknowledges it again)."""
+    size = message_size(len(tasks))
+    groups = [tasks[start : start + size] for start in range(0, len(tasks), size)]
+    dealt = [streams[index % len(streams)] for index in range(len(groups))]
     with client.pipeline(transaction=False) as pipe:
-        for stream, task in zip(dealt, tasks, strict=True):
-            pipe.xadd(stream, {TRACE_FIELD: json.dumps({"job": job_id, **task_document(task)})})
+        for stream, group in zip(dealt, groups, strict=True):
+            pipe.xadd(stream, {TRACE_FIELD: json.dumps({"job": job_id, "tasks": [task_document(t) for t in group]})})
         message_ids = pipe.execute()
 
     def withdraw() -> None:
@@ -145,18 +156,38 @@ def _take(handed: dict[str, TracedVariant], outcome: TraceOutcome) -> None:
         handed[outcome.cache_key] = variant
 
 
+def message_size(tasks: int) -> int:
+    """Variants per trace task message for a job with `tasks` of them."""
+    return max(1, min(TASKS_PER_MESSAGE, tasks // MIN_MESSAGES))
+
+
 def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
-    """A trace task read from the stream, traced here unless the tier holds it or another process traces it.
-    The result names what happened (`error` when the message is no task); it records no pass."""
+    """A trace task message read from the stream: each of its variants traced here unless the tier holds it or
+    another process traces it. The result names what happened (`error` when the message is no trace task, or
+    the first trace that failed: the job's own process then traces that variant); it records no pass."""
     result = PassResult("trace task")
     try:
         document = json.loads(raw)
-        task = task_from_document(document)
+        tasks = [task_from_document(each) for each in _task_documents(document)]
     except (ValueError, TypeError, RecursionError, NkiCacheError) as exc:
         result.error = f"trace task: not a trace task: {' '.join(str(exc).split())}"
         return result
-    result.file = f"trace task {task.cache_key[:16]}... of job {document.get('job')}"
-    outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the job's process waits on the lease
-    result.error = outcome.error
-    result.counts["parallel_traces"] = int(outcome.traced is not None)
+    result.file = f"trace task {tasks[0].cache_key[:16]}... (+{len(tasks) - 1}) of job {document.get('job')}"
+    for task in tasks:
+        # Stored before the answer: the job's process waits for it on the lease, which the write-behind would
+        # keep for up to flush_interval after the trace (the job's last variants waited that long for it).
+        outcome = trace_task(task, tier, limits, wait=False)
+        result.error = result.error or outcome.error
+        result.counts["parallel_traces"] += int(outcome.traced is not None)
     return result
+
+
+def _task_documents(document: object) -> list[object]:
+    """The task documents of a trace task message: its list `tasks`, or the message itself (one task, as a job's
+    process before TASKS_PER_MESSAGE wrote it)."""
+    if not isinstance(document, Mapping) or "tasks" not in document:
+        return [document]
+    tasks = document["tasks"]
+    if not isinstance(tasks, list) or not 1 <= len(tasks) <= MAX_TASKS_PER_MESSAGE:
+        raise GraphError(f"trace task: its tasks must be a list of 1 to {MAX_TASKS_PER_MESSAGE} task objects")
+    return tasks

@@ -1,47 +1,161 @@
 """`nkicache compile --workers N`: the compile's kernel variants traced by N processes, its passes run in order.
 
-This process and N - 1 pool processes share the trace tasks (bridge.parallel): the pool processes are fed a
-few tasks ahead, and this process takes the next one itself whenever it has nothing else to do, so the pool's
-start-up costs no time at the front (this process traces while the others start) and a single graph gets
-every worker. As soon as all the tasks a pass needs are answered, this process runs that pass, in input
-order, with the specification's loop, handed the variants traced for it.
+This process keys the graphs (bridge.parallel.key_variants), then forks N - 1 helper processes, which inherit
+the trace tasks. Every process takes the next task in the pass order from a counter in shared memory
+(`Claims`) whenever it is free, and a helper sends back what it traced over its own pipe. Nothing is handed
+over through threads or queues: this process runs no thread of its own, and a helper never waits for it to
+be handed its next task. As soon as all the tasks a pass needs are answered, this process runs that pass, in
+input order, with the specification's loop, handed the variants traced for it.
 
-The pool is forked from this process when nothing else runs in it (no thread yet: nothing a fork could copy
-half-held), so pool processes start with the compiler already imported; otherwise it is the forkserver one
-(`workers.pool.pool_context`). A pool process that dies breaks the pool: its tasks, and the ones not taken
-yet, are traced here, and each pass completes as without a pool.
+With a tier that reads, this process asks it for the variants after the fork (a forked process must not
+inherit a tier client in use) and tells the helpers which tasks are left. Helpers are forked when this
+process runs no other thread (they start in milliseconds, the compiler already imported), otherwise they
+start from the forkserver (`workers.pool.pool_context`). A helper that dies leaves the tasks it took to this
+process, which traces them; the others keep taking tasks, and each pass completes as without helpers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import Connection, wait
+from typing import Any
 
-from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, plan_variants, trace_task, with_causes
+from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task, with_causes, without_held
 from cachestore.client import open_tier
 from cachestore.settings import Settings
 from workers.passes import PassResult, compile_graph
 from workers.pool import CTRL_C_POLL_SECONDS, CompileRun, CtrlC, _init_process, _trace_in_process, pool_context
 
-TASKS_AHEAD = 2  # chunks queued per pool process, so one never waits for this process to hand it the next
-# While this thread traces, the feeder and the executor's threads wait for the GIL to hand a pool process its
-# next task: at the default 5 ms a hand-over (three threads) takes about as long as a small trace (~15 ms), and
-# the pool process idles. 0.5 ms cut its idle time from about 25% to about 12% on the default workload.
-SWITCH_INTERVAL = 0.0005
-CHUNK = 3  # tasks per hand-over to a pool process: a third of the hand-overs, for a tail of at most 3 small traces
+# A process killed while it holds the counter's lock (a window of microseconds) would hold it for ever: the
+# others give up on it after this long and trace what is left here.
+CLAIM_LOCK_SECONDS = 5.0
+STOPPED = 1 << 62  # the counter once the compile stops: no task is taken any more
 
 
 def pool_start_context() -> multiprocessing.context.BaseContext:
-    """fork when this process runs no other thread (a pool process starts in milliseconds, the compiler already
+    """fork when this process runs no other thread (a helper starts in milliseconds, the compiler already
     imported), else the forkserver context."""
     if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
         return multiprocessing.get_context("fork")
     return pool_context()
+
+
+class ClaimsBroken(Exception):
+    """The counter's lock was not free within CLAIM_LOCK_SECONDS (its holder died holding it)."""
+
+
+class Claims:
+    """The next task to take, in shared memory, and which process took each (so a dead helper's are known)."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext, tasks: int):
+        self.next = context.Value("q", 0)
+        self.taken_by = context.Array("i", max(tasks, 1), lock=False)
+
+    def take(self, who: int, count: int) -> int | None:
+        """The position (in the list of tasks left to trace) this process takes next, None when all are taken."""
+        lock = self.next.get_lock()
+        if not lock.acquire(timeout=CLAIM_LOCK_SECONDS):
+            raise ClaimsBroken
+        try:
+            counter = self.next.get_obj()  # under the lock already
+            position = counter.value
+            if position >= count:
+                return None
+            counter.value = position + 1
+            self.taken_by[position] = who
+            return position
+        finally:
+            lock.release()
+
+    def taken(self) -> int:
+        """How many tasks were taken, read without the lock (a dead helper may hold it for ever)."""
+        return self.next.get_obj().value
+
+    def stop(self) -> None:
+        lock = self.next.get_lock()
+        if lock.acquire(timeout=CLAIM_LOCK_SECONDS):
+            self.next.get_obj().value = STOPPED
+            lock.release()
+
+
+def _helper(who: int, tasks: list[TraceTask], claims: Claims, connection: Connection, others: list[Connection],
+            settings: Settings, dropped_outside_passes: Any) -> None:  # fmt: skip
+    """A helper process: take tasks until none is left, sending back each outcome (the list of tasks left to
+    trace comes first, once this compile's parent has asked the tier)."""
+    for other in others:  # the other pipes' ends: a pipe whose process dies must read as closed
+        other.close()
+    _init_process(settings, dropped_outside_passes)
+    try:
+        left = connection.recv()
+        while (position := claims.take(who, len(left))) is not None:
+            connection.send(_trace_in_process([tasks[left[position]]])[0])
+    except (EOFError, OSError, ClaimsBroken):  # the parent is gone or stopped the compile
+        pass
+    finally:
+        connection.close()
+
+
+class Helpers:
+    """The N - 1 helper processes, each with a pipe this process reads their outcomes from."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext, tasks: list[TraceTask], claims: Claims,
+                 count: int, settings: Settings, dropped_outside_passes: Any):  # fmt: skip
+        pipes = [context.Pipe() for _ in range(count)]
+        self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.pipes: dict[int, Connection] = {}
+        for who, (parent_end, child_end) in enumerate(pipes, start=1):
+            others = [end for pipe in pipes if pipe[1] is not child_end for end in pipe] + [parent_end]
+            args = (who, tasks, claims, child_end, others, settings, dropped_outside_passes)
+            process = context.Process(target=_helper, name=f"nkicache-tracer-{who}", args=args, daemon=True)
+            try:
+                process.start()
+            except OSError:  # no process to be had: this one traces more
+                parent_end.close()
+                continue
+            finally:
+                child_end.close()
+            self.processes[who], self.pipes[who] = process, parent_end
+
+    def hand_out(self, left: list[int]) -> None:
+        """Tell the helpers which tasks are left to trace (one that cannot be told is dead: `receive` sees it)."""
+        for pipe in self.pipes.values():
+            with contextlib.suppress(OSError):
+                pipe.send(left)
+
+    def receive(self, timeout: float) -> tuple[list[TraceOutcome], list[int]]:
+        """Outcomes the helpers sent (waiting up to `timeout` for one), and the helpers that died."""
+        outcomes, dead = [], []
+        sentinels = {process.sentinel: who for who, process in self.processes.items()}
+        for ready in wait([*self.pipes.values(), *sentinels], timeout):
+            who = sentinels.get(ready) if isinstance(ready, int) else None
+            for key, pipe in self.pipes.items():
+                if (pipe is ready or key == who) and self._drain(pipe, outcomes) and key not in dead:
+                    dead.append(key)
+        for who in dead:
+            self.pipes.pop(who).close()
+            self.processes.pop(who).join()
+        return outcomes, dead
+
+    @staticmethod
+    def _drain(pipe: Connection, outcomes: list[TraceOutcome]) -> bool:
+        """Read what the pipe holds; True when its helper is gone (the pipe closed)."""
+        try:
+            while pipe.poll():
+                outcomes.append(pipe.recv())
+        except (EOFError, OSError):
+            return True
+        return False
+
+    def close(self) -> None:
+        for pipe in self.pipes.values():
+            pipe.close()
+        for process in self.processes.values():
+            process.join()
 
 
 def compile_in_parallel(
@@ -53,25 +167,31 @@ def compile_in_parallel(
     target_name: str | None,
     on_result: Callable[[PassResult], None],
 ) -> CompileRun:
-    """Compile `paths` with this process and `workers - 1` pool processes tracing; results in input order."""
-    context = pool_start_context()
+    """Compile `paths` with this process and `workers - 1` helper processes tracing; results in input order."""
+    context = pool_start_context()  # before anything here could start a thread
     dropped_outside_passes = context.Value("q", 0)
-    tier, results = None, []
+    limits = settings.limits()
+    tier = open_tier(settings)  # connects on first use only: nothing of it is in use when the helpers fork
+    results: list[PassResult] = []
     with CtrlC() as ctrl_c:
-        executor = ProcessPoolExecutor(workers - 1, mp_context=context, initializer=_init_process,
-                                       initargs=(settings, dropped_outside_passes))  # fmt: skip
+        shared = tier is not None and tier.reads
+        plan = key_variants(paths, shared=shared, target_name=target_name, limits=limits)
+        claims = Claims(context, len(plan.tasks))
+        # Out of the collector's reach before the fork: its full collections would otherwise walk (and write) every
+        # object of this process in both, copying their pages (about 5% more trace CPU in two processes, measured).
+        gc.freeze()
+        helpers = Helpers(context, plan.tasks, claims, workers - 1, settings, dropped_outside_passes)
         try:
-            executor.submit(int)  # start the pool processes now: they start while this one plans
-            tier = open_tier(settings)  # after the fork: its threads are this process's alone
-            try:
-                plan = plan_variants(paths, tier=tier, target_name=target_name, limits=settings.limits())
-                scheduler = Scheduler(plan, executor, workers - 1, tier, settings)
-                results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
-            finally:
-                if tier is not None:
-                    tier.close()
+            if shared and plan.tasks:
+                plan = without_held(plan, tier)
+            scheduler = Scheduler(plan, claims, helpers, tier, limits)
+            results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
         finally:
-            executor.shutdown(wait=True, cancel_futures=True)
+            gc.unfreeze()
+            claims.stop()
+            helpers.close()
+            if tier is not None:
+                tier.close()
     run = CompileRun(results, ctrl_c.pressed)
     if tier is not None:
         counts = tier.counts()
@@ -84,87 +204,65 @@ def compile_in_parallel(
 
 
 class Scheduler:
-    """Runs each pass once every task it needs is answered, and traces here in between; a feeder thread keeps
-    the pool processes a few chunks of tasks ahead, so they never wait for this thread to finish a trace."""
+    """Runs each pass once every task it needs is answered, and takes the next task to trace in between."""
 
-    def __init__(self, plan: VariantPlan, executor: ProcessPoolExecutor, helpers: int, tier: object,
-                 settings: Settings):  # fmt: skip
-        self.plan, self.executor, self.helpers, self.tier = plan, executor, helpers, tier
-        self.limits = settings.limits()
-        self.pending: deque[TraceTask] = deque(plan.tasks)
-        self.in_flight: dict[Future, list[TraceTask]] = {}
+    def __init__(self, plan: VariantPlan, claims: Claims, helpers: Helpers, tier: Any, limits: Any):
+        self.plan, self.claims, self.helpers, self.tier, self.limits = plan, claims, helpers, tier, limits
+        self.left = [task.task_id for task in plan.tasks]  # in the pass order; helpers index it by position
+        self.by_id = {task.task_id: task for task in plan.tasks}
         self.outcomes: dict[int, TraceOutcome] = {}
-        self.changed = threading.Condition()  # guards the three above
-        self.stopping = threading.Event()
+        self.orphans: deque[int] = deque()  # tasks a dead helper took: traced here
+        self.broken = False  # the counter's lock is lost: every task not answered is traced here
+        helpers.hand_out(self.left)
 
     def run(self, paths: Sequence[str], out_dir: str, target_name: str | None,
             on_result: Callable[[PassResult], None], ctrl_c: CtrlC) -> list[PassResult]:  # fmt: skip
-        feeder = threading.Thread(target=self._feed_pool, name="nkicache-trace-feeder", daemon=True)
-        feeder.start()
         results: list[PassResult] = []
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL)
-        try:
-            while len(results) < len(paths) and not ctrl_c.pressed:
-                index = len(results)
-                with self.changed:
-                    ready = self.plan.needs[index] <= self.outcomes.keys()
-                    task = self.pending.popleft() if not ready and self.pending else None
-                    if not ready and task is None:
-                        self.changed.wait(CTRL_C_POLL_SECONDS)
-                        continue
-                if ready:
-                    results.append(self._run_pass(paths[index], index, out_dir, target_name))
-                    on_result(results[-1])
-                else:
-                    outcome = trace_task(task, self.tier, self.limits)
-                    with self.changed:
-                        self.outcomes[task.task_id] = outcome
-        finally:
-            sys.setswitchinterval(switch_interval)
-            self.stopping.set()
-            feeder.join()
+        while len(results) < len(paths) and not ctrl_c.pressed:
+            self._receive(0)
+            index = len(results)
+            if self.plan.needs[index] <= self.outcomes.keys():
+                results.append(self._run_pass(paths[index], index, out_dir, target_name))
+                on_result(results[-1])
+            elif (task := self._next_task()) is not None:
+                self.outcomes[task.task_id] = trace_task(task, self.tier, self.limits)
+            else:
+                self._receive(CTRL_C_POLL_SECONDS)  # the helpers trace the rest
         return results
 
-    def _feed_pool(self) -> None:
-        """The feeder thread: hand the pool the next tasks as it answers, until nothing is left for it."""
-        while not self.stopping.is_set():
-            with self.changed:
-                while self.helpers and self.pending and len(self.in_flight) < TASKS_AHEAD * self.helpers:
-                    chunk = [self.pending.popleft() for _ in range(min(CHUNK, len(self.pending)))]
-                    try:
-                        self.in_flight[self.executor.submit(_trace_in_process, chunk)] = chunk
-                    except BrokenProcessPool:
-                        self._pool_broken(chunk)
-                if not self.in_flight and not (self.helpers and self.pending):
-                    return
-                waiting = list(self.in_flight)
-            done, _ = wait(waiting, timeout=CTRL_C_POLL_SECONDS, return_when=FIRST_COMPLETED)
-            with self.changed:
-                for future in done:
-                    self._collect(future, self.in_flight.pop(future))
-                self.changed.notify_all()
+    def _receive(self, timeout: float) -> None:
+        if not self.helpers.pipes:
+            return
+        outcomes, dead = self.helpers.receive(timeout)
+        for outcome in outcomes:
+            self.outcomes.setdefault(outcome.task_id, outcome)
+        for who in dead:
+            self._helper_died(who)
 
-    def _collect(self, future: Future, chunk: list[TraceTask]) -> None:
-        try:
-            for outcome in future.result():
-                self.outcomes[outcome.task_id] = outcome
-        except BrokenProcessPool:
-            self._pool_broken(chunk)
-        except Exception as exc:  # the tasks failed in transit: their passes trace the variants themselves
-            for task in chunk:
-                self.outcomes[task.task_id] = TraceOutcome(task.task_id, task.cache_key, error=str(exc))
+    def _helper_died(self, who: int) -> None:
+        """The tasks a dead helper took and did not answer are traced here."""
+        taken = min(self.claims.taken(), len(self.left))
+        lost = [self.left[p] for p in range(taken) if self.claims.taken_by[p] == who]
+        self.orphans.extend(task_id for task_id in lost if task_id not in self.outcomes)
 
-    def _pool_broken(self, chunk: list[TraceTask]) -> None:
-        """A pool process died (killed, out of memory): its tasks and every later one are traced here."""
-        self.helpers = 0
-        self.pending.extendleft(reversed(chunk))
+    def _next_task(self) -> TraceTask | None:
+        while self.orphans:
+            task_id = self.orphans.popleft()
+            if task_id not in self.outcomes:
+                return self.by_id[task_id]
+        if not self.broken:
+            try:
+                position = self.claims.take(0, len(self.left))
+                return None if position is None else self.by_id[self.left[position]]
+            except ClaimsBroken:
+                self.broken = True
+        pending = [task_id for task_id in self.left if task_id not in self.outcomes]
+        return self.by_id[pending[-1]] if pending else None  # from the end: a helper may be tracing the next one
 
     def _run_pass(self, path: str, index: int, out_dir: str, target_name: str | None) -> PassResult:
-        with self.changed:
-            owned = [self.outcomes[task_id] for task_id in self.plan.owned[index]]
-            for outcome in owned:  # handed to its one pass: the binary is not kept for the rest of the compile
-                self.outcomes[outcome.task_id] = TraceOutcome(outcome.task_id, outcome.cache_key)
+        owned = [self.outcomes[task_id] for task_id in self.plan.owned[index]]
+        for outcome in owned:  # handed to its one pass: the binary is not kept for the rest of the compile
+            self.outcomes[outcome.task_id] = TraceOutcome(outcome.task_id, outcome.cache_key)
         handed = with_causes({outcome.cache_key: outcome.traced for outcome in owned if outcome.traced is not None},
                              self.plan)  # fmt: skip
         result, _ = compile_graph(path, tier=self.tier, target_name=target_name, out_dir=out_dir, limits=self.limits,
