@@ -196,7 +196,8 @@ def trace_task(
         return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
     seconds = time.perf_counter() - started
     if tier is not None:
-        tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)
+        # Flushed: someone waits for it (a job's process, a later pass), so it is compressed fast.
+        tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease, awaited=flush)
         if flush:
             tier.flush()  # a later pass reads it from the tier without a lease wait
     return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds))

@@ -53,6 +53,8 @@ from cachestore.api import (
 )
 from cachestore.checkpoint import CheckpointLog, CheckpointReader, CheckpointRecord
 from cachestore.entry import (
+    AWAITED_COMPRESSION_LEVEL,
+    COMPRESSION_LEVEL,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -102,6 +104,7 @@ class PendingStore:
     prepared: bool = False  # `request` is None after preparing when the entry is too large to store
     # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
     unsealed: Unsealed | None = None
+    level: int = COMPRESSION_LEVEL  # AWAITED_COMPRESSION_LEVEL when another process waits for the entry
 
 
 class TierStats:
@@ -443,10 +446,10 @@ class TierClient:
             full, unsealed = b"", None
             if self.writer is not None:
                 unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key,
-                                          self._checkpoint_writer() is not None)  # fmt: skip
+                                          self._checkpoint_writer() is not None, pending.level)  # fmt: skip
                 size = unsealed.most_bytes
             else:
-                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key)
+                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, pending.level)
                 size = len(full)
             if size > self.settings.max_entry_bytes:
                 logger.warning(
@@ -494,10 +497,12 @@ class TierClient:
         key_components: Mapping[str, Any],
         compile_seconds: float,
         release_lease: bool = False,
+        awaited: bool = False,
     ) -> None:
         """The port's write: the entry for a kernel the loop traced, produced by this host and worker. The
         compiling thread only copies what the entry needs and queues it: the Entry (the binary's SHA-256) and
-        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
+        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread, at the
+        fast AWAITED_COMPRESSION_LEVEL when `awaited` (another process waits for it)."""
         if not self.writes:
             return
         if self.writer is not None:
@@ -516,7 +521,8 @@ class TierClient:
             compile_seconds=compile_seconds,
             toolchain=self.toolchain,  # the compiler that traced it: this one
         )
-        self._publish(PendingStore(cache_key, build), release_lease)
+        level = AWAITED_COMPRESSION_LEVEL if awaited else COMPRESSION_LEVEL
+        self._publish(PendingStore(cache_key, build, level=level), release_lease)
 
     def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
         """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""

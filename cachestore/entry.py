@@ -80,8 +80,13 @@ from cachestore.trust import (
 SCHEMA_VERSION = 4
 MAGIC = b"NKC"
 ENTRY_DICTIONARY_PATH = Path(__file__).with_name("entry_dictionary.zstd")
-# With the dictionary, measured on the bench workload's bodies (bench/RESULTS.md, "Compact entries").
+# With the dictionary, measured on the bench workload's bodies (bench/RESULTS.md, "Compact entries"): level 15
+# stores a body at 0.092 of its binary in 823 us, level 3 at 0.111 in 15 us. An entry another process is
+# waiting for (a trace task's: the job's process waits on its lease) is compressed at AWAITED_COMPRESSION_LEVEL,
+# since 0.8 ms a variant on the critical path cost the fleet's two-worker compile more than its bytes save
+# (bench/RESULTS.md, issue 17); ccache likewise compresses fast by default and recompresses offline.
 COMPRESSION_LEVEL = 15
+AWAITED_COMPRESSION_LEVEL = 3
 MAX_ENTRY_BYTES = 64 * 1024 * 1024
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
@@ -185,22 +190,27 @@ def binary_digest(binary: bytes) -> str:
 
 
 def encode_entry(
-    entry: Entry, hmac_key: bytes | None = None, writer: WriterKey | None = None, cache_key: str = ""
+    entry: Entry,
+    hmac_key: bytes | None = None,
+    writer: WriterKey | None = None,
+    cache_key: str = "",
+    level: int = COMPRESSION_LEVEL,
 ) -> bytes:
     """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, the
     writer's section when a writer key is given (a batch signature of a group of one: over `cache_key`, the
     key it is stored under), then the payload (the body, compressed). A writer storing several entries at once
     signs them together instead (`unsealed_entry`, `seal`)."""
     if writer is not None:
-        return seal([unsealed_entry(entry, hmac_key, writer, cache_key)], writer)[0]
-    payload = _payload(entry)
+        return seal([unsealed_entry(entry, hmac_key, writer, cache_key, level=level)], writer)[0]
+    payload = _payload(entry, level)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
     flags = _SIGNED if signature else 0
     return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
 
 
-def _payload(entry: Entry) -> bytes:
-    return _compressor().compress(msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True))
+def _payload(entry: Entry, level: int = COMPRESSION_LEVEL) -> bytes:
+    body = msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True)
+    return _compressor(level).compress(body)
 
 
 @dataclass(frozen=True)
@@ -234,11 +244,16 @@ class Unsealed:
 
 
 def unsealed_entry(
-    entry: Entry, hmac_key: bytes | None, writer: WriterKey, cache_key: str, checkpointed: bool = False
+    entry: Entry,
+    hmac_key: bytes | None,
+    writer: WriterKey,
+    cache_key: str,
+    checkpointed: bool = False,
+    level: int = COMPRESSION_LEVEL,
 ) -> Unsealed:
     """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`); `checkpointed`: it is
     to name the checkpoint chunk that lists it (the writer keeps one: cachestore.checkpoint)."""
-    payload = _payload(entry)
+    payload = _payload(entry, level)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
     flags = (_SIGNED if signature else 0) | _WRITER_BATCH | (_CHECKPOINTED if checkpointed else 0)
     head = b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature))
@@ -463,15 +478,16 @@ def entry_dictionary() -> zstandard.ZstdCompressionDict:
         return _dictionary[0]
 
 
-def _compressor() -> zstandard.ZstdCompressor:
-    if not hasattr(_local, "compressor"):
+def _compressor(level: int = COMPRESSION_LEVEL) -> zstandard.ZstdCompressor:
+    compressors = _local.__dict__.setdefault("compressors", {})
+    if level not in compressors:
         # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and the schema byte
         # names the dictionary.
-        _local.compressor = zstandard.ZstdCompressor(
-            level=COMPRESSION_LEVEL, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
+        compressors[level] = zstandard.ZstdCompressor(
+            level=level, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
             write_dict_id=False,
         )  # fmt: skip
-    return _local.compressor
+    return compressors[level]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

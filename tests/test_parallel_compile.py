@@ -328,3 +328,41 @@ def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
     finally:
         tier.close()
         delete_namespace(redis_client, namespace)
+
+
+def test_a_trace_someone_waits_for_is_compressed_fast_and_a_written_behind_one_small(
+    default_workload: Path, tmp_path: Path
+) -> None:
+    """A trace task stored before its answer (a job's process waits on its lease) is compressed at the fast
+    AWAITED_COMPRESSION_LEVEL; one written behind (the pass is handed it directly) at COMPRESSION_LEVEL. Both
+    decode to the same trace."""
+    from bridge.parallel import trace_task
+    from cachestore import entry as entries
+    from cachestore.client import open_tier
+
+    tier = open_tier(load_settings({"tier": f"local:{tmp_path / 'tier.sqlite'}", "flush_interval": 0.05}))
+    try:
+        paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
+        awaited, behind = plan_variants(paths, tier=tier, target_name=None, limits=Limits()).tasks[:2]
+        assert trace_task(awaited, tier, Limits(), wait=False).traced is not None
+        assert trace_task(behind, tier, Limits(), wait=False, flush=False).traced is not None
+        assert tier.flush(10)
+        for task, level, other in ((awaited, entries.AWAITED_COMPRESSION_LEVEL, entries.COMPRESSION_LEVEL),
+                                   (behind, entries.COMPRESSION_LEVEL, entries.AWAITED_COMPRESSION_LEVEL)):  # fmt: skip
+            stored = tier._backend.fetch([task.cache_key], 60)[task.cache_key]
+            assert isinstance(stored, bytes)
+            entry = entries.decode_entry(stored, tier.policy, cache_key=task.cache_key)
+            payload = entries.open_stored(stored)[1]
+            assert payload == entries._payload(entry, level) != entries._payload(entry, other)
+            assert entry.binary == task_binary(task)
+    finally:
+        tier.close()
+
+
+def task_binary(task: Any) -> bytes:
+    """The binary tracing `task` gives, traced afresh in this process."""
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.targets import make_target
+
+    loop = BirCodeGenLoop(make_target(task.target))
+    return loop._trace_internal_kernel_to_new_nki_frontend(task.op, task.cache_key)["binary"]
