@@ -309,6 +309,7 @@ def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
     its lease gone as soon as `run_task` answers, not after the tier client's write-behind (flush_interval)."""
     from bridge.identity import toolchain_id
     from bridge.parallel import task_document
+    from cachestore import entry as entries
     from cachestore.client import open_tier
     from cachestore.keys import KeySpace
     from workers.trace_tasks import run_task
@@ -323,19 +324,23 @@ def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
         assert run_task(message, tier, settings.limits()).counts["parallel_traces"] == 3
         keys = KeySpace(namespace)
         for task in tasks:
-            assert redis_client.exists(keys.entry(toolchain_id(), task.cache_key))
+            stored = redis_client.get(keys.entry(toolchain_id(), task.cache_key))
+            assert stored is not None
             assert not redis_client.exists(keys.lease(toolchain_id(), task.cache_key))
+            # Compressed fast: the job's process waits for it.
+            entry = entries.decode_entry(stored, tier.policy, cache_key=task.cache_key)
+            assert entries.open_stored(stored)[1] == entries._payload(entry, entries.AWAITED_COMPRESSION_LEVEL)
     finally:
         tier.close()
         delete_namespace(redis_client, namespace)
 
 
-def test_a_trace_someone_waits_for_is_compressed_fast_and_a_written_behind_one_small(
+def test_a_fleet_trace_task_is_compressed_fast_and_a_compile_s_own_trace_small(
     default_workload: Path, tmp_path: Path
 ) -> None:
-    """A trace task stored before its answer (a job's process waits on its lease) is compressed at the fast
-    AWAITED_COMPRESSION_LEVEL; one written behind (the pass is handed it directly) at COMPRESSION_LEVEL. Both
-    decode to the same trace."""
+    """A fleet trace task's trace, which the job's process waits for on the tier, is compressed at the fast
+    AWAITED_COMPRESSION_LEVEL; one a compile's own process or pool traces (handed to its pass directly) at
+    COMPRESSION_LEVEL. Both decode to the binary a fresh trace gives."""
     from bridge.parallel import trace_task
     from cachestore import entry as entries
     from cachestore.client import open_tier
@@ -344,8 +349,8 @@ def test_a_trace_someone_waits_for_is_compressed_fast_and_a_written_behind_one_s
     try:
         paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
         awaited, behind = plan_variants(paths, tier=tier, target_name=None, limits=Limits()).tasks[:2]
-        assert trace_task(awaited, tier, Limits(), wait=False).traced is not None
-        assert trace_task(behind, tier, Limits(), wait=False, flush=False).traced is not None
+        assert trace_task(awaited, tier, Limits(), wait=False, awaited=True).traced is not None
+        assert trace_task(behind, tier, Limits(), wait=False).traced is not None
         assert tier.flush(10)
         for task, level, other in ((awaited, entries.AWAITED_COMPRESSION_LEVEL, entries.COMPRESSION_LEVEL),
                                    (behind, entries.COMPRESSION_LEVEL, entries.AWAITED_COMPRESSION_LEVEL)):  # fmt: skip
