@@ -286,7 +286,9 @@ class TierClient:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
-        self._count_writers(f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer)
+        served = [f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer]
+        if served:  # (no lock taken for entries no writer signed)
+            self._count_writers(served)
         self.stats.add("entries_found", len(entries))
         return entries, set(found)
 

@@ -145,3 +145,24 @@ def test_a_hit_still_checks_the_hmac(backend: Any) -> None:
     reader = client_of(backend, hmac_key=key)
     assert reader.lookup("k") is None and reader.counts()["tier_rejected"] == 1
     reader.close(timeout=10)
+
+
+def test_a_body_shape_checked_once_still_refuses_a_bool_or_a_wrong_type_later() -> None:
+    """Field types are checked once per shape (the exact types of the fields): a body of a new shape is checked
+    in full, whatever bodies came before it."""
+    from cachestore.entry import EntryRejected, SignaturePolicy, decode_entry
+
+    policy = SignaturePolicy(None, False)
+    good = Entry(b"bin", ["x"], ["out"], "bir", "bir-1", {}, created=1, compile_seconds=2)  # ints: a shape
+    assert decode_entry(encode_entry(good), policy).created == 1
+    assert decode_entry(encode_entry(good), policy).created == 1  # (now known)
+    for changes in ({"created": True}, {"compile_seconds": False}, {"format": 7}, {"producer_host": None}):
+        fields = {**good.__dict__, **changes}
+        hostile = Entry(**{name: fields[name] for name in ("binary", "input_names", "output_names", "format",
+                                                           "version_identifier", "key_components", "producer_host",
+                                                           "producer_worker", "created", "compile_seconds",
+                                                           "digest", "ref", "toolchain")})  # fmt: skip
+        with pytest.raises(EntryRejected, match="wrong type"):
+            decode_entry(encode_entry(hostile), policy)
+        with pytest.raises(EntryRejected, match="wrong type"):  # and again: a refused shape is not remembered
+            decode_entry(encode_entry(hostile), policy)

@@ -346,8 +346,11 @@ class RedisBackend:
         return self.keys.digest_bucket(self.toolchain, digest)
 
     def _call(self, operation: Callable[[], T]) -> T:
-        with redis_errors(self.description):
+        try:  # not `with redis_errors`: a generator-based context manager costs a remote hit a few µs
             return operation()
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            with redis_errors(self.description):
+                raise exc from None
 
     def _within_op_timeout(self, operation: Callable[[], T]) -> T:
         """A compile-path call, bounded as a whole by `op_timeout`: past it, the watchdog closes the client's
@@ -355,12 +358,15 @@ class RedisBackend:
         raises TierTimeout whatever redis-py made of the closed socket."""
         if self.op_timeout is None:
             return self._call(operation)
-        with watchdog().watching(self.op_timeout, self._drop_connections) as watch:
-            try:
-                return self._call(operation)
-            except Exception:
-                if not watch.aborted:
-                    raise
+        dog = watchdog()
+        watch = dog.watch(self.op_timeout, self._drop_connections)
+        try:
+            return self._call(operation)
+        except Exception:
+            if not watch.aborted:
+                raise
+        finally:
+            dog.unwatch(watch)
         raise TierTimeout(f"{self.description}: no whole answer within the {self.op_timeout} s operation timeout")
 
     def _drop_connections(self) -> None:
