@@ -56,7 +56,7 @@ def backend(tmp_path: Path) -> Any:
 
 
 def client_of(backend: Any, **changes: Any) -> TierClient:
-    settings = Settings(tier="redis://127.0.0.1:1/0", entry_ttl=BASE_TTL, flush_interval=0.01, **changes)
+    settings = Settings(**{"tier": "redis://127.0.0.1:1/0", "entry_ttl": BASE_TTL, "flush_interval": 0.01, **changes})
     return TierClient(lambda: backend, settings, "redis")
 
 
