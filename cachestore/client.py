@@ -172,6 +172,12 @@ class TierClient:
         # Redis keeps an entry by its TTL, which grows with its value; the local tier ranks by value itself.
         self._value_ttls = settings.tier.startswith(REDIS_SCHEMES)
         self._values = ValueMedian()
+        # Entries a read found on Redis, whose TTLs the flusher refreshes (`_collect_touched`): (cache key, compile
+        # seconds, stored bytes; None for a reference or a holder, which keep entry_ttl). A deque: appended by
+        # the compiling thread without a lock or a wake-up, taken by the flusher.
+        self._touched: collections.deque[tuple[str, float, int | None]] = collections.deque(
+            maxlen=settings.outbox_limit
+        )
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -190,8 +196,10 @@ class TierClient:
 
     @property
     def _refresh_ttl(self) -> int | None:
-        """The TTL a read gives back to the entries it finds; None (a read-only client): left as they are."""
-        return self.settings.entry_ttl if self.writes else None
+        """The TTL a read asks the backend to give back to the entries it finds as it reads them; None: a read-only
+        client leaves them as they are, and a writer's client of Redis refreshes them in the background instead
+        (`_touch`), so that a hit costs one command."""
+        return self.settings.entry_ttl if self.writes and not self._value_ttls else None
 
     def counts(self) -> dict[str, int]:
         return self.stats.snapshot()
@@ -275,13 +283,15 @@ class TierClient:
         entries = {}
         for key, data in found.items():
             entry = self._decode(key, data)
-            if entry is not None and not entry.is_reference:
-                self._keep_by_value(key, entry, data)
+            if entry is not None:
+                self._touch(key, entry, data)
             if entry is not None and entry.is_reference:
                 entry = self._follow_reference(key, entry)
             if entry is not None:
                 entries[key] = entry
-        self._count_writers(f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer)
+        served = [f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer]
+        if served:  # (no lock taken for entries no writer signed)
+            self._count_writers(served)
         self.stats.add("entries_found", len(entries))
         return entries, set(found)
 
@@ -289,21 +299,43 @@ class TierClient:
         with self._writer_lock:
             self._writer_counts.update(names)
 
-    def _keep_by_value(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
-        """The read refreshed the entry's TTL to entry_ttl; one worth more than the usual entry gets its longer
-        TTL back in the background (a writer's client only: a read-only one refreshes nothing). A reference
-        keeps entry_ttl, as the holder its read refreshes does: it must not outlive the binary it points to."""
-        if not (self._value_ttls and self.writes) or isinstance(data, TooLarge):
+    def _touch(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge | None) -> None:
+        """A read found this entry on Redis: its TTL is refreshed in the background (a writer's client only: a
+        read-only one refreshes nothing), to entry_ttl or, for one worth more than the usual entry, longer. A
+        reference keeps entry_ttl, as the holder it names does: it must not outlive the binary it points to.
+        Only an append here: the flusher computes the TTLs and sends them together (`_collect_touched`)."""
+        if not (self._value_ttls and self.writes):
             return
-        ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, len(data)))
-        if ttl > self.settings.entry_ttl:
-            self._enqueue(TtlRefresh(cache_key, ttl))
+        plain = entry is not None and not entry.is_reference and isinstance(data, bytes)
+        self._touched.append((cache_key, entry.compile_seconds, len(data)) if plain else (cache_key, 0.0, None))  # type: ignore[union-attr,arg-type]
+        if self._flusher is None or not self._flusher.is_alive():
+            self._ensure_flusher()
+
+    def _collect_touched(self) -> None:
+        """The TTL refreshes of the entries read since the last call, queued as TtlRefresh (one per key, its
+        longest TTL), to go out with the next send in one pipeline."""
+        ttls: dict[str, int] = {}
+        base = self.settings.entry_ttl
+        while True:
+            try:  # the flusher and a flush() may both be taking
+                key, seconds, size = self._touched.popleft()
+            except IndexError:
+                break
+            ttl = base if size is None else self._values.ttl(base, entry_value(seconds, 1, size))
+            ttls[key] = max(ttl, ttls.get(key, 0))
+        if ttls:
+            with self._outbox_lock:
+                for key, ttl in ttls.items():
+                    self._append(TtlRefresh(key, ttl))
+                self._outbox_lock.notify_all()
 
     def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
         ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
         if not ok or entry.ref not in found:
             return None
         holder = self._decode(entry.ref, found[entry.ref])
+        if holder is not None:
+            self._touch(entry.ref, None, None)  # the holder keeps entry_ttl, as its reference does
         if holder is None or holder.is_reference or holder.digest != entry.digest:
             if holder is not None:
                 self.reject(cache_key, "referenced entry holds another binary")
@@ -565,12 +597,16 @@ class TierClient:
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
         with self._outbox_lock:
-            if len(self._outbox) >= self.settings.outbox_limit:
-                self._outbox.popleft()
-                self.stats.add("tier_dropped")
-            self._outbox.append(item)
+            self._append(item)
             self._outbox_lock.notify_all()
         self._ensure_flusher()
+
+    def _append(self, item: object) -> None:
+        """Queue `item` (the outbox lock held); past outbox_limit the oldest item is dropped and counted."""
+        if len(self._outbox) >= self.settings.outbox_limit:
+            self._outbox.popleft()
+            self.stats.add("tier_dropped")
+        self._outbox.append(item)
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or not self._flusher.is_alive():
@@ -616,6 +652,7 @@ class TierClient:
 
     def _drain_once(self) -> bool:
         """Send what is queued, in order; False when the tier failed (items stay queued)."""
+        self._collect_touched()
         with self._outbox_lock:
             items = list(self._outbox)
         if not items:
@@ -676,6 +713,7 @@ class TierClient:
         """Wait until the outbox is empty, at most `timeout` seconds. While the tier is down it gives up at once,
         unless `through_outage` and the breaker closes (so the flusher retries) before the deadline."""
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
+        self._collect_touched()  # the TTL refreshes of the reads so far are part of what is waited for
         with self._outbox_lock:
             self._flush_waiters += 1
             self._outbox_lock.notify_all()

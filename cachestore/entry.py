@@ -651,16 +651,29 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 _KINDS = tuple(_FIELD_TYPES[name] for name in _BODY_FIELDS)  # in body order: one pass over the list, no dict
 
 
+# The exact types of a body's fields (in body order) that passed the type checks: a body of a shape seen before
+# skips them, one set lookup instead of a check a field (every remote hit decodes a body). msgpack builds only
+# builtin types, so at most a few shapes ever pass (int or float twice, str or None): the set stays tiny.
+_CHECKED_SHAPES: set[tuple[type, ...]] = set()
+
+
+def _check_shape(values: list) -> None:
+    shape = tuple(map(type, values))
+    if shape in _CHECKED_SHAPES:
+        return
+    for name, value, kinds in zip(_BODY_FIELDS, values, _KINDS, strict=True):
+        # A bool is an int to isinstance, and the only kinds a bool could pass for are numbers.
+        if not isinstance(value, kinds) or isinstance(value, bool):
+            raise EntryRejected(f"body field {name!r} has the wrong type")
+    _CHECKED_SHAPES.add(shape)  # (set.add is atomic: decoding threads need no lock)
+
+
 def _entry_from_fields(values: object) -> Entry:
     if not isinstance(values, list) or len(values) != len(_BODY_FIELDS):
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
-    for name, value, kinds in zip(_BODY_FIELDS, values, _KINDS, strict=True):
-        if not isinstance(value, kinds):
-            raise EntryRejected(f"body field {name!r} has the wrong type")
+    _check_shape(values)
     _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
     for name, number in (("created", created), ("compile_seconds", compile_seconds)):
-        if isinstance(number, bool):  # an int to isinstance, and the only kinds a bool could pass for are numbers
-            raise EntryRejected(f"body field {name!r} has the wrong type")
         # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json).
         if not math.isfinite(number) or number < 0:
             raise EntryRejected(f"body field {name!r} is {number!r}, not a finite number >= 0")

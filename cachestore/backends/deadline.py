@@ -49,6 +49,15 @@ class Watchdog:
     def watching(self, seconds: float, abort: Callable[[], None]) -> Iterator[Watch]:
         """Watch the operation run inside the block: `abort` is called (from the watchdog's thread) once it has
         run `seconds`, and again every ABORT_AGAIN_SECONDS until the block ends."""
+        watch = self.watch(seconds, abort)
+        try:
+            yield watch
+        finally:
+            self.unwatch(watch)
+
+    def watch(self, seconds: float, abort: Callable[[], None]) -> Watch:
+        """`watching` without a context manager (a remote hit's path: a generator-based one costs a few µs):
+        the caller must `unwatch` the watch in a `finally`."""
         watch = Watch(time.monotonic() + seconds, abort)
         with self._condition:
             self._watches.add(watch)
@@ -57,11 +66,11 @@ class Watchdog:
                 self._thread.start()
             if watch.deadline < self._wakes_at:
                 self._condition.notify()
-        try:
-            yield watch
-        finally:
-            with self._condition:
-                self._watches.discard(watch)
+        return watch
+
+    def unwatch(self, watch: Watch) -> None:
+        with self._condition:
+            self._watches.discard(watch)
 
     def _run(self) -> None:
         while True:

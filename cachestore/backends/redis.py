@@ -346,8 +346,11 @@ class RedisBackend:
         return self.keys.digest_bucket(self.toolchain, digest)
 
     def _call(self, operation: Callable[[], T]) -> T:
-        with redis_errors(self.description):
+        try:  # not `with redis_errors`: a generator-based context manager costs a remote hit a few µs
             return operation()
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            with redis_errors(self.description):
+                raise exc from None
 
     def _within_op_timeout(self, operation: Callable[[], T]) -> T:
         """A compile-path call, bounded as a whole by `op_timeout`: past it, the watchdog closes the client's
@@ -355,12 +358,15 @@ class RedisBackend:
         raises TierTimeout whatever redis-py made of the closed socket."""
         if self.op_timeout is None:
             return self._call(operation)
-        with watchdog().watching(self.op_timeout, self._drop_connections) as watch:
-            try:
-                return self._call(operation)
-            except Exception:
-                if not watch.aborted:
-                    raise
+        dog = watchdog()
+        watch = dog.watch(self.op_timeout, self._drop_connections)
+        try:
+            return self._call(operation)
+        except Exception:
+            if not watch.aborted:
+                raise
+        finally:
+            dog.unwatch(watch)
         raise TierTimeout(f"{self.description}: no whole answer within the {self.op_timeout} s operation timeout")
 
     def _drop_connections(self) -> None:
@@ -401,14 +407,39 @@ class RedisBackend:
 
     # -- entries ----------------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
-        """With `ttl` None (a read-only client) only reading commands are sent (PTTL, GETRANGE, STRLEN), which
-        the nkicache-reader ACL user may run; otherwise each entry found has its TTL refreshed (EXPIRE)."""
+        """With `ttl` None only reading commands are sent (GETRANGE, STRLEN), which the nkicache-reader ACL user
+        may run: one GETRANGE a key, sent alone (no pipeline object) for a single key, the remote hit's one
+        command (TierClient refreshes TTLs in the background, batched). Otherwise each entry found has its TTL
+        refreshed (EXPIRE) in the same round trip. An empty value reads as no value: GETRANGE does not tell them
+        apart, and an empty entry is no entry anyway."""
+        if ttl is None:
+            return self._within_op_timeout(lambda: self._fetch_heads(cache_keys))
 
         def read() -> dict[str, bytes | TooLarge]:
             values = self._read_entries([self._entry(key) for key in cache_keys], refresh_ttl=ttl)
             return {key: value for key, (value, _) in zip(cache_keys, values, strict=True) if value is not None}
 
         return self._within_op_timeout(read)
+
+    def _fetch_heads(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded."""
+        first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
+        redis_keys = [self._entry(key) for key in cache_keys]
+        if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
+            heads = [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
+        else:
+            heads = self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
+        found: dict[str, bytes | TooLarge] = {}
+        longer: list[int] = []
+        for i, head in enumerate(heads):
+            if len(head) >= first:
+                longer.append(i)
+            elif head:
+                found[cache_keys[i]] = head
+        if longer:
+            values = self._read_longer(redis_keys, [(None, None)] * len(redis_keys), longer)
+            found.update((cache_keys[i], values[i][0]) for i in longer if values[i][0] is not None)
+        return found
 
     def _read_entries(
         self, redis_keys: Sequence[str], refresh_ttl: int | None = None, with_ttl: bool = True
