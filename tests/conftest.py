@@ -160,3 +160,19 @@ def fleet(private_redis_server, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     yield make
     for f in made:
         f.close()
+
+
+@pytest.fixture
+def ci(tmp_path: Path) -> Any:
+    """A writer key named ci (the trusted writer of the trust tests)."""
+    from cachestore.trust import write_writer_key
+
+    return write_writer_key(tmp_path / "ci.key", "ci")
+
+
+@pytest.fixture
+def laptop(tmp_path: Path) -> Any:
+    """A writer key named laptop (the untrusted writer of the trust tests)."""
+    from cachestore.trust import write_writer_key
+
+    return write_writer_key(tmp_path / "laptop.key", "laptop")

@@ -12,8 +12,9 @@ from helpers_graphs import delete_namespace, unique_namespace
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.client import TierClient, open_tier
+from cachestore.entry import SignaturePolicy
 from cachestore.settings import Settings
-from cachestore.trust import write_writer_key
+from cachestore.trust import TrustPolicy, WriterKey, write_writer_key
 
 
 def fresh_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
@@ -54,3 +55,16 @@ def compile_with(client: TierClient, graph: dict) -> BirCodeGenLoop:
     loop.run(load_graph(graph))
     client.flush(10)
     return loop
+
+
+def trust_of(*writers: WriterKey) -> TrustPolicy:
+    """A trust policy listing `writers`."""
+    policy = TrustPolicy([])
+    for writer in writers:
+        policy = policy.adding(writer, "w")
+    return policy
+
+
+def trusting(*writers: WriterKey) -> SignaturePolicy:
+    """A reader's signature policy trusting `writers`."""
+    return SignaturePolicy(trust=trust_of(*writers))

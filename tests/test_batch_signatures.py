@@ -8,13 +8,13 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from helpers_trust import trusting
 from test_entry import make_entry, rejected
 
 from cachestore.client import open_tier
 from cachestore.entry import (
     MAGIC,
     SCHEMA_VERSION,
-    SignaturePolicy,
     decode_entry,
     seal,
     unsealed_entry,
@@ -23,28 +23,11 @@ from cachestore.entry import (
 )
 from cachestore.merkle import inclusion_paths, leaf_hash, path_length, root_from_path, tree_root
 from cachestore.settings import Settings
-from cachestore.trust import MAX_GROUP, TrustPolicy, WriterKey, signed_message, write_writer_key
+from cachestore.trust import MAX_GROUP, WriterKey, signed_message
 
 KEYS = [hashlib.sha256(b"%d" % n).hexdigest() for n in range(MAX_GROUP + 40)]
 SECTION_AT = len(MAGIC) + 2 + 32  # the writer section follows MAGIC, schema, flags and the digest (no HMAC)
 PLACE_AT = SECTION_AT + 16 + 64  # leaf index (2 bytes), group size (2 bytes), then the path
-
-
-@pytest.fixture
-def ci(tmp_path: Path) -> WriterKey:
-    return write_writer_key(tmp_path / "ci.key", "ci")
-
-
-@pytest.fixture
-def laptop(tmp_path: Path) -> WriterKey:
-    return write_writer_key(tmp_path / "laptop.key", "laptop")
-
-
-def trusting(*writers: WriterKey) -> SignaturePolicy:
-    policy = TrustPolicy([])
-    for writer in writers:
-        policy = policy.adding(writer, "w")
-    return SignaturePolicy(trust=policy)
 
 
 def group(writer: WriterKey, size: int, first: int = 0) -> list[bytes]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 from helpers_graphs import delete_namespace, unique_namespace
+from helpers_trust import trust_of as trusting
 from test_entry import make_entry
 
 import cachestore.checkpoint as checkpoint_module
@@ -42,23 +43,6 @@ from cachestore.trust import TrustPolicy, WriterKey, entry_leaf, signed_message,
 KEYS = [hashlib.sha256(b"checkpoint %d" % n).hexdigest() for n in range(64)]
 PARTITION = "tc-test"
 INSTANCE = b"\x01" * 8
-
-
-@pytest.fixture
-def ci(tmp_path: Path) -> WriterKey:
-    return write_writer_key(tmp_path / "ci.key", "ci")
-
-
-@pytest.fixture
-def laptop(tmp_path: Path) -> WriterKey:
-    return write_writer_key(tmp_path / "laptop.key", "laptop")
-
-
-def trusting(*writers: WriterKey) -> TrustPolicy:
-    policy = TrustPolicy([])
-    for writer in writers:
-        policy = policy.adding(writer, "w")
-    return policy
 
 
 class Store:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers_trust import trusting
 from test_entry import make_entry, rejected
 
 from cachestore.client import TierClient, open_tier
@@ -16,12 +17,10 @@ from cachestore.entry import MAGIC, SignaturePolicy, decode_entry, encode_entry,
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.trust import (
     TrustError,
-    TrustPolicy,
     WriterKey,
     load_credentials,
     load_trust_policy,
     load_writer_key,
-    write_writer_key,
 )
 from workers.cli import main as nkicache
 
@@ -30,27 +29,10 @@ OTHER = "b" * 64
 
 
 @pytest.fixture
-def ci(tmp_path: Path) -> WriterKey:
-    return write_writer_key(tmp_path / "ci.key", "ci")
-
-
-@pytest.fixture
-def laptop(tmp_path: Path) -> WriterKey:
-    return write_writer_key(tmp_path / "laptop.key", "laptop")
-
-
-@pytest.fixture
 def policy_file(tmp_path: Path, ci: WriterKey) -> Path:
     path = tmp_path / "trust.toml"
     path.write_text((tmp_path / "ci.key.pub").read_text())
     return path
-
-
-def trusting(*writers: WriterKey) -> SignaturePolicy:
-    policy = TrustPolicy([])
-    for writer in writers:
-        policy = policy.adding(writer, "w")
-    return SignaturePolicy(trust=policy)
 
 
 # -- keygen and the files ------------------------------------------------------------------------------------
