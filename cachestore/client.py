@@ -308,8 +308,7 @@ class TierClient:
             return
         plain = entry is not None and not entry.is_reference and isinstance(data, bytes)
         self._touched.append((cache_key, entry.compile_seconds, len(data)) if plain else (cache_key, 0.0, None))  # type: ignore[union-attr,arg-type]
-        if self._flusher is None or not self._flusher.is_alive():
-            self._ensure_flusher()
+        self._ensure_flusher()
 
     def _collect_touched(self) -> None:
         """The TTL refreshes of the entries read since the last call, queued as TtlRefresh (one per key, its

@@ -425,13 +425,9 @@ class RedisBackend:
         """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded."""
         first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
         redis_keys = [self._entry(key) for key in cache_keys]
-        if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
-            heads = [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
-        else:
-            heads = self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
         found: dict[str, bytes | TooLarge] = {}
         longer: list[int] = []
-        for i, head in enumerate(heads):
+        for i, head in enumerate(self._heads(redis_keys, first)):
             if len(head) >= first:
                 longer.append(i)
             elif head:
@@ -488,7 +484,7 @@ class RedisBackend:
         """As `_read_entries` for a scan that wants no TTLs (verify, du, gc's sizes): one GETRANGE a key, half
         the commands. An empty reply is a missing key or an empty value: EXISTS tells them apart, for those
         alone (an empty value is rare, and is reported as the entry it is)."""
-        heads = self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
+        heads = self._heads(redis_keys, first)
         empty = [i for i, head in enumerate(heads) if not head]
         there = self._pipeline(lambda pipe: [pipe.exists(redis_keys[i]) for i in empty]) if empty else []
         present = {i for i, exists in zip(empty, there, strict=True) if exists}
@@ -503,6 +499,12 @@ class RedisBackend:
                 found.append((None, None))
                 longer.append(i)
         return self._read_longer(redis_keys, found, longer)
+
+    def _heads(self, redis_keys: Sequence[str], first: int) -> list[bytes]:
+        """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key."""
+        if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
+            return [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
+        return self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
 
     def _read_longer(
         self, redis_keys: Sequence[str], found: list[tuple[bytes | TooLarge | None, float | None]], longer: list[int]
