@@ -43,9 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
 
 from bridge.errors import NkiCacheError
 from cachestore.merkle import PathMismatch, climb
@@ -173,6 +174,22 @@ class TrustedWriter:
     name: str
     key_id: bytes
     public: Ed25519PublicKey = field(repr=False)
+    # Verifies through libsodium (PyNaCl): 76 us a verify here against 120-150 us through cryptography's OpenSSL
+    # (bench/RESULTS.md, issue 22), and a reader's first hits pay one. Keys are still made, stored and signed
+    # with by cryptography (PEM files); both implement RFC 8032, libsodium the stricter of the two (it refuses
+    # small-order keys and non-canonical signatures, which no honest writer produces).
+    _verifier: VerifyKey = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_verifier", VerifyKey(public_raw(self.public)))
+
+    def signed(self, signature: bytes, message: bytes) -> bool:
+        """Whether `signature` is this writer's Ed25519 signature of `message`."""
+        try:
+            self._verifier.verify(message, signature)
+        except (BadSignatureError, ValueError, TypeError):  # a forgery; a signature of the wrong length or type
+            return False
+        return True
 
 
 class TrustPolicy:
@@ -212,9 +229,7 @@ class TrustPolicy:
                 self._verified.move_to_end(memo)
                 return None
             self.verifies += 1
-        try:
-            writer.public.verify(signature, message)
-        except InvalidSignature:
+        if not writer.signed(signature, message):
             return f"signature of writer {key_id.hex()} ({writer.name}) does not verify"
         with self._lock:
             self._verified[memo] = None
@@ -244,9 +259,7 @@ class TrustPolicy:
             return f"audit path of writer {key_id.hex()} ({writer.name}) does not verify: {exc}"
         with self._lock:
             self.verifies += 1
-        try:
-            writer.public.verify(signature, batch_message(key_id, size, walked[-1]))
-        except InvalidSignature:
+        if not writer.signed(signature, batch_message(key_id, size, walked[-1])):
             return f"signature of writer {key_id.hex()} ({writer.name}) does not verify over its group's root"
         self._remember(walked, key_id)
         return None

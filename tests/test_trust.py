@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers_trust import trusting
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from helpers_trust import trust_of, trusting
 from test_entry import make_entry, rejected
 
 from cachestore.client import TierClient, open_tier
 from cachestore.entry import MAGIC, SignaturePolicy, decode_entry, encode_entry, writer_of
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.trust import (
+    TrustedWriter,
     TrustError,
+    TrustPolicy,
     WriterKey,
     load_credentials,
     load_trust_policy,
@@ -208,3 +211,22 @@ def test_a_followed_reference_keeps_its_writer(ci: WriterKey) -> None:
                              trusting(ci), cache_key=KEY)  # fmt: skip
     followed = reference.with_binary(b"the holder's binary")
     assert (followed.writer, followed.signed, followed.ref) == (ci.key_id_hex, True, None)
+
+
+def test_signatures_verify_through_libsodium_and_a_malformed_one_is_a_reason(ci: WriterKey) -> None:
+    """Keys and signatures are cryptography's (OpenSSL), verifies libsodium's: one RFC 8032, both ways. A
+    signature of the wrong length, or a small-order public key, is a refusal with a reason, never an
+    exception out of the check."""
+    trust = trust_of(ci)
+    message = b"an entry's message"
+    signature = ci.sign(message)
+    assert trust.check(ci.key_id, message, signature) is None
+    for bad in (signature[:-1], signature + b"\0", b"", bytes(64)):
+        assert "does not verify" in trust.check(ci.key_id, message, bad)
+    flipped = bytes([signature[0] ^ 1]) + signature[1:]
+    assert "does not verify" in trust.check(ci.key_id, message, flipped)
+    # A policy listing a small-order key (the identity point, by mistake or planted): OpenSSL accepts the
+    # signature R = identity, S = 0 under it for every message, a universal forgery; libsodium refuses it.
+    identity = b"\x01" + bytes(31)
+    weak = TrustPolicy([TrustedWriter("weak", b"\x01" * 16, Ed25519PublicKey.from_public_bytes(identity))])
+    assert "does not verify" in weak.check(b"\x01" * 16, message, identity + bytes(32))
