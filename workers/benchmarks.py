@@ -23,6 +23,7 @@ from bridge.graph import Graph, load_graph
 from bridge.ir import BasicBlock, InternalNkiKernel
 from bridge.targets import make_target
 from cachestore import entry as entry_module
+from cachestore.backends.direct_reads import DirectReader
 from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
@@ -181,6 +182,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
     settings = tier_settings(redis_url, namespace="nkibench-hit")
     tier = open_tier(settings)
     raw = redis.Redis.from_url(redis_url)
+    direct = DirectReader(raw)
     keys_space = KeySpace(settings.namespace)
     try:
         compile_all(graphs, tier)
@@ -190,20 +192,26 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
         loop = BirCodeGenLoop(make_target("Trn2"))
         rounds = max(1, 2000 // max(1, len(full)))
 
-        def interleaved() -> tuple[list[float], list[float]]:
-            """Each key: one remote hit, then one raw GET of the same bytes, timed one by one, so the
-            loopback's ups and downs fall on both sides alike."""
-            hit_times, get_times = [], []
+        def interleaved() -> tuple[list[float], list[float], list[float]]:
+            """Each key: one remote hit, one raw GET of the same bytes (redis-py's `get`), and the same bytes
+            read by a GETRANGE sent on a connection directly (the floor of any read through redis-py, what the
+            hit's own read does: cachestore/backends/direct_reads.py), timed one by one, so the loopback's ups
+            and downs fall on all three alike."""
+            hit_times, get_times, direct_times = [], [], []
             for _ in range(rounds):
                 for key in full:
+                    redis_key = keys_space.entry(tier.toolchain, key)
                     started = time.perf_counter()
                     entry = tier.lookup(key)
                     loop._cache_new_nki_frontend_binary(key, entry.trace_result(), entry.key_components)
                     middle = time.perf_counter()
-                    raw.get(keys_space.entry(tier.toolchain, key))
+                    raw.get(redis_key)
+                    last = time.perf_counter()
+                    direct.getranges([redis_key], 0, -1)
                     hit_times.append(middle - started)
-                    get_times.append(time.perf_counter() - middle)
-            return hit_times, get_times
+                    get_times.append(last - middle)
+                    direct_times.append(time.perf_counter() - last)
+            return hit_times, get_times, direct_times
 
         def batched() -> None:
             for _ in range(rounds):
@@ -215,9 +223,10 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
                 raw.mget([keys_space.entry(tier.toolchain, key) for key in full])
 
         count = rounds * len(full)
-        hit_times, get_times = interleaved()
-        hit, get = statistics.median(hit_times), statistics.median(get_times)
+        hit_times, get_times, direct_times = interleaved()
+        hit, get, floor = (statistics.median(times) for times in (hit_times, get_times, direct_times))
         result = {"remote_hit_vs_raw_get": hit / get, "remote_hit_us": hit * 1e6, "raw_get_us": get * 1e6,
+                  "direct_get_us": floor * 1e6, "remote_hit_vs_direct_get": hit / floor,
                   "entries": len(full)}  # fmt: skip
         many = median_seconds(batched, config.repeats) / count
         raw_many = median_seconds(raw_batched, config.repeats) / count
@@ -225,6 +234,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
         return result
     finally:
         tier.close()
+        direct.disconnect()
         raw.close()
 
 

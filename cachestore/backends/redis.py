@@ -59,6 +59,7 @@ from cachestore.api import (
     stored_number,
 )
 from cachestore.backends.deadline import watchdog
+from cachestore.backends.direct_reads import DirectReader
 from cachestore.checkpoint import MAX_CHECKPOINT_BYTES, CheckpointRecord
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
@@ -299,6 +300,9 @@ class RedisBackend:
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
         self._shards: int | None = None
         self.cluster = isinstance(client, RedisCluster)
+        # The compile path's value reads (a remote hit's one GETRANGE, a pass's prefetch) skip redis-py's
+        # per-command layers where the client allows it (cachestore/backends/direct_reads.py).
+        self._direct = DirectReader(client) if DirectReader.usable(client) else None
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
@@ -377,6 +381,8 @@ class RedisBackend:
             self.client.disconnect_connection_pools()
         else:
             self.client.connection_pool.disconnect()
+        if self._direct is not None:
+            self._direct.disconnect()
 
     def _pipeline(self, fill: Callable[[Any], object], raise_on_error: bool = True) -> list:
         """Replies of the commands `fill` queues, in one round trip. With `raise_on_error` False a command's
@@ -502,6 +508,8 @@ class RedisBackend:
 
     def _heads(self, redis_keys: Sequence[str], first: int) -> list[bytes]:
         """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key."""
+        if self._direct is not None:
+            return self._call(lambda: self._direct.getranges(redis_keys, 0, first - 1))  # type: ignore[union-attr]
         if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
             return [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
         return self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
@@ -632,6 +640,8 @@ class RedisBackend:
 
         def read() -> bytes | Exception:
             try:
+                if self._direct is not None:
+                    return self._direct.getranges([key], 0, MAX_CHECKPOINT_BYTES)[0]
                 return self.client.getrange(key, 0, MAX_CHECKPOINT_BYTES)
             except rex.ResponseError as exc:  # WRONGTYPE (another type under the name), NOPERM: no chunk to use
                 return exc
@@ -1013,6 +1023,8 @@ class RedisBackend:
         pass
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.disconnect()
         self._call(self.client.close)
 
 
