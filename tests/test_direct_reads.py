@@ -29,6 +29,9 @@ def test_only_a_plain_redis_py_client_is_read_directly(redis_url: str) -> None:
     assert DirectReader.usable(plain) and RedisBackend(plain, KeySpace("nkidirect"))._direct is not None
     fake = fakeredis.FakeRedis()
     assert not DirectReader.usable(fake) and RedisBackend(fake, KeySpace("nkidirect"))._direct is None
+    texts = redis.Redis.from_url(redis_url, decode_responses=True)  # would hand entries over as text
+    assert not DirectReader.usable(texts)
+    texts.close()
     cached = redis.Redis.from_url(redis_url, protocol=3, cache_config=CacheConfig())  # client-side caching
     assert not DirectReader.usable(cached)
     cached.close()

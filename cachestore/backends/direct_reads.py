@@ -40,11 +40,13 @@ class DirectReader:
 
     @staticmethod
     def usable(client: Any) -> bool:
-        """Whether `client`'s connections are redis-py's plain socket connections, with nothing in between."""
+        """Whether `client`'s connections are redis-py's plain socket connections, with nothing in between, and
+        its replies bytes."""
         if type(client) is not redis.Redis:  # a cluster client, fakeredis, a subclass with its own behaviour
             return False
         pool = client.connection_pool
-        return pool.connection_class in _PLAIN_CONNECTIONS and getattr(pool, "cache", None) is None
+        plain = pool.connection_class in _PLAIN_CONNECTIONS and getattr(pool, "cache", None) is None
+        return plain and not pool.connection_kwargs.get("decode_responses")  # values are bytes, never text
 
     def getranges(self, keys: Sequence[str], start: int, end: int) -> list[bytes]:
         """GETRANGE key start end of each key, in one write and one read of the replies. A command refused (a
