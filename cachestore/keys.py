@@ -150,6 +150,10 @@ class KeySpace:
         pattern: its tag of "*" is "=*")."""
         return f"{self.prefix}:tc:{toolchain or '*'}:lease:*"
 
+    def entry_partition(self, redis_key: str) -> str:
+        """The partition (toolchain, and scope) of an entry's Redis key, as `parse_entry` gives it."""
+        return redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")[0]
+
     def parse_entry(self, redis_key: str) -> tuple[str, str]:
         """(toolchain, cache key) of an entry's Redis key."""
         toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
