@@ -986,7 +986,8 @@ class RedisBackend:
         found: dict[str, bytes | TooLarge] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
-            values = self._read_entries([self._entry(key) for key in chunk])
+            # No TTLs (one GETRANGE a key, packed): verify resolves every batch's references through here.
+            values = self._read_entries([self._entry(key) for key in chunk], with_ttl=False)
             found.update((key, value) for key, (value, _) in zip(chunk, values, strict=True) if value is not None)
         return found
 
