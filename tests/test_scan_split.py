@@ -5,6 +5,7 @@ dies or fails fails the scan; the packed reads give back what redis-py's pipelin
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections import Counter, defaultdict
@@ -16,7 +17,7 @@ import msgpack
 import pytest
 import redis
 from helpers_graphs import delete_namespace, unique_namespace
-from helpers_report import Tier, run_known_fleet
+from helpers_report import Tier, nkicache, run_known_fleet
 
 from bridge.codegen import cache_key_of_stored as cache_key_of
 from cachestore import scan_split
@@ -292,3 +293,26 @@ def test_packed_reads_give_what_the_pipeline_gave(backend: RedisBackend) -> None
         backend._read_entries([names[0], wrong, names[1]], with_ttl=False)
     # The connection left with unread replies was closed, not reused: the next read gets its own replies.
     assert backend._read_entries(names[:3], with_ttl=False) == packed[:3]
+
+
+def test_the_commands_take_a_number_of_processes(redis_url: str, small_pages: list[int]) -> None:
+    namespace = unique_namespace()
+    client = redis.Redis.from_url(redis_url, socket_timeout=10)
+    tier = Tier("redis", redis_url, namespace, RedisBackend(client, KeySpace(namespace)), client)
+    try:
+        run_known_fleet(tier)
+        outputs = {}
+        for processes in ("1", "2"):
+            for command in ("du", "verify"):
+                result = nkicache(tier, "inspect", command, "--processes", processes, "--json")
+                assert result.exit_code == 0, result.output
+                outputs[command, processes] = json.loads(result.stdout)
+        assert outputs["du", "1"] == outputs["du", "2"] and outputs["du", "2"]["total"]["entries"] == 8
+        assert outputs["verify", "1"] == outputs["verify", "2"] == {"checked": 8, "ok": 8, "bad": [], "recompiled": 0,
+                                                                    "executed": 0}  # fmt: skip
+        assert small_pages == [2, 2]
+        refused = nkicache(tier, "inspect", "du", "--processes", "0")
+        assert refused.exit_code == 2 and "--processes" in refused.output
+    finally:
+        delete_namespace(client, namespace)
+        client.close()
