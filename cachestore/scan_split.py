@@ -75,12 +75,15 @@ def scan_split(
     """The results of `make_task`'s tasks over every entry of the reader's partition (of every partition:
     `every_toolchain`), one result per process that ran one (`processes`: default_processes() when None)."""
     wanted = default_processes() if processes is None else processes
-    if wanted < 2 or not getattr(reader, "splits_scans", False):
+    if not getattr(reader, "splits_scans", False):
         return [_scan_here(make_task(0), _batches_here(reader, every_toolchain, with_ttl))]
+    # One SCAN, of every partition at once when asked (not one a partition), whether split or not.
     pages = reader.entry_pages(every_toolchain, PAGE)
-    head = list(itertools.islice(pages, SPLIT_AFTER_PAGES))
-    if len(head) < SPLIT_AFTER_PAGES:
-        return [_scan_here(make_task(0), (reader.read_entry_page(page, with_ttl) for page in head))]
+    head = list(itertools.islice(pages, SPLIT_AFTER_PAGES if wanted > 1 else 0))
+    if wanted < 2 or len(head) < SPLIT_AFTER_PAGES:
+        return [
+            _scan_here(make_task(0), (reader.read_entry_page(page, with_ttl) for page in itertools.chain(head, pages)))
+        ]
     return _scan_in_processes(reader, make_task, itertools.chain(head, pages), wanted, with_ttl)
 
 
