@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,11 +42,16 @@ def fill(python: str, tree: Path, url: str, entries: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(python: str, tree: Path, url: str, what: str, processes: int | None = None) -> float:
+def measure(python: str, tree: Path, url: str, what: str, processes: int | None = None) -> tuple[float, float]:
+    """(the command's seconds, as report_scale times it; the CPU seconds of its process and the processes it
+    forked, interpreter start and imports included)."""
     extra = [] if processes is None else ["--processes", str(processes)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([python, str(tree / "bench" / "report_scale.py"), "--measure", what, "--url", url, *extra],
                           capture_output=True, text=True, check=True, cwd=tree)  # fmt: skip
-    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"], cpu
 
 
 def main() -> None:
@@ -73,21 +79,27 @@ def main() -> None:
             order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
             for what in ("verify", "du"):
                 for code in order:
-                    row[f"{code}_{what}"] = measure(*trees[code], servers[code].url, what)
-                row[f"new1_{what}"] = measure(*trees["new"], servers["new"].url, what, processes=1)
+                    row[f"{code}_{what}"], row[f"{code}_{what}_cpu"] = measure(*trees[code], servers[code].url, what)
+                row[f"new1_{what}"], row[f"new1_{what}_cpu"] = measure(*trees["new"], servers["new"].url, what,
+                                                                       processes=1)  # fmt: skip
             row["load_after"] = os.getloadavg()[0]
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
         for server in servers.values():
             server.cleanup()
-    print("\n| round | at (UTC) | load | CPU control | verify base / new (1 process) s | verify | du base / new "
-          "(1 process) s | du |\n|---|---|---|---:|---|---:|---|---:|")  # fmt: skip
+    print("\n| round | at (UTC) | load | CPU control | verify base / new (1 process) s | verify | CPU s base / new "
+          "(1 process) | du base / new (1 process) s | du | CPU s base / new (1 process) |\n"
+          "|---|---|---|---:|---|---:|---|---|---:|---|")  # fmt: skip
     for r in rows:
+        cells = []
+        for what in ("verify", "du"):
+            base, new, new1 = (r[f"{code}_{what}"] for code in ("base", "new", "new1"))
+            cpu = [r[f"{code}_{what}_cpu"] for code in ("base", "new", "new1")]
+            cells += [f"{base:.2f} / {new:.2f} ({new1:.2f})", f"{base / new:.2f}x",
+                      f"{cpu[0]:.1f} / {cpu[1]:.1f} ({cpu[2]:.1f})"]  # fmt: skip
         print(f"| {r['round']} | {r['at']} | {r['load']:.1f}-{r['load_after']:.1f} | {r['control']:.2f}x | "
-              f"{r['base_verify']:.2f} / {r['new_verify']:.2f} ({r['new1_verify']:.2f}) | "
-              f"{r['base_verify'] / r['new_verify']:.2f}x | {r['base_du']:.2f} / {r['new_du']:.2f} "
-              f"({r['new1_du']:.2f}) | {r['base_du'] / r['new_du']:.2f}x |")  # fmt: skip
+              + " | ".join(cells) + " |")  # fmt: skip
     for what in ("verify", "du"):
         ratios = [r[f"base_{what}"] / r[f"new_{what}"] for r in rows]
         print(f"{what}: median {statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")

@@ -134,17 +134,17 @@ def _deal(children: dict[Any, Any], pages: Iterator[list[str]], wait: Callable) 
             child = children[conn]
             try:
                 message = conn.recv_bytes()
-            except (EOFError, OSError):
+                if message != _ASK:
+                    results[conn] = _result_of(message, child.pid)
+                elif conn not in ended:  # a request after the end was sent: the child already has its last answer
+                    page = next(pages, None)
+                    if page is None:
+                        ended.add(conn)
+                    conn.send_bytes(_ASK if page is None else msgpack.packb(page))
+            except (EOFError, OSError):  # its end of the pipe closed: it died (killed, out of memory)
                 child.join(timeout=5)
                 raise ScanFailed(f"scan process {child.pid} ended (exit code {child.exitcode}) before sending its "
                                  "result: its entries were not all read") from None  # fmt: skip
-            if message != _ASK:
-                results[conn] = _result_of(message, child.pid)
-            elif conn not in ended:  # a request after the end was sent: the child already has its last answer
-                page = next(pages, None)
-                if page is None:
-                    ended.add(conn)
-                conn.send_bytes(_ASK if page is None else msgpack.packb(page))
     return [results[conn] for conn in children]
 
 
