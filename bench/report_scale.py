@@ -10,6 +10,8 @@ with the tier's own Lua script, 200 keys per pass), then times, each in a fresh 
     verify   verify_entries: every entry decoded, digest checked, key recomputed, references resolved
     du       disk_usage (storage by kernel, dedupe saving)
 
+(verify and du read the entries in one process a CPU, cachestore.scan_split.)
+
 and prints a Markdown table for bench/RESULTS.md: wall seconds, ratio to the smallest N, and peak memory
 (tracemalloc's peak of Python allocations during the command, in a second, traced run; and the process's
 peak RSS, interpreter and imports included).
@@ -117,7 +119,7 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
 
 
 # -- one measurement, in a process of its own ---------------------------------------------------------
-def measure(url: str, what: str, traced: bool) -> dict:
+def measure(url: str, what: str, traced: bool, processes: int | None = None) -> dict:
     import tracemalloc
 
     from cachestore.api import open_backend
@@ -137,10 +139,10 @@ def measure(url: str, what: str, traced: bool) -> dict:
     if what == "report":
         result = {"kernels": json.loads(render_json(build_report(reader)))["totals"]["kernels"]}
     elif what == "verify":
-        report = verify_entries(reader, SignaturePolicy())
+        report = verify_entries(reader, SignaturePolicy(), processes=processes)
         result = {"checked": report.checked, "bad": len(report.bad)}
     else:
-        result = {"entries": disk_usage(reader)["total"]["entries"]}
+        result = {"entries": disk_usage(reader, processes=processes)["total"]["entries"]}
     seconds = time.perf_counter() - started
     peak = tracemalloc.get_traced_memory()[1] if traced else None
     reader.close()
@@ -168,11 +170,13 @@ def main() -> None:
     parser.add_argument("--measure", choices=["report", "verify", "du"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
+    # verify and du: how many processes read the entries (default: one a CPU, cachestore.scan_split)
+    parser.add_argument("--processes", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="Print one JSON object (for nkicache bench).")
     parser.add_argument("--quick", action="store_true", help="Skip the tracemalloc runs (RSS peak only).")
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.url, args.measure, args.traced)))
+        print(json.dumps(measure(args.url, args.measure, args.traced, args.processes)))
         return
 
     from workers.dev_redis import start_private_server

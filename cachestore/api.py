@@ -14,11 +14,11 @@ Two protocols, implemented by one class per backend (`cachestore/backends/`):
 - `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
   reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
 
-Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `keeps_checkpoints`), never
-probed. `keeps_checkpoints` (Redis only): the backend stores writers' checkpoints (cachestore.checkpoint) with
-`store(requests, ttl, checkpoints=...)`, reads them with `fetch_checkpoint(key id hex, instance hex, chunk)` and
-deletes a writer's with `delete_checkpoints(key id hex, dry_run)`; the local and snapshot tiers keep none, and
-their readers check each entry by its group signature.
+Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `keeps_checkpoints`,
+`splits_scans`), never probed. `keeps_checkpoints` (Redis only): the backend stores writers' checkpoints
+(cachestore.checkpoint) with `store(requests, ttl, checkpoints=...)`, reads them with `fetch_checkpoint(key id
+hex, instance hex, chunk)` and deletes a writer's with `delete_checkpoints(key id hex, dry_run)`; the local and
+snapshot tiers keep none, and their readers check each entry by its group signature.
 """
 
 from __future__ import annotations
@@ -276,6 +276,9 @@ class Reader(Protocol):
     toolchain: str
     read_only: bool  # True: put_entries and delete_entries raise (a snapshot file)
     keeps_expired: bool  # True: entries past their expiry stay stored until purge_expired (SQLite)
+    # True: `entry_pages(every_toolchain, size)` yields pages of entry names and `read_entry_page(names, with_ttl)`
+    # reads one, in this process or a forked one (Redis; cachestore.scan_split)
+    splits_scans: bool
 
     def entry_toolchains(self) -> list[str]:
         """The toolchains that hold entries, sorted."""

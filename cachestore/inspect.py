@@ -32,6 +32,7 @@ from cachestore.entry import (
     writer_of,
 )
 from cachestore.keys import split_partition
+from cachestore.scan_split import scan_split
 from cachestore.value import entry_value
 
 # For looking (ls, show, du, explain): decode and check the digest, never reject on signatures;
@@ -298,39 +299,86 @@ def _reference_problem(entry: Entry, holder: Entry | str | None) -> str | None:
 
 
 # -- du ---------------------------------------------------------------------------------------------
-def disk_usage(reader: Reader) -> dict:
+def disk_usage(reader: Reader, processes: int | None = None) -> dict:
     """Storage by kernel and by toolchain: entries, full entries and references, bytes stored, binary bytes
     held, and what deduplication saves (the binaries references would otherwise hold; a toolchain's entries
     are deduplicated among themselves). Keeps one (digest, size) pair per distinct binary and one count per
-    referenced digest."""
-    kernels: dict[str, Counter] = defaultdict(Counter)
-    toolchains: dict[str, Counter] = defaultdict(Counter)
-    writers: dict[str, Counter] = defaultdict(Counter)  # key id ("" for no writer signature) -> entries, bytes
-    sizes: dict[tuple[str, str], int] = {}
-    referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (toolchain, digest) -> kernel -> references
-    unreadable = Counter()
-    for raw in (raw for partition in partitions(reader) for raw in partition.scan_entries(with_ttl=False)):
-        toolchains[raw.toolchain]["entries"] += 1
-        toolchains[raw.toolchain]["bytes"] += len(raw.data)
+    referenced digest. The entries are read by up to `processes` processes (cachestore.scan_split; None: one
+    a CPU), each counting its share (`_Usage`); the shares are summed here."""
+    shares = scan_split(reader, lambda _: _Usage(), processes=processes, every_toolchain=True)
+    return _usage_report(shares, reader.capacity() if hasattr(reader, "capacity") else None)
+
+
+class _Usage:
+    """du's counts over the entries one process reads: what `_usage_report` sums."""
+
+    def __init__(self) -> None:
+        self.kernels: dict[str, Counter] = defaultdict(Counter)
+        self.toolchains: dict[str, Counter] = defaultdict(Counter)
+        self.writers: dict[str, Counter] = defaultdict(Counter)  # key id ("" for no writer signature) -> counts
+        self.sizes: dict[tuple[str, str], int] = {}  # (toolchain, digest) -> binary bytes
+        # (toolchain, digest) -> kernel -> references
+        self.referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)
+        self.unreadable: Counter = Counter()
+
+    def add(self, batch: list[RawEntry]) -> None:
+        for raw in batch:
+            self._count(raw)
+
+    def _count(self, raw: RawEntry) -> None:
+        size = len(raw.data)
+        toolchain = self.toolchains[raw.toolchain]
+        toolchain["entries"] += 1
+        toolchain["bytes"] += size
         entry = decode_or_reason(raw.data)
         # A decoded entry names its writer (the header read once); one that cannot be decoded, by its header alone.
-        writer = writers[writer_of(raw.data) if isinstance(entry, str) else entry.writer]
+        writer = self.writers[writer_of(raw.data) if isinstance(entry, str) else entry.writer]
         writer["entries"] += 1
-        writer["bytes"] += len(raw.data)
+        writer["bytes"] += size
         if isinstance(entry, str):
-            unreadable["entries"] += 1
-            unreadable["bytes"] += len(raw.data)
-            continue
-        row = kernels[str(entry.key_components.get("kernel_name", ""))]
+            self.unreadable["entries"] += 1
+            self.unreadable["bytes"] += size
+            return
+        kernel = str(entry.key_components.get("kernel_name", ""))
+        row = self.kernels[kernel]
         row["entries"] += 1
-        row["bytes"] += len(raw.data)
+        row["bytes"] += size
         if entry.is_reference:
             row["references"] += 1
-            referenced[raw.toolchain, entry.digest][str(entry.key_components.get("kernel_name", ""))] += 1
+            self.referenced[raw.toolchain, entry.digest][kernel] += 1
         else:
             row["full"] += 1
             row["binary_bytes"] += len(entry.binary)
-            sizes[raw.toolchain, entry.digest] = len(entry.binary)
+            self.sizes[raw.toolchain, entry.digest] = len(entry.binary)
+
+    def result(self) -> dict:
+        """The counts as msgpack takes them (lists of pairs: names from entries need not be valid map keys)."""
+        return {
+            "kernels": [(name, dict(row)) for name, row in self.kernels.items()],
+            "toolchains": [(name, dict(row)) for name, row in self.toolchains.items()],
+            "writers": [(name, dict(row)) for name, row in self.writers.items()],
+            "sizes": [(toolchain, digest, size) for (toolchain, digest), size in self.sizes.items()],
+            "referenced": [(tc, digest, dict(by_kernel)) for (tc, digest), by_kernel in self.referenced.items()],
+            "unreadable": dict(self.unreadable),
+        }
+
+
+def _summed(shares: list[dict], part: str) -> dict[str, Counter]:
+    summed: dict[str, Counter] = defaultdict(Counter)
+    for share in shares:
+        for name, counts in share[part]:
+            summed[name].update(counts)
+    return summed
+
+
+def _usage_report(shares: list[dict], capacity: dict | None) -> dict:
+    kernels, toolchains, writers = (_summed(shares, part) for part in ("kernels", "toolchains", "writers"))
+    sizes = {(toolchain, digest): size for share in shares for toolchain, digest, size in share["sizes"]}
+    referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for share in shares:
+        for toolchain, digest, by_kernel in share["referenced"]:
+            referenced[toolchain, digest].update(by_kernel)
+    unreadable = sum((Counter(share["unreadable"]) for share in shares), Counter())
     dangling = 0
     for digest, by_kernel in referenced.items():
         if digest not in sizes:
@@ -350,7 +398,7 @@ def disk_usage(reader: Reader) -> dict:
         "dangling_references": dangling,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
         # The local tier's file against its max_size; None for a store without one (Redis, a snapshot).
-        "capacity": reader.capacity() if hasattr(reader, "capacity") else None,
+        "capacity": capacity,
     }
 
 

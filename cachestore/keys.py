@@ -65,6 +65,7 @@ metrics and the job queue stay shared. The specification's SHA-256 stays the cac
 from __future__ import annotations
 
 import base64
+import binascii
 import re
 import zlib
 from dataclasses import dataclass
@@ -149,6 +150,10 @@ class KeySpace:
         """SCAN pattern of one toolchain's leases, or of every toolchain's (`lease` takes a cache key, not a
         pattern: its tag of "*" is "=*")."""
         return f"{self.prefix}:tc:{toolchain or '*'}:lease:*"
+
+    def entry_partition(self, redis_key: str) -> str:
+        """The partition (toolchain, and scope) of an entry's Redis key, as `parse_entry` gives it."""
+        return redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")[0]
 
     def parse_entry(self, redis_key: str) -> tuple[str, str]:
         """(toolchain, cache key) of an entry's Redis key."""
@@ -348,8 +353,13 @@ def cache_key_of_tag(tag: str) -> str:
     # are set: only the one tag key_tag gives a key names it (a regular expression, not a second encoding: every
     # entry of a scan is parsed).
     if _KEY_TAG.fullmatch(tag):
-        return base64.urlsafe_b64decode(tag + "=").hex()
+        # binascii without base64's checks and copies: the expression has checked the alphabet (1.4 -> 0.8 µs a key,
+        # every key of a scan).
+        return binascii.a2b_base64(tag.encode().translate(_FROM_URLSAFE) + b"=").hex()
     return tag
+
+
+_FROM_URLSAFE = bytes.maketrans(b"-_", b"+/")
 
 
 def digest_bucket_of(digest: str) -> int:

@@ -397,3 +397,25 @@ def test_a_master_killed_mid_run_fails_fast_and_counts_while_the_compile_succeed
     assert again["totals"]["remote_hits"] > 0 and again["totals"]["tier_errors"] > 0
     assert again["totals"]["traces"] >= counts[victim]
     assert again["seconds"] < untiered["seconds"] + 3.0
+
+
+# -- a scan split over processes (cachestore.scan_split) ------------------------------------------------
+def test_du_and_verify_split_over_processes_on_a_cluster(backend: RedisBackend, ci: Any, laptop: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The forked processes read through the cluster client they inherit (its pipelines; no direct reads)."""
+    from test_scan_split import HMAC_KEY, fill_mixed, previous_disk_usage
+
+    from cachestore import scan_split
+    from cachestore.entry import SignaturePolicy
+    from cachestore.inspect import disk_usage
+    from workers.verify import verify_entries
+
+    monkeypatch.setattr(scan_split, "PAGE", 3)
+    monkeypatch.setattr(scan_split, "SPLIT_AFTER_PAGES", 2)
+    bad = fill_mixed(backend, ci, laptop)
+    assert backend._direct is None
+    assert disk_usage(backend, processes=2) == previous_disk_usage(backend)
+    policy = SignaturePolicy(hmac_key=HMAC_KEY, require_signed=False)
+    split, alone = verify_entries(backend, policy, processes=2), verify_entries(backend, policy, processes=1)
+    assert split.checked == alone.checked and {i["key"] for i in split.bad} == {i["key"] for i in alone.bad}
+    assert {item["key"] for item in split.bad} == set(bad.values())

@@ -383,11 +383,18 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
             click.echo(f"{name}: {value if not isinstance(value, list) else ', '.join(map(str, value)) or '-'}")
 
 
+# verify and du read the entries of a Redis tier in this many processes (cachestore.scan_split)
+PROCESSES = click.option("--processes", type=click.IntRange(min=1), default=None, metavar="N",
+                         help="Processes reading a Redis tier's entries. Default: one a CPU, at most 4.")  # fmt: skip
+
+
 @inspect_group.command("du")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@PROCESSES
 @source_options
 @click.pass_context
-def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: str | None) -> None:
+def du_command(ctx: click.Context, as_json: bool, processes: int | None, tier: str | None,
+               snapshot: str | None) -> None:  # fmt: skip
     """Storage by kernel: entries (holding a binary / references), bytes stored, binary bytes, and what
     deduplication saves.
 
@@ -403,7 +410,7 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
     from cachestore.inspect import disk_usage
 
     with _source(ctx, tier, snapshot) as reader:
-        usage = disk_usage(reader)
+        usage = disk_usage(reader, processes=processes)
     if as_json:
         echo_json(usage, indent=2)
         return
@@ -445,10 +452,11 @@ def du_command(ctx: click.Context, as_json: bool, tier: str | None, snapshot: st
               help="Also run N sampled entries on random inputs against the numpy references.")  # fmt: skip
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sample and of the inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print {checked, ok, bad: [{key, reason}], ...}.")
+@PROCESSES
 @source_options
 @click.pass_context
-def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, as_json: bool, tier: str | None,
-                   snapshot: str | None) -> None:  # fmt: skip
+def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, as_json: bool,
+                   processes: int | None, tier: str | None, snapshot: str | None) -> None:  # fmt: skip
     """Check every entry: it decodes with the configured signature policy (schema, digest of the binary,
     HMAC when a key is set, a trusted writer's signature when trust_policy is set), its key components hash
     to its key, and a reference names an entry holding the same binary. Exit 1 when any entry is bad.
@@ -460,7 +468,7 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
     policy, settings = _policy(tier, trusting=True)
     with _source(ctx, tier, snapshot) as reader:
         report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
-                                execute=execute, seed=seed)  # fmt: skip
+                                execute=execute, seed=seed, processes=processes)  # fmt: skip
     if as_json:
         echo_json(report.as_json())
     else:

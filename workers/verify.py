@@ -23,7 +23,7 @@ from bridge.references import reference
 from bridge.registry import get_internal_kernel_registry
 from bridge.sampling import sample_inputs
 from bridge.targets import Target, get_platform_target, make_target
-from cachestore.api import BATCH, Reader, batched
+from cachestore.api import BATCH, RawEntry, Reader
 from cachestore.entry import MAX_ENTRY_BYTES, Entry, SignaturePolicy
 from cachestore.inspect import (
     InspectError,
@@ -33,6 +33,7 @@ from cachestore.inspect import (
     key_problem,
     toolchain_problem,
 )
+from cachestore.scan_split import scan_split
 
 
 @dataclass
@@ -72,27 +73,55 @@ def verify_entries(
     recompile: int = 0,
     execute: int = 0,
     seed: int = 0,
+    processes: int | None = None,
 ) -> VerifyReport:
     """Decode every entry of the reader's toolchain partition with the reader's signature policy (digest,
     signature, schema), check that it was traced by that toolchain, that its key components hash to its key
     and that a reference names an entry holding the same binary. Then re-trace `recompile` sampled entries
     and compare bytes (only this compiler's own entries: another toolchain's binaries are expected to
-    differ), and run `execute` sampled entries against the numpy references. Keeps a bounded cache of
-    reference targets and the sample."""
+    differ), and run `execute` sampled entries against the numpy references. The entries are read and checked
+    by up to `processes` processes (cachestore.scan_split; None: one a CPU), each keeping a bounded cache of
+    reference targets and a sample of the keys it found good; the samples are merged into one."""
     if recompile and reader.toolchain != toolchain_id():
         raise InspectError(f"--recompile re-traces with this compiler (toolchain {toolchain_id()}); the entries "
                            f"of toolchain {reader.toolchain} were traced by another")  # fmt: skip
-    report = VerifyReport()
-    holders = _HolderCache()
-    sample: list[tuple[str, Entry]] = []
     wanted = max(recompile, execute)
-    rng = random.Random(seed)
-    seen_ok = 0
-    for batch in batched(reader.scan_entries(with_ttl=False)):
+
+    def task(index: int) -> _Check:
+        return _Check(reader, policy, max_bytes, wanted, random.Random(f"{seed}:{index}"))
+
+    report = VerifyReport()
+    samples = []
+    for share in scan_split(reader, task, processes=processes):
+        report.checked += share["checked"]
+        report.bad += share["bad"]
+        samples.append((share["sample"], share["good"]))
+    sample = _sampled_entries(reader, policy, max_bytes, merged_sample(samples, wanted, random.Random(seed)), report)
+    for key, entry in sample[:recompile]:
+        _record(report, key, _recompile_problem(reader, key, entry))
+        report.recompiled += 1
+    for key, entry in sample[:execute]:
+        _record(report, key, _execute_problem(reader, key, entry, seed))
+        report.executed += 1
+    return report
+
+
+class _Check:
+    """verify's checks over the entries one process reads: its problems, and a uniform sample (a reservoir) of
+    `wanted` keys among the entries it found good."""
+
+    def __init__(self, reader: Reader, policy: SignaturePolicy, max_bytes: int, wanted: int, rng: random.Random):
+        self.reader, self.policy, self.max_bytes, self.wanted, self.rng = reader, policy, max_bytes, wanted, rng
+        self.report = VerifyReport()
+        self.holders = _HolderCache()
+        self.sample: list[str] = []
+        self.good = 0
+
+    def add(self, batch: list[RawEntry]) -> None:
         decoded: dict[str, Entry] = {}
         for raw in batch:
-            report.checked += 1
-            entry = decode_or_reason(raw.data, policy, max_bytes, raw.cache_key)
+            self.report.checked += 1
+            entry = decode_or_reason(raw.data, self.policy, self.max_bytes, raw.cache_key)
             problem = (
                 entry
                 if isinstance(entry, str)
@@ -103,30 +132,63 @@ def verify_entries(
                 )
             )
             if problem:
-                report.bad.append({"key": raw.cache_key, "reason": problem})
-                holders.put(raw.cache_key, problem)
+                self.report.bad.append({"key": raw.cache_key, "reason": problem})
+                self.holders.put(raw.cache_key, problem)
                 continue
             decoded[raw.cache_key] = entry
-            holders.put(raw.cache_key, (entry.digest, entry.is_reference))
-        bad_references = _check_references(reader, policy, max_bytes, decoded, holders, report)
-        for key, entry in decoded.items():
-            if key in bad_references:
-                continue
-            seen_ok += 1
-            if len(sample) < wanted:
-                sample.append((key, entry))
-            elif wanted:
-                slot = rng.randrange(seen_ok)
-                if slot < wanted:
-                    sample[slot] = (key, entry)
-    sample.sort()
-    for key, entry in sample[:recompile]:
-        _record(report, key, _recompile_problem(reader, key, entry))
-        report.recompiled += 1
-    for key, entry in sample[:execute]:
-        _record(report, key, _execute_problem(reader, key, entry, seed))
-        report.executed += 1
-    return report
+            self.holders.put(raw.cache_key, (entry.digest, entry.is_reference))
+        bad = _check_references(self.reader, self.policy, self.max_bytes, decoded, self.holders, self.report)
+        for key in decoded:
+            if key not in bad:
+                self._sampled(key)
+
+    def _sampled(self, key: str) -> None:
+        self.good += 1
+        if len(self.sample) < self.wanted:
+            self.sample.append(key)
+        elif self.wanted:
+            slot = self.rng.randrange(self.good)
+            if slot < self.wanted:
+                self.sample[slot] = key
+
+    def result(self) -> dict:
+        return {"checked": self.report.checked, "bad": self.report.bad, "sample": self.sample, "good": self.good}
+
+
+def merged_sample(samples: list[tuple[list[str], int]], wanted: int, rng: random.Random) -> list[str]:
+    """`wanted` keys drawn uniformly from the union of the parts a process each sampled: (its sample, uniform
+    among the `good` keys it found, of min(wanted, good) keys). Each draw takes a part with the probability of its
+    share of the keys not yet drawn, then a key of its sample: every key has the same chance, as if one process
+    had sampled them all."""
+    pools = [(list(keys), good) for keys, good in samples]
+    chosen: list[str] = []
+    while len(chosen) < wanted:
+        left = sum(good for _, good in pools)
+        if not left:
+            break
+        point = rng.randrange(left)
+        for index, (keys, good) in enumerate(pools):
+            if point < good:
+                chosen.append(keys.pop(rng.randrange(len(keys))))
+                pools[index] = (keys, good - 1)
+                break
+            point -= good
+    return sorted(chosen)
+
+
+def _sampled_entries(
+    reader: Reader, policy: SignaturePolicy, max_bytes: int, keys: list[str], report: VerifyReport
+) -> list[tuple[str, Entry]]:
+    """The sampled entries, read again (the scan kept their keys only): one changed since it was checked is
+    recorded with its problem, one deleted since is left out."""
+    sample = []
+    for key, data in sorted(reader.get_entries(keys).items()):
+        entry = decode_or_reason(data, policy, max_bytes, key)
+        if isinstance(entry, str):
+            _record(report, key, f"changed while verifying: {entry}")
+        else:
+            sample.append((key, entry))
+    return sample
 
 
 def _record(report: VerifyReport, key: str, problem: str | None) -> None:

@@ -275,6 +275,8 @@ class RedisBackend:
     read_only = False
     keeps_expired = False  # Redis expires entries itself
     keeps_checkpoints = True  # writers' checkpoints (cachestore.checkpoint): `store(checkpoints=)`, `fetch_checkpoint`
+    # `entry_pages` and `read_entry_page`: a scan's pages can be read by other processes (cachestore.scan_split).
+    splits_scans = True
 
     def __init__(
         self,
@@ -332,8 +334,10 @@ class RedisBackend:
     def entry_toolchains(self) -> list[str]:
         """The toolchains that hold entries (a SCAN of the entry keys, no values read)."""
         found: set[str] = set()
-        for redis_key in self._stream(lambda: self.client.scan_iter(match=self.keys.entry_pattern(), count=1000)):
-            found.add(self.keys.parse_entry(text(redis_key) or "")[0])
+        # Pages of 10k keys, and the partition's name alone (no cache key decoded): du over 100k entries scanned
+        # them all here, page by page of 1k, before reading any (bench/RESULTS.md, "Scans split over processes").
+        for redis_key in self._stream(lambda: self.client.scan_iter(match=self.keys.entry_pattern(), count=10_000)):
+            found.add(self.keys.entry_partition(text(redis_key) or ""))
         return sorted(found)
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
@@ -935,20 +939,35 @@ class RedisBackend:
 
     # -- entries ------------------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
-        pattern = self.keys.entry_pattern(self.toolchain)
+        for page in self.entry_pages():
+            yield from self.read_entry_page(page, with_ttl)
+
+    def entry_pages(self, every_toolchain: bool = False, size: int = BATCH) -> Iterator[list[str]]:
+        """The names of this partition's entries (of every partition's: `every_toolchain`), `size` a page, as
+        SCAN finds them; no value is read. `read_entry_page` reads a page, in this process or another one
+        (cachestore.scan_split)."""
+        pattern = self.keys.entry_pattern(None if every_toolchain else self.toolchain)
         # SCAN pages of 10k keys (the server matches them against the pattern): entries are a fraction of a
         # tier's keys (metrics, hosts of each key), and a page of 1k cost a round trip per few hundred entries.
         redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000))
-        for batch in batched(text(key) for key in redis_keys):
-            for redis_key, (data, ttl) in zip(batch, self._read_entries(batch, with_ttl=with_ttl), strict=True):
-                if data is not None:
-                    yield RawEntry(self.keys.parse_entry(redis_key)[1], data, ttl if with_ttl else None, self.toolchain)
+        yield from batched((text(key) or "" for key in redis_keys), size)
+
+    def read_entry_page(self, names: Sequence[str], with_ttl: bool = True) -> list[RawEntry]:
+        """The entries of a page of `entry_pages` still stored, each with the partition its name says (this
+        reader's own for a name in it)."""
+        found = []
+        for redis_key, (data, ttl) in zip(names, self._read_entries(names, with_ttl=with_ttl), strict=True):
+            if data is not None:
+                toolchain, cache_key = self.keys.parse_entry(redis_key)
+                found.append(RawEntry(cache_key, data, ttl if with_ttl else None, toolchain))
+        return found
 
     def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
         found: dict[str, bytes | TooLarge] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
-            values = self._read_entries([self._entry(key) for key in chunk])
+            # No TTLs (one GETRANGE a key, packed): verify resolves every batch's references through here.
+            values = self._read_entries([self._entry(key) for key in chunk], with_ttl=False)
             found.update((key, value) for key, (value, _) in zip(chunk, values, strict=True) if value is not None)
         return found
 
