@@ -410,6 +410,8 @@ class BirCodeGenLoop:
         total = self.cache_hits + self.cache_misses
         if not self._new_nki_frontend_kernel_cache and total == 0:
             return
+        if not logger.isEnabledFor(logging.DEBUG):
+            return  # the same (no) output, without building every line of it at each pass's end
         hit_rate = 100.0 * self.cache_hits / total if total else 0.0
         debug = logger.debug
         debug(BANNER)
