@@ -499,7 +499,7 @@ class TierClient:
 
     def _publish(self, pending: PendingStore, release_lease: bool) -> None:
         """Queue the entry (it is encoded on the flusher thread), then the lease release, in that order."""
-        self._enqueue(pending)
+        self._enqueue(pending, wake=False)
         if release_lease:
             self.release_lease(pending.cache_key)
 
@@ -603,7 +603,7 @@ class TierClient:
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
-        self._enqueue(LeaseRelease(cache_key, self.owner))
+        self._enqueue(LeaseRelease(cache_key, self.owner), wake=False)
 
     def record(self, batch: MetricsBatch) -> None:
         """Queue a metrics batch, unless no tier would take it (a NaN, a count that is not a number): that one
@@ -640,12 +640,16 @@ class TierClient:
             self._outbox_lock.notify_all()
         self._ensure_flusher()
 
-    def _enqueue(self, item: object) -> None:
+    def _enqueue(self, item: object, wake: bool = True) -> None:
+        """Queue `item` for the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
+        or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile)."""
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
         with self._outbox_lock:
+            wake = wake or not self._outbox
             self._append(item)
-            self._outbox_lock.notify_all()
+            if wake:
+                self._outbox_lock.notify_all()
         self._ensure_flusher()
 
     def _append(self, item: object) -> None:
