@@ -704,8 +704,9 @@ class TierClient:
     def _gather(self) -> None:
         """Let writes gather for up to flush_interval (a pass traces several kernels in that time), so they go
         out in one pipeline: each round trip costs the compiling process a system call and a wake-up, far more
-        than the bytes. Entries are encoded as they arrive meanwhile, so that the flush a pass ends with finds
-        them ready. A pass's end (`send_now`), a waiting flush() or close() ends the gathering at once."""
+        than the bytes. The entries queued when it wakes are encoded meanwhile (the first one of a window wakes it;
+        the others do not, so that the compiling thread does not hand it the GIL at every trace). A pass's end
+        (`send_now`), a waiting flush() or close() ends the gathering at once."""
         deadline = time.monotonic() + self.settings.flush_interval
         while True:
             with self._outbox_lock:
@@ -716,7 +717,7 @@ class TierClient:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return
-                    self._outbox_lock.wait(remaining)  # new items, a flush() and close() notify
+                    self._outbox_lock.wait(remaining)  # the pass's end, a flush() and close() notify
                     continue
             for item in todo:  # outside the lock: the compiling thread keeps queueing
                 self._prepare(item)
