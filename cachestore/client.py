@@ -170,7 +170,7 @@ class TierClient:
         self._flusher: threading.Thread | None = None
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
-        # A pass ended (its record is queued): the flusher stops gathering and sends at once, with no one waiting.
+        # A pass that traced ended (send_now): the flusher stops gathering and sends at once, with no one waiting.
         self._send_now = False
         # close() found the flusher still busy after its join: the flusher closes the backend as it exits, so that
         # a backend is never closed under a thread still sending on it (SQLite and Lua crash, not raise).
@@ -181,6 +181,9 @@ class TierClient:
         # process may ask for them before they are sent.
         # Changed under the outbox lock; read without it (one dict lookup, atomic) on the hit path.
         self._unsent: dict[str, PendingStore] = {}
+        # Entries and lease releases in the outbox: what other processes may be waiting for (send_now sends it at
+        # once), unlike metrics batches and TTL refreshes, which go out by the flusher's timer.
+        self._awaited = 0
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
@@ -620,7 +623,7 @@ class TierClient:
 
     def record_pass(self, record: PassRecord) -> None:
         """The port's pass record, as one metrics batch applied once by the pass's id. The pass's end: nothing more
-        is coming soon, so the flusher sends what is queued at once instead of gathering; this does not wait for
+        is coming soon, so what it traced is sent at once (`send_now`) instead of gathering; this does not wait for
         it (a caller that needs the pass stored, e.g. before acknowledging a job, calls `flush`)."""
         batch = metrics_batch(record, self.settings.host, self.settings.worker)
         with self._writer_lock:
@@ -630,11 +633,14 @@ class TierClient:
         self.send_now()
 
     def send_now(self) -> None:
-        """Have the flusher send what is queued without waiting out flush_interval; returns at once."""
+        """Have the flusher send what is queued without waiting out flush_interval, when it holds what other
+        processes may wait for (entries, lease releases); returns at once. A pass that only read leaves its
+        metrics batch to the flusher's timer, which sends the batches of the passes meanwhile in one wake-up: a
+        send at every warm pass's end would contend with the next pass for the GIL and the tier."""
         if not self.writes:
             return
         with self._outbox_lock:
-            if not self._outbox:
+            if not self._awaited:
                 return
             self._send_now = True
             self._outbox_lock.notify_all()
@@ -660,11 +666,15 @@ class TierClient:
         self._outbox.append(item)
         if isinstance(item, PendingStore):
             self._unsent[item.cache_key] = item
+        if isinstance(item, PendingStore | LeaseRelease):
+            self._awaited += 1
 
     def _forget(self, item: object) -> None:
         """`item` left the outbox (stored, or dropped; the outbox lock held): no longer answered from memory."""
         if isinstance(item, PendingStore) and self._unsent.get(item.cache_key) is item:
             del self._unsent[item.cache_key]
+        if isinstance(item, PendingStore | LeaseRelease):
+            self._awaited -= 1
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or not self._flusher.is_alive():
@@ -824,6 +834,7 @@ class TierClient:
                 self.stats.add("tier_dropped", len(self._outbox))
                 self._outbox.clear()
             self._unsent.clear()
+            self._awaited = 0
             # Decided under the lock the flusher reads it with as it stops: exactly one of the two closes it.
             running = flusher is not None and flusher is self._flusher and not self._flusher_stopped
             self._backend_closed_by_flusher = running

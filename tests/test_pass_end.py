@@ -190,3 +190,19 @@ def test_a_fleet_job_is_answered_only_once_its_pass_is_stored(gated: GatedBacken
     assert len(stored_entries(gated.inner)) == MIXED_DISTINCT_KEYS
     assert gated.inner.totals()["passes"] == 1
     client.close(timeout=5)
+
+
+def test_a_pass_that_only_read_leaves_its_metrics_to_the_flushers_timer(gated: GatedBackend) -> None:
+    """Nobody waits for a warm pass's metrics: they go with the flusher's next window (flush_interval), so the
+    batches of many short passes go out in one wake-up instead of one send racing each next pass."""
+    gated.gate.set()
+    client = TierClient(lambda: gated, settings(single_flight=False, flush_interval=1.0))
+    BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))  # traced: sent at once
+    assert wait_until(lambda: client.pending() == 0, 0.9)
+    warm = BirCodeGenLoop(tier=client)
+    warm.run(load_graph(mixed_graph()))
+    assert warm.remote_hits == MIXED_DISTINCT_KEYS and warm.traces == 0
+    assert client.pending() == 1  # its metrics batch, waiting for the window
+    assert wait_until(lambda: client.pending() == 0, 5.0)  # sent by the timer, nobody asking
+    assert gated.inner.totals()["passes"] == 2
+    client.close(timeout=5)
