@@ -390,11 +390,12 @@ class BirCodeGenLoop:
         return PassRecord(graph_name, self.pass_id, started, finished, self.pass_summary(), variants, kernel_misses)
 
     def finish_pass(self, graph_name: str, started: float) -> None:
-        """Hand this pass's metrics to the tier and wait (bounded) for the mirror to drain."""
+        """Hand this pass's metrics to the tier, without waiting for the tier to store them (nor the pass's
+        entries): the store writes behind, and a caller that needs them stored when it goes on (a fleet job
+        acknowledged, a process about to exit) calls the store's `flush` or `close` itself."""
         if self.tier is None:
             return
         self.tier.record_pass(self.pass_record(graph_name, started, time.time()))
-        self.tier.flush()
 
     # -- statistics and metrics -------------------------------------------------------------------
     def _kernel_types(self) -> dict[str, dict]:
@@ -409,6 +410,8 @@ class BirCodeGenLoop:
         total = self.cache_hits + self.cache_misses
         if not self._new_nki_frontend_kernel_cache and total == 0:
             return
+        if not logger.isEnabledFor(logging.DEBUG):
+            return  # the same (no) output, without building every line of it at each pass's end
         hit_rate = 100.0 * self.cache_hits / total if total else 0.0
         debug = logger.debug
         debug(BANNER)

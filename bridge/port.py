@@ -163,10 +163,12 @@ class KernelStore(Protocol):
         another process waits for it, so the store favours latency over bytes."""
 
     def record_pass(self, record: PassRecord) -> None:
-        """Hand over what a pass did, to be applied to the fleet metrics exactly once."""
+        """Hand over what a pass did, to be applied to the fleet metrics exactly once. The pass's last call: it
+        must not wait for the store (the loop returns right after it); a store that writes behind sends soon."""
 
     def flush(self) -> bool:
-        """Wait (bounded) until what was handed over is stored; False when it is not (yet)."""
+        """Wait (bounded) until what was handed over is stored; False when it is not (yet). The loop never calls
+        it: whoever needs the pass's writes stored before going on does (a fleet job before it is acknowledged)."""
 
     def counts(self) -> dict[str, int]:
         """This process's TIER_COUNTERS so far (the loop reports the difference over its pass)."""

@@ -125,18 +125,20 @@ def batch_problem(batch: MetricsBatch) -> str | None:
         mapping = getattr(batch, name)
         if not isinstance(mapping, dict) or not all(isinstance(key, str) for key in mapping):
             return f"{name} is {mapping!r}, not a dict with string keys"
-    numbers: list[tuple[str, object, bool]] = []  # (where, value, must be whole)
-    numbers += [(f"totals[{name!r}]", value, False) for name, value in batch.totals.items()]
-    numbers += [(f"kernel_calls[{name!r}]", value, True) for name, value in batch.kernel_calls.items()]
+    # Checked in the compiling thread at every pass's end: where a number is, is spelled out only for a bad one.
+    for name, value in batch.totals.items():
+        if problem := number_problem(value):
+            return f"totals[{name!r}] is {value!r}: {problem}"
+    for name, value in batch.kernel_calls.items():
+        if problem := number_problem(value, whole=True):
+            return f"kernel_calls[{name!r}] is {value!r}: {problem}"
     for key, usage in batch.keys.items():
         if not isinstance(usage, KeyUsage) or not isinstance(usage.kernel_name, str):
             return f"keys[{key!r}] is {usage!r}, not a KeyUsage naming its kernel"
-        numbers += [(f"keys[{key!r}].usage", usage.usage, True), (f"keys[{key!r}].first_use", usage.first_use, False),
-                    (f"keys[{key!r}].last_use", usage.last_use, False)]  # fmt: skip
-    for where, value, whole in numbers:
-        problem = number_problem(value, whole=whole)
-        if problem:
-            return f"{where} is {value!r}: {problem}"
+        for part, value, whole in (("usage", usage.usage, True), ("first_use", usage.first_use, False),
+                                    ("last_use", usage.last_use, False)):  # fmt: skip
+            if problem := number_problem(value, whole=whole):
+                return f"keys[{key!r}].{part} is {value!r}: {problem}"
     if batch.pass_record is not None:
         if not isinstance(batch.pass_record, dict):
             return f"pass_record is {batch.pass_record!r}, not a dict"

@@ -1,14 +1,14 @@
 """Writer checkpoints: one signature over the leaves of many of a writer's flush groups (issue 22).
 
-A batch signature (cachestore.trust, cachestore.entry.seal) covers one flush of a writer's outbox, and a pass
-ends with a flush, so a fresh reader still verifies about one Ed25519 signature a pass it reads. A writer
-process on a Redis tier therefore also keeps, per partition (toolchain and scope), a checkpoint: the list of the
-leaf hashes (cachestore.merkle.leaf_hash of each entry's `signed_message`, the full 32 bytes) of the entries it
-stored, in chunks of at most MAX_CHUNK_LEAVES, each signed. The current chunk is rewritten, grown and signed
-anew, at each flush, in the same pipeline after the entries; a full chunk is written a last time and left
-alone, and a new one begun. Each entry's writer section names its chunk (`ChunkRef`: the writer process's
-random instance id and the chunk number), which the signature of the entry does not cover: it is a hint of
-where to look, and a wrong one only costs the fallback below.
+A batch signature (cachestore.trust, cachestore.entry.seal) covers one flush of a writer's outbox, and a pass's
+end has its outbox sent at once (`TierClient.send_now`), so a fresh reader still verifies about one Ed25519
+signature a pass it reads. A writer process on a Redis tier therefore also keeps, per partition (toolchain and
+scope), a checkpoint: the list of the leaf hashes (cachestore.merkle.leaf_hash of each entry's `signed_message`,
+the full 32 bytes) of the entries it stored, in chunks of at most MAX_CHUNK_LEAVES, each signed. The current
+chunk is rewritten, grown and signed anew, at each flush, in the same pipeline after the entries; a full chunk is
+written a last time and left alone, and a new one begun. Each entry's writer section names its chunk (`ChunkRef`:
+the writer process's random instance id and the chunk number), which the signature of the entry does not cover:
+it is a hint of where to look, and a wrong one only costs the fallback below.
 
 A reader, at the first entry naming a chunk it has not loaded, fetches it (one round trip), verifies its
 signature once with the trusted key the entry names, and adds its leaves to the trust policy's memo of nodes

@@ -105,6 +105,12 @@ class PendingStore:
     # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
     unsealed: Unsealed | None = None
     level: int = COMPRESSION_LEVEL  # AWAITED_COMPRESSION_LEVEL when another process waits for the entry
+    entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
+
+    def built(self) -> Entry:
+        if self.entry is None:
+            self.entry = self.build()
+        return self.entry
 
 
 class TierStats:
@@ -164,6 +170,20 @@ class TierClient:
         self._flusher: threading.Thread | None = None
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
+        # A pass that traced ended (send_now): the flusher stops gathering and sends at once, with no one waiting.
+        self._send_now = False
+        # close() found the flusher still busy after its join: the flusher closes the backend as it exits, so that
+        # a backend is never closed under a thread still sending on it (SQLite and Lua crash, not raise).
+        self._backend_closed_by_flusher = False
+        self._flusher_stopped = False  # the current flusher has left its loop (set by it, under the outbox lock)
+        # The entries queued and not yet stored, by cache key: a read answers them from here (read your own writes)
+        # while the tier is up, since a pass returns without waiting for its stores and the next pass of this
+        # process may ask for them before they are sent.
+        # Changed under the outbox lock; read without it (one dict lookup, atomic) on the hit path.
+        self._unsent: dict[str, PendingStore] = {}
+        # Entries and lease releases in the outbox: what other processes may be waiting for (send_now sends it at
+        # once), unlike metrics batches and TTL refreshes, which go out by the flusher's timer.
+        self._awaited = 0
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
@@ -277,10 +297,17 @@ class TierClient:
         over max_entry_bytes is not downloaded: the backend says its size, and it is rejected and counted."""
         if not cache_keys:
             return {}, set()
+        # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
+        own = self._own_unsent(cache_keys) if self._unsent and self._available() else {}
+        if own:
+            cache_keys = [key for key in cache_keys if key not in own]
+            if not cache_keys:
+                self.stats.add("entries_found", len(own))
+                return own, set(own)
         ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl), "lookup")
         if not ok:
-            return {}, set()
-        entries = {}
+            return own, set(own)
+        entries = own
         for key, data in found.items():
             entry = self._decode(key, data)
             if entry is not None:
@@ -293,7 +320,17 @@ class TierClient:
         if served:  # (no lock taken for entries no writer signed)
             self._count_writers(served)
         self.stats.add("entries_found", len(entries))
-        return entries, set(found)
+        return entries, set(found) | set(own)
+
+    def _own_unsent(self, cache_keys: Sequence[str]) -> dict[str, Entry]:
+        """The entries of `cache_keys` this client queued and has not stored yet: its own traces (or copies it
+        verified when it read them), so nothing to verify; the tier will hold them once the flusher sends them."""
+        own = {}
+        for key in cache_keys:
+            pending = self._unsent.get(key)
+            if pending is not None:
+                own[key] = pending.built()
+        return own
 
     def _count_writers(self, names: Iterable[str]) -> None:
         with self._writer_lock:
@@ -465,7 +502,7 @@ class TierClient:
 
     def _publish(self, pending: PendingStore, release_lease: bool) -> None:
         """Queue the entry (it is encoded on the flusher thread), then the lease release, in that order."""
-        self._enqueue(pending)
+        self._enqueue(pending, wake=False)
         if release_lease:
             self.release_lease(pending.cache_key)
 
@@ -473,7 +510,7 @@ class TierClient:
         """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes. A writer's
         entry is encoded but for its signature, which `_seal` adds with its group's on send."""
         if not pending.prepared:
-            entry = pending.build()
+            entry = pending.built()
             full, unsealed = b"", None
             if self.writer is not None:
                 unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key,
@@ -569,7 +606,7 @@ class TierClient:
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
-        self._enqueue(LeaseRelease(cache_key, self.owner))
+        self._enqueue(LeaseRelease(cache_key, self.owner), wake=False)
 
     def record(self, batch: MetricsBatch) -> None:
         """Queue a metrics batch, unless no tier would take it (a NaN, a count that is not a number): that one
@@ -585,34 +622,79 @@ class TierClient:
         self._enqueue(batch)
 
     def record_pass(self, record: PassRecord) -> None:
-        """The port's pass record, as one metrics batch applied once by the pass's id."""
+        """The port's pass record, as one metrics batch applied once by the pass's id. The pass's end: nothing more
+        is coming soon, so what it traced is sent at once (`send_now`) instead of gathering; this does not wait for
+        it (a caller that needs the pass stored, e.g. before acknowledging a job, calls `flush`)."""
         batch = metrics_batch(record, self.settings.host, self.settings.worker)
         with self._writer_lock:
             batch.totals.update(self._writer_counts)  # fields WRITER_COUNTERS:KEYID, beside the pass's counters
             self._writer_counts.clear()
         self.record(batch)
+        self.send_now()
 
-    def _enqueue(self, item: object) -> None:
+    def send_now(self) -> None:
+        """Have the flusher send what is queued without waiting out flush_interval, when it holds what other
+        processes may wait for (entries, lease releases); returns at once. A pass that only read leaves its
+        metrics batch to the flusher's timer, which sends the batches of the passes meanwhile in one wake-up: a
+        send at every warm pass's end would contend with the next pass for the GIL and the tier."""
+        if not self.writes:
+            return
+        with self._outbox_lock:
+            if not self._awaited:
+                return
+            self._send_now = True
+            self._outbox_lock.notify_all()
+        self._ensure_flusher()
+
+    def _enqueue(self, item: object, wake: bool = True) -> None:
+        """Queue `item` for the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
+        or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile)."""
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
         with self._outbox_lock:
+            wake = wake or not self._outbox
             self._append(item)
-            self._outbox_lock.notify_all()
+            if wake:
+                self._outbox_lock.notify_all()
         self._ensure_flusher()
 
     def _append(self, item: object) -> None:
         """Queue `item` (the outbox lock held); past outbox_limit the oldest item is dropped and counted."""
         if len(self._outbox) >= self.settings.outbox_limit:
-            self._outbox.popleft()
+            self._forget(self._outbox.popleft())
             self.stats.add("tier_dropped")
         self._outbox.append(item)
+        if isinstance(item, PendingStore):
+            self._unsent[item.cache_key] = item
+        if isinstance(item, PendingStore | LeaseRelease):
+            self._awaited += 1
+
+    def _forget(self, item: object) -> None:
+        """`item` left the outbox (stored, or dropped; the outbox lock held): no longer answered from memory."""
+        if isinstance(item, PendingStore) and self._unsent.get(item.cache_key) is item:
+            del self._unsent[item.cache_key]
+        if isinstance(item, PendingStore | LeaseRelease):
+            self._awaited -= 1
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or not self._flusher.is_alive():
-            self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)
+            with self._outbox_lock:
+                self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)
+                self._flusher_stopped = False
             self._flusher.start()
 
     def _flush_loop(self) -> None:
+        try:
+            self._flush_until_closed()
+        finally:
+            with self._outbox_lock:
+                current = threading.current_thread() is self._flusher
+                self._flusher_stopped = self._flusher_stopped or current
+                close_backend = current and self._backend_closed_by_flusher
+            if close_backend:
+                self._close_backend()
+
+    def _flush_until_closed(self) -> None:
         while True:
             with self._outbox_lock:
                 self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
@@ -632,19 +714,20 @@ class TierClient:
     def _gather(self) -> None:
         """Let writes gather for up to flush_interval (a pass traces several kernels in that time), so they go
         out in one pipeline: each round trip costs the compiling process a system call and a wake-up, far more
-        than the bytes. Entries are encoded as they arrive meanwhile, so that the flush a pass ends with finds
-        them ready and waits for the round trip alone. A waiting flush() or close() ends the gathering at once."""
+        than the bytes. The entries queued when it wakes are encoded meanwhile (the first one of a window wakes it;
+        the others do not, so that the compiling thread does not hand it the GIL at every trace). A pass's end
+        (`send_now`), a waiting flush() or close() ends the gathering at once."""
         deadline = time.monotonic() + self.settings.flush_interval
         while True:
             with self._outbox_lock:
-                if self._closing or self._flush_waiters > 0:
+                if self._closing or self._flush_waiters > 0 or self._send_now:
                     return
                 todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
                 if not todo:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return
-                    self._outbox_lock.wait(remaining)  # new items, a flush() and close() notify
+                    self._outbox_lock.wait(remaining)  # the pass's end, a flush() and close() notify
                     continue
             for item in todo:  # outside the lock: the compiling thread keeps queueing
                 self._prepare(item)
@@ -654,6 +737,7 @@ class TierClient:
         self._collect_touched()
         with self._outbox_lock:
             items = list(self._outbox)
+            self._send_now = False  # what it asked to be sent is being sent
         if not items:
             return True
         sent = 0
@@ -663,8 +747,10 @@ class TierClient:
                 break
             sent += len(group)
         with self._outbox_lock:
-            for _ in range(sent):
-                self._outbox.popleft()
+            for item in items[:sent]:
+                # (a close() that gave up waiting on this send has cleared the outbox and counted it dropped)
+                if self._outbox and self._outbox[0] is item:
+                    self._forget(self._outbox.popleft())
             self._outbox_lock.notify_all()
         return sent == len(items)
 
@@ -733,18 +819,32 @@ class TierClient:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush (bounded; waiting out the breaker when it closes in time), stop the flusher, count what could
-        not be delivered, close the backend."""
+        not be delivered, close the backend: here once the flusher has stopped, else by the flusher itself as it
+        stops (a send cut off by the join's bound is never followed by a close under it)."""
         self._leases.stop()
         self.flush(timeout, through_outage=True)
         with self._outbox_lock:
             self._closing = True
             self._outbox_lock.notify_all()
-        if self._flusher is not None:
-            self._flusher.join(timeout=max(self.settings.op_timeout * 3, 1.0))
+        flusher = self._flusher
+        if flusher is not None:
+            flusher.join(timeout=max(self.settings.op_timeout * 3, 1.0))
         with self._outbox_lock:
             if self._outbox:
                 self.stats.add("tier_dropped", len(self._outbox))
                 self._outbox.clear()
+            self._unsent.clear()
+            self._awaited = 0
+            # Decided under the lock the flusher reads it with as it stops: exactly one of the two closes it.
+            running = flusher is not None and flusher is self._flusher and not self._flusher_stopped
+            self._backend_closed_by_flusher = running
+        if not running:
+            self._close_backend()
+        else:
+            logger.warning("tier %s: the flusher was still sending when closed; it closes the backend when done",
+                           self.description)  # fmt: skip
+
+    def _close_backend(self) -> None:
         if self._backend is not None:
             with contextlib.suppress(TierError):
                 self._backend.close()

@@ -63,7 +63,7 @@ class Settings:
     lease_wait: float = 30.0  # seconds a worker waits for another's trace before tracing itself
     breaker_cooldown: float = 5.0  # seconds the tier is left alone after a failure
     flush_interval: float = 0.2  # seconds between background mirror flushes
-    final_flush_timeout: float = 2.0  # seconds a pass waits at its end for the mirror to drain
+    final_flush_timeout: float = 2.0  # seconds flush() and close() wait for the outbox to drain (a pass does not)
     outbox_limit: int = 10_000  # queued mirror writes kept during an outage; older ones are dropped, counted
     job_claim_idle: float = 60.0  # seconds a job's worker may be silent (dead) before another reclaims the job
     job_max_attempts: int = 3  # failed attempts before a job goes to the dead-letter stream

@@ -191,6 +191,10 @@ class StackedTier:
         for level in self.levels:
             level.record(batch)
 
+    def send_now(self) -> None:
+        for level in self.levels:
+            level.send_now()
+
     def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
         """Every level flushed within one deadline (not one timeout per level)."""
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)

@@ -65,14 +65,21 @@ def test_four_processes_share_one_sqlite_tier_without_timeouts(tmp_path: Path) -
 
 
 @contextlib.contextmanager
-def lock_held(path: Path, seconds: float) -> Iterator[None]:
-    """Another process's writer: SQLite's write lock on `path`, taken now and released after `seconds`."""
+def lock_held(path: Path, seconds: float) -> Iterator[dict[str, float]]:
+    """Another process's writer: SQLite's write lock on `path`, taken now and released after `seconds`; the
+    dict yielded gets the monotonic time of the release ("released")."""
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.execute("BEGIN IMMEDIATE")
-    releaser = threading.Timer(seconds, lambda: db.execute("COMMIT"))
+    times: dict[str, float] = {}
+
+    def release() -> None:
+        db.execute("COMMIT")
+        times["released"] = time.monotonic()
+
+    releaser = threading.Timer(seconds, release)
     releaser.start()
     try:
-        yield
+        yield times
     finally:
         releaser.join()
         db.close()
@@ -82,7 +89,8 @@ def test_a_held_lock_delays_background_writes_without_counting_or_turning_the_ti
     path = tmp_path / "tier.sqlite"
     settings = Settings(tier=f"local:{path}", op_timeout=0.2, final_flush_timeout=5.0, single_flight=False)
     client = open_tier(settings)
-    BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))  # creates the file; flushed at the pass's end
+    BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
+    assert client.flush(timeout=5)  # the file made and the first pass stored before the lock is taken
     with lock_held(path, 1.0):
         second = BirCodeGenLoop(tier=client)
         second.run(load_graph(mixed_graph(rows=96)))  # new Matmul variants: written while the lock is held
@@ -97,16 +105,20 @@ def test_a_lease_behind_a_held_lock_waits_no_longer_than_a_read_and_leaves_the_t
     path = tmp_path / "tier.sqlite"
     client = open_tier(Settings(tier=f"local:{path}", op_timeout=0.2, final_flush_timeout=5.0))
     BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
-    with lock_held(path, 1.5):
+    assert client.flush(timeout=5)  # the first pass stored before the lock is taken
+    with lock_held(path, 1.5) as lock:
         started = time.monotonic()
         loop = BirCodeGenLoop(tier=client)
         ops_done: list[float] = []
         teardown = loop.afterStmtTransform
         loop.afterStmtTransform = lambda: (ops_done.append(time.monotonic()), teardown())  # every op lowered
         loop.run(load_graph(mixed_graph(rows=96)))  # two leases to take, each given up after op_timeout
+        returned = time.monotonic()
         stats = client.stats.snapshot()
-    # The ops did not wait for the lock to be released (the pass's closing flush waits for its writes).
+    # The ops did not wait for the lock to be released, nor did the pass's end: its traced entries wait for the
+    # lock on the flusher thread, not on the compiling one.
     assert ops_done[0] - started < 1.0, ops_done[0] - started
+    assert returned < lock["released"], (returned - started, lock["released"] - started)
     assert stats["tier_timeouts"] == 2 and stats["tier_skipped"] == 0  # counted, and the tier was never off
     assert loop.traces == 2 and loop.remote_hits == MIXED_DISTINCT_KEYS - 2
     assert client.flush(timeout=5)  # once the lock is free the traced entries land

@@ -72,8 +72,11 @@ def graph_of(*ops: tuple[str, tuple[int, int], dict | None], name: str = "g", ta
 
 
 def compile_with(client: Any, graph: dict, target: str = "Trn2") -> BirCodeGenLoop:
+    """A pass, then its writes flushed: a pass does not wait for them, and what the next pass's misses are
+    diagnosed with (the variant index), or what a test changes behind the client's back, is the stored tier."""
     loop = BirCodeGenLoop(make_target(target), tier=client)
     loop.run(load_graph(copy.deepcopy(graph)))
+    client.flush(10)
     return loop
 
 

@@ -150,12 +150,15 @@ def test_a_trace_is_written_to_every_level_and_leases_are_the_shared_levels(near
 def test_stacked_artifacts_are_byte_identical_to_a_single_tier_and_to_none(near: Any, far: Any) -> None:
     graph = mixed_graph()
     _, untiered = compile_graph(graph)
-    _, single = compile_graph(graph, tier=TierClient(lambda: far, settings()))
+    single_tier = TierClient(lambda: far, settings())
+    _, single = compile_graph(graph, tier=single_tier)
+    single_tier.close(timeout=10)  # its writes stored, and its flusher done with `far` before the fixture closes it
     store = stack(near, far)
     _, near_hits = compile_graph(graph, tier=store)
     assert store.level_hits()["near"] == 0 and store.level_hits()["far"] == MIXED_DISTINCT_KEYS
     store.flush(10)
     result, from_near = compile_graph(graph, tier=store)
+    store.close(timeout=10)
     assert result.level_hits == {"near": MIXED_DISTINCT_KEYS, "far": 0}
     assert untiered == single == near_hits == from_near
 

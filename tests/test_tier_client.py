@@ -293,7 +293,7 @@ def test_the_outbox_is_bounded_and_drops_are_counted(backend) -> None:
         client.publish(f"key-{i}", make_entry(b"binary-%d" % i))
     assert client.pending() == 5
     assert counts(client)["tier_dropped"] == 7
-    assert client.flush(timeout=0.2) is False  # the tier is down: a pass-end flush does not wait
+    assert client.flush(timeout=0.2) is False  # the tier is down: a flush does not wait
 
     flaky.down = False
     assert client.flush(timeout=10, through_outage=True) is True

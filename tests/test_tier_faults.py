@@ -172,7 +172,7 @@ def test_killed_and_restarted_mid_run_metrics_arrive_exactly_once(server: Any) -
 
     run(0)
     run(1)
-    assert client.pending() == 0  # the first passes were delivered
+    assert client.flush(10) and client.pending() == 0  # the first passes were delivered
     server.kill()
     run(2)  # Redis is gone: the passes go on, their metrics wait in the outbox
     run(3)
@@ -264,6 +264,7 @@ def test_flushed_mid_run_later_passes_still_work(server: Any, admin: redis.Redis
     recorder = RecordingClient(client)
 
     first, bb_first = compile_pass(graph, client)
+    assert client.flush(10)  # the pass does not wait for its writes: stored before the tier is flushed
     assert first.traces == MIXED_DISTINCT_KEYS and client.pending() == 0
     admin.flushall()
     second, bb_second = compile_pass(graph, client)  # the tier forgot everything: trace again, no errors

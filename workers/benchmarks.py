@@ -138,7 +138,7 @@ def mirror_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str) ->
     finally:
         tier.close()
     # The same overhead without the machine's noise: the time the compiling thread itself spends in tier
-    # calls (publish encodes and queues, the pass-end flush waits), over a compile without a tier.
+    # calls (publish and the pass record queue; the pass does not wait for the sends), over a compile without a tier.
     spent = _time_in_tier_calls(graphs, tier_settings(redis_url, mode="mirror", namespace="nkibench-mirror2"))
     off_median = statistics.median(off)
     return {"mirror_overhead": statistics.median(mirror) / off_median, "off_seconds": off_median,

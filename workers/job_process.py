@@ -170,10 +170,8 @@ def _settings_from_json(values: dict[str, Any]) -> Settings:
 def _child() -> None:
     import resource
 
-    from bridge.graph import GraphError, parse_graph_json
     from cachestore.client import open_tier
     from workers.cli_common import configure_logging
-    from workers.trace_tasks import compile_job, run_task
 
     # The protocol owns the real stdout; anything the compiler prints goes to stderr, not into a message.
     receive = Connection(os.dup(0), writable=False)
@@ -214,17 +212,7 @@ def _child() -> None:
             busy.set()
             if gone.is_set():
                 os._exit(1)
-            job = json.loads(message)
-            if "trace" in job:  # another job's trace task (workers/trace_tasks.py)
-                result, artifact = run_task(job["trace"], tier, limits), None
-            else:
-                try:
-                    graph = parse_graph_json(job["graph"], job["file"])
-                except GraphError as exc:
-                    result, artifact = PassResult(job["file"], error=str(exc)), None
-                else:
-                    result, artifact = compile_job(graph, job, tier=tier, limits=limits, out_dir=hello["out_dir"],
-                                                   enqueue=queue_for(job))  # fmt: skip
+            result, artifact = answer_job(json.loads(message), tier, limits, hello["out_dir"], queue_for)
             out_of_memory = result.error is not None and "out of memory" in result.error
             header = {**asdict(result), "artifact": artifact is not None, "exit": out_of_memory}
             send.send_bytes(json.dumps(header).encode())
@@ -236,6 +224,32 @@ def _child() -> None:
     finally:
         if tier is not None:
             tier.close()
+
+
+def answer_job(
+    job: dict, tier: Any, limits: Any, out_dir: str | None, queue_for: Any
+) -> tuple[PassResult, bytes | None]:
+    """What the compiling process answers for one job message (a job, or another job's trace task), once the
+    job's writes are stored: its traced entries and its pass's metrics batch. The pass hands them to the tier
+    without waiting, and the worker acknowledges the job on this answer: a process killed after answering with
+    them still queued would lose the batch of a job the fleet counts as done. The wait is bounded
+    (final_flush_timeout); while the tier is down they stay queued, as any write does, and the job is answered."""
+    from bridge.graph import GraphError, parse_graph_json
+    from workers.trace_tasks import compile_job, run_task
+
+    if "trace" in job:  # another job's trace task (workers/trace_tasks.py)
+        result, artifact = run_task(job["trace"], tier, limits), None
+    else:
+        try:
+            graph = parse_graph_json(job["graph"], job["file"])
+        except GraphError as exc:
+            result, artifact = PassResult(job["file"], error=str(exc)), None
+        else:
+            result, artifact = compile_job(graph, job, tier=tier, limits=limits, out_dir=out_dir,
+                                           enqueue=queue_for(job))  # fmt: skip
+    if tier is not None:
+        tier.flush()
+    return result, artifact
 
 
 def _trace_task_queue(settings: Settings) -> Any:

@@ -64,7 +64,6 @@ def _miss_cause_coverage(graphs: list[Graph], redis_url: str) -> dict[str, Any]:
     cold_seconds = time.perf_counter() - started
     _compile(ours, _rmsnorm_graph("eps-a", rows=80, eps=1e-6), causes)  # new_shape (or new_variant)
     _compile(ours, _rmsnorm_graph("eps-b", rows=80, eps=1e-5), causes)  # attrs_differ
-    ours.flush(30)
     _compile(ours, first, causes, target=_other_target(first))  # target_differs
     backend = ours._backend
     evicted, rejected = sorted(keys[first.name])[:2], sorted(keys[second.name])[:1]
@@ -119,6 +118,7 @@ def _other_toolchain_client(settings: Any) -> TierClient:
 def _compile(tier: Any, graph: Graph, causes: Counter[str], target: str | None = None) -> set[str]:
     loop = BirCodeGenLoop(make_target(target or graph.target or "Trn2"), tier=tier)
     loop.run(graph)
+    tier.flush(30)  # the pass does not wait for its writes; the next compile's diagnosis reads them
     causes.update(loop.miss_causes)
     return set(loop._cache_key_components)
 
