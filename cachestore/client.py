@@ -184,6 +184,7 @@ class TierClient:
         # Entries and lease releases in the outbox: what other processes may be waiting for (send_now sends it at
         # once), unlike metrics batches and TTL refreshes, which go out by the flusher's timer.
         self._awaited = 0
+        self._closing_soon = False  # close() has begun: what it waits to encode is compressed fast
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
@@ -512,12 +513,16 @@ class TierClient:
         if not pending.prepared:
             entry = pending.built()
             full, unsealed = b"", None
+            # close() waits for this encoding too (a compile about to exit: the user waits): fast, as for an entry
+            # another process waits for; a long-lived worker's flushes keep the small level (bench/RESULTS.md,
+            # issue 16, "close").
+            level = AWAITED_COMPRESSION_LEVEL if self._closing_soon else pending.level
             if self.writer is not None:
                 unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key,
-                                          self._checkpoint_writer() is not None, pending.level)  # fmt: skip
+                                          self._checkpoint_writer() is not None, level)  # fmt: skip
                 size = unsealed.most_bytes
             else:
-                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, pending.level)
+                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, level)
                 size = len(full)
             if size > self.settings.max_entry_bytes:
                 logger.warning(
@@ -822,6 +827,7 @@ class TierClient:
         not be delivered, close the backend: here once the flusher has stopped, else by the flusher itself as it
         stops (a send cut off by the join's bound is never followed by a close under it)."""
         self._leases.stop()
+        self._closing_soon = True
         self.flush(timeout, through_outage=True)
         with self._outbox_lock:
             self._closing = True

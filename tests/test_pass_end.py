@@ -206,3 +206,31 @@ def test_a_pass_that_only_read_leaves_its_metrics_to_the_flushers_timer(gated: G
     assert wait_until(lambda: client.pending() == 0, 5.0)  # sent by the timer, nobody asking
     assert gated.inner.totals()["passes"] == 2
     client.close(timeout=5)
+
+
+def test_what_close_waits_to_encode_is_compressed_fast_and_the_rest_small(gated: GatedBackend) -> None:
+    """A compile about to exit waits in close() for the entries still to encode: those are compressed at the
+    fast AWAITED_COMPRESSION_LEVEL (as a trace another process waits for); the ones the flusher encoded in the
+    background, while the compile went on, keep the small COMPRESSION_LEVEL."""
+    from cachestore import entry as entries
+
+    client = TierClient(lambda: gated, settings(single_flight=False))
+    first = BirCodeGenLoop(tier=client)
+    first.run(load_graph(mixed_graph()))
+    assert wait_until(lambda: gated.writing == 1, 5.0)  # the first pass's entries, encoded, held at the gate
+    background = set(client._unsent)
+    BirCodeGenLoop(tier=client).run(load_graph(mixed_graph("other", rows=96)))  # queued behind that send
+    closing = threading.Thread(target=client.close, kwargs={"timeout": 20})
+    closing.start()
+    assert wait_until(lambda: client._flush_waiters > 0, 5.0)
+    gated.gate.set()
+    closing.join(20)
+    stored = stored_entries(gated.inner)
+    assert len(background) == MIXED_DISTINCT_KEYS and len(stored) == MIXED_DISTINCT_KEYS + 2
+    for cache_key, data in stored.items():
+        entry = entries.decode_entry(data, client.policy, cache_key=cache_key)
+        level, other = entries.COMPRESSION_LEVEL, entries.AWAITED_COMPRESSION_LEVEL
+        if cache_key not in background:
+            level, other = other, level
+        payload = entries.open_stored(data)[1]
+        assert payload == entries._payload(entry, level) != entries._payload(entry, other)
