@@ -67,6 +67,9 @@ class Settings:
     outbox_limit: int = 10_000  # queued mirror writes kept during an outage; older ones are dropped, counted
     job_claim_idle: float = 60.0  # seconds a job's worker may be silent (dead) before another reclaims the job
     job_max_attempts: int = 3  # failed attempts before a job goes to the dead-letter stream
+    # Dead-lettered jobs kept per job shard, the oldest trimmed: each holds its graph, and a flood of bad jobs must
+    # not fill Redis (their results, with the error, stay for job_ttl).
+    dead_letter_limit: int = 10_000
     heartbeat_interval: float = 2.0  # seconds between worker heartbeats; 3 missed = not live
     require_signed: bool = True  # with an HMAC key: reject unsigned entries
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
@@ -316,7 +319,8 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
         fail("tier_mode", f"must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
     for name in (
         "connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
-        "job_claim_idle", "job_max_attempts", "heartbeat_interval", "entry_ttl", "max_entry_bytes", "outbox_limit",
+        "job_claim_idle", "job_max_attempts", "dead_letter_limit", "heartbeat_interval", "entry_ttl",
+        "max_entry_bytes", "outbox_limit",
         "max_graph_bytes", "max_tensor_elements", "max_graph_elements", "max_kernel_instructions", "job_timeout",
         "job_memory", "job_ttl", "wait_timeout",
         "max_size",

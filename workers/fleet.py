@@ -81,9 +81,9 @@ return 1
 
 # KEYS[1] result key  KEYS[2] counts  KEYS[3] failures  KEYS[4] job stream  KEYS[5] dead-letter stream
 # ARGV[1] job id  ARGV[2] message id  ARGV[3] error  ARGV[4] max attempts  ARGV[5] job JSON  ARGV[6] worker
-# ARGV[7] job_ttl (s)  ARGV[8] the job's graph file
-# Count the failure; re-queue the job, or dead-letter it after the last attempt; acknowledge and delete the
-# message either way (a retry is a new message).
+# ARGV[7] job_ttl (s)  ARGV[8] the job's graph file  ARGV[9] dead_letter_limit
+# Count the failure; re-queue the job, or dead-letter it after the last attempt (the stream trimmed to the
+# newest dead_letter_limit); acknowledge and delete the message either way (a retry is a new message).
 FAIL_JOB_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('XACK', KEYS[4], 'nkicache-workers', ARGV[2])
@@ -98,7 +98,8 @@ if attempts >= tonumber(ARGV[4]) then
   redis.call('SET', KEYS[1], result, 'EX', ARGV[7])
   redis.call('HINCRBY', KEYS[2], 'dead_letter', 1)
   redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('XADD', KEYS[5], '*', 'job', ARGV[1], 'error', ARGV[3], 'attempts', attempts, 'payload', ARGV[5])
+  redis.call('XADD', KEYS[5], 'MAXLEN', ARGV[9], '*', 'job', ARGV[1], 'error', ARGV[3], 'attempts', attempts,
+             'payload', ARGV[5])
 else
   redis.call('XADD', KEYS[4], '*', 'job', ARGV[5])
 end
@@ -122,12 +123,13 @@ return 0
 
 
 # KEYS[1] job stream  KEYS[2] dead-letter stream  KEYS[3] counts
-# ARGV[1] message id  ARGV[2] error  ARGV[3] the message's job field as it is
+# ARGV[1] message id  ARGV[2] error  ARGV[3] the message's job field as it is  ARGV[4] dead_letter_limit
 # A message that is no job (hand-written, corrupt) has no job id to record a result or count attempts under:
 # dead-letter it under its message id, once (only the worker whose XACK acknowledged it), and acknowledge it.
 DEAD_LETTER_MESSAGE_LUA = """
 if redis.call('XACK', KEYS[1], 'nkicache-workers', ARGV[1]) == 1 then
-  redis.call('XADD', KEYS[2], '*', 'job', ARGV[1], 'error', ARGV[2], 'attempts', 0, 'payload', ARGV[3])
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[4], '*', 'job', ARGV[1], 'error', ARGV[2], 'attempts', 0,
+             'payload', ARGV[3])
   redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
 end
 redis.call('XDEL', KEYS[1], ARGV[1])
@@ -614,7 +616,8 @@ class Worker:
             # Not a job: it would kill this worker, then every worker that reclaimed it after it.
             logger.warning("worker %s: message %s is no job (%s); dead-lettered", self.name, message_id, job)
             keys = [self._stream(shard), shard.dead_letters, shard.counts]
-            self._dead_letter_message(keys=keys, args=[message_id, job, raw if isinstance(raw, bytes | str) else ""])
+            payload = raw if isinstance(raw, bytes | str) else ""
+            self._dead_letter_message(keys=keys, args=[message_id, job, payload, self.settings.dead_letter_limit])
             return
         self.current, self._current_message = job["id"], (shard, message_id)
         attempt = job.get("attempt", 1)
@@ -672,7 +675,8 @@ class Worker:
             keys = [shard.result(job["id"]), shard.counts, shard.failures, self._stream(shard), shard.dead_letters]
             retry = {**job, "attempt": job.get("attempt", 1) + 1}
             attempts = self._fail(keys=keys, args=[job["id"], message_id, error, self.settings.job_max_attempts,
-                                                   json.dumps(retry), self.name, ttl, job["file"]])  # fmt: skip
+                                                   json.dumps(retry), self.name, ttl, job["file"],
+                                                   self.settings.dead_letter_limit])  # fmt: skip
             self.failed += 1
             verdict = "dead-lettered" if attempts >= self.settings.job_max_attempts else "to be retried"
             logger.warning("worker %s: job %s failed (attempt %s of %d, %s) after %.2f s: %s", self.name, job["id"],
