@@ -302,8 +302,8 @@ class RedisBackend:
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
         self._shards: int | None = None
         self.cluster = isinstance(client, RedisCluster)
-        # The compile path's value reads (a remote hit's one GETRANGE, a pass's prefetch) skip redis-py's
-        # per-command layers where the client allows it (cachestore/backends/direct_reads.py).
+        # Value reads (a remote hit's one GETRANGE, a pass's prefetch, a checkpoint chunk, a scan's pages) skip
+        # redis-py's per-command layers where the client allows it (cachestore/backends/direct_reads.py).
         self._direct = DirectReader(client) if DirectReader.usable(client) else None
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
