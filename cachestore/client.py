@@ -86,6 +86,22 @@ class LeaseRelease:
 
 
 @dataclass
+class UnbuiltBatch:
+    """A pass's record as the compiling thread hands it over: the flusher makes it into its metrics batch
+    (`made`, once, so a send retried after an outage applies the same batch id)."""
+
+    record: PassRecord
+    writer_counts: dict[str, int]
+    made: MetricsBatch | None = None
+
+    def batch(self, host: str, worker: str) -> MetricsBatch:
+        if self.made is None:
+            self.made = metrics_batch(self.record, host, worker)
+            self.made.totals.update(self.writer_counts)
+        return self.made
+
+
+@dataclass
 class TtlRefresh:
     """An entry read whose value earns it more than entry_ttl (cachestore.value): its TTL, set in the background."""
 
@@ -167,6 +183,11 @@ class TierClient:
         self._open_until = 0.0
         self._outbox: collections.deque = collections.deque()
         self._outbox_lock = threading.Condition()
+        # What the compiling thread hands over (entries, lease releases, pass records), appended without the outbox
+        # lock and moved into the outbox under it (`_absorb`) by whoever next looks at the outbox. Taking the lock
+        # on the compiling thread made it wait for the flusher whenever the flusher held it, and then for the GIL
+        # the flusher holds while it encodes (bench/RESULTS.md, issue 16, "mirror_overhead_direct").
+        self._inbox: collections.deque = collections.deque()
         self._flusher: threading.Thread | None = None
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
@@ -299,7 +320,7 @@ class TierClient:
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
-        own = self._own_unsent(cache_keys) if self._unsent and self._available() else {}
+        own = self._own_unsent(cache_keys) if (self._unsent or self._inbox) and self._available() else {}
         if own:
             cache_keys = [key for key in cache_keys if key not in own]
             if not cache_keys:
@@ -326,6 +347,9 @@ class TierClient:
     def _own_unsent(self, cache_keys: Sequence[str]) -> dict[str, Entry]:
         """The entries of `cache_keys` this client queued and has not stored yet: its own traces (or copies it
         verified when it read them), so nothing to verify; the tier will hold them once the flusher sends them."""
+        if self._inbox:
+            with self._outbox_lock:
+                self._absorb()
         own = {}
         for key in cache_keys:
             pending = self._unsent.get(key)
@@ -362,6 +386,7 @@ class TierClient:
             ttls[key] = max(ttl, ttls.get(key, 0))
         if ttls:
             with self._outbox_lock:
+                self._absorb()  # (what was handed over before these reads goes first)
                 for key, ttl in ttls.items():
                     self._append(TtlRefresh(key, ttl))
                 self._outbox_lock.notify_all()
@@ -619,22 +644,29 @@ class TierClient:
         like the outbox's own drops). Queued, it would only be refused by the tier."""
         if not self.writes:
             return
+        if not self._dropped_invalid(batch):
+            self._enqueue(batch)
+
+    def _dropped_invalid(self, batch: MetricsBatch) -> bool:
+        """Drop `batch` with one warning, counted in tier_dropped, when no tier would take it."""
         problem = batch_problem(batch)
         if problem is not None:
             self.stats.add("tier_dropped")
             logger.warning("metrics batch %s not sent to tier %s: %s", batch.batch_id, self.description, problem)
-            return
-        self._enqueue(batch)
+        return problem is not None
 
     def record_pass(self, record: PassRecord) -> None:
         """The port's pass record, as one metrics batch applied once by the pass's id. The pass's end: nothing more
         is coming soon, so what it traced is sent at once (`send_now`) instead of gathering; this does not wait for
         it (a caller that needs the pass stored, e.g. before acknowledging a job, calls `flush`)."""
-        batch = metrics_batch(record, self.settings.host, self.settings.worker)
-        with self._writer_lock:
-            batch.totals.update(self._writer_counts)  # fields WRITER_COUNTERS:KEYID, beside the pass's counters
-            self._writer_counts.clear()
-        self.record(batch)
+        if not self.writes:
+            return
+        writers: dict[str, int] = {}
+        if self._writer_counts:
+            with self._writer_lock:
+                writers = dict(self._writer_counts)  # fields WRITER_COUNTERS:KEYID, beside the pass's counters
+                self._writer_counts.clear()
+        self._enqueue(UnbuiltBatch(record, writers))  # made into its metrics batch on the flusher
         self.send_now()
 
     def send_now(self) -> None:
@@ -645,6 +677,7 @@ class TierClient:
         if not self.writes:
             return
         with self._outbox_lock:
+            self._absorb()
             if not self._awaited:
                 return
             self._send_now = True
@@ -652,16 +685,24 @@ class TierClient:
         self._ensure_flusher()
 
     def _enqueue(self, item: object, wake: bool = True) -> None:
-        """Queue `item` for the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
-        or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile)."""
+        """Hand `item` to the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
+        or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile).
+        The first item of a quiet outbox wakes it all the same, so that it encodes while the pass goes on. No
+        lock is taken unless it wakes the flusher or the inbox has grown to outbox_limit."""
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
-        with self._outbox_lock:
-            wake = wake or not self._outbox
-            self._append(item)
-            if wake:
+        wake = wake or not (self._inbox or self._outbox)  # (unlocked: at worst one wake-up too many or too few)
+        self._inbox.append(item)
+        if wake or len(self._inbox) >= self.settings.outbox_limit:
+            with self._outbox_lock:
+                self._absorb()  # the outbox's limit applies to the inbox too: a stuck flusher cannot grow it
                 self._outbox_lock.notify_all()
         self._ensure_flusher()
+
+    def _absorb(self) -> None:
+        """Move what the compiling thread handed over into the outbox, in order (the outbox lock held)."""
+        while self._inbox:
+            self._append(self._inbox.popleft())
 
     def _append(self, item: object) -> None:
         """Queue `item` (the outbox lock held); past outbox_limit the oldest item is dropped and counted."""
@@ -702,7 +743,10 @@ class TierClient:
     def _flush_until_closed(self) -> None:
         while True:
             with self._outbox_lock:
-                self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
+                self._outbox_lock.wait_for(
+                    lambda: self._closing or bool(self._outbox or self._inbox), self.settings.flush_interval
+                )
+                self._absorb()
                 if self._closing and not self._outbox:
                     return
                 cooling = self._open_until - time.monotonic()
@@ -727,6 +771,7 @@ class TierClient:
             with self._outbox_lock:
                 if self._closing or self._flush_waiters > 0 or self._send_now:
                     return
+                self._absorb()
                 todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
                 if not todo:
                     remaining = deadline - time.monotonic()
@@ -741,6 +786,7 @@ class TierClient:
         """Send what is queued, in order; False when the tier failed (items stay queued)."""
         self._collect_touched()
         with self._outbox_lock:
+            self._absorb()
             items = list(self._outbox)
             self._send_now = False  # what it asked to be sent is being sent
         if not items:
@@ -778,7 +824,12 @@ class TierClient:
             if ok and refreshes:
                 ok, _ = self._guarded(lambda b: b.refresh_ttls(refreshes), "TTL refresh")
         else:
-            ok, applied = self._guarded(lambda b: b.apply_metrics(head), "metrics")
+            batch = head
+            if isinstance(head, UnbuiltBatch):  # (record() checked a batch handed over whole)
+                batch = head.batch(self.settings.host, self.settings.worker)
+                if self._dropped_invalid(batch):
+                    return True
+            ok, applied = self._guarded(lambda b: b.apply_metrics(batch), "metrics")
             if ok and applied:
                 self.stats.add("metrics_applied")
         return ok
@@ -808,7 +859,10 @@ class TierClient:
             self._flush_waiters += 1
             self._outbox_lock.notify_all()
             try:
-                while self._outbox:
+                while True:
+                    self._absorb()
+                    if not self._outbox:
+                        break
                     remaining = deadline - time.monotonic()
                     retries_in_time = through_outage and self._open_until < deadline
                     if remaining <= 0 or not (self._available() or retries_in_time):
@@ -820,6 +874,7 @@ class TierClient:
 
     def pending(self) -> int:
         with self._outbox_lock:
+            self._absorb()
             return len(self._outbox)
 
     def close(self, timeout: float | None = None) -> None:
@@ -836,6 +891,7 @@ class TierClient:
         if flusher is not None:
             flusher.join(timeout=max(self.settings.op_timeout * 3, 1.0))
         with self._outbox_lock:
+            self._absorb()
             if self._outbox:
                 self.stats.add("tier_dropped", len(self._outbox))
                 self._outbox.clear()

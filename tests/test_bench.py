@@ -4,6 +4,7 @@ figures themselves are recorded in bench/RESULTS.md, not asserted here)."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     assert warm_redis["warm_traces"] == 0 and warm_redis["warm_speedup_redis"] > 1
     mirror = bench.mirror_overhead(graphs, config, url)
     assert mirror["mirror_overhead"] > 0 and 1 <= mirror["mirror_overhead_direct"] < 2
+    runs = mirror["tier_seconds_in_compile_thread_runs"]
+    assert len(runs) == config.repeats and mirror["tier_seconds_in_compile_thread"] == statistics.median(runs) > 0
     hits = bench.remote_hit_vs_raw_get(graphs, config, url)
     assert hits["entries"] > 0 and hits["remote_hit_us"] > 0 and hits["batched_hit_us"] > 0
     assert bench.local_hit_cost(graphs, config)["local_hit_us"] > 0

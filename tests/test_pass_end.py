@@ -234,3 +234,76 @@ def test_what_close_waits_to_encode_is_compressed_fast_and_the_rest_small(gated:
             level, other = other, level
         payload = entries.open_stored(data)[1]
         assert payload == entries._payload(entry, level) != entries._payload(entry, other)
+
+
+def test_the_compiling_thread_hands_entries_over_without_the_outbox_lock(gated: GatedBackend) -> None:
+    """While the flusher (or anyone) holds the outbox lock, a trace's publish and a lease's release still return
+    at once: taking that lock on the compiling thread made it wait for the flusher, and then for the GIL the
+    flusher held while it encoded (bench/RESULTS.md, issue 16, mirror_overhead_direct)."""
+    client = TierClient(lambda: gated, settings(single_flight=False))
+    BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
+    assert wait_until(lambda: gated.writing == 1, 5.0)  # the flusher is sending, so the outbox is not empty
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with client._outbox_lock:
+            held.set()
+            release.wait(GATE_LIMIT)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert held.wait(5.0)
+    result = {"binary": b"handed over", "input_names": ["x"], "output_names": ["out"], "format": "bir"}
+    started = time.monotonic()
+    for i in range(3):
+        client.publish_trace(f"handed-{i}", result, {"kernel_name": "softmax", "i": i}, 0.01)
+    client.release_lease("handed-0")
+    returned = time.monotonic() - started
+    release.set()
+    holder.join(5.0)
+    assert returned < 1.0  # (with the lock taken, each call would wait for the holder: GATE_LIMIT)
+    # Handed over all the same: answered from memory now, stored once the gate opens.
+    assert set(client.find_many(["handed-0", "handed-2"])[0]) == {"handed-0", "handed-2"}
+    gated.gate.set()
+    assert client.flush(timeout=10)
+    assert {"handed-0", "handed-1", "handed-2"} <= set(stored_entries(gated.inner))
+    client.close(timeout=5)
+
+
+def test_a_pass_record_is_made_into_its_metrics_batch_on_the_flusher(gated: GatedBackend, monkeypatch) -> None:
+    """The pass's end only hands its record over; the batch (the counts per key and kernel, its log record) is
+    built on the flusher thread, once, however many times it is sent."""
+    from cachestore import client as client_module
+
+    built_on: list[str] = []
+    make = client_module.metrics_batch
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built_on.append(threading.current_thread().name)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "metrics_batch", recording)
+    gated.gate.set()
+    client = TierClient(lambda: gated, settings(single_flight=False))
+    BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
+    assert client.flush(timeout=10)
+    assert built_on == ["nkicache-tier-flusher"]
+    assert gated.inner.totals()["passes"] == 1
+    client.close(timeout=5)
+
+
+def test_what_the_compiling_thread_hands_over_is_bounded_by_outbox_limit(gated: GatedBackend) -> None:
+    """A flusher stuck on a send does not take what is handed over meanwhile: the handing over itself moves it
+    into the outbox once outbox_limit items wait, where the oldest are dropped and counted, as ever."""
+    client = TierClient(lambda: gated, settings(single_flight=False, outbox_limit=5))
+    result = {"binary": b"bounded", "input_names": ["x"], "output_names": ["out"], "format": "bir"}
+    client.publish_trace("first", result, {"kernel_name": "softmax"}, 0.01)
+    client.send_now()
+    assert wait_until(lambda: gated.writing == 1, 5.0)  # stuck at the gate with "first"
+    for i in range(40):
+        client.publish_trace(f"waiting-{i}", result, {"kernel_name": "softmax", "i": i}, 0.01)
+        assert len(client._inbox) < 5
+    assert client.pending() <= 5
+    assert client.counts()["tier_dropped"] >= 40 - 5
+    gated.gate.set()
+    client.close(timeout=5)

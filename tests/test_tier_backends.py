@@ -544,3 +544,53 @@ def test_deleting_an_entry_removes_its_name_of_an_older_release_too(redis_backen
     assert redis_backend.fetch([cache_key], TTL) == {}  # never read by a compile
     redis_backend.delete_entries([(cache_key, None)])
     assert redis_backend.client.exists(old_name) == 0
+
+
+def test_a_store_of_new_entries_is_two_round_trips_with_its_indexes(redis_backend: RedisBackend, monkeypatch) -> None:
+    """The digest claims, then the entries with their dedupe fields and variant index in one pipeline (a round
+    trip costs the writing process a wake-up, and a one-shot compile waits for the last store in close())."""
+    executed: list[int] = []
+    make = redis_backend.client.pipeline
+
+    def counted(*args, **kwargs):
+        pipe = make(*args, **kwargs)
+        execute = pipe.execute
+
+        def run(*a, **k):
+            executed.append(len(pipe.command_stack))
+            return execute(*a, **k)
+
+        pipe.execute = run
+        return pipe
+
+    monkeypatch.setattr(redis_backend.client, "pipeline", counted)
+    keys = [hashlib.sha256(b"rt%d" % i).hexdigest() for i in range(5)]
+    redis_backend.store([request_for(k, entry(b"round-trip-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)
+    assert len(executed) == 2
+    monkeypatch.undo()
+    assert set(redis_backend.fetch(keys, TTL)) == set(keys)
+    assert len({f for b in digest_buckets(redis_backend) for f in redis_backend.client.hkeys(b)}) == 5
+
+
+def test_an_entry_write_the_server_refuses_fails_the_store(redis_backend: RedisBackend, monkeypatch) -> None:
+    """Sent with its indexes, whose errors are only logged, an entry's own refused write still fails the store
+    (the client then keeps it queued and retries), translated like any tier error."""
+    from cachestore.api import TierError
+
+    make = redis_backend.client.pipeline
+
+    def refusing(*args, **kwargs):
+        pipe = make(*args, **kwargs)
+        set_command = pipe.set
+
+        def refused_set(name, value, *a, **k):
+            if name == redis_backend.keys.entry(redis_backend.toolchain, "refused"):
+                return pipe.execute_command("INCRBY", name, "not a number")  # an error reply in the entry's place
+            return set_command(name, value, *a, **k)
+
+        pipe.set = refused_set
+        return pipe
+
+    monkeypatch.setattr(redis_backend.client, "pipeline", refusing)
+    with pytest.raises(TierError):
+        redis_backend.store([request_for("refused", entry(b"refused binary" * 10))], TTL)

@@ -68,18 +68,18 @@ def settings_for(server: Any, namespace: str, **changes: Any) -> Settings:
 
 
 class RecordingClient:
-    """Wraps TierClient.record to keep what each pass counted (the batch totals), for comparison."""
+    """Wraps TierClient.record_pass to keep what each pass counted (its batch's totals), for comparison."""
 
     def __init__(self, client: TierClient):
         self.client = client
         self.batches: list[dict[str, float]] = []
-        record = client.record
+        record_pass = client.record_pass
 
-        def recording(batch: Any) -> None:
-            self.batches.append(dict(batch.totals))
-            record(batch)
+        def recording(record: Any) -> None:
+            self.batches.append(dict(record.counts))  # (no writer key here: nothing else joins the totals)
+            record_pass(record)
 
-        client.record = recording  # type: ignore[method-assign]
+        client.record_pass = recording  # type: ignore[method-assign]
 
     def summed(self) -> dict[str, float]:
         total: dict[str, float] = collections.defaultdict(float)

@@ -562,6 +562,8 @@ class RedisBackend:
             if exists or holder in in_batch
         }
 
+        written = [r for r in requests if r.cache_key not in referenced]
+
         def write(pipe: Any) -> None:
             for r in requests:
                 expiry = r.ttl or ttl  # value-ranked (cachestore.value)
@@ -569,11 +571,20 @@ class RedisBackend:
                     pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
+            records = checkpoints() if checkpoints is not None else ()  # after the references are encoded
+            self._fill_indexes(pipe, requests, written, full_buckets, ttl, records)
 
-        self._pipeline(write)
-        written = [r for r in requests if r.cache_key not in referenced]
-        records = checkpoints() if checkpoints is not None else ()  # after the references are encoded
-        self._write_indexes(requests, written, full_buckets, ttl, records)
+        # One round trip for the entries and their indexes (two before 2026-12-01: a round trip costs the compiling
+        # process a wake-up and the flusher's Python, and a one-shot compile waits for the last one in close()).
+        # An entry's write that fails fails the store (retried whole); an index's is only logged (_fill_indexes).
+        replies = self._pipeline(write, raise_on_error=False)
+        refused = [reply for reply in replies[: len(requests)] if isinstance(reply, Exception)]
+        if refused:
+            with redis_errors(self.description):
+                raise refused[0]
+        failed = [reply for reply in replies[len(requests) :] if isinstance(reply, Exception)]
+        if failed:
+            logger.debug("%s: index or checkpoint not written: %s", self.description, failed)
 
     def _claim_digests(self, requests: Sequence[StoreRequest], ttl: int) -> tuple[list[str | None], set[str]]:
         """(the cache key each request's binary is indexed under, after claiming it for the request where no
@@ -595,17 +606,19 @@ class RedisBackend:
         full = {b for b, size in zip(buckets, sizes, strict=True) if isinstance(size, int) and size > MAX_DIGEST_FIELDS}
         return holders, full
 
-    def _write_indexes(
+    def _fill_indexes(
         self,
+        pipe: Any,
         requests: Sequence[StoreRequest],
         written: Sequence[StoreRequest],
         full: set[str],
         ttl: int,
         checkpoints: Sequence[CheckpointRecord] = (),
     ) -> None:
-        """The dedupe index fields of the entries written whole, the variant index and the writer's checkpoint
-        chunks. They only save bytes, name a miss's cause or shortcut a reader's check: a key of another type
-        under their names must not fail the entries' writes, which would then be retried, and fail, for ever."""
+        """Queue on `pipe` the dedupe index fields of the entries written whole, the variant index and the writer's
+        checkpoint chunks. They only save bytes, name a miss's cause or shortcut a reader's check: a key of another
+        type under their names must not fail the entries' writes, which would then be retried, and fail, for ever
+        (the caller runs the pipeline without raising, and only logs their errors)."""
         index: dict[str, dict[bytes, bytes]] = {}
         for r in requests:
             index.setdefault(r.kernel_name, {}).update(r.index_fields)
@@ -614,27 +627,22 @@ class RedisBackend:
             bucket = self._digest_bucket(r.digest)
             expiry[bucket] = max(expiry.get(bucket, 0), r.ttl or ttl)
 
-        def fill(pipe: Any) -> None:
-            for bucket in sorted(full):  # emptied before this batch's fields go in: a bound, not a loss of these
-                pipe.delete(bucket)
-            for r in written:
-                pipe.hset(self._digest_bucket(r.digest), digest_field(r.digest), holder_value(r.cache_key))
-            for bucket, seconds in expiry.items():
-                # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
-                pipe.expire(bucket, seconds, gt=True)
-                pipe.expire(bucket, seconds, nx=True)
-            for kernel_name, fields in index.items():
-                if fields:
-                    pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
-                    pipe.expire(self.keys.variant_index(kernel_name), ttl)
-            chunk_ttl = max([ttl, *(r.ttl for r in requests if r.ttl)])
-            for record in checkpoints:
-                key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
-                pipe.set(key, record.data, ex=chunk_ttl)
-
-        failed = [reply for reply in self._pipeline(fill, raise_on_error=False) if isinstance(reply, Exception)]
-        if failed:
-            logger.debug("%s: index or checkpoint not written: %s", self.description, failed)
+        for bucket in sorted(full):  # emptied before this batch's fields go in: a bound, not a loss of these
+            pipe.delete(bucket)
+        for r in written:
+            pipe.hset(self._digest_bucket(r.digest), digest_field(r.digest), holder_value(r.cache_key))
+        for bucket, seconds in expiry.items():
+            # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
+            pipe.expire(bucket, seconds, gt=True)
+            pipe.expire(bucket, seconds, nx=True)
+        for kernel_name, fields in index.items():
+            if fields:
+                pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
+                pipe.expire(self.keys.variant_index(kernel_name), ttl)
+        chunk_ttl = max([ttl, *(r.ttl for r in requests if r.ttl)])
+        for record in checkpoints:
+            key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
+            pipe.set(key, record.data, ex=chunk_ttl)
 
     def fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
         """The stored chunk of a writer's checkpoint, or None: none there, another type of key under its name, or
