@@ -422,10 +422,12 @@ def main(argv: list[str]) -> None:
     if "hmac_key_hex" in fields:
         fields["hmac_key"] = bytes.fromhex(fields.pop("hmac_key_hex"))
     tier = open_tier(Settings(**fields))
-    batches: list[dict] = []
+    batches: list = []  # every metrics batch the client made (on its flusher), read once it is closed
     if tier is not None:
-        record = tier.record
-        tier.record = lambda batch: (batches.append(dict(batch.totals)), record(batch))
+        from cachestore import client as client_module
+
+        make = client_module.metrics_batch
+        client_module.metrics_batch = lambda *args: batches.append(make(*args)) or batches[-1]
     if len(argv) > 2:
         _wait_at_barrier(Path(argv[2]), argv[3], int(argv[4]))
     started = time.time()
@@ -436,7 +438,7 @@ def main(argv: list[str]) -> None:
         tier.close(timeout=10)
     report = {
         "summary": loop.pass_summary(),
-        "batches": batches,
+        "batches": [dict(batch.totals) for batch in batches],
         "digests": binary_digests(bb),
         "stats": tier.stats.snapshot() if tier is not None else {},
         "started": started,

@@ -217,8 +217,8 @@ def test_entries_swapped_between_keys_are_rejected_counted_and_retraced(tier: Ti
 
     batches: list[dict] = []
     client = open_tier(settings.replace(worker="w2"))
-    record = client.record
-    client.record = lambda batch: (batches.append(dict(batch.totals)), record(batch))
+    record_pass = client.record_pass
+    client.record_pass = lambda record: (batches.append(dict(record.counts)), record_pass(record))
     second, second_bb = compile_in_process(graph, client)
     client.close(timeout=10)
     assert second.tier_counts()["tier_rejected"] == 2
