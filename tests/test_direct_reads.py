@@ -114,3 +114,120 @@ def test_a_forked_child_reads_on_its_own_connection(
     assert os.read(read, 100) == b"ok"
     os.close(read)
     assert reader.getranges([key], 0, 9) == [b"shared"] and _direct_client_id(reader) == parent_id
+
+
+# -- getrange: one key, its reply read by hiredis straight from the socket (a remote hit's read) --------------
+def test_getrange_reads_what_redis_py_reads(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """Values shorter and much longer than the parser's 64 KiB buffer (a reply read in many pieces), an empty
+    value, a missing key and a range inside a value: the bytes redis-py's GETRANGE returns."""
+    sizes = (0, 1, 1300, 70_000, 300_000)
+    keys = [f"{redis_namespace}{size}" for size in sizes]
+    for key, size in zip(keys, sizes, strict=True):
+        redis_client.set(key, os.urandom(size))
+    for key in [*keys, f"{redis_namespace}missing"]:
+        assert reader.getrange(key, 0, -1) == redis_client.getrange(key, 0, -1)
+        assert reader.getrange(key, 10, 99_999) == redis_client.getrange(key, 10, 99_999)
+    assert reader.getranges(keys, 0, 9) == [redis_client.getrange(key, 0, 9) for key in keys]  # still in step
+
+
+def test_getrange_reads_no_reply_through_redis_py(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once connected, a getrange sends and reads on the socket itself: redis-py's send_packed_command and
+    read_response (host string, protocol and health bookkeeping around each reply) are not called."""
+    key = f"{redis_namespace}k"
+    redis_client.set(key, b"value")
+    assert reader.getrange(key, 0, -1) == b"value"  # connects (through getranges)
+    connection = reader._connection
+    calls = []
+    for name in ("send_packed_command", "read_response"):
+        original = getattr(connection, name)
+        monkeypatch.setattr(connection, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    assert [reader.getrange(key, 0, -1) for _ in range(3)] == [b"value"] * 3
+    assert calls == []
+
+
+def test_a_refused_getrange_raises_and_the_next_read_is_in_step(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    plain, other = f"{redis_namespace}plain", f"{redis_namespace}hash"
+    redis_client.set(plain, b"value")
+    redis_client.hset(other, "a", "hash")
+    assert reader.getrange(plain, 0, -1) == b"value"
+    connection = reader._connection
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        reader.getrange(other, 0, -1)
+    assert reader._connection is connection  # the one reply was read: the connection stays
+    assert reader.getrange(plain, 0, 2) == b"val" and reader.getranges([plain], 0, -1) == [b"value"]
+
+
+def test_a_getrange_on_a_connection_the_server_killed_fails_and_the_next_connects_again(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    key = f"{redis_namespace}k"
+    redis_client.set(key, b"v")
+    assert reader.getrange(key, 0, 9) == b"v"
+    redis_client.client_kill_filter(_id=_direct_client_id(reader))
+    results = []
+    for _ in range(2):  # the first read may fail on the dead socket; it never returns another read's bytes
+        try:
+            results.append(reader.getrange(key, 0, 9))
+        except redis.ConnectionError:
+            results.append("failed")
+    assert results[-1] == b"v" and all(result in ("failed", b"v") for result in results)
+
+
+def test_a_getrange_blocked_on_a_silent_server_fails_at_once_when_disconnected() -> None:
+    """The backend's op-timeout watchdog aborts a hit by disconnecting the reader from another thread: the read
+    blocked in the socket fails (a redis-py ConnectionError), and the reader's connection is dropped."""
+    import re
+    import socket
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def serve() -> None:  # answers the connection's handshake commands with +OK, and a GETRANGE never
+        peer = server.accept()[0]
+        while data := peer.recv(65536):
+            if b"GETRANGE" not in data:
+                peer.sendall(b"+OK\r\n" * len(re.findall(rb"(?:^|\r\n)\*\d+\r\n\$", data)))
+        peer.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = redis.Redis(host="127.0.0.1", port=server.getsockname()[1], socket_timeout=30, protocol=2)
+    direct = DirectReader(client)
+    direct._connected().connect()
+    threading.Timer(0.3, direct.disconnect).start()
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        direct.getrange("k", 0, -1)
+    assert time.monotonic() - started < 5 and direct._connection is None
+    server.close()
+
+
+def test_a_connection_parsed_without_hiredis_is_read_by_getranges(
+    redis_url: str, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    from redis._parsers import _RESP2Parser
+
+    key = f"{redis_namespace}k"
+    redis_client.set(key, b"value")
+    client = redis.Redis.from_url(redis_url, parser_class=_RESP2Parser, protocol=2)
+    direct = DirectReader(client)
+    assert [direct.getrange(key, 0, -1) for _ in range(2)] == [b"value"] * 2
+    assert not isinstance(direct._connection._parser, type(reader_parser(redis_client)))
+    direct.disconnect()
+    client.close()
+
+
+def reader_parser(client: redis.Redis) -> object:
+    direct = DirectReader(client)
+    direct.getranges(["any"], 0, 0)
+    parser = direct._connection._parser
+    direct.disconnect()
+    return parser

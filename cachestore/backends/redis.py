@@ -423,6 +423,9 @@ class RedisBackend:
         refreshed (EXPIRE) in the same round trip. An empty value reads as no value: GETRANGE does not tell them
         apart, and an empty entry is no entry anyway."""
         if ttl is None:
+            if len(cache_keys) == 1 and self._direct is not None:  # a remote hit
+                key = cache_keys[0]
+                return self._within_op_timeout(lambda: self._fetch_one(key))
             return self._within_op_timeout(lambda: self._fetch_heads(cache_keys))
 
         def read() -> dict[str, bytes | TooLarge]:
@@ -446,6 +449,17 @@ class RedisBackend:
             values = self._read_longer(redis_keys, [(None, None)] * len(redis_keys), longer)
             found.update((cache_keys[i], values[i][0]) for i in longer if values[i][0] is not None)
         return found
+
+    def _fetch_one(self, cache_key: str) -> dict[str, bytes | TooLarge]:
+        """`_fetch_heads` of one key on the direct connection: the same reads with fewer layers of calls around the
+        GETRANGE, which run after the reply comes, on a CPU whose caches the wait left cold (a remote hit)."""
+        first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
+        redis_key = self._entry(cache_key)
+        head = self._direct.getrange(redis_key, 0, first - 1)  # type: ignore[union-attr]
+        if len(head) < first:
+            return {cache_key: head} if head else {}
+        value = self._read_longer([redis_key], [(None, None)], [0])[0][0]
+        return {} if value is None else {cache_key: value}
 
     def _read_entries(
         self, redis_keys: Sequence[str], refresh_ttl: int | None = None, with_ttl: bool = True
