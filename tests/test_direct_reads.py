@@ -4,7 +4,12 @@ only where a client is a plain redis-py client."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import fakeredis
@@ -179,29 +184,77 @@ def test_a_getrange_on_a_connection_the_server_killed_fails_and_the_next_connect
     assert results[-1] == b"v" and all(result in ("failed", b"v") for result in results)
 
 
-def test_a_getrange_blocked_on_a_silent_server_fails_at_once_when_disconnected() -> None:
-    """The backend's op-timeout watchdog aborts a hit by disconnecting the reader from another thread: the read
-    blocked in the socket fails (a redis-py ConnectionError), and the reader's connection is dropped."""
-    import re
-    import socket
-    import threading
-    import time
+class FakeServer:
+    """A server on loopback that answers the connection's handshake commands with +OK, and a GETRANGE with
+    `reply`: `chunk` bytes every `interval` seconds (None: never)."""
 
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
+    def __init__(self, reply: bytes | None, chunk: int = 10, interval: float = 0.0) -> None:
+        self.reply, self.chunk, self.interval = reply, chunk, interval
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._serve, daemon=True).start()
 
-    def serve() -> None:  # answers the connection's handshake commands with +OK, and a GETRANGE never
-        peer = server.accept()[0]
-        while data := peer.recv(65536):
-            if b"GETRANGE" not in data:
-                peer.sendall(b"+OK\r\n" * len(re.findall(rb"(?:^|\r\n)\*\d+\r\n\$", data)))
+    def client(self, socket_timeout: float = 30) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.listener.getsockname()[1], socket_timeout=socket_timeout,
+                           protocol=2)  # fmt: skip
+
+    def _serve(self) -> None:
+        peer = self.listener.accept()[0]
+        with contextlib.suppress(OSError):
+            while data := peer.recv(65536):
+                if b"GETRANGE" not in data:
+                    peer.sendall(b"+OK\r\n" * len(re.findall(rb"(?:^|\r\n)\*\d+\r\n\$", data)))
+                    continue
+                for at in range(0, len(self.reply or b""), self.chunk):
+                    time.sleep(self.interval)
+                    peer.sendall(self.reply[at : at + self.chunk])  # type: ignore[index]
         peer.close()
 
-    threading.Thread(target=serve, daemon=True).start()
-    client = redis.Redis(host="127.0.0.1", port=server.getsockname()[1], socket_timeout=30, protocol=2)
+    def close(self) -> None:
+        self.listener.close()
+
+
+def connected(client: redis.Redis) -> DirectReader:
     direct = DirectReader(client)
     direct._connected().connect()
+    return direct
+
+
+def test_getrange_within_says_none_until_the_connection_is_made(redis_client: redis.Redis) -> None:
+    """A first read connects, under the caller's own bound (the backend's watchdog): not bounded here."""
+    direct = DirectReader(redis_client)
+    assert direct.getrange_within("any", 0, 9, 1.0) is None
+    assert direct.getrange("any", 0, 9) == b"" and direct.getrange_within("any", 0, 9, 1.0) == b""
+    direct.disconnect()
+
+
+def test_a_reply_trickled_past_the_deadline_is_given_up_on_and_its_connection_dropped() -> None:
+    """Ten bytes every 0.1 s, each socket read well within the socket timeout: only the bound on the whole read
+    ends it, at its deadline, with redis-py's TimeoutError; the half-read connection is dropped."""
+    value = os.urandom(300)
+    server = FakeServer(b"$300\r\n" + value + b"\r\n", chunk=10, interval=0.1)
+    direct = connected(server.client(socket_timeout=5))
+    started = time.monotonic()
+    with pytest.raises(redis.TimeoutError, match="operation timeout"):
+        direct.getrange_within("k", 0, -1, 0.5)
+    assert 0.4 < time.monotonic() - started < 1.5 and direct._connection is None
+    server.close()
+
+
+def test_a_reply_in_many_pieces_within_the_deadline_is_read_and_the_socket_timeout_set_back() -> None:
+    value = os.urandom(300)
+    server = FakeServer(b"$300\r\n" + value + b"\r\n", chunk=50, interval=0.01)
+    direct = connected(server.client(socket_timeout=7))
+    assert direct.getrange_within("k", 0, -1, 5.0) == value
+    assert direct._connection._sock.gettimeout() == 7
+    direct.disconnect()
+    server.close()
+
+
+def test_a_getrange_blocked_on_a_silent_server_fails_at_once_when_disconnected() -> None:
+    """The backend's watchdog aborts a read by disconnecting the reader from another thread: the read blocked in
+    the socket fails (a redis-py ConnectionError), and the reader's connection is dropped."""
+    server = FakeServer(None)
+    direct = connected(server.client())
     threading.Timer(0.3, direct.disconnect).start()
     started = time.monotonic()
     with pytest.raises(redis.ConnectionError):

@@ -14,9 +14,11 @@ client, fakeredis, or a client-side cache keep the client's own path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,25 +84,35 @@ class DirectReader:
         return replies
 
     def getrange(self, key: str, start: int, end: int) -> bytes:
-        """GETRANGE key start end (a remote hit's one read): `getranges` of one key, its reply read from the socket
-        by the connection's own hiredis reader, without redis-py's layers around a reply (its host string, protocol
-        and health bookkeeping): 15-20 µs of a 50 µs read, spent right after the wait (bench/RESULTS.md). Errors
-        as `getranges`'s; a connection not yet made, or not parsed by hiredis, is read by `getranges`."""
+        """GETRANGE key start end (a remote hit's one read): `getrange_within` with no bound on the whole read, and
+        `getranges` of the one key where the connection is not made yet or not parsed by hiredis."""
+        reply = self.getrange_within(key, start, end, None)
+        return reply if reply is not None else self.getranges((key,), start, end)[0]
+
+    def getrange_within(self, key: str, start: int, end: int, seconds: float | None) -> bytes | None:
+        """GETRANGE key start end, its one reply read from the socket by the connection's own hiredis reader,
+        without redis-py's layers around a reply (its host string, protocol and health bookkeeping: 15-20 µs of a
+        50 µs read, spent right after the wait, bench/RESULTS.md), the whole read bounded by `seconds` (None: each
+        socket read by the socket timeout alone). Past `seconds` it raises redis-py's TimeoutError and drops the
+        connection, so a server that trickles its reply is given up on without a watchdog thread. None when the
+        connection is not made yet or not parsed by hiredis: the caller reads with `getranges`, bounded its own
+        way. Errors as `getranges`'s."""
+        deadline = None if seconds is None else time.monotonic() + seconds
         with self._lock:
             connection = self._connected()
             parser = getattr(connection, "_parser", None)
             sock, reader = getattr(connection, "_sock", None), getattr(parser, "_reader", None)
-            bare = sock is not None and reader is not None and _HiredisParser is not None
-            if bare and isinstance(parser, _HiredisParser):
-                try:
-                    reply = _read_reply(sock, parser, reader, pack_command(("GETRANGE", key, start, end)))
-                except BaseException:
-                    self._drop(connection)
-                    raise
-                if isinstance(reply, ResponseError):  # the connection is in step: the one reply is read
-                    raise reply
-                return reply
-        return self.getranges((key,), start, end)[0]
+            if sock is None or reader is None or _HiredisParser is None or not isinstance(parser, _HiredisParser):
+                return None
+            try:
+                packed = pack_command(("GETRANGE", key, start, end))
+                reply = _read_reply(sock, parser, reader, packed, deadline, connection.socket_timeout)
+            except BaseException:
+                self._drop(connection)
+                raise
+        if isinstance(reply, ResponseError):  # the connection is in step: the one reply is read
+            raise reply
+        return reply
 
     def disconnect(self) -> None:
         connection = self._connection
@@ -118,10 +130,15 @@ class DirectReader:
             self._connection = None
 
 
-def _read_reply(sock: socket.socket, parser: Any, reader: Any, packed: bytes) -> bytes | ResponseError:
+def _read_reply(
+    sock: socket.socket, parser: Any, reader: Any, packed: bytes, deadline: float | None, timeout: float | None
+) -> bytes | ResponseError:
     """Send `packed` and read its one reply as redis-py's hiredis parser would (a push notification handed to the
-    parser, the reply after it read), raising redis-py's errors for the socket's. A reply that is neither bytes nor
-    a refusal is refused: the connection is out of step, and the caller drops it."""
+    parser, the reply after it read), raising redis-py's errors for the socket's. Each socket read waits at most
+    the socket's `timeout`, and at most until `deadline` (time.monotonic) when there is one: the socket's timeout
+    is shortened for that read, and set back after. A reply that is neither bytes nor a refusal is refused: the
+    connection is out of step, and the caller drops it."""
+    shortened = False
     try:
         sock.sendall(packed)
         buffer = parser._buffer
@@ -129,6 +146,13 @@ def _read_reply(sock: socket.socket, parser: Any, reader: Any, packed: bytes) ->
         while True:
             reply = reader.gets()
             while reply is NOT_ENOUGH_DATA:
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise rex.TimeoutError("direct-read connection: no whole reply within the operation timeout")
+                    if timeout is None or remaining < timeout:
+                        sock.settimeout(remaining)
+                        shortened = True
                 count = sock.recv_into(buffer)
                 if not count:
                     raise rex.ConnectionError("Connection closed by server.")
@@ -138,9 +162,14 @@ def _read_reply(sock: socket.socket, parser: Any, reader: Any, packed: bytes) ->
                 break
             parser.handle_push_response(reply)
     except TimeoutError:  # (socket.timeout)
-        raise rex.TimeoutError("Timeout reading from the direct-read connection") from None
+        what = "no whole reply within the operation timeout" if shortened else "Timeout reading from the socket"
+        raise rex.TimeoutError(f"direct-read connection: {what}") from None
     except OSError as exc:
         raise rex.ConnectionError(f"Error on the direct-read connection: {exc}") from None
+    finally:
+        if shortened:
+            with contextlib.suppress(OSError):  # (closed under the read: the connection is dropped anyway)
+                sock.settimeout(timeout)
     if type(reply) is bytes or isinstance(reply, ResponseError):
         return reply
     if isinstance(reply, BaseException):
