@@ -284,3 +284,38 @@ def reader_parser(client: redis.Redis) -> object:
     parser = direct._connection._parser
     direct.disconnect()
     return parser
+
+
+class CountingSocket:
+    """A connection's socket, its settimeout calls counted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.timeouts = sock, []
+
+    def settimeout(self, value: float | None) -> None:
+        self.timeouts.append(value)
+        self.sock.settimeout(value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+def test_a_read_bounded_by_its_socket_timeout_already_leaves_the_timeout_alone(
+    redis_url: str, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """A hit's bound is the operation timeout, which is its connection's socket timeout too: its one socket read
+    is bounded already, and the socket's timeout is not set (twice) for it. A shorter bound is set, and set back."""
+    key = f"{redis_namespace}k"
+    redis_client.set(key, b"value")
+    client = redis.Redis.from_url(redis_url, socket_timeout=1.0)
+    direct = DirectReader(client)
+    assert direct.getrange(key, 0, -1) == b"value"
+    counting = CountingSocket(direct._connection._sock)
+    direct._connection._sock = counting
+    assert [direct.getrange_within(key, 0, -1, 1.0) for _ in range(3)] == [b"value"] * 3
+    assert counting.timeouts == []
+    assert direct.getrange_within(key, 0, -1, 0.5) == b"value"
+    assert counting.timeouts[0] <= 0.5 and counting.timeouts[1:] == [1.0]
+    direct._connection._sock = counting.sock
+    direct.disconnect()
+    client.close()
