@@ -294,8 +294,10 @@ class TierClient:
         ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
         data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
         entry = None if data is None else self._accepted(cache_key, data)
-        if entry is not None:
-            self._count_found((entry,))
+        if entry is not None:  # (_count_found of one entry, without its list)
+            if entry.writer:
+                self._count_writers((f"writer_served:{entry.writer}",))
+            self.stats.add("entries_found")
         return entry
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:

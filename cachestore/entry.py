@@ -683,13 +683,16 @@ def _entry_from_fields(values: object) -> Entry:
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
     _check_shape(values)
     _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
-    for name, number in (("created", created), ("compile_seconds", compile_seconds)):
-        # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json).
-        if not math.isfinite(number) or number < 0:
-            raise EntryRejected(f"body field {name!r} is {number!r}, not a finite number >= 0")
+    # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json). A NaN fails every
+    # comparison: one chained comparison a number, no call (every remote hit runs this, right after its wait).
+    if not (0 <= created < math.inf and 0 <= compile_seconds < math.inf):
+        name, number = ("created", created) if not 0 <= created < math.inf else ("compile_seconds", compile_seconds)
+        raise EntryRejected(f"body field {name!r} is {number!r}, not a finite number >= 0")
     if form not in ("bir", "klir"):
         raise EntryRejected(f"unknown binary format {form!r}")
-    for name in inputs + outputs:
-        if not isinstance(name, str):
-            raise EntryRejected("input/output names must be strings")
+    try:  # str.join takes strings alone, and checks them in C: no loop of isinstance calls here
+        "".join(inputs)
+        "".join(outputs)
+    except TypeError:
+        raise EntryRejected("input/output names must be strings") from None
     return Entry(*values)
