@@ -319,3 +319,27 @@ def test_a_read_bounded_by_its_socket_timeout_already_leaves_the_timeout_alone(
     direct._connection._sock = counting.sock
     direct.disconnect()
     client.close()
+
+
+def test_a_push_notification_before_the_reply_is_handed_to_the_parser_and_the_reply_read_after_it(
+    redis_url: str, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """On RESP3 the server may send a push (here a client-tracking invalidation) ahead of a reply: getrange hands
+    it to redis-py's parser, as redis-py's own read does, and returns the reply that follows, in step."""
+    key = f"{redis_namespace}k"
+    redis_client.set(key, b"v1")
+    client = redis.Redis.from_url(redis_url, protocol=3)
+    direct = DirectReader(client)
+    assert direct.getrange(key, 0, -1) == b"v1"  # connects
+    connection = direct._connection
+    connection.send_command("CLIENT", "TRACKING", "ON")
+    assert connection.read_response() in (b"OK", "OK")
+    pushed: list = []
+    connection._parser.invalidation_push_handler_func = pushed.append
+    assert direct.getrange(key, 0, -1) == b"v1"  # the key is tracked for this connection now
+    redis_client.set(key, b"v2")  # the server pushes an invalidation to it
+    time.sleep(0.1)
+    assert direct.getrange(key, 0, -1) == b"v2" and direct.getrange(key, 0, 0) == b"v"
+    assert len(pushed) == 1 and direct._connection is connection
+    direct.disconnect()
+    client.close()

@@ -104,11 +104,12 @@ class DirectReader:
             connection = self._connected()
             parser = getattr(connection, "_parser", None)
             sock, reader = getattr(connection, "_sock", None), getattr(parser, "_reader", None)
-            if sock is None or reader is None or _HiredisParser is None or not isinstance(parser, _HiredisParser):
+            buffer = getattr(parser, "_buffer", None)  # (redis-py's parser internals: checked, never assumed)
+            if sock is None or reader is None or buffer is None or not _is_hiredis(parser):
                 return None
             try:
                 packed = pack_command(("GETRANGE", key, start, end))
-                reply = _read_reply(sock, parser, reader, packed, deadline, connection.socket_timeout)
+                reply = _read_reply(sock, parser, reader, buffer, packed, deadline, connection.socket_timeout)
             except BaseException:
                 self._drop(connection)
                 raise
@@ -132,9 +133,14 @@ class DirectReader:
             self._connection = None
 
 
+def _is_hiredis(parser: Any) -> bool:
+    return _HiredisParser is not None and isinstance(parser, _HiredisParser)
+
+
 def _read_reply(
-    sock: socket.socket, parser: Any, reader: Any, packed: bytes, deadline: float | None, timeout: float | None
-) -> bytes | ResponseError:
+    sock: socket.socket, parser: Any, reader: Any, buffer: bytearray, packed: bytes, deadline: float | None,
+    timeout: float | None,
+) -> bytes | ResponseError:  # fmt: skip
     """Send `packed` and read its one reply as redis-py's hiredis parser would (a push notification handed to the
     parser, the reply after it read), raising redis-py's errors for the socket's. Each socket read waits at most
     the socket's `timeout`, and at most until `deadline` (time.monotonic; DEADLINE_SLACK after it at worst) when
@@ -143,7 +149,6 @@ def _read_reply(
     shortened = False
     try:
         sock.sendall(packed)
-        buffer = parser._buffer
         push = getattr(parser, "_hiredis_PushNotificationType", None)
         while True:
             reply = reader.gets()
