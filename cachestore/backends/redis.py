@@ -456,7 +456,7 @@ class RedisBackend:
         """`_fetch_heads` of one key on the direct connection, bounded by op_timeout as a whole by the read itself
         (DirectReader.getrange_within) rather than the watchdog, and with fewer layers of calls around the GETRANGE:
         a remote hit runs them on a CPU whose caches the reply's wait left cold (the watchdog's watch cost a hit
-        7-10 µs there). None when the direct connection is not made yet (its first read connects under the
+        4.5-7.5 µs of CPU there). None when the direct connection is not made yet (its first read connects under the
         watchdog: the caller reads it so). A value longer than a head (over 1 MiB) is read again under the watchdog,
         within what is left of op_timeout."""
         first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
