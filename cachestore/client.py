@@ -23,11 +23,12 @@ import collections
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -197,6 +198,7 @@ class TierClient:
         # a backend is never closed under a thread still sending on it (SQLite and Lua crash, not raise).
         self._backend_closed_by_flusher = False
         self._flusher_stopped = False  # the current flusher has left its loop (set by it, under the outbox lock)
+        self._flusher_pid = 0  # the process that started it (a forked child has none running)
         # The entries queued and not yet stored, by cache key: a read answers them from here (read your own writes)
         # while the tier is up, since a pass returns without waiting for its stores and the next pass of this
         # process may ask for them before they are sent.
@@ -305,8 +307,19 @@ class TierClient:
 
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, cache_key: str) -> Entry | None:
-        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable)."""
-        return self.find_many([cache_key])[0].get(cache_key)
+        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many` of
+        one key, without its lists, sets and dicts when this process has no entry of its own queued (a remote hit
+        spends its Python after the reply's wait, caches cold)."""
+        if self._unsent or self._inbox:
+            return self.find_many([cache_key])[0].get(cache_key)
+        ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
+        data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
+        entry = None if data is None else self._accepted(cache_key, data)
+        if entry is not None:  # (_count_found of one entry, without its list)
+            if entry.writer:
+                self._count_writers((f"writer_served:{entry.writer}",))
+            self.stats.add("entries_found")
+        return entry
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         """The port's read: `find_many`, each entry as the trace the loop takes from it."""
@@ -331,18 +344,26 @@ class TierClient:
             return own, set(own)
         entries = own
         for key, data in found.items():
-            entry = self._decode(key, data)
-            if entry is not None:
-                self._touch(key, entry, data)
-            if entry is not None and entry.is_reference:
-                entry = self._follow_reference(key, entry)
+            entry = self._accepted(key, data)
             if entry is not None:
                 entries[key] = entry
-        served = [f"writer_served:{entry.writer}" for entry in entries.values() if entry.writer]
+        self._count_found(entries.values())
+        return entries, set(found) | set(own)
+
+    def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
+        """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
+        entry = self._decode(cache_key, data)
+        if entry is None:
+            return None
+        self._touch(cache_key, entry, data)
+        return self._follow_reference(cache_key, entry) if entry.is_reference else entry
+
+    def _count_found(self, entries: Collection[Entry]) -> None:
+        """Entries handed to the loop: counted, and per writer that signed them."""
+        served = [f"writer_served:{entry.writer}" for entry in entries if entry.writer]
         if served:  # (no lock taken for entries no writer signed)
             self._count_writers(served)
         self.stats.add("entries_found", len(entries))
-        return entries, set(found) | set(own)
 
     def _own_unsent(self, cache_keys: Sequence[str]) -> dict[str, Entry]:
         """The entries of `cache_keys` this client queued and has not stored yet: its own traces (or copies it
@@ -370,7 +391,14 @@ class TierClient:
             return
         plain = entry is not None and not entry.is_reference and isinstance(data, bytes)
         self._touched.append((cache_key, entry.compile_seconds, len(data)) if plain else (cache_key, 0.0, None))  # type: ignore[union-attr,arg-type]
-        self._ensure_flusher()
+        if not self._flusher_running():
+            self._ensure_flusher()
+
+    def _flusher_running(self) -> bool:
+        """True when this process's flusher has certainly not left its loop: its own flag, read without a lock,
+        instead of Thread.is_alive's lock (every remote hit asks). False when unsure (none yet, one that stopped,
+        or the parent's, in a forked child): `_ensure_flusher` then asks the thread itself."""
+        return self._flusher is not None and not self._flusher_stopped and self._flusher_pid == os.getpid()
 
     def _collect_touched(self) -> None:
         """The TTL refreshes of the entries read since the last call, queued as TtlRefresh (one per key, its
@@ -697,7 +725,8 @@ class TierClient:
             with self._outbox_lock:
                 self._absorb()  # the outbox's limit applies to the inbox too: a stuck flusher cannot grow it
                 self._outbox_lock.notify_all()
-        self._ensure_flusher()
+        if not self._flusher_running():
+            self._ensure_flusher()
 
     def _absorb(self) -> None:
         """Move what the compiling thread handed over into the outbox, in order (the outbox lock held)."""
@@ -727,6 +756,7 @@ class TierClient:
             with self._outbox_lock:
                 self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)
                 self._flusher_stopped = False
+                self._flusher_pid = os.getpid()
             self._flusher.start()
 
     def _flush_loop(self) -> None:

@@ -166,3 +166,99 @@ def test_a_body_shape_checked_once_still_refuses_a_bool_or_a_wrong_type_later() 
             decode_entry(encode_entry(hostile), policy)
         with pytest.raises(EntryRejected, match="wrong type"):  # and again: a refused shape is not remembered
             decode_entry(encode_entry(hostile), policy)
+
+
+# -- the hit's bookkeeping: counters, writers, the flusher that refreshes TTLs ----------------------------------
+def test_lookups_count_hits_misses_rejections_and_writers_as_find_many_does(backend: Any) -> None:
+    """lookup of one key takes a path of its own (no lists, sets or dicts around one key): what it counts is what
+    find_many counts for the same reads."""
+    from cachestore.trust import WriterKey
+
+    writer = WriterKey.generate()
+    backend.client.set(backend._entry("signed"), encode_entry(entry("signed"), None, writer, "signed"))
+    stored(backend, "plain")
+    backend.client.set(backend._entry("bad"), b"NKC\x04\x00" + bytes(40))  # a digest that does not match
+    one, many = client_of(backend), client_of(backend)
+    for key in ("signed", "plain", "missing", "bad", "signed"):
+        assert (one.lookup(key) is None) == (key in ("missing", "bad"))
+        assert (key in many.find_many([key])[0]) == (key not in ("missing", "bad"))
+    for client in (one, many):
+        counts = client.counts()
+        assert counts["entries_found"] == 3 and counts["tier_rejected"] == 1
+        assert client._writer_counts == {f"writer_served:{writer.key_id.hex()}": 2}
+        client.close(timeout=10)
+
+
+def test_a_hit_does_not_ask_the_running_flusher_whether_it_is_alive(backend: Any) -> None:
+    """A hit queues its TTL refresh for the flusher; once the flusher runs, the hit checks a flag of its own
+    instead of Thread.is_alive (a lock each call), and the refresh is still sent."""
+    stored(backend, "k")
+    backend.client.expire(backend._entry("k"), 100)
+    reader = client_of(backend)
+    assert reader.lookup("k") is not None  # starts the flusher
+    asked = []
+    flusher = reader._flusher
+    original = flusher.is_alive
+    flusher.is_alive = lambda: asked.append(1) or original()  # type: ignore[method-assign]
+    for _ in range(5):
+        assert reader.lookup("k") is not None
+    assert asked == [] and reader.flush(timeout=10)
+    assert BASE_TTL - 60 < backend.client.ttl(backend._entry("k")) <= BASE_TTL
+    reader.close(timeout=10)
+
+
+def test_a_hit_in_a_forked_child_starts_a_flusher_of_the_childs_own(backend: Any) -> None:
+    """A worker pool forks from a parent whose flusher runs: the child inherits the flusher's flag but not its
+    thread, so a hit in the child starts the child's own flusher and its TTL refresh is sent."""
+    stored(backend, "k")
+    reader = client_of(backend)
+    assert reader.lookup("k") is not None and reader.flush(timeout=10)  # the parent's flusher runs
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = reader.lookup("k") is not None and reader.flush(timeout=3)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    reader.close(timeout=10)
+
+
+def test_a_payload_with_bytes_after_its_frame_is_refused_even_with_its_digest_right() -> None:
+    """The frame is decompressed with extra data refused (arguments passed by position, not keyword): a payload
+    whose digest covers a second frame or trailing bytes after the first is no entry."""
+    from helpers_entries import body_of, compress
+    from helpers_entries import stored as planted
+
+    from cachestore.entry import EntryRejected, SignaturePolicy, decode_entry
+
+    made = entry("k")
+    body = body_of(made)
+    assert decode_entry(planted(body), SignaturePolicy(None, False)).binary == made.binary
+    for payload in (compress(body) + b"\x00", compress(body) + compress(body)):
+        with pytest.raises(EntryRejected, match="cannot be decompressed"):
+            decode_entry(planted(payload=payload), SignaturePolicy(None, False))
+
+
+def test_entries_decoded_on_many_threads_at_once_are_each_checked_against_their_own_digest() -> None:
+    """The digest is a copy of one shared empty hash (cheaper than a new one): copies made on threads at once hash
+    each entry alone, and an entry whose payload was changed is still refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cachestore.entry import EntryRejected, SignaturePolicy, decode_entry
+
+    policy = SignaturePolicy(None, False)
+    made = [entry(str(n), size=100 + 3000 * (n % 5)) for n in range(40)]  # some over hashlib's 2 KiB GIL release
+    good = [encode_entry(item) for item in made]
+    bad = [data[:-1] + bytes([data[-1] ^ 1]) for data in good]
+
+    def decode(data: bytes) -> bytes | str:
+        try:
+            return decode_entry(data, policy).binary
+        except EntryRejected as exc:
+            return exc.reason
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(decode, [*good, *bad] * 5))
+    assert results[: len(good)] == [item.binary for item in made]
+    assert set(results[len(good) : 2 * len(good)]) == {"stored bytes do not match their digest"}

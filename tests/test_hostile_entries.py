@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import statistics
 import threading
@@ -391,6 +392,44 @@ def test_a_server_trickling_its_replies_is_given_up_on_within_op_timeout(trickle
         assert time.perf_counter() - started < op_timeout + 0.5
         assert one.stats.snapshot()["tier_timeouts"] == 1
         one.close(timeout=1)
+    finally:
+        trickle.slow = False
+        cleaner = redis.Redis.from_url(redis_url)
+        delete_namespace(cleaner, namespace)
+        cleaner.close()
+
+
+def test_a_connected_hit_bounds_its_read_itself_and_gives_up_on_a_trickle_within_op_timeout(
+    trickle: TrickleProxy, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the direct connection is made, a hit's one GETRANGE is bounded as a whole by the read itself (its
+    socket timeout shortened to what is left of op_timeout before each socket read), not by a watchdog watch:
+    no watch is taken, and a reply trickled by the server is still given up on within op_timeout, counted as a
+    timeout, with the breaker open."""
+    from cachestore.backends import deadline
+
+    namespace = unique_namespace()
+    op_timeout = 0.5
+    settings = Settings(tier=trickle.url, namespace=namespace, host="trickle", worker="w1", op_timeout=op_timeout,
+                        breaker_cooldown=30.0)  # fmt: skip
+    try:
+        writer = open_tier(settings)
+        key = "a" * 64
+        writer.publish(key, Entry(os.urandom(2000), ["x"], ["out"], "bir", "bir-1", {"k": 1}))  # 3 s trickled
+        writer.close(timeout=30)
+        reader = open_tier(settings)
+        assert reader.lookup(key) is not None  # connects (under the watchdog)
+        watches = []
+        watch = deadline.Watchdog.watch
+        monkeypatch.setattr(deadline.Watchdog, "watch", lambda *a, **k: watches.append(1) or watch(*a, **k))
+        assert reader.lookup(key) is not None and watches == []
+        trickle.slow = True
+        started = time.perf_counter()
+        assert reader.lookup(key) is None
+        assert time.perf_counter() - started < op_timeout + 0.5
+        stats = reader.stats.snapshot()
+        assert stats["tier_timeouts"] == 1 and stats["tier_errors"] == 0 and not reader.available
+        reader.close(timeout=1)
     finally:
         trickle.slow = False
         cleaner = redis.Redis.from_url(redis_url)

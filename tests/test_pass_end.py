@@ -263,6 +263,7 @@ def test_the_compiling_thread_hands_entries_over_without_the_outbox_lock(gated: 
     holder.join(5.0)
     assert returned < 1.0  # (with the lock taken, each call would wait for the holder: GATE_LIMIT)
     # Handed over all the same: answered from memory now, stored once the gate opens.
+    assert client.lookup("handed-1") is not None  # (a lookup of one key, the hit path's own)
     assert set(client.find_many(["handed-0", "handed-2"])[0]) == {"handed-0", "handed-2"}
     gated.gate.set()
     assert client.flush(timeout=10)

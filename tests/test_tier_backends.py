@@ -522,6 +522,20 @@ def test_an_entry_key_names_its_cache_key_in_43_characters_and_reads_back() -> N
         assert cache_key_of_tag(tag) == tag
 
 
+def test_an_entry_key_is_the_base64url_of_a_lowercase_sha256_hex_key_and_any_other_key_its_text() -> None:
+    """key_tag tells a SHA-256 hex key by bytes.fromhex and hex() (every remote hit names its entry): exactly the keys
+    of 64 lowercase hex digits are encoded; uppercase, spaces fromhex would skip, other lengths keep their text."""
+    import base64
+
+    from cachestore.keys import key_tag
+
+    hex_key = hashlib.sha256(b"k").hexdigest()
+    assert key_tag(hex_key) == base64.urlsafe_b64encode(bytes.fromhex(hex_key)).decode().rstrip("=")
+    for other in (hex_key.upper(), " " + hex_key[1:], hex_key[:30] + " " + hex_key[31:], hex_key[:-2], hex_key + "00",
+                  "", "k", "\u0661" * 64, "g" * 64):  # fmt: skip
+        assert key_tag(other) == "=" + other
+
+
 def test_find_keys_finds_every_prefix_length(redis_backend: RedisBackend) -> None:
     keys = [hashlib.sha256(b"find-%d" % i).hexdigest() for i in range(30)]
     redis_backend.store([request_for(k, entry(b"f-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)

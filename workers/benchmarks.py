@@ -201,9 +201,9 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
 
         def interleaved() -> tuple[list[float], list[float], list[float]]:
             """Each key: one remote hit, one raw GET of the same bytes (redis-py's `get`), and the same bytes
-            read by a GETRANGE sent on a connection directly (the floor of any read through redis-py, what the
-            hit's own read does: cachestore/backends/direct_reads.py), timed one by one, so the loopback's ups
-            and downs fall on all three alike."""
+            read by a GETRANGE sent on a connection directly, its reply read by hiredis from the socket (the floor
+            of any read through redis-py, what the hit's own read does: DirectReader.getrange), timed one by one,
+            so the loopback's ups and downs fall on all three alike."""
             hit_times, get_times, direct_times = [], [], []
             for _ in range(rounds):
                 for key in full:
@@ -214,7 +214,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
                     middle = time.perf_counter()
                     raw.get(redis_key)
                     last = time.perf_counter()
-                    direct.getranges([redis_key], 0, -1)
+                    direct.getrange(redis_key, 0, -1)
                     hit_times.append(middle - started)
                     get_times.append(last - middle)
                     direct_times.append(time.perf_counter() - last)

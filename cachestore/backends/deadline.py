@@ -40,7 +40,9 @@ class Watchdog:
     until the earliest deadline, and is woken only when a new one comes earlier than that (not per watch)."""
 
     def __init__(self) -> None:
-        self._condition = threading.Condition()
+        # watch/unwatch (every remote hit's) take the bare lock: a Condition's `with` is two Python-level calls more.
+        self._lock = threading.Lock()
+        self._condition = threading.Condition(self._lock)
         self._watches: set[Watch] = set()
         self._thread: threading.Thread | None = None
         self._wakes_at = math.inf  # when the thread wakes next; infinity: asleep until a watch comes
@@ -59,7 +61,7 @@ class Watchdog:
         """`watching` without a context manager (a remote hit's path: a generator-based one costs a few µs):
         the caller must `unwatch` the watch in a `finally`."""
         watch = Watch(time.monotonic() + seconds, abort)
-        with self._condition:
+        with self._lock:  # (the condition's lock: notify below is allowed)
             self._watches.add(watch)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nkicache-deadlines", daemon=True)
@@ -69,7 +71,7 @@ class Watchdog:
         return watch
 
     def unwatch(self, watch: Watch) -> None:
-        with self._condition:
+        with self._lock:
             self._watches.discard(watch)
 
     def _run(self) -> None:

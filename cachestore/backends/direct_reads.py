@@ -14,17 +14,28 @@ client, fakeredis, or a client-side cache keep the client's own path.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 from hiredis import pack_command
+from redis import exceptions as rex
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ResponseError
 
+try:  # redis-py's hiredis parser, whose reader and buffer `getrange` reads with (None: it always uses getranges)
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA, _HiredisParser
+except ImportError:  # pragma: no cover - another redis-py layout
+    NOT_ENOUGH_DATA, _HiredisParser = None, None
+
 _PLAIN_CONNECTIONS = (Connection, SSLConnection, UnixDomainSocketConnection)
+# How late past its deadline a bounded read may give up (seconds): as late as a watchdog thread's wake-up may be.
+DEADLINE_SLACK = 0.01
 
 
 class DirectReader:
@@ -74,6 +85,38 @@ class DirectReader:
             raise refused
         return replies
 
+    def getrange(self, key: str, start: int, end: int) -> bytes:
+        """GETRANGE key start end (a remote hit's one read): `getrange_within` with no bound on the whole read, and
+        `getranges` of the one key where the connection is not made yet or not parsed by hiredis."""
+        reply = self.getrange_within(key, start, end, None)
+        return reply if reply is not None else self.getranges((key,), start, end)[0]
+
+    def getrange_within(self, key: str, start: int, end: int, seconds: float | None) -> bytes | None:
+        """GETRANGE key start end, its one reply read from the socket by the connection's own hiredis reader,
+        without redis-py's layers around a reply (its host string, protocol and health bookkeeping: 15-20 µs of a
+        50 µs read, spent right after the wait, bench/RESULTS.md), the whole read bounded by `seconds` (None: each
+        socket read by the socket timeout alone). Past `seconds` it raises redis-py's TimeoutError and drops the
+        connection, so a server that trickles its reply is given up on without a watchdog thread. None when the
+        connection is not made yet or not parsed by hiredis: the caller reads with `getranges`, bounded its own
+        way. Errors as `getranges`'s."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self._lock:
+            connection = self._connected()
+            parser = getattr(connection, "_parser", None)
+            sock, reader = getattr(connection, "_sock", None), getattr(parser, "_reader", None)
+            buffer = getattr(parser, "_buffer", None)  # (redis-py's parser internals: checked, never assumed)
+            if sock is None or reader is None or buffer is None or not _is_hiredis(parser):
+                return None
+            try:
+                packed = pack_command(("GETRANGE", key, start, end))
+                reply = _read_reply(sock, parser, reader, buffer, packed, deadline, connection.socket_timeout)
+            except BaseException:
+                self._drop(connection)
+                raise
+        if isinstance(reply, ResponseError):  # the connection is in step: the one reply is read
+            raise reply
+        return reply
+
     def disconnect(self) -> None:
         connection = self._connection
         if connection is not None and self._pid == os.getpid():
@@ -88,3 +131,56 @@ class DirectReader:
         connection.disconnect()
         if self._connection is connection:
             self._connection = None
+
+
+def _is_hiredis(parser: Any) -> bool:
+    return _HiredisParser is not None and isinstance(parser, _HiredisParser)
+
+
+def _read_reply(
+    sock: socket.socket, parser: Any, reader: Any, buffer: bytearray, packed: bytes, deadline: float | None,
+    timeout: float | None,
+) -> bytes | ResponseError:  # fmt: skip
+    """Send `packed` and read its one reply as redis-py's hiredis parser would (a push notification handed to the
+    parser, the reply after it read), raising redis-py's errors for the socket's. Each socket read waits at most
+    the socket's `timeout`, and at most until `deadline` (time.monotonic; DEADLINE_SLACK after it at worst) when
+    there is one: the socket's timeout is shortened for that read, and set back after. A reply that is neither
+    bytes nor a refusal is refused: the connection is out of step, and the caller drops it."""
+    shortened = False
+    try:
+        sock.sendall(packed)
+        push = getattr(parser, "_hiredis_PushNotificationType", None)
+        while True:
+            reply = reader.gets()
+            while reply is NOT_ENOUGH_DATA:
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise rex.TimeoutError("direct-read connection: no whole reply within the operation timeout")
+                    # (A socket timeout that ends within DEADLINE_SLACK of the deadline is left as it is: a hit's one
+                    # socket read, its timeout the operation's, would otherwise set it twice, 8 µs of the hit.)
+                    if timeout is None or remaining < timeout - DEADLINE_SLACK:
+                        sock.settimeout(remaining)
+                        shortened = True
+                count = sock.recv_into(buffer)
+                if not count:
+                    raise rex.ConnectionError("Connection closed by server.")
+                reader.feed(buffer, 0, count)
+                reply = reader.gets()
+            if push is None or not isinstance(reply, push):
+                break
+            parser.handle_push_response(reply)
+    except TimeoutError:  # (socket.timeout)
+        what = "no whole reply within the operation timeout" if shortened else "Timeout reading from the socket"
+        raise rex.TimeoutError(f"direct-read connection: {what}") from None
+    except OSError as exc:
+        raise rex.ConnectionError(f"Error on the direct-read connection: {exc}") from None
+    finally:
+        if shortened:
+            with contextlib.suppress(OSError):  # (closed under the read: the connection is dropped anyway)
+                sock.settimeout(timeout)
+    if type(reply) is bytes or isinstance(reply, ResponseError):
+        return reply
+    if isinstance(reply, BaseException):
+        raise reply
+    raise rex.ConnectionError(f"unexpected reply to GETRANGE: {type(reply).__name__}")
