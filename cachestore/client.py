@@ -60,6 +60,7 @@ from cachestore.entry import (
     SignaturePolicy,
     TooLarge,
     Unsealed,
+    decode_entries,
     decode_entry,
     encode_entry,
     seal,
@@ -158,7 +159,7 @@ class TierClient:
         # by its group signature, and a writer's log is made with the backend, once it says it keeps them.
         self.checkpoints = None
         if trust is not None and settings.tier.startswith(REDIS_SCHEMES):
-            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition)
+            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition, self._send_checkpoint)
         self._checkpoint_log: CheckpointLog | None = None
         self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust,
                                       self.checkpoints)  # fmt: skip
@@ -309,8 +310,9 @@ class TierClient:
         if not ok:
             return own, set(own)
         entries = own
+        decoded = self._decode_found(found)
         for key, data in found.items():
-            entry = self._decode(key, data)
+            entry = decoded[key]
             if entry is not None:
                 self._touch(key, entry, data)
             if entry is not None and entry.is_reference:
@@ -379,11 +381,25 @@ class TierClient:
             return None
         return entry.with_binary(holder.binary)
 
+    def _decode_found(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
+        """`_decode` of each entry a read found. A reader of writer checkpoints on a backend that can send a read
+        ahead asks for the chunks the entries name while it decodes them (cachestore.entry.decode_entries)."""
+        if self.checkpoints is None or not getattr(self._backend, "sends_ahead", False):
+            return {key: self._decode(key, data) for key, data in found.items()}
+        results = decode_entries(found, self.policy, self.settings.max_entry_bytes, ahead=True)
+        return {key: self._decoded(key, data, results[key]) for key, data in found.items()}
+
     def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         try:
             entry = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
         except EntryRejected as exc:
-            self.reject(cache_key, exc.reason)
+            entry = exc
+        return self._decoded(cache_key, data, entry)
+
+    def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
+        """The entry decoded from `data`, counted; None for one rejected (counted and logged as such)."""
+        if isinstance(entry, EntryRejected):
+            self.reject(cache_key, entry.reason)
             return None
         if entry.unverified:
             self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
@@ -402,6 +418,19 @@ class TierClient:
 
         ok, data = self._guarded(read, "checkpoint")
         return data if ok else None
+
+    def _send_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> Callable[[], bytes | None]:
+        """`_fetch_checkpoint` in two steps (CheckpointReader's send): the read is sent now, and the function
+        returned reads its reply; a failure of either step is counted and opens the breaker, and reads as None."""
+        ok, receive = self._guarded(lambda b: b.send_checkpoint_fetch(key_id_hex, instance_hex, chunk), "checkpoint")  # type: ignore[attr-defined]
+        if not ok or receive is None:
+            return lambda: None
+
+        def received() -> bytes | None:
+            ok, data = self._guarded(lambda _: receive(), "checkpoint")  # type: ignore[operator]
+            return data if ok else None  # type: ignore[return-value]
+
+        return received
 
     def _checkpoint_writer(self) -> CheckpointLog | None:
         """This writer's checkpoint log, made the first time it is asked for on a backend that keeps them (the

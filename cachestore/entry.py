@@ -54,7 +54,7 @@ import hashlib
 import hmac
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -321,6 +321,13 @@ class CheckpointSource(Protocol):
         """Fetch and verify the chunk `ref` of writer `key_id` unless done lately; its leaves go to the trust
         policy's memo. Never raises."""
 
+    def request(self, key_id: bytes, ref: bytes) -> object | None:
+        """`load` in two steps: send for the chunk now, unless done lately (None: nothing sent); `finish` with
+        what this returns reads, verifies and remembers it. Never raises."""
+
+    def finish(self, load: object) -> None:
+        """The second step of `request` (waiting for the chunk if it has not come yet). Never raises."""
+
 
 def decode_entry(
     data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
@@ -332,6 +339,30 @@ def decode_entry(
     stored (compressed) bytes, then the payload's declared size before it is decompressed, and only then the
     body, whose shape is bounded before msgpack builds it. A policy with a trust policy needs `cache_key`, the
     key the entry was read under, which the writer's signature covers."""
+    opened = open_entry(data, policy, max_bytes, cache_key)
+    writer = _check_writer(opened.flags, opened.section, opened.digest, policy, cache_key)
+    return _accepted(_body(opened, max_bytes), opened, writer, policy)
+
+
+@dataclass
+class OpenedEntry:
+    """An entry whose size, header, digest and HMAC were checked (`open_entry`); its writer's signature and its
+    body are still to be checked."""
+
+    flags: int
+    hmac: bytes | None
+    signed: bool  # the HMAC verified with the reader's key
+    section: WriterSection | None
+    digest: bytes  # the payload's SHA-256, as the header states it and the payload hashes to
+    payload: bytes
+    leaf: bytes | None = None  # its leaf, once computed (`check_writers`): what its writer check hashes
+
+
+def open_entry(
+    data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
+) -> OpenedEntry:
+    """`decode_entry`'s checks up to the writer's signature: the stored size, the header, the digest and the
+    HMAC. Raises EntryRejected as decode_entry does."""
     if isinstance(data, TooLarge):
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:
@@ -341,16 +372,123 @@ def decode_entry(
     if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
         raise EntryRejected("stored bytes do not match their digest")
     signed = _check_signature(payload, signature, policy)
-    writer = _check_writer(flags, section, digest, policy, cache_key)
+    return OpenedEntry(flags, signature, signed, section, digest, payload)
+
+
+def _body(opened: OpenedEntry, max_bytes: int) -> Entry:
+    """The entry its payload holds, its declared size bounded before it is decompressed, its shape before
+    msgpack builds it."""
     fields = _unpack(
-        _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
+        _decompress(opened.payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
     )  # fmt: skip
-    entry = _entry_from_fields(fields)
-    entry.signed = signed or (writer is not None and policy.trust is not None)
-    entry.unverified = (signature is not None and not signed) or (writer is not None and policy.trust is None)
+    return _entry_from_fields(fields)
+
+
+def _accepted(entry: Entry, opened: OpenedEntry, writer: bytes | None, policy: SignaturePolicy) -> Entry:
+    entry.signed = opened.signed or (writer is not None and policy.trust is not None)
+    entry.unverified = (opened.hmac is not None and not opened.signed) or (writer is not None and policy.trust is None)
     entry.writer = writer.hex() if writer is not None else ""
     return entry
+
+
+def decode_entries(
+    found: Mapping[str, bytes | TooLarge], policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES,
+    ahead: bool = False,
+) -> dict[str, Entry | EntryRejected]:  # fmt: skip
+    """`decode_entry` of each (cache key, stored bytes): the same entries accepted, the others rejected for the
+    same reasons (the EntryRejected stands for the entry).
+
+    With `ahead` (the policy's checkpoints can send a read ahead: a Redis tier's direct-read connection), a
+    reader's first entries of a writer overlap the round trip of the writer checkpoint chunk they name with
+    their own decoding: every entry is opened (size, header, digest, HMAC), the writers' signatures are checked
+    in one loop (`check_writers`), which sends for a chunk an entry needs instead of waiting for it and leaves
+    the entries that need it for later; the bodies are decompressed and unpacked meanwhile; then the chunks are
+    read and verified, and the entries left are checked (now a leaf and a lookup each). Decompressing a body
+    before its writer's signature is checked is safe only because what comes before bounds it: its digest and
+    HMAC are checked, its declared size is bounded before anything is allocated and its shape before msgpack
+    builds it, so a hostile body costs what it would after the check; it is still refused when the check fails,
+    for the check's reason, as decode_entry would."""
+    if not ahead or policy.trust is None or policy.checkpoints is None:
+        return {key: _decoded(data, policy, max_bytes, key) for key, data in found.items()}
+    results: dict[str, Entry | EntryRejected] = {}
+    opened: dict[str, OpenedEntry] = {}
+    for key, data in found.items():
+        try:
+            opened[key] = open_entry(data, policy, max_bytes, key)
+        except EntryRejected as exc:
+            results[key] = exc
+    writers, loads = check_writers(opened, policy, ahead=True)
+    # Every body but those of entries already refused (an untrusted writer's is never decompressed): those of
+    # the entries left waiting for a chunk while its reply is on the way.
+    bodies = {key: _body_or_rejection(entry, max_bytes) for key, entry in opened.items()
+              if not isinstance(writers.get(key), EntryRejected)}  # fmt: skip
+    if loads:
+        for load in loads:
+            policy.checkpoints.finish(load)
+        writers.update(check_writers({key: opened[key] for key in opened if key not in writers}, policy)[0])
+    for key, entry in opened.items():
+        writer = writers[key]
+        if isinstance(writer, EntryRejected):  # the writer check's reason first, as in decode_entry
+            results[key] = writer
+        else:
+            body = bodies[key]
+            results[key] = body if isinstance(body, EntryRejected) else _accepted(body, entry, writer, policy)
+    return {key: results[key] for key in found}  # in the order found (the caller's order of its keys)
+
+
+def check_writers(
+    opened: Mapping[str, OpenedEntry], policy: SignaturePolicy, ahead: bool = False
+) -> tuple[dict[str, bytes | EntryRejected | None], list[object]]:
+    """`_check_writer` of each opened entry (cache key to entry), in one loop: (cache key to the entry's writer key
+    id, None for none, or the EntryRejected saying why the policy does not accept it; the chunk loads sent).
+
+    An entry of a batch signature whose leaf the trust policy knows (a verified checkpoint or group lists it)
+    costs its leaf (computed once, kept in `OpenedEntry.leaf`) and a lookup; any other is checked by
+    `_check_writer` itself, which loads the chunk it names when due, waiting for it. With `ahead`, the
+    policy's checkpoints send for such a chunk instead (CheckpointReader.request, under `load`'s rules: a
+    trusted writer's, not tried lately, so hostile entries naming chunks cost what they cost `load`), and the
+    entries naming it are left out of the answer, to be checked once the loads returned are finished."""
+    trust, checkpoints = policy.trust, policy.checkpoints
+    writers: dict[str, bytes | EntryRejected | None] = {}
+    loads: list[object] = []
+    sent: dict[tuple[bytes, bytes], bool] = {}  # chunks asked for in this call: sent, or not due
+    for key, entry in opened.items():
+        section = entry.section
+        if trust is not None and section is not None and section.size:
+            if entry.leaf is None:
+                entry.leaf = entry_leaf(SCHEMA_VERSION, entry.flags, section.key_id, key, entry.digest)
+            if trust.knows(section.key_id, entry.leaf):  # as in _check_writer: only a trusted writer's are known
+                writers[key] = section.key_id
+                continue
+            if ahead and section.chunk and checkpoints is not None:
+                where = (section.key_id, section.chunk)
+                if where not in sent:
+                    load = checkpoints.request(*where)
+                    sent[where] = load is not None
+                    if load is not None:
+                        loads.append(load)
+                if sent[where]:
+                    continue  # checked once the chunk is read
+        try:
+            writers[key] = _check_writer(entry.flags, section, entry.digest, policy, key, entry.leaf)
+        except EntryRejected as exc:
+            writers[key] = exc
+    return writers, loads
+
+
+def _decoded(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, key: str) -> Entry | EntryRejected:
+    try:
+        return decode_entry(data, policy, max_bytes, key)
+    except EntryRejected as exc:
+        return exc
+
+
+def _body_or_rejection(opened: OpenedEntry, max_bytes: int) -> Entry | EntryRejected:
+    try:
+        return _body(opened, max_bytes)
+    except EntryRejected as exc:  # kept: the writer check's reason comes first, as in decode_entry
+        return exc
 
 
 def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
@@ -512,10 +650,12 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
 
 
 def _check_writer(
-    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
-) -> bytes | None:
+    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None,
+    leaf: bytes | None = None,
+) -> bytes | None:  # fmt: skip
     """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
-    policy when the reader holds one); raises EntryRejected when the policy does not accept it."""
+    policy when the reader holds one); raises EntryRejected when the policy does not accept it. `leaf`: the
+    entry's leaf when already computed (`check_writers`), else computed here."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
@@ -528,7 +668,8 @@ def _check_writer(
     if section.size:
         # The leaf walked up its path to a root the signature must cover: another group's path, another index,
         # another cache key or payload give a root no signature of the writer covers, as a forgery does.
-        leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
+        if leaf is None:
+            leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
         if policy.trust.knows(key_id, leaf):  # in a checkpoint or group of this writer verified already
             return key_id
         if section.chunk and policy.checkpoints is not None:

@@ -391,15 +391,25 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
 
 @contextlib.contextmanager
 def _checks_timed(spent: list[float]) -> Iterator[None]:
-    """Time every writer-signature check of an entry (cachestore.entry._check_writer) into spent[0], whole: the
-    entry's message and leaf hash, the memo lookup, fetching and verifying a writer's checkpoint chunk
-    (cachestore.checkpoint) when the entry names one not loaded yet, and the group signature's verify."""
-    inner = entry_module._check_writer
-    _timed(entry_module, "_check_writer", spent)
+    """Time every piece of writer-signature work on the reading thread into spent[0], whole: the checks of a
+    read's entries (cachestore.entry.check_writers, one loop: each entry's message and leaf hash, the memo
+    lookup, and the send of a writer checkpoint chunk's read when an entry names one not loaded yet; its
+    second call, after the chunk is read, for the entries that waited for it), each entry's check by itself
+    (_check_writer, from check_writers or decode_entry: the same, a chunk fetched and verified when one is
+    loaded synchronously, the group signature's verify); and a chunk sent for ahead read later
+    (CheckpointReader.finish: the wait for its reply, its decode and verify, its leaves remembered). Only the
+    decoding of the bodies that the chunk's round trip overlaps is not signature work."""
+    from cachestore.checkpoint import CheckpointReader
+
+    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers"), (CheckpointReader, "finish")]
+    inner = [getattr(owner, name) for owner, name in timed]
+    for owner, name in timed:
+        _timed(owner, name, spent)
     try:
         yield
     finally:
-        entry_module._check_writer = inner
+        for (owner, name), function in zip(timed, inner, strict=True):
+            setattr(owner, name, function)
 
 
 def _checkpoint_fetches(reader: Any) -> int:
