@@ -5,7 +5,7 @@ does not vouch for (a forged, stale, garbage or missing chunk) falls back to its
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,8 @@ from helpers_trust import trust_of as trusting
 from test_entry import make_entry
 
 import cachestore.checkpoint as checkpoint_module
+import cachestore.entry as entry_module
+from cachestore.backends.direct_reads import DirectReader, PendingReplies
 from cachestore.checkpoint import (
     MAX_CHECKPOINT_BYTES,
     REF_BYTES,
@@ -27,8 +29,10 @@ from cachestore.checkpoint import (
 )
 from cachestore.client import TierClient, open_tier
 from cachestore.entry import (
+    Entry,
     EntryRejected,
     SignaturePolicy,
+    decode_entries,
     decode_entry,
     seal,
     unsealed_entry,
@@ -401,5 +405,182 @@ def test_a_local_tier_keeps_no_checkpoints_and_its_entries_verify(tmp_path: Path
         found, _ = reader.find_many(KEYS[:4])
         assert len(found) == 4 and reader.checkpoints is None
         assert all(not writer_section(entry.stored).chunk for entry in found.values())
+    finally:
+        reader.close()
+
+
+# -- reading ahead: the chunk sent for before the bodies are decoded, read after (cachestore.entry.decode_entries) --
+def reading_ahead(trust: TrustPolicy, store: Store, events: list[str] | None = None) -> SignaturePolicy:
+    """A policy whose checkpoints send for a chunk (as a Redis tier's direct-read connection does): the store is
+    read when the load is finished; `events` records the sends and the receives."""
+    log = events if events is not None else []
+
+    def send(key_id_hex: str, instance_hex: str, chunk: int) -> Callable[[], object]:
+        log.append("send")
+
+        def receive() -> object:
+            log.append("receive")
+            return store.fetch(key_id_hex, instance_hex, chunk)
+
+        return receive
+
+    return SignaturePolicy(trust=trust, checkpoints=CheckpointReader(store.fetch, trust, PARTITION, send))
+
+
+def read_all_ahead(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
+    results = decode_entries(entries, policy, ahead=True)
+    assert list(results) == list(entries)
+    return {key: "ok" if isinstance(result, Entry) else result.reason for key, result in results.items()}
+
+
+def _scenario(name: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, bytes], Store]:
+    """Entries and the chunks a store holds, for each case a reader must fall back or reject in."""
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    entries = written(ci, log, [KEYS[0:4], KEYS[4:6]])
+    if name == "listed":
+        store.put(log)
+    elif name in ("garbage", "wrong type"):
+        store.chunks[(ci.key_id_hex, log.instance.hex(), 0)] = b"NKK garbage" if name == "garbage" else {"a": "b"}
+    elif name == "stale":
+        first = written(ci, log, [KEYS[6:9]])
+        store.put(log)
+        older = dict(store.chunks)
+        entries.update(first)
+        entries.update(written(ci, log, [KEYS[9:12], KEYS[12:14]]))
+        store.put(log)
+        store.chunks.update(older)
+    elif name == "ref elsewhere":
+        store.put(log)
+        ref_at = 37 + 16 + 64 + 4
+        data = entries[KEYS[0]]
+        entries[KEYS[0]] = data[:ref_at] + chunk_ref(log.instance, 99) + data[ref_at + REF_BYTES :]
+    elif name == "forged":
+        store.put(log)
+        forger_log = CheckpointLog(laptop, PARTITION)
+        forged = written(laptop, forger_log, [KEYS[20:21]])[KEYS[20]]
+        forged = forged[:37] + ci.key_id + forged[37 + 16 :]
+        leaf = entry_leaf(forged[3], forged[4], ci.key_id, KEYS[20], forged[5:37])
+        planted = encode_checkpoint(laptop, PARTITION, forger_log.instance, 0, [leaf])
+        store.chunks[(ci.key_id_hex, forger_log.instance.hex(), 0)] = planted[:4] + ci.key_id + planted[20:]
+        entries[KEYS[20]] = forged
+    elif name == "untrusted":
+        laptop_log = CheckpointLog(laptop, PARTITION)
+        entries.update(written(laptop, laptop_log, [KEYS[30:33]]))
+        store.put(laptop_log)
+        store.put(log)
+    elif name == "corrupt":
+        store.put(log)
+        entries[KEYS[1]] = entries[KEYS[1]][:-3] + b"bad"  # the digest no longer matches
+        entries[KEYS[2]] = b"not an entry"
+    return entries, store
+
+
+@pytest.mark.parametrize(
+    "case", ["listed", "missing", "garbage", "wrong type", "stale", "ref elsewhere", "forged", "untrusted", "corrupt"]
+)
+def test_reading_ahead_accepts_rejects_and_falls_back_as_reading_one_by_one(
+    ci: WriterKey, laptop: WriterKey, case: str
+) -> None:
+    """The same entries accepted, the others rejected for the same reasons, with the same fetches and verifies,
+    whatever the chunk an entry names holds (nothing, garbage, another type, an older version, a forgery, an
+    untrusted writer's list) and whatever the entries are."""
+    entries, store = _scenario(case, ci, laptop)
+    one_by_one = reading(trusting(ci), store)
+    expected = read_all(entries, one_by_one)
+    expected_counts = (one_by_one.trust.verifies, store.fetches, one_by_one.checkpoints.loaded,
+                       one_by_one.checkpoints.rejected)  # fmt: skip
+    store.fetches = 0
+    ahead = reading_ahead(trusting(ci), store)
+    assert read_all_ahead(entries, ahead) == expected
+    verifies, *counts = expected_counts
+    assert [store.fetches, ahead.checkpoints.loaded, ahead.checkpoints.rejected] == counts
+    # Never more verifies; fewer when an entry naming the wrong chunk is listed in a chunk another entry of the
+    # same read named, which reading ahead has loaded before checking it.
+    assert ahead.trust.verifies == verifies or (case == "ref elsewhere" and ahead.trust.verifies < verifies)
+    assert "ok" in expected.values()
+    if case in ("forged", "untrusted", "corrupt"):
+        assert set(expected.values()) != {"ok"}
+
+
+def test_reading_ahead_sends_for_the_chunk_before_decoding_the_bodies_and_reads_it_after(
+    ci: WriterKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    entries = written(ci, log, [KEYS[0:5], KEYS[5:9]])
+    store.put(log)
+    events: list[str] = []
+    inner = entry_module._body
+    monkeypatch.setattr(entry_module, "_body", lambda *args: events.append("body") or inner(*args))
+    policy = reading_ahead(trusting(ci), store, events)
+    assert set(read_all_ahead(entries, policy).values()) == {"ok"}
+    assert events == ["send"] + ["body"] * 9 + ["receive"]
+    assert (policy.trust.verifies, store.fetches) == (1, 1)
+    events.clear()
+    assert set(read_all_ahead(entries, policy).values()) == {"ok"}  # the leaves known: nothing sent
+    assert events == ["body"] * 9
+
+
+def test_a_hundred_crafted_entries_of_an_untrusted_key_are_refused_ahead_without_a_fetch_or_a_decompression(
+    ci: WriterKey, laptop: WriterKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    laptop_log = CheckpointLog(laptop, PARTITION)
+    keys = [hashlib.sha256(b"crafted %d" % n).hexdigest() for n in range(100)]
+    crafted = written(laptop, laptop_log, [keys[n : n + 10] for n in range(0, 100, 10)])
+    store = Store()
+    store.put(laptop_log)
+    decompressed: list[bytes] = []
+    inner = entry_module._decompress
+    monkeypatch.setattr(entry_module, "_decompress", lambda *args: decompressed.append(args[0]) or inner(*args))
+    events: list[str] = []
+    policy = reading_ahead(trusting(ci), store, events)
+    results = read_all_ahead(crafted, policy)
+    assert len(results) == 100 and all("does not trust" in reason for reason in results.values())
+    assert events == [] and store.fetches == 0 and decompressed == [] and policy.trust.verifies == 0
+
+
+def test_on_redis_a_fresh_reader_sends_for_the_chunk_before_decoding_and_reads_it_after(
+    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mechanism behind signature_overhead's first hits: the chunk's GETRANGE goes out on the direct-read
+    connection once the entries are in, the bodies are decoded while its reply comes, and it is read after."""
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:12])
+    writer.close()
+    events: list[str] = []
+    send, receive, body = DirectReader.send_getranges, PendingReplies.receive, entry_module._body
+    monkeypatch.setattr(DirectReader, "send_getranges", lambda self, keys, *a: events.append(f"send {keys[0]}")
+                        or send(self, keys, *a))  # fmt: skip
+    monkeypatch.setattr(PendingReplies, "receive", lambda self: events.append("receive") or receive(self))
+    monkeypatch.setattr(entry_module, "_body", lambda *args: events.append("body") or body(*args))
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:12])
+        assert len(found) == 12 and reader.counts()["tier_rejected"] == 0
+        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+    finally:
+        reader.close()
+    [sent] = [event for event in events if event.startswith("send")]
+    assert ":checkpoint:" in sent
+    assert events == [sent] + ["body"] * 12 + ["receive"]
+
+
+def test_on_redis_a_failure_between_the_chunks_send_and_its_receive_leaves_the_connection_usable(
+    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:8])
+    writer.close()
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(entry_module, "_body", lambda *args: (_ for _ in ()).throw(RuntimeError("a bug")))
+            with pytest.raises(RuntimeError, match="a bug"):
+                reader.find_many(KEYS[:4])
+        assert reader.checkpoints.fetches == 1  # the chunk's read was sent, and its reply never read
+        found, _ = reader.find_many(KEYS[4:8])
+        assert {key: entry.binary for key, entry in found.items()} == {
+            key: b"checkpointed " + key.encode() for key in KEYS[4:8]
+        }
+        assert reader.counts()["tier_rejected"] == reader.counts()["tier_errors"] == 0 and reader.available
     finally:
         reader.close()

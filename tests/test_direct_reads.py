@@ -114,3 +114,110 @@ def test_a_forked_child_reads_on_its_own_connection(
     assert os.read(read, 100) == b"ok"
     os.close(read)
     assert reader.getranges([key], 0, 9) == [b"shared"] and _direct_client_id(reader) == parent_id
+
+
+# -- a read sent ahead (send_getranges, PendingReplies.receive) --------------------------------------------------
+def _values(redis_client: redis.Redis, redis_namespace: str, count: int) -> list[str]:
+    keys = [f"{redis_namespace}v{n}" for n in range(count)]
+    for n, key in enumerate(keys):
+        redis_client.set(key, b"value %d" % n)
+    return keys
+
+
+def test_a_read_sent_ahead_is_received_later(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    keys = _values(redis_client, redis_namespace, 3)
+    pending = reader.send_getranges(keys[:2], 0, 99)
+    assert not pending.done  # nothing read yet: the caller does its own work meanwhile
+    assert pending.receive() == [b"value 0", b"value 1"]
+    assert pending.receive() == [b"value 0", b"value 1"]  # read once, kept
+    assert reader.getranges([keys[2]], 0, 99) == [b"value 2"]
+
+
+def test_a_read_on_the_connection_before_the_receive_reads_the_reply_owed_first_and_keeps_it(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """A reference's follow-up fetch (same thread) or another thread's read between a send and its receive: each
+    gets its own reply, and nothing waits on a lock the sender holds."""
+    keys = _values(redis_client, redis_namespace, 4)
+    first, second = reader.send_getranges([keys[0]], 0, 99), reader.send_getranges([keys[1]], 0, 99)
+    assert reader.getranges([keys[2]], 0, 99) == [b"value 2"]
+    assert first.done and second.done  # read by that getranges, in order, before its own reply
+    assert second.receive() == [b"value 1"] and first.receive() == [b"value 0"]
+    assert reader.getranges([keys[3]], 0, 99) == [b"value 3"]
+
+
+def test_a_sender_that_never_receives_leaves_the_connection_in_step(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """An exception between the send and the receive: the reply is not left on the connection for the next
+    read to take as its own."""
+    keys = _values(redis_client, redis_namespace, 2)
+
+    def sends_then_fails() -> None:
+        reader.send_getranges([keys[0]], 0, 99)
+        raise RuntimeError("a bug between the send and the receive")
+
+    with pytest.raises(RuntimeError):
+        sends_then_fails()
+    assert reader.getranges([keys[1]], 0, 99) == [b"value 1"]
+    assert reader.getranges([keys[0]], 0, 99) == [b"value 0"]
+
+
+def test_reads_of_other_threads_between_a_send_and_its_receive_get_their_own_replies(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    import threading
+
+    keys = _values(redis_client, redis_namespace, 8)
+    wrong: list[object] = []
+
+    def other(n: int) -> None:
+        for _ in range(50):
+            got = reader.getranges([keys[n]], 0, 99)
+            if got != [b"value %d" % n]:
+                wrong.append(got)
+
+    for _ in range(20):
+        pending = reader.send_getranges([keys[0]], 0, 99)
+        threads = [threading.Thread(target=other, args=(n,)) for n in range(1, 4)]
+        for thread in threads:
+            thread.start()
+        sent = [reader.send_getranges([keys[n]], 0, 99) for n in range(4, 8)]
+        for thread in threads:
+            thread.join()
+        assert pending.receive() == [b"value 0"]
+        assert [p.receive() for p in sent] == [[b"value %d" % n] for n in range(4, 8)]
+    assert wrong == []
+
+
+def test_a_refused_read_sent_ahead_raises_at_its_receive_and_the_connection_stays_in_step(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    keys = _values(redis_client, redis_namespace, 2)
+    redis_client.delete(keys[0])
+    redis_client.hset(keys[0], "a", "hash")
+    pending = reader.send_getranges([keys[0]], 0, 99)
+    assert reader.getranges([keys[1]], 0, 99) == [b"value 1"]  # the refusal is the sender's, not this read's
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        pending.receive()
+    assert reader.getranges([keys[1]], 0, 99) == [b"value 1"]
+
+
+def test_a_disconnect_between_a_send_and_its_receive_fails_the_receive_and_the_next_read_works(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """The op-timeout watchdog closes the connection under a read sent ahead: its reply never comes, so its
+    receive fails at once instead of waiting on a new connection for it, and the next read connects again."""
+    keys = _values(redis_client, redis_namespace, 2)
+    pending = reader.send_getranges([keys[0]], 0, 99)
+    reader.disconnect()
+    with pytest.raises(redis.ConnectionError):
+        pending.receive()
+    assert reader.getranges([keys[1]], 0, 99) == [b"value 1"]
+    other = reader.send_getranges([keys[0]], 0, 99)
+    reader.disconnect()
+    assert reader.getranges([keys[1]], 0, 99) == [b"value 1"]  # not the lost reply's bytes
+    with pytest.raises(redis.ConnectionError):
+        other.receive()
