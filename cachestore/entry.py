@@ -344,7 +344,7 @@ def decode_entry(
     return _accepted(_body(opened, max_bytes), opened, writer, policy)
 
 
-@dataclass
+@dataclass(slots=True)
 class OpenedEntry:
     """An entry whose size, header, digest and HMAC were checked (`open_entry`); its writer's signature and its
     body are still to be checked."""
@@ -355,7 +355,7 @@ class OpenedEntry:
     section: WriterSection | None
     digest: bytes  # the payload's SHA-256, as the header states it and the payload hashes to
     payload: bytes
-    leaf: bytes | None = None  # its leaf, once computed (`check_writers`): what its writer check hashes
+    leaf: bytes | None = None  # its leaf, once computed (`check_writer_ahead`): what its writer check hashes
 
 
 def open_entry(
@@ -401,80 +401,69 @@ def decode_entries(
 
     With `ahead` (the policy's checkpoints can send a read ahead: a Redis tier's direct-read connection), a
     reader's first entries of a writer overlap the round trip of the writer checkpoint chunk they name with
-    their own decoding: every entry is opened (size, header, digest, HMAC), the writers' signatures are checked
-    in one loop (`check_writers`), which sends for a chunk an entry needs instead of waiting for it and leaves
-    the entries that need it for later; the bodies are decompressed and unpacked meanwhile; then the chunks are
-    read and verified, and the entries left are checked (now a leaf and a lookup each). Decompressing a body
-    before its writer's signature is checked is safe only because what comes before bounds it: its digest and
-    HMAC are checked, its declared size is bounded before anything is allocated and its shape before msgpack
-    builds it, so a hostile body costs what it would after the check; it is still refused when the check fails,
-    for the check's reason, as decode_entry would."""
+    their own decoding: an entry whose check needs a chunk not loaded yet sends for it instead of waiting
+    (`check_writer_ahead`) and is left for later, the other entries are decoded as decode_entry does, then the
+    bodies of the entries left, while the chunk's reply comes; then the chunks are read and verified, and the
+    entries left are checked (now a leaf and a lookup each). Decompressing a body before its writer's signature
+    is checked is safe only because what comes before bounds it: its digest and HMAC are checked, its declared
+    size is bounded before anything is allocated and its shape before msgpack builds it, so a hostile body
+    costs what it would after the check; and only a trusted writer's entries are left waiting (an untrusted
+    writer's are refused first, their bodies never decompressed). A body refused is refused after the check,
+    for the check's reason when both fail, as decode_entry would."""
     if not ahead or policy.trust is None or policy.checkpoints is None:
         return {key: _decoded(data, policy, max_bytes, key) for key, data in found.items()}
     results: dict[str, Entry | EntryRejected] = {}
-    opened: dict[str, OpenedEntry] = {}
+    waiting: dict[str, OpenedEntry] = {}
+    loads: dict[tuple[bytes, bytes], object | None] = {}
     for key, data in found.items():
         try:
-            opened[key] = open_entry(data, policy, max_bytes, key)
+            opened = open_entry(data, policy, max_bytes, key)
+            writer = check_writer_ahead(opened, policy, key, loads)
+            if writer is _WAITING:
+                waiting[key] = opened
+            else:
+                results[key] = _accepted(_body(opened, max_bytes), opened, writer, policy)  # type: ignore[arg-type]
         except EntryRejected as exc:
             results[key] = exc
-    writers, loads = check_writers(opened, policy, ahead=True)
-    # Every body but those of entries already refused (an untrusted writer's is never decompressed): those of
-    # the entries left waiting for a chunk while its reply is on the way.
-    bodies = {key: _body_or_rejection(entry, max_bytes) for key, entry in opened.items()
-              if not isinstance(writers.get(key), EntryRejected)}  # fmt: skip
-    if loads:
-        for load in loads:
+    if not waiting:
+        return results
+    bodies = {key: _body_or_rejection(opened, max_bytes) for key, opened in waiting.items()}
+    for load in loads.values():
+        if load is not None:
             policy.checkpoints.finish(load)
-        writers.update(check_writers({key: opened[key] for key in opened if key not in writers}, policy)[0])
-    for key, entry in opened.items():
-        writer = writers[key]
-        if isinstance(writer, EntryRejected):  # the writer check's reason first, as in decode_entry
-            results[key] = writer
-        else:
+    for key, opened in waiting.items():
+        try:
+            writer = _check_writer(opened.flags, opened.section, opened.digest, policy, key, opened.leaf)
             body = bodies[key]
-            results[key] = body if isinstance(body, EntryRejected) else _accepted(body, entry, writer, policy)
+            results[key] = body if isinstance(body, EntryRejected) else _accepted(body, opened, writer, policy)
+        except EntryRejected as exc:  # the writer check's reason first, as in decode_entry
+            results[key] = exc
     return {key: results[key] for key in found}  # in the order found (the caller's order of its keys)
 
 
-def check_writers(
-    opened: Mapping[str, OpenedEntry], policy: SignaturePolicy, ahead: bool = False
-) -> tuple[dict[str, bytes | EntryRejected | None], list[object]]:
-    """`_check_writer` of each opened entry (cache key to entry), in one loop: (cache key to the entry's writer key
-    id, None for none, or the EntryRejected saying why the policy does not accept it; the chunk loads sent).
+_WAITING = object()  # check_writer_ahead: the entry's check waits for a chunk sent for
 
-    An entry of a batch signature whose leaf the trust policy knows (a verified checkpoint or group lists it)
-    costs its leaf (computed once, kept in `OpenedEntry.leaf`) and a lookup; any other is checked by
-    `_check_writer` itself, which loads the chunk it names when due, waiting for it. With `ahead`, the
-    policy's checkpoints send for such a chunk instead (CheckpointReader.request, under `load`'s rules: a
-    trusted writer's, not tried lately, so hostile entries naming chunks cost what they cost `load`), and the
-    entries naming it are left out of the answer, to be checked once the loads returned are finished."""
-    trust, checkpoints = policy.trust, policy.checkpoints
-    writers: dict[str, bytes | EntryRejected | None] = {}
-    loads: list[object] = []
-    sent: dict[tuple[bytes, bytes], bool] = {}  # chunks asked for in this call: sent, or not due
-    for key, entry in opened.items():
-        section = entry.section
-        if trust is not None and section is not None and section.size:
-            if entry.leaf is None:
-                entry.leaf = entry_leaf(SCHEMA_VERSION, entry.flags, section.key_id, key, entry.digest)
-            if trust.knows(section.key_id, entry.leaf):  # as in _check_writer: only a trusted writer's are known
-                writers[key] = section.key_id
-                continue
-            if ahead and section.chunk and checkpoints is not None:
-                where = (section.key_id, section.chunk)
-                if where not in sent:
-                    load = checkpoints.request(*where)
-                    sent[where] = load is not None
-                    if load is not None:
-                        loads.append(load)
-                if sent[where]:
-                    continue  # checked once the chunk is read
-        try:
-            writers[key] = _check_writer(entry.flags, section, entry.digest, policy, key, entry.leaf)
-        except EntryRejected as exc:
-            writers[key] = exc
-    return writers, loads
+
+def check_writer_ahead(
+    opened: OpenedEntry, policy: SignaturePolicy, cache_key: str, loads: dict[tuple[bytes, bytes], object | None]
+) -> object:
+    """`_check_writer` of an opened entry, except that when its check needs the writer checkpoint chunk it names
+    and the policy's checkpoints would fetch it now (a trusted writer's, not tried lately: `load`'s rules, so
+    hostile entries naming chunks cost what they cost `load`), the chunk's read is sent
+    (CheckpointReader.request, once per chunk: `loads` holds what was asked for) and _WAITING returned, to
+    check the entry once the load is finished. The entry's leaf is kept in `opened.leaf`."""
+    section = opened.section
+    trust = policy.trust
+    if trust is not None and section is not None and section.chunk and policy.checkpoints is not None:
+        opened.leaf = leaf = entry_leaf(SCHEMA_VERSION, opened.flags, section.key_id, cache_key, opened.digest)
+        if trust.knows(section.key_id, leaf):  # as in _check_writer: only trusted writers' leaves are known
+            return section.key_id
+        where = (section.key_id, section.chunk)
+        if where not in loads:
+            loads[where] = policy.checkpoints.request(*where)
+        if loads[where] is not None:
+            return _WAITING
+    return _check_writer(opened.flags, section, opened.digest, policy, cache_key, opened.leaf)
 
 
 def _decoded(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, key: str) -> Entry | EntryRejected:
@@ -655,7 +644,7 @@ def _check_writer(
 ) -> bytes | None:  # fmt: skip
     """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
     policy when the reader holds one); raises EntryRejected when the policy does not accept it. `leaf`: the
-    entry's leaf when already computed (`check_writers`), else computed here."""
+    entry's leaf when already computed (`check_writer_ahead`), else computed here."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")

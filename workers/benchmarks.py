@@ -391,17 +391,17 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
 
 @contextlib.contextmanager
 def _checks_timed(spent: list[float]) -> Iterator[None]:
-    """Time every piece of writer-signature work on the reading thread into spent[0], whole: the checks of a
-    read's entries (cachestore.entry.check_writers, one loop: each entry's message and leaf hash, the memo
-    lookup, and the send of a writer checkpoint chunk's read when an entry names one not loaded yet; its
-    second call, after the chunk is read, for the entries that waited for it), each entry's check by itself
-    (_check_writer, from check_writers or decode_entry: the same, a chunk fetched and verified when one is
-    loaded synchronously, the group signature's verify); and a chunk sent for ahead read later
-    (CheckpointReader.finish: the wait for its reply, its decode and verify, its leaves remembered). Only the
-    decoding of the bodies that the chunk's round trip overlaps is not signature work."""
+    """Time every piece of writer-signature work on the reading thread into spent[0], whole: each entry's check
+    (cachestore.entry._check_writer: the entry's message and leaf hash unless computed already, the memo
+    lookup, a writer checkpoint chunk's fetch and verify when one is loaded synchronously, the group
+    signature's verify; and check_writer_ahead, its form for a read that can send ahead: the same, or the
+    leaf, the lookup and the send of the chunk's read when the entry names one not loaded yet); and a chunk
+    sent for ahead, read later (CheckpointReader.finish: the wait for its reply, its decode and verify, its
+    leaves remembered). Only the decoding of the bodies that the chunk's round trip overlaps is not signature
+    work."""
     from cachestore.checkpoint import CheckpointReader
 
-    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers"), (CheckpointReader, "finish")]
+    timed = [(entry_module, "_check_writer"), (entry_module, "check_writer_ahead"), (CheckpointReader, "finish")]
     inner = [getattr(owner, name) for owner, name in timed]
     for owner, name in timed:
         _timed(owner, name, spent)

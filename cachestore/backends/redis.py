@@ -659,12 +659,14 @@ class RedisBackend:
 
     def send_checkpoint_fetch(self, key_id_hex: str, instance_hex: str, chunk: int) -> Callable[[], bytes | None]:
         """`fetch_checkpoint` in two steps: the GETRANGE is sent now, and the function returned reads its reply
-        (waiting for it if it has not come yet) and returns what fetch_checkpoint would. Each step is bounded
-        like fetch; a failure in either raises as fetch would. Only when `sends_ahead`."""
+        (waiting for it if it has not come yet) and returns what fetch_checkpoint would; the read is bounded like
+        fetch. A failure in either step raises as fetch would. Only when `sends_ahead`."""
         key = self.keys.checkpoint(self.toolchain, key_id_hex, instance_hex, chunk)
         direct = self._direct
         assert direct is not None, "send_checkpoint_fetch needs the direct-read connection (sends_ahead)"
-        pending = self._within_op_timeout(lambda: direct.send_getranges([key], 0, MAX_CHECKPOINT_BYTES))
+        # The send is not watched: it writes one short command to the socket and waits for no reply (a connect or
+        # a full send buffer is bounded by the socket's own timeouts); the reply, which a server can trickle, is.
+        pending = self._call(lambda: direct.send_getranges([key], 0, MAX_CHECKPOINT_BYTES))
 
         def read() -> bytes | Exception:
             try:
