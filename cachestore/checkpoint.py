@@ -16,6 +16,9 @@ known to be under a signature of that writer; from then on an entry of the chunk
 lookup. An entry whose leaf the loaded chunk does not list (the chunk grew since, expired, was replaced, is
 garbage or forged) falls back to its own group signature: always checked, just slower. A chunk is fetched again
 at most once per REFETCH_SECONDS, so hostile entries naming chunks cannot make a reader fetch without bound.
+Where the tier can send a read ahead (Redis's direct-read connection), the fetch is split (`request` sends it,
+`finish` reads, verifies and remembers it) so that its round trip overlaps the decoding of the entries that
+named it (cachestore.entry.decode_entries), under the same rules.
 
 Stored form (`NS:vV:tc:PARTITION:checkpoint:{KEYID.INSTANCE}:CHUNK`, cachestore.keys):
 
@@ -242,7 +245,7 @@ class CheckpointReader:
         self.loaded += 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChunkLoad:
     """A chunk `CheckpointReader.request` sent for: `receive()` returns its stored bytes or None."""
 

@@ -584,3 +584,26 @@ def test_on_redis_a_failure_between_the_chunks_send_and_its_receive_leaves_the_c
         assert reader.counts()["tier_rejected"] == reader.counts()["tier_errors"] == 0 and reader.available
     finally:
         reader.close()
+
+
+def test_on_redis_a_reads_entries_are_checked_in_one_loop_and_a_lookup_of_one_as_before(
+    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass's prefetch: one call checks every entry of the read (its leaf and a lookup each, no call per
+    entry); a read of one entry is decoded by decode_entry, one `_check_writer` call, as before."""
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:12])
+    writer.close()
+    calls: list[str] = []
+    loop, one = entry_module.check_writers, entry_module._check_writer
+    monkeypatch.setattr(entry_module, "check_writers", lambda *a: calls.append("loop") or loop(*a))
+    monkeypatch.setattr(entry_module, "_check_writer", lambda *a: calls.append("one") or one(*a))
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        assert len(reader.find_many(KEYS[:6])[0]) == 6  # the chunk loaded: the read after is leaves and lookups
+        calls.clear()
+        assert len(reader.find_many(KEYS[6:12])[0]) == 6 and calls == ["loop"]
+        calls.clear()
+        assert reader.lookup(KEYS[0]) is not None and calls == ["one"]
+    finally:
+        reader.close()

@@ -394,14 +394,15 @@ def _checks_timed(spent: list[float]) -> Iterator[None]:
     """Time every piece of writer-signature work on the reading thread into spent[0], whole: each entry's check
     (cachestore.entry._check_writer: the entry's message and leaf hash unless computed already, the memo
     lookup, a writer checkpoint chunk's fetch and verify when one is loaded synchronously, the group
-    signature's verify; and check_writer_ahead, its form for a read that can send ahead: the same, or the
-    leaf, the lookup and the send of the chunk's read when the entry names one not loaded yet); and a chunk
-    sent for ahead, read later (CheckpointReader.finish: the wait for its reply, its decode and verify, its
-    leaves remembered). Only the decoding of the bodies that the chunk's round trip overlaps is not signature
-    work."""
+    signature's verify; and check_writers, a read's entries in one loop when the read can send ahead: the same,
+    or the leaf, the lookup and the send of the chunk's read when an entry names one not loaded yet); a chunk sent
+    for ahead, read later (CheckpointReader.finish: the wait for its reply, its decode and verify, its leaves
+    remembered); and the check of the entries that waited for it (check_waiting). Only the decoding of the
+    bodies that the chunk's round trip overlaps is not signature work."""
     from cachestore.checkpoint import CheckpointReader
 
-    timed = [(entry_module, "_check_writer"), (entry_module, "check_writer_ahead"), (CheckpointReader, "finish")]
+    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers"), (entry_module, "check_waiting"),
+             (CheckpointReader, "finish")]  # fmt: skip
     inner = [getattr(owner, name) for owner, name in timed]
     for owner, name in timed:
         _timed(owner, name, spent)
