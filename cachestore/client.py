@@ -310,9 +310,9 @@ class TierClient:
         if not ok:
             return own, set(own)
         entries = own
-        decoded = self._decode_found(found)
+        ahead = self._decode_ahead(found) if self.checkpoints is not None and len(found) > 1 else None
         for key, data in found.items():
-            entry = decoded[key]
+            entry = ahead[key] if ahead is not None else self._decode(key, data)
             if entry is not None:
                 self._touch(key, entry, data)
             if entry is not None and entry.is_reference:
@@ -381,11 +381,12 @@ class TierClient:
             return None
         return entry.with_binary(holder.binary)
 
-    def _decode_found(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
-        """`_decode` of each entry a read found. A reader of writer checkpoints on a backend that can send a read
-        ahead asks for the chunks the entries name while it decodes them (cachestore.entry.decode_entries)."""
-        if self.checkpoints is None or not getattr(self._backend, "sends_ahead", False):
-            return {key: self._decode(key, data) for key, data in found.items()}
+    def _decode_ahead(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None] | None:
+        """`_decode` of each entry a read of several found, for a reader of writer checkpoints whose backend can send
+        a read ahead: it asks for the chunks the entries name while it decodes them (cachestore.entry.
+        decode_entries); None when the backend cannot (each entry is then decoded by `_decode`)."""
+        if not getattr(self._backend, "sends_ahead", False):
+            return None
         results = decode_entries(found, self.policy, self.settings.max_entry_bytes, ahead=True)
         return {key: self._decoded(key, data, results[key]) for key, data in found.items()}
 
@@ -393,16 +394,21 @@ class TierClient:
         try:
             entry = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
         except EntryRejected as exc:
-            entry = exc
-        return self._decoded(cache_key, data, entry)
+            self.reject(cache_key, exc.reason)
+            return None
+        if entry.unverified:
+            self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
+        if isinstance(data, bytes):
+            entry.stored = data
+        return entry
 
     def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
-        """The entry decoded from `data`, counted; None for one rejected (counted and logged as such)."""
+        """As `_decode`, for an entry decode_entries decoded (or the EntryRejected that stands for it)."""
         if isinstance(entry, EntryRejected):
             self.reject(cache_key, entry.reason)
             return None
         if entry.unverified:
-            self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
+            self.stats.add("tier_unverified")
         if isinstance(data, bytes):
             entry.stored = data
         return entry
