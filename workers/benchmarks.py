@@ -264,6 +264,12 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit and its
     checkpoint fetches per hit (cachestore.checkpoint).
 
+    The check time is every piece of writer-signature work on the reading thread (`_checks_timed`): each entry's
+    check (its leaf hash and memo lookup, a group signature's verify), and a writer checkpoint chunk's whole
+    load: fetched synchronously, or sent for ahead (the send) and read later (the wait for its reply, its
+    decode and verify), then the checks of the entries that waited for it. Only the decoding of the bodies that
+    a chunk's round trip overlaps is not counted.
+
     A first-hit figure has one large cost in it (a writer checkpoint's fetch and verify, about 0.3 ms, once a
     process) among ~100 small ones, so one reader's ratio swings with whatever else the machine runs at that
     moment: each first-hit figure is measured with FRESH_READERS fresh readers, one after another, and is the
