@@ -497,6 +497,10 @@ def test_reading_ahead_accepts_rejects_and_falls_back_as_reading_one_by_one(
     # Never more verifies; fewer when an entry naming the wrong chunk is listed in a chunk another entry of the
     # same read named, which reading ahead has loaded before checking it.
     assert ahead.trust.verifies == verifies or (case == "ref elsewhere" and ahead.trust.verifies < verifies)
+    store.fetches = 0
+    looped = reading(trusting(ci), store)  # the loop without a send: chunks loaded synchronously inside it
+    assert read_all_ahead(entries, looped) == expected
+    assert [store.fetches, looped.checkpoints.loaded, looped.checkpoints.rejected] == counts
     assert "ok" in expected.values()
     if case in ("forged", "untrusted", "corrupt"):
         assert set(expected.values()) != {"ok"}
