@@ -16,9 +16,6 @@ known to be under a signature of that writer; from then on an entry of the chunk
 lookup. An entry whose leaf the loaded chunk does not list (the chunk grew since, expired, was replaced, is
 garbage or forged) falls back to its own group signature: always checked, just slower. A chunk is fetched again
 at most once per REFETCH_SECONDS, so hostile entries naming chunks cannot make a reader fetch without bound.
-Where the tier can send a read ahead (Redis's direct-read connection), the fetch is split (`request` sends it,
-`finish` reads, verifies and remembers it) so that its round trip overlaps the decoding of the entries that
-named it (cachestore.entry.decode_entries), under the same rules.
 
 Stored form (`NS:vV:tc:PARTITION:checkpoint:{KEYID.INSTANCE}:CHUNK`, cachestore.keys):
 
@@ -177,19 +174,10 @@ class CheckpointLog:
 class CheckpointReader:
     """A reader's checkpoints: fetches a chunk an entry names (`load`), at most once per REFETCH_SECONDS, and
     adds the leaves of a valid one to the trust policy's memo. `fetch(key id hex, instance hex, chunk)` returns
-    the stored bytes or None (no chunk, the tier unavailable); it never raises. `send` (optional, same
-    arguments): sends the chunk's read now and returns a function that returns what fetch would, so that
-    `request` and `finish` load a chunk in two steps with other work between them; neither raises."""
+    the stored bytes or None (no chunk, the tier unavailable); it never raises."""
 
-    def __init__(
-        self,
-        fetch: Callable[[str, str, int], object],
-        trust: TrustPolicy,
-        partition: str,
-        send: Callable[[str, str, int], Callable[[], object]] | None = None,
-    ):
+    def __init__(self, fetch: Callable[[str, str, int], object], trust: TrustPolicy, partition: str):
         self._fetch = fetch
-        self._send = send
         self.trust = trust
         self.partition = partition
         self._tried: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
@@ -199,56 +187,28 @@ class CheckpointReader:
         self.rejected = 0
 
     def load(self, key_id: bytes, ref: bytes) -> None:
-        if self._due(key_id, ref):
-            instance, chunk = split_ref(ref)
-            self._accept(self._fetch(key_id.hex(), instance.hex(), chunk), key_id, ref)
-
-    def request(self, key_id: bytes, ref: bytes) -> ChunkLoad | None:
-        """Send for the chunk now when `load` would fetch it (None: not due, or no `send`); `finish` reads it."""
-        if self._send is None or not self._due(key_id, ref):
-            return None
-        instance, chunk = split_ref(ref)
-        return ChunkLoad(key_id, ref, self._send(key_id.hex(), instance.hex(), chunk))
-
-    def finish(self, load: ChunkLoad) -> None:
-        """Read the chunk `request` sent for (waiting for it if it has not come yet), verify and remember it."""
-        self._accept(load.receive(), load.key_id, load.ref)
-
-    def _due(self, key_id: bytes, ref: bytes) -> bool:
-        """Whether to fetch the chunk now, and if so marked as tried and counted as fetched."""
         if len(ref) != REF_BYTES or not self.trust.trusts(key_id):
-            return False  # an untrusted writer's entry is rejected whatever its chunk says
+            return  # an untrusted writer's entry is rejected whatever its chunk says
         now = time.monotonic()
         with self._lock:
             last = self._tried.get((key_id, ref))
             if last is not None and now - last < REFETCH_SECONDS:
-                return False
+                return
             self._tried[(key_id, ref)] = now
             self._tried.move_to_end((key_id, ref))
             if len(self._tried) > REMEMBERED_CHUNKS:
                 self._tried.popitem(last=False)
             self.fetches += 1
-        return True
-
-    def _accept(self, data: object, key_id: bytes, ref: bytes) -> None:
+        instance, chunk = split_ref(ref)
+        data = self._fetch(key_id.hex(), instance.hex(), chunk)
         if data is None:
             return
         try:
             leaves = decode_checkpoint(data, key_id, self.partition, ref, self.trust)
         except CheckpointRejected as exc:
             self.rejected += 1
-            instance, chunk = split_ref(ref)
             logger.warning("checkpoint %s.%s:%d of %s rejected (entries fall back to their own signatures): %s",
                            key_id.hex(), instance.hex(), chunk, self.partition, exc)  # fmt: skip
             return
         self.trust.remember_leaves(leaves, key_id)
         self.loaded += 1
-
-
-@dataclass(slots=True)
-class ChunkLoad:
-    """A chunk `CheckpointReader.request` sent for: `receive()` returns its stored bytes or None."""
-
-    key_id: bytes
-    ref: bytes
-    receive: Callable[[], object]

@@ -159,7 +159,7 @@ class TierClient:
         # by its group signature, and a writer's log is made with the backend, once it says it keeps them.
         self.checkpoints = None
         if trust is not None and settings.tier.startswith(REDIS_SCHEMES):
-            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition, self._send_checkpoint)
+            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition)
         self._checkpoint_log: CheckpointLog | None = None
         self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust,
                                       self.checkpoints)  # fmt: skip
@@ -310,9 +310,9 @@ class TierClient:
         if not ok:
             return own, set(own)
         entries = own
-        ahead = self._decode_ahead(found) if self.checkpoints is not None and len(found) > 1 else None
+        many = self._decode_many(found) if self.policy.trust is not None and len(found) > 1 else None
         for key, data in found.items():
-            entry = ahead[key] if ahead is not None else self._decode(key, data)
+            entry = many[key] if many is not None else self._decode(key, data)
             if entry is not None:
                 self._touch(key, entry, data)
             if entry is not None and entry.is_reference:
@@ -381,13 +381,10 @@ class TierClient:
             return None
         return entry.with_binary(holder.binary)
 
-    def _decode_ahead(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None] | None:
-        """`_decode` of each entry a read of several found, for a reader of writer checkpoints whose backend can send
-        a read ahead: it asks for the chunks the entries name while it decodes them (cachestore.entry.
-        decode_entries); None when the backend cannot (each entry is then decoded by `_decode`)."""
-        if not getattr(self._backend, "sends_ahead", False):
-            return None
-        results = decode_entries(found, self.policy, self.settings.max_entry_bytes, ahead=True)
+    def _decode_many(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
+        """`_decode` of each entry a read of several found, for a reader with a trust policy: their writers'
+        signatures are checked in one loop (cachestore.entry.decode_entries)."""
+        results = decode_entries(found, self.policy, self.settings.max_entry_bytes)
         return {key: self._decoded(key, data, results[key]) for key, data in found.items()}
 
     def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
@@ -424,19 +421,6 @@ class TierClient:
 
         ok, data = self._guarded(read, "checkpoint")
         return data if ok else None
-
-    def _send_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> Callable[[], bytes | None]:
-        """`_fetch_checkpoint` in two steps (CheckpointReader's send): the read is sent now, and the function
-        returned reads its reply; a failure of either step is counted and opens the breaker, and reads as None."""
-        ok, receive = self._guarded(lambda b: b.send_checkpoint_fetch(key_id_hex, instance_hex, chunk), "checkpoint")  # type: ignore[attr-defined]
-        if not ok or receive is None:
-            return lambda: None
-
-        def received() -> bytes | None:
-            ok, data = self._guarded(lambda _: receive(), "checkpoint")  # type: ignore[operator]
-            return data if ok else None  # type: ignore[return-value]
-
-        return received
 
     def _checkpoint_writer(self) -> CheckpointLog | None:
         """This writer's checkpoint log, made the first time it is asked for on a backend that keeps them (the

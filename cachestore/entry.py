@@ -321,13 +321,6 @@ class CheckpointSource(Protocol):
         """Fetch and verify the chunk `ref` of writer `key_id` unless done lately; its leaves go to the trust
         policy's memo. Never raises."""
 
-    def request(self, key_id: bytes, ref: bytes) -> object | None:
-        """`load` in two steps: send for the chunk now, unless done lately (None: nothing sent); `finish` with
-        what this returns reads, verifies and remembers it. Never raises."""
-
-    def finish(self, load: object) -> None:
-        """The second step of `request` (waiting for the chunk if it has not come yet). Never raises."""
-
 
 def decode_entry(
     data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
@@ -372,7 +365,7 @@ class OpenedEntry:
     digest: bytes  # the payload's SHA-256, as the header states it and the payload hashes to
     payload: bytes
     leaf: bytes | None = None  # its leaf, once computed (`check_writers`): what its writer check hashes
-    writer: object = None  # `check_writers`'s verdict: the writer's key id, None, an EntryRejected or _WAITING
+    writer: object = None  # `check_writers`'s verdict: the writer's key id, None, or an EntryRejected
 
 
 def open_entry(
@@ -412,26 +405,13 @@ def _accepted(entry: Entry, opened: OpenedEntry, writer: bytes | None, policy: S
 
 
 def decode_entries(
-    found: Mapping[str, bytes | TooLarge], policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES,
-    ahead: bool = False,
-) -> dict[str, Entry | EntryRejected]:  # fmt: skip
+    found: Mapping[str, bytes | TooLarge], policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES
+) -> dict[str, Entry | EntryRejected]:
     """`decode_entry` of each (cache key, stored bytes): the same entries accepted, the others rejected for the
-    same reasons (the EntryRejected stands for the entry).
-
-    With `ahead` (the policy's checkpoints can send a read ahead: a Redis tier's direct-read connection) and
-    several entries, their writer checks run in one loop (`check_writers`), and a reader's first entries of a
-    writer overlap the round trip of the writer checkpoint chunk they name with their own decoding: an entry
-    whose check needs a chunk not loaded yet sends for it instead of waiting and is left for later, the other
-    entries are decoded as decode_entry does, then the bodies of the entries left, while the chunk's reply
-    comes; then the chunks are read and verified, and the entries left are checked (`check_waiting`: now a
-    lookup each). Decompressing a body before its writer's signature is checked is safe only because what
-    comes before bounds it: its digest and HMAC are checked, its declared size is bounded before anything is
-    allocated and its shape before msgpack builds it, so a hostile body costs what it would after the check;
-    and only a trusted writer's entries are left waiting (an untrusted writer's are refused first, their
-    bodies never decompressed). A body refused is refused after the check, for the check's reason when both
-    fail, as decode_entry would."""
-    if not ahead or policy.trust is None or policy.checkpoints is None or len(found) < 2:
-        # (A read of one entry, the one-at-a-time hit, has no other body to overlap a chunk's round trip with.)
+    same reasons (the EntryRejected stands for the entry). For a reader with a trust policy, a read of several
+    entries (a pass's prefetch) has their writers' signatures checked in one loop (`check_writers`: one call a
+    read, not one an entry, on the compile path), each entry still checked before its body is decompressed."""
+    if policy.trust is None or len(found) < 2:
         return {key: _decoded(data, policy, max_bytes, key) for key, data in found.items()}
     results: dict[str, Entry | EntryRejected] = {}
     opened: dict[str, OpenedEntry] = {}
@@ -440,103 +420,44 @@ def decode_entries(
             opened[key] = open_entry(data, policy, max_bytes, key)
         except EntryRejected as exc:
             results[key] = exc
-    # One loop checks them all (a call per read, not per entry, on the compile path), each before its body.
-    loads = check_writers(opened, policy)
-    waiting = {key: entry for key, entry in opened.items() if entry.writer is _WAITING} if loads else {}
+    check_writers(opened, policy)
     for key, entry in opened.items():
         writer = entry.writer
         if isinstance(writer, EntryRejected):
             results[key] = writer
-        elif writer is not _WAITING:
-            try:
-                results[key] = _accepted(_body(entry, max_bytes), entry, writer, policy)  # type: ignore[arg-type]
-            except EntryRejected as exc:
-                results[key] = exc
-    if not waiting:
-        return {key: results[key] for key in found}
-    bodies = {key: _body_or_rejection(opened, max_bytes) for key, opened in waiting.items()}
-    for load in loads:  # type: ignore[union-attr]
-        policy.checkpoints.finish(load)
-    for key, writer in check_waiting(waiting, policy).items():
-        body = bodies[key]
-        if isinstance(writer, EntryRejected) or isinstance(body, EntryRejected):
-            results[key] = writer if isinstance(writer, EntryRejected) else body  # the check's reason first
-        else:
-            results[key] = _accepted(body, waiting[key], writer, policy)
+            continue
+        try:
+            results[key] = _accepted(_body(entry, max_bytes), entry, writer, policy)  # type: ignore[arg-type]
+        except EntryRejected as exc:
+            results[key] = exc
     return {key: results[key] for key in found}  # in the order found (the caller's order of its keys)
 
 
-def check_waiting(waiting: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> dict[str, object]:
-    """The writer check of each entry `check_writers` left waiting for a chunk (cache key to entry), once the
-    chunk is loaded, in one loop: cache key to the writer's key id or the EntryRejected saying why not. An entry
-    the chunk lists costs a lookup (its leaf is computed already); any other is checked by `_check_writer`."""
-    trust = policy.trust
-    assert trust is not None
-    writers: dict[str, object] = {}
-    for key, opened in waiting.items():
-        section = opened.section
-        if section is not None and opened.leaf is not None and trust.knows(section.key_id, opened.leaf):
-            writers[key] = section.key_id
-            continue
-        try:
-            writers[key] = _check_writer(opened.flags, section, opened.digest, policy, key, opened.leaf)
-        except EntryRejected as exc:
-            writers[key] = exc
-    return writers
-
-
-_WAITING = object()  # check_writers: the entry's check waits for a chunk sent for
-
-
-def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> list[object] | None:
+def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> None:
     """The writer check (`_check_writer`) of each opened entry (cache key to entry), in one loop, its verdict in
-    `entry.writer`: the writer's key id, the EntryRejected saying why not, or _WAITING. Returns the chunk loads
-    sent for (None when none: a read builds nothing when every entry is decided).
-
-    An entry of a batch signature whose leaf the trust policy knows costs its leaf (kept in `entry.leaf`) and a
-    lookup. When an entry's check needs the writer checkpoint chunk it names and the policy's checkpoints would
-    fetch it now (a trusted writer's, not tried lately: `load`'s rules, so hostile entries naming chunks cost
-    what they cost `load`), the chunk's read is sent instead (CheckpointReader.request, once per chunk) and the
-    entry is _WAITING, to be checked (`check_waiting`) once the loads are finished. Any other entry is checked
-    by `_check_writer` itself."""
-    trust, checkpoints = policy.trust, policy.checkpoints
-    loads: list[object] | None = None
-    asked: dict[tuple[bytes, bytes], bool] | None = None  # chunks asked for in this call: sent, or not due
+    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not. An entry naming a
+    checkpoint chunk whose leaf the trust policy knows (a verified chunk or group lists it) costs its leaf and a
+    lookup; any other is checked by `_check_writer` itself (which loads the chunk when due, or verifies the
+    group's signature)."""
+    trust = policy.trust
     for key, entry in opened.items():
         section = entry.section
-        if section is not None and section.chunk and trust is not None and checkpoints is not None:
-            entry.leaf = leaf = entry_leaf(SCHEMA_VERSION, entry.flags, section.key_id, key, entry.digest)
+        if trust is not None and section is not None and section.chunk:
+            leaf = entry_leaf(SCHEMA_VERSION, entry.flags, section.key_id, key, entry.digest)
             if trust.knows(section.key_id, leaf):  # as in _check_writer: only trusted writers' leaves are known
                 entry.writer = section.key_id
                 continue
-            where = (section.key_id, section.chunk)
-            asked = {} if asked is None else asked
-            if where not in asked:
-                load = checkpoints.request(*where)
-                asked[where] = load is not None
-                if load is not None:
-                    loads = [*(loads or ()), load]
-            if asked[where]:
-                entry.writer = _WAITING
-                continue
+            entry.leaf = leaf
         try:
             entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key, entry.leaf)
         except EntryRejected as exc:
             entry.writer = exc
-    return loads
 
 
 def _decoded(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, key: str) -> Entry | EntryRejected:
     try:
         return decode_entry(data, policy, max_bytes, key)
     except EntryRejected as exc:
-        return exc
-
-
-def _body_or_rejection(opened: OpenedEntry, max_bytes: int) -> Entry | EntryRejected:
-    try:
-        return _body(opened, max_bytes)
-    except EntryRejected as exc:  # kept: the writer check's reason comes first, as in decode_entry
         return exc
 
 

@@ -5,7 +5,7 @@ does not vouch for (a forged, stale, garbage or missing chunk) falls back to its
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,6 @@ from test_entry import make_entry
 
 import cachestore.checkpoint as checkpoint_module
 import cachestore.entry as entry_module
-from cachestore.backends.direct_reads import DirectReader, PendingReplies
 from cachestore.checkpoint import (
     MAX_CHECKPOINT_BYTES,
     REF_BYTES,
@@ -409,26 +408,9 @@ def test_a_local_tier_keeps_no_checkpoints_and_its_entries_verify(tmp_path: Path
         reader.close()
 
 
-# -- reading ahead: the chunk sent for before the bodies are decoded, read after (cachestore.entry.decode_entries) --
-def reading_ahead(trust: TrustPolicy, store: Store, events: list[str] | None = None) -> SignaturePolicy:
-    """A policy whose checkpoints send for a chunk (as a Redis tier's direct-read connection does): the store is
-    read when the load is finished; `events` records the sends and the receives."""
-    log = events if events is not None else []
-
-    def send(key_id_hex: str, instance_hex: str, chunk: int) -> Callable[[], object]:
-        log.append("send")
-
-        def receive() -> object:
-            log.append("receive")
-            return store.fetch(key_id_hex, instance_hex, chunk)
-
-        return receive
-
-    return SignaturePolicy(trust=trust, checkpoints=CheckpointReader(store.fetch, trust, PARTITION, send))
-
-
-def read_all_ahead(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
-    results = decode_entries(entries, policy, ahead=True)
+# -- a read's entries checked in one loop (cachestore.entry.decode_entries, check_writers) ------------------------
+def read_all_at_once(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
+    results = decode_entries(entries, policy)
     assert list(results) == list(entries)
     return {key: "ok" if isinstance(result, Entry) else result.reason for key, result in results.items()}
 
@@ -478,7 +460,7 @@ def _scenario(name: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, by
 @pytest.mark.parametrize(
     "case", ["listed", "missing", "garbage", "wrong type", "stale", "ref elsewhere", "forged", "untrusted", "corrupt"]
 )
-def test_reading_ahead_accepts_rejects_and_falls_back_as_reading_one_by_one(
+def test_a_reads_entries_checked_in_one_loop_are_accepted_rejected_and_fall_back_as_one_by_one(
     ci: WriterKey, laptop: WriterKey, case: str
 ) -> None:
     """The same entries accepted, the others rejected for the same reasons, with the same fetches and verifies,
@@ -487,44 +469,19 @@ def test_reading_ahead_accepts_rejects_and_falls_back_as_reading_one_by_one(
     entries, store = _scenario(case, ci, laptop)
     one_by_one = reading(trusting(ci), store)
     expected = read_all(entries, one_by_one)
-    expected_counts = (one_by_one.trust.verifies, store.fetches, one_by_one.checkpoints.loaded,
-                       one_by_one.checkpoints.rejected)  # fmt: skip
+    expected_counts = [one_by_one.trust.verifies, store.fetches, one_by_one.checkpoints.loaded,
+                       one_by_one.checkpoints.rejected]  # fmt: skip
     store.fetches = 0
-    ahead = reading_ahead(trusting(ci), store)
-    assert read_all_ahead(entries, ahead) == expected
-    verifies, *counts = expected_counts
-    assert [store.fetches, ahead.checkpoints.loaded, ahead.checkpoints.rejected] == counts
-    # Never more verifies; fewer when an entry naming the wrong chunk is listed in a chunk another entry of the
-    # same read named, which reading ahead has loaded before checking it.
-    assert ahead.trust.verifies == verifies or (case == "ref elsewhere" and ahead.trust.verifies < verifies)
-    store.fetches = 0
-    looped = reading(trusting(ci), store)  # the loop without a send: chunks loaded synchronously inside it
-    assert read_all_ahead(entries, looped) == expected
-    assert [store.fetches, looped.checkpoints.loaded, looped.checkpoints.rejected] == counts
+    at_once = reading(trusting(ci), store)
+    assert read_all_at_once(entries, at_once) == expected
+    counts = [at_once.trust.verifies, store.fetches, at_once.checkpoints.loaded, at_once.checkpoints.rejected]
+    assert counts == expected_counts
     assert "ok" in expected.values()
     if case in ("forged", "untrusted", "corrupt"):
         assert set(expected.values()) != {"ok"}
 
 
-def test_reading_ahead_sends_for_the_chunk_before_decoding_the_bodies_and_reads_it_after(
-    ci: WriterKey, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    log, store = CheckpointLog(ci, PARTITION), Store()
-    entries = written(ci, log, [KEYS[0:5], KEYS[5:9]])
-    store.put(log)
-    events: list[str] = []
-    inner = entry_module._body
-    monkeypatch.setattr(entry_module, "_body", lambda *args: events.append("body") or inner(*args))
-    policy = reading_ahead(trusting(ci), store, events)
-    assert set(read_all_ahead(entries, policy).values()) == {"ok"}
-    assert events == ["send"] + ["body"] * 9 + ["receive"]
-    assert (policy.trust.verifies, store.fetches) == (1, 1)
-    events.clear()
-    assert set(read_all_ahead(entries, policy).values()) == {"ok"}  # the leaves known: nothing sent
-    assert events == ["body"] * 9
-
-
-def test_a_hundred_crafted_entries_of_an_untrusted_key_are_refused_ahead_without_a_fetch_or_a_decompression(
+def test_a_hundred_crafted_entries_of_an_untrusted_key_read_at_once_are_refused_before_any_fetch_or_decompression(
     ci: WriterKey, laptop: WriterKey, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     laptop_log = CheckpointLog(laptop, PARTITION)
@@ -535,66 +492,18 @@ def test_a_hundred_crafted_entries_of_an_untrusted_key_are_refused_ahead_without
     decompressed: list[bytes] = []
     inner = entry_module._decompress
     monkeypatch.setattr(entry_module, "_decompress", lambda *args: decompressed.append(args[0]) or inner(*args))
-    events: list[str] = []
-    policy = reading_ahead(trusting(ci), store, events)
-    results = read_all_ahead(crafted, policy)
+    policy = reading(trusting(ci), store)
+    results = read_all_at_once(crafted, policy)
     assert len(results) == 100 and all("does not trust" in reason for reason in results.values())
-    assert events == [] and store.fetches == 0 and decompressed == [] and policy.trust.verifies == 0
-
-
-def test_on_redis_a_fresh_reader_sends_for_the_chunk_before_decoding_and_reads_it_after(
-    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The mechanism behind signature_overhead's first hits: the chunk's GETRANGE goes out on the direct-read
-    connection once the entries are in, the bodies are decoded while its reply comes, and it is read after."""
-    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
-    publish_all(writer, KEYS[:12])
-    writer.close()
-    events: list[str] = []
-    send, receive, body = DirectReader.send_getranges, PendingReplies.receive, entry_module._body
-    monkeypatch.setattr(DirectReader, "send_getranges", lambda self, keys, *a: events.append(f"send {keys[0]}")
-                        or send(self, keys, *a))  # fmt: skip
-    monkeypatch.setattr(PendingReplies, "receive", lambda self: events.append("receive") or receive(self))
-    monkeypatch.setattr(entry_module, "_body", lambda *args: events.append("body") or body(*args))
-    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
-    try:
-        found, _ = reader.find_many(KEYS[:12])
-        assert len(found) == 12 and reader.counts()["tier_rejected"] == 0
-        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
-    finally:
-        reader.close()
-    [sent] = [event for event in events if event.startswith("send")]
-    assert ":checkpoint:" in sent
-    assert events == [sent] + ["body"] * 12 + ["receive"]
-
-
-def test_on_redis_a_failure_between_the_chunks_send_and_its_receive_leaves_the_connection_usable(
-    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
-    publish_all(writer, KEYS[:8])
-    writer.close()
-    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
-    try:
-        with monkeypatch.context() as patched:
-            patched.setattr(entry_module, "_body", lambda *args: (_ for _ in ()).throw(RuntimeError("a bug")))
-            with pytest.raises(RuntimeError, match="a bug"):
-                reader.find_many(KEYS[:4])
-        assert reader.checkpoints.fetches == 1  # the chunk's read was sent, and its reply never read
-        found, _ = reader.find_many(KEYS[4:8])
-        assert {key: entry.binary for key, entry in found.items()} == {
-            key: b"checkpointed " + key.encode() for key in KEYS[4:8]
-        }
-        assert reader.counts()["tier_rejected"] == reader.counts()["tier_errors"] == 0 and reader.available
-    finally:
-        reader.close()
+    assert store.fetches == 0 and decompressed == [] and policy.trust.verifies == 0
 
 
 def test_on_redis_a_reads_entries_are_checked_in_one_loop_and_a_lookup_of_one_as_before(
     redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pass's prefetch: one call checks every entry of the read (its leaf and a lookup each, no call per
-    entry); a read of one entry is decoded by decode_entry, one `_check_writer` call, as before."""
+    entry once the writer's chunk is loaded); a read of one entry is decoded by decode_entry, one
+    `_check_writer` call, as before."""
     writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
     publish_all(writer, KEYS[:12])
     writer.close()
@@ -604,10 +513,13 @@ def test_on_redis_a_reads_entries_are_checked_in_one_loop_and_a_lookup_of_one_as
     monkeypatch.setattr(entry_module, "_check_writer", lambda *a: calls.append("one") or one(*a))
     reader = open_tier(redis_settings.replace(tier_mode="read-only"))
     try:
-        assert len(reader.find_many(KEYS[:6])[0]) == 6  # the chunk loaded: the read after is leaves and lookups
+        assert len(reader.find_many(KEYS[:6])[0]) == 6
+        assert calls == ["loop", "one"]  # the first entry loads the chunk: the others are leaves and lookups
+        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
         calls.clear()
         assert len(reader.find_many(KEYS[6:12])[0]) == 6 and calls == ["loop"]
         calls.clear()
         assert reader.lookup(KEYS[0]) is not None and calls == ["one"]
+        assert reader.counts()["tier_rejected"] == 0
     finally:
         reader.close()

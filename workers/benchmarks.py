@@ -264,11 +264,9 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit and its
     checkpoint fetches per hit (cachestore.checkpoint).
 
-    The check time is every piece of writer-signature work on the reading thread (`_checks_timed`): each entry's
-    check (its leaf hash and memo lookup, a group signature's verify), and a writer checkpoint chunk's whole
-    load: fetched synchronously, or sent for ahead (the send) and read later (the wait for its reply, its
-    decode and verify), then the checks of the entries that waited for it. Only the decoding of the bodies that
-    a chunk's round trip overlaps is not counted.
+    The check time is every writer-signature check on the reading thread (`_checks_timed`): each entry's leaf
+    hash and memo lookup, a group signature's verify, and a writer checkpoint chunk's whole load (its round
+    trip, decode and verify), whether an entry is checked alone or in a read's loop.
 
     A first-hit figure has one large cost in it (a writer checkpoint's fetch and verify, about 0.3 ms, once a
     process) among ~100 small ones, so one reader's ratio swings with whatever else the machine runs at that
@@ -397,18 +395,12 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
 
 @contextlib.contextmanager
 def _checks_timed(spent: list[float]) -> Iterator[None]:
-    """Time every piece of writer-signature work on the reading thread into spent[0], whole: each entry's check
-    (cachestore.entry._check_writer: the entry's message and leaf hash unless computed already, the memo
-    lookup, a writer checkpoint chunk's fetch and verify when one is loaded synchronously, the group
-    signature's verify; and check_writers, a read's entries in one loop when the read can send ahead: the same,
-    or the leaf, the lookup and the send of the chunk's read when an entry names one not loaded yet); a chunk sent
-    for ahead, read later (CheckpointReader.finish: the wait for its reply, its decode and verify, its leaves
-    remembered); and the check of the entries that waited for it (check_waiting). Only the decoding of the
-    bodies that the chunk's round trip overlaps is not signature work."""
-    from cachestore.checkpoint import CheckpointReader
-
-    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers"), (entry_module, "check_waiting"),
-             (CheckpointReader, "finish")]  # fmt: skip
+    """Time every writer-signature check of an entry into spent[0], whole: cachestore.entry._check_writer (the
+    entry's message and leaf hash, the memo lookup, fetching and verifying a writer's checkpoint chunk
+    (cachestore.checkpoint) when the entry names one not loaded yet, and the group signature's verify) and
+    cachestore.entry.check_writers, which checks a read's entries in one loop (the same work: each leaf and
+    lookup, and _check_writer for the rest, counted once)."""
+    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers")]
     inner = [getattr(owner, name) for owner, name in timed]
     for owner, name in timed:
         _timed(owner, name, spent)

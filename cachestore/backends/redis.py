@@ -650,33 +650,7 @@ class RedisBackend:
             except rex.ResponseError as exc:  # WRONGTYPE (another type under the name), NOPERM: no chunk to use
                 return exc
 
-        return self._checkpoint_reply(key, self._within_op_timeout(read))
-
-    @property
-    def sends_ahead(self) -> bool:
-        """Whether `send_checkpoint_fetch` can send a chunk's read ahead (on the direct-read connection)."""
-        return self._direct is not None
-
-    def send_checkpoint_fetch(self, key_id_hex: str, instance_hex: str, chunk: int) -> Callable[[], bytes | None]:
-        """`fetch_checkpoint` in two steps: the GETRANGE is sent now, and the function returned reads its reply
-        (waiting for it if it has not come yet) and returns what fetch_checkpoint would; the read is bounded like
-        fetch. A failure in either step raises as fetch would. Only when `sends_ahead`."""
-        key = self.keys.checkpoint(self.toolchain, key_id_hex, instance_hex, chunk)
-        direct = self._direct
-        assert direct is not None, "send_checkpoint_fetch needs the direct-read connection (sends_ahead)"
-        # The send is not watched: it writes one short command to the socket and waits for no reply (a connect or
-        # a full send buffer is bounded by the socket's own timeouts); the reply, which a server can trickle, is.
-        pending = self._call(lambda: direct.send_getranges([key], 0, MAX_CHECKPOINT_BYTES))
-
-        def read() -> bytes | Exception:
-            try:
-                return pending.receive()[0]
-            except rex.ResponseError as exc:  # as fetch_checkpoint: no chunk to use
-                return exc
-
-        return lambda: self._checkpoint_reply(key, self._within_op_timeout(read))
-
-    def _checkpoint_reply(self, key: str, reply: bytes | Exception) -> bytes | None:
+        reply = self._within_op_timeout(read)
         if isinstance(reply, Exception) or not reply or len(reply) > MAX_CHECKPOINT_BYTES:
             if isinstance(reply, Exception) or reply:
                 why = reply if isinstance(reply, Exception) else f"over {MAX_CHECKPOINT_BYTES} bytes"
