@@ -61,6 +61,7 @@ from cachestore.entry import (
     SignaturePolicy,
     TooLarge,
     Unsealed,
+    decode_entries,
     decode_entry,
     encode_entry,
     seal,
@@ -343,8 +344,9 @@ class TierClient:
         if not ok:
             return own, set(own)
         entries = own
+        many = self._decode_many(found) if self.policy.trust is not None and len(found) > 1 else None
         for key, data in found.items():
-            entry = self._accepted(key, data)
+            entry = self._followed(key, many[key], data) if many is not None else self._accepted(key, data)
             if entry is not None:
                 entries[key] = entry
         self._count_found(entries.values())
@@ -352,7 +354,10 @@ class TierClient:
 
     def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
-        entry = self._decode(cache_key, data)
+        return self._followed(cache_key, self._decode(cache_key, data), data)
+
+    def _followed(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge) -> Entry | None:
+        """`entry`, decoded from `data`, touched and its reference followed; None when it was rejected."""
         if entry is None:
             return None
         self._touch(cache_key, entry, data)
@@ -432,6 +437,12 @@ class TierClient:
             return None
         return entry.with_binary(holder.binary)
 
+    def _decode_many(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
+        """`_decode` of each entry a read of several found, for a reader with a trust policy: their writers'
+        signatures are checked in one loop (cachestore.entry.decode_entries)."""
+        results = decode_entries(found, self.policy, self.settings.max_entry_bytes)
+        return {key: self._decoded(key, data, results[key]) for key, data in found.items()}
+
     def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         try:
             entry = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
@@ -440,6 +451,17 @@ class TierClient:
             return None
         if entry.unverified:
             self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
+        if isinstance(data, bytes):
+            entry.stored = data
+        return entry
+
+    def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
+        """As `_decode`, for an entry decode_entries decoded (or the EntryRejected that stands for it)."""
+        if isinstance(entry, EntryRejected):
+            self.reject(cache_key, entry.reason)
+            return None
+        if entry.unverified:
+            self.stats.add("tier_unverified")
         if isinstance(data, bytes):
             entry.stored = data
         return entry

@@ -54,7 +54,7 @@ import hashlib
 import hmac
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -361,6 +361,114 @@ def decode_entry(
 _SHA256 = hashlib.sha256()
 
 
+@dataclass(slots=True)
+class OpenedEntry:
+    """An entry whose size, header, digest and HMAC were checked (`open_entry`); its writer's signature and its
+    body are still to be checked."""
+
+    flags: int
+    hmac: bytes | None
+    signed: bool  # the HMAC verified with the reader's key
+    section: WriterSection | None
+    digest: bytes  # the payload's SHA-256, as the header states it and the payload hashes to
+    payload: bytes
+    leaf: bytes | None = None  # its leaf, once computed (`check_writers`): what its writer check hashes
+    writer: object = None  # `check_writers`'s verdict: the writer's key id, None, or an EntryRejected
+
+
+def open_entry(
+    data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
+) -> OpenedEntry:
+    """`decode_entry`'s checks up to the writer's signature: the stored size, the header, the digest and the
+    HMAC. Raises EntryRejected as decode_entry does. (decode_entry keeps its own copy of these lines, inline:
+    it is every remote hit's path; tests/test_checkpoints.py holds the two to the same verdicts.)"""
+    if isinstance(data, TooLarge):
+        raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
+    if len(data) > max_bytes:
+        raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    flags, signature, section, payload = _open(data)
+    digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
+    if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
+        raise EntryRejected("stored bytes do not match their digest")
+    signed = _check_signature(payload, signature, policy)
+    return OpenedEntry(flags, signature, signed, section, digest, payload)
+
+
+def _body(opened: OpenedEntry, max_bytes: int) -> Entry:
+    """The entry its payload holds, its declared size bounded before it is decompressed, its shape before
+    msgpack builds it."""
+    fields = _unpack(
+        _decompress(opened.payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
+        max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
+    )  # fmt: skip
+    return _entry_from_fields(fields)
+
+
+def _accepted(entry: Entry, opened: OpenedEntry, writer: bytes | None, policy: SignaturePolicy) -> Entry:
+    """`entry` as decode_entry marks it: what verified it (signed, unverified) and its writer."""
+    entry.signed = opened.signed or (writer is not None and policy.trust is not None)
+    entry.unverified = (opened.hmac is not None and not opened.signed) or (writer is not None and policy.trust is None)
+    entry.writer = writer.hex() if writer is not None else ""
+    return entry
+
+
+def decode_entries(
+    found: Mapping[str, bytes | TooLarge], policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES
+) -> dict[str, Entry | EntryRejected]:
+    """`decode_entry` of each (cache key, stored bytes): the same entries accepted, the others rejected for the
+    same reasons (the EntryRejected stands for the entry). For a reader with a trust policy, a read of several
+    entries (a pass's prefetch) has their writers' signatures checked in one loop (`check_writers`: one call a
+    read, not one an entry, on the compile path), each entry still checked before its body is decompressed."""
+    if policy.trust is None or len(found) < 2:
+        return {key: _decoded(data, policy, max_bytes, key) for key, data in found.items()}
+    results: dict[str, Entry | EntryRejected] = {}
+    opened: dict[str, OpenedEntry] = {}
+    for key, data in found.items():
+        try:
+            opened[key] = open_entry(data, policy, max_bytes, key)
+        except EntryRejected as exc:
+            results[key] = exc
+    check_writers(opened, policy)
+    for key, entry in opened.items():
+        writer = entry.writer
+        if isinstance(writer, EntryRejected):
+            results[key] = writer
+            continue
+        try:
+            results[key] = _accepted(_body(entry, max_bytes), entry, writer, policy)  # type: ignore[arg-type]
+        except EntryRejected as exc:
+            results[key] = exc
+    return {key: results[key] for key in found}  # in the order found (the caller's order of its keys)
+
+
+def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> None:
+    """The writer check (`_check_writer`) of each opened entry (cache key to entry), in one loop, its verdict in
+    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not. An entry naming a
+    checkpoint chunk whose leaf the trust policy knows (a verified chunk or group lists it) costs its leaf and a
+    lookup; any other is checked by `_check_writer` itself (which loads the chunk when due, or verifies the
+    group's signature)."""
+    trust = policy.trust
+    for key, entry in opened.items():
+        section = entry.section
+        if trust is not None and section is not None and section.chunk:
+            leaf = entry_leaf(SCHEMA_VERSION, entry.flags, section.key_id, key, entry.digest)
+            if trust.knows(section.key_id, leaf):  # as in _check_writer: only trusted writers' leaves are known
+                entry.writer = section.key_id
+                continue
+            entry.leaf = leaf
+        try:
+            entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key, entry.leaf)
+        except EntryRejected as exc:
+            entry.writer = exc
+
+
+def _decoded(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, key: str) -> Entry | EntryRejected:
+    try:
+        return decode_entry(data, policy, max_bytes, key)
+    except EntryRejected as exc:
+        return exc
+
+
 def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
     """(signature or None, payload) of an encoded entry, both as stored; raises EntryRejected when `data`
     is not an entry of this schema (an older schema's entry is rejected like any other: a miss)."""
@@ -522,10 +630,12 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
 
 
 def _check_writer(
-    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
-) -> bytes | None:
+    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None,
+    leaf: bytes | None = None,
+) -> bytes | None:  # fmt: skip
     """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
-    policy when the reader holds one); raises EntryRejected when the policy does not accept it."""
+    policy when the reader holds one); raises EntryRejected when the policy does not accept it. `leaf`: the
+    entry's leaf when already computed (`check_writers`), else computed here."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
@@ -538,7 +648,8 @@ def _check_writer(
     if section.size:
         # The leaf walked up its path to a root the signature must cover: another group's path, another index,
         # another cache key or payload give a root no signature of the writer covers, as a forgery does.
-        leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
+        if leaf is None:
+            leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
         if policy.trust.knows(key_id, leaf):  # in a checkpoint or group of this writer verified already
             return key_id
         if section.chunk and policy.checkpoints is not None:

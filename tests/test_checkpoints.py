@@ -15,6 +15,7 @@ from helpers_trust import trust_of as trusting
 from test_entry import make_entry
 
 import cachestore.checkpoint as checkpoint_module
+import cachestore.entry as entry_module
 from cachestore.checkpoint import (
     MAX_CHECKPOINT_BYTES,
     REF_BYTES,
@@ -27,8 +28,10 @@ from cachestore.checkpoint import (
 )
 from cachestore.client import TierClient, open_tier
 from cachestore.entry import (
+    Entry,
     EntryRejected,
     SignaturePolicy,
+    decode_entries,
     decode_entry,
     seal,
     unsealed_entry,
@@ -401,5 +404,122 @@ def test_a_local_tier_keeps_no_checkpoints_and_its_entries_verify(tmp_path: Path
         found, _ = reader.find_many(KEYS[:4])
         assert len(found) == 4 and reader.checkpoints is None
         assert all(not writer_section(entry.stored).chunk for entry in found.values())
+    finally:
+        reader.close()
+
+
+# -- a read's entries checked in one loop (cachestore.entry.decode_entries, check_writers) ------------------------
+def read_all_at_once(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
+    results = decode_entries(entries, policy)
+    assert list(results) == list(entries)
+    return {key: "ok" if isinstance(result, Entry) else result.reason for key, result in results.items()}
+
+
+def _scenario(name: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, bytes], Store]:
+    """Entries and the chunks a store holds, for each case a reader must fall back or reject in."""
+    log, store = CheckpointLog(ci, PARTITION), Store()
+    entries = written(ci, log, [KEYS[0:4], KEYS[4:6]])
+    if name == "listed":
+        store.put(log)
+    elif name in ("garbage", "wrong type"):
+        store.chunks[(ci.key_id_hex, log.instance.hex(), 0)] = b"NKK garbage" if name == "garbage" else {"a": "b"}
+    elif name == "stale":
+        first = written(ci, log, [KEYS[6:9]])
+        store.put(log)
+        older = dict(store.chunks)
+        entries.update(first)
+        entries.update(written(ci, log, [KEYS[9:12], KEYS[12:14]]))
+        store.put(log)
+        store.chunks.update(older)
+    elif name == "ref elsewhere":
+        store.put(log)
+        ref_at = 37 + 16 + 64 + 4
+        data = entries[KEYS[0]]
+        entries[KEYS[0]] = data[:ref_at] + chunk_ref(log.instance, 99) + data[ref_at + REF_BYTES :]
+    elif name == "forged":
+        store.put(log)
+        forger_log = CheckpointLog(laptop, PARTITION)
+        forged = written(laptop, forger_log, [KEYS[20:21]])[KEYS[20]]
+        forged = forged[:37] + ci.key_id + forged[37 + 16 :]
+        leaf = entry_leaf(forged[3], forged[4], ci.key_id, KEYS[20], forged[5:37])
+        planted = encode_checkpoint(laptop, PARTITION, forger_log.instance, 0, [leaf])
+        store.chunks[(ci.key_id_hex, forger_log.instance.hex(), 0)] = planted[:4] + ci.key_id + planted[20:]
+        entries[KEYS[20]] = forged
+    elif name == "untrusted":
+        laptop_log = CheckpointLog(laptop, PARTITION)
+        entries.update(written(laptop, laptop_log, [KEYS[30:33]]))
+        store.put(laptop_log)
+        store.put(log)
+    elif name == "corrupt":
+        store.put(log)
+        entries[KEYS[1]] = entries[KEYS[1]][:-3] + b"bad"  # the digest no longer matches
+        entries[KEYS[2]] = b"not an entry"
+    return entries, store
+
+
+@pytest.mark.parametrize(
+    "case", ["listed", "missing", "garbage", "wrong type", "stale", "ref elsewhere", "forged", "untrusted", "corrupt"]
+)
+def test_a_reads_entries_checked_in_one_loop_are_accepted_rejected_and_fall_back_as_one_by_one(
+    ci: WriterKey, laptop: WriterKey, case: str
+) -> None:
+    """The same entries accepted, the others rejected for the same reasons, with the same fetches and verifies,
+    whatever the chunk an entry names holds (nothing, garbage, another type, an older version, a forgery, an
+    untrusted writer's list) and whatever the entries are."""
+    entries, store = _scenario(case, ci, laptop)
+    one_by_one = reading(trusting(ci), store)
+    expected = read_all(entries, one_by_one)
+    expected_counts = [one_by_one.trust.verifies, store.fetches, one_by_one.checkpoints.loaded,
+                       one_by_one.checkpoints.rejected]  # fmt: skip
+    store.fetches = 0
+    at_once = reading(trusting(ci), store)
+    assert read_all_at_once(entries, at_once) == expected
+    counts = [at_once.trust.verifies, store.fetches, at_once.checkpoints.loaded, at_once.checkpoints.rejected]
+    assert counts == expected_counts
+    assert "ok" in expected.values()
+    if case in ("forged", "untrusted", "corrupt"):
+        assert set(expected.values()) != {"ok"}
+
+
+def test_a_hundred_crafted_entries_of_an_untrusted_key_read_at_once_are_refused_before_any_fetch_or_decompression(
+    ci: WriterKey, laptop: WriterKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    laptop_log = CheckpointLog(laptop, PARTITION)
+    keys = [hashlib.sha256(b"crafted %d" % n).hexdigest() for n in range(100)]
+    crafted = written(laptop, laptop_log, [keys[n : n + 10] for n in range(0, 100, 10)])
+    store = Store()
+    store.put(laptop_log)
+    decompressed: list[bytes] = []
+    inner = entry_module._decompress
+    monkeypatch.setattr(entry_module, "_decompress", lambda *args: decompressed.append(args[0]) or inner(*args))
+    policy = reading(trusting(ci), store)
+    results = read_all_at_once(crafted, policy)
+    assert len(results) == 100 and all("does not trust" in reason for reason in results.values())
+    assert store.fetches == 0 and decompressed == [] and policy.trust.verifies == 0
+
+
+def test_on_redis_a_reads_entries_are_checked_in_one_loop_and_a_lookup_of_one_as_before(
+    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass's prefetch: one call checks every entry of the read (its leaf and a lookup each, no call per
+    entry once the writer's chunk is loaded); a read of one entry is decoded by decode_entry, one
+    `_check_writer` call, as before."""
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:12])
+    writer.close()
+    calls: list[str] = []
+    loop, one = entry_module.check_writers, entry_module._check_writer
+    monkeypatch.setattr(entry_module, "check_writers", lambda *a: calls.append("loop") or loop(*a))
+    monkeypatch.setattr(entry_module, "_check_writer", lambda *a: calls.append("one") or one(*a))
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        assert len(reader.find_many(KEYS[:6])[0]) == 6
+        assert calls == ["loop", "one"]  # the first entry loads the chunk: the others are leaves and lookups
+        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+        calls.clear()
+        assert len(reader.find_many(KEYS[6:12])[0]) == 6 and calls == ["loop"]
+        calls.clear()
+        assert reader.lookup(KEYS[0]) is not None and calls == ["one"]
+        assert reader.counts()["tier_rejected"] == 0
     finally:
         reader.close()
