@@ -332,16 +332,7 @@ def decode_entry(
     stored (compressed) bytes, then the payload's declared size before it is decompressed, and only then the
     body, whose shape is bounded before msgpack builds it. A policy with a trust policy needs `cache_key`, the
     key the entry was read under, which the writer's signature covers."""
-    if isinstance(data, TooLarge):
-        raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
-    if len(data) > max_bytes:
-        raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    flags, signature, section, payload = _open(data)
-    digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
-    hasher = _SHA256.copy()
-    hasher.update(payload)
-    if not hmac.compare_digest(hasher.digest(), digest):
-        raise EntryRejected("stored bytes do not match their digest")
+    flags, signature, section, payload, digest = _intact(data, max_bytes)
     signed = _check_signature(payload, signature, policy)
     writer = _check_writer(flags, section, digest, policy, cache_key)
     fields = _unpack(
@@ -353,6 +344,22 @@ def decode_entry(
     entry.unverified = (signature is not None and not signed) or (writer is not None and policy.trust is None)
     entry.writer = writer.hex() if writer is not None else ""
     return entry
+
+
+def _intact(data: bytes | TooLarge, max_bytes: int) -> tuple[int, bytes | None, WriterSection | None, bytes, bytes]:
+    """(flags, HMAC or None, writer section or None, payload, the payload's SHA-256) of stored bytes whose size,
+    header and digest are checked; raises EntryRejected naming the first problem."""
+    if isinstance(data, TooLarge):
+        raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
+    if len(data) > max_bytes:
+        raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    flags, signature, section, payload = _open(data)
+    digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
+    hasher = _SHA256.copy()
+    hasher.update(payload)
+    if not hmac.compare_digest(hasher.digest(), digest):
+        raise EntryRejected("stored bytes do not match their digest")
+    return flags, signature, section, payload, digest
 
 
 # A copy of an empty hash costs less than a new one (OpenSSL looks the algorithm up for each new hash): 1 µs of a
@@ -380,16 +387,9 @@ def open_entry(
     data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
 ) -> OpenedEntry:
     """`decode_entry`'s checks up to the writer's signature: the stored size, the header, the digest and the
-    HMAC. Raises EntryRejected as decode_entry does. (decode_entry keeps its own copy of these lines, inline:
-    it is every remote hit's path; tests/test_checkpoints.py holds the two to the same verdicts.)"""
-    if isinstance(data, TooLarge):
-        raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
-    if len(data) > max_bytes:
-        raise EntryRejected(f"entry of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    flags, signature, section, payload = _open(data)
-    digest = data[_SUM_AT : _SUM_AT + _SUM_BYTES]
-    if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
-        raise EntryRejected("stored bytes do not match their digest")
+    HMAC. Raises EntryRejected as decode_entry does (both start with `_intact`; tests/test_checkpoints.py holds
+    the two to the same verdicts)."""
+    flags, signature, section, payload, digest = _intact(data, max_bytes)
     signed = _check_signature(payload, signature, policy)
     return OpenedEntry(flags, signature, signed, section, digest, payload)
 
