@@ -445,23 +445,19 @@ class TierClient:
 
     def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         try:
-            entry = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
+            entry: Entry | EntryRejected = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
         except EntryRejected as exc:
-            self.reject(cache_key, exc.reason)
-            return None
-        if entry.unverified:
-            self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
-        if isinstance(data, bytes):
-            entry.stored = data
-        return entry
+            entry = exc
+        return self._decoded(cache_key, data, entry)
 
     def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
-        """As `_decode`, for an entry decode_entries decoded (or the EntryRejected that stands for it)."""
+        """A decoded entry (or the EntryRejected that stands for it) handed on: a rejection counted and logged, an
+        unverified entry counted, its stored bytes kept."""
         if isinstance(entry, EntryRejected):
             self.reject(cache_key, entry.reason)
             return None
         if entry.unverified:
-            self.stats.add("tier_unverified")
+            self.stats.add("tier_unverified")  # accepted on its digest alone (reject_unverifiable is off)
         if isinstance(data, bytes):
             entry.stored = data
         return entry
