@@ -56,6 +56,7 @@ from cachestore.checkpoint import CheckpointLog, CheckpointReader, CheckpointRec
 from cachestore.entry import (
     AWAITED_COMPRESSION_LEVEL,
     COMPRESSION_LEVEL,
+    SCHEMA_VERSION,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -176,7 +177,7 @@ class TierClient:
         # by its group signature, and a writer's log is made with the backend, once it says it keeps them.
         self.checkpoints = None
         if trust is not None and settings.tier.startswith(REDIS_SCHEMES):
-            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition)
+            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition, SCHEMA_VERSION)
         self._checkpoint_log: CheckpointLog | None = None
         self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust,
                                       self.checkpoints)  # fmt: skip
@@ -313,7 +314,7 @@ class TierClient:
         spends its Python after the reply's wait, caches cold)."""
         if self._unsent or self._inbox:
             return self.find_many([cache_key])[0].get(cache_key)
-        ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
+        ok, found = self._guarded(lambda b: self._fetch(b, [cache_key]), "lookup")
         data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
         entry = None if data is None else self._accepted(cache_key, data)
         if entry is not None:  # (_count_found of one entry, without its list)
@@ -340,7 +341,7 @@ class TierClient:
             if not cache_keys:
                 self.stats.add("entries_found", len(own))
                 return own, set(own)
-        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl), "lookup")
+        ok, found = self._guarded(lambda b: self._fetch(b, cache_keys), "lookup")
         if not ok:
             return own, set(own)
         entries = own
@@ -351,6 +352,19 @@ class TierClient:
                 entries[key] = entry
         self._count_found(entries.values())
         return entries, set(found) | set(own)
+
+    def _fetch(self, backend: Backend, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        """The backend's fetch of `cache_keys`; on a process's first read with a trust policy, on a backend that
+        keeps checkpoints, with the trusted writers' latest checkpoint chunks in the same round trip, handed to
+        the checkpoint reader (cachestore.checkpoint: a fresh reader's first entries then need no fetch of their
+        chunk)."""
+        wanted = self.checkpoints.latest_wanted() if self.checkpoints is not None else ()
+        if not wanted or not getattr(backend, "keeps_checkpoints", False):
+            return backend.fetch(cache_keys, self._refresh_ttl)
+        found, chunks = backend.fetch_with_latest(cache_keys, self._refresh_ttl, wanted)  # type: ignore[attr-defined]
+        for key_id_hex, data in chunks.items():
+            self.checkpoints.offer(bytes.fromhex(key_id_hex), data)  # type: ignore[union-attr]
+        return found
 
     def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
@@ -481,7 +495,7 @@ class TierClient:
             if self._backend is None:
                 self._guarded(lambda backend: None, "store")
             if self._backend is not None and getattr(self._backend, "keeps_checkpoints", False):
-                self._checkpoint_log = CheckpointLog(self.writer, self._partition)
+                self._checkpoint_log = CheckpointLog(self.writer, self._partition, SCHEMA_VERSION)
         return self._checkpoint_log
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
@@ -631,7 +645,7 @@ class TierClient:
         """The checkpoint chunk each entry of `group` is listed in (b"" for one prepared without a checkpoint)."""
         log = self._checkpoint_log
         listed = [item for item in group if item.checkpointed]
-        refs = iter(log.place([item.leaf for item in listed]) if listed and log is not None else ())
+        refs = iter(log.place([item.listed for item in listed]) if listed and log is not None else ())
         return [next(refs) if item.checkpointed else b"" for item in group]
 
     def publish_trace(
@@ -676,7 +690,7 @@ class TierClient:
 
         def listed(holder: str) -> bytes:  # in the checkpoint too: a reference's first hit then costs no verify
             unsealed = unsealed_entry(entry.as_reference_to(holder), key, writer, cache_key, True)
-            return seal([unsealed], writer, log.place([unsealed.leaf]))[0]
+            return seal([unsealed], writer, log.place([unsealed.listed]))[0]
 
         return listed
 

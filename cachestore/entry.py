@@ -62,7 +62,7 @@ from typing import Any, Protocol
 import msgpack
 import zstandard
 
-from cachestore.checkpoint import REF_BYTES
+from cachestore.checkpoint import REF_BYTES, listing_id
 from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
 from cachestore.trust import (
     KEY_ID_BYTES,
@@ -235,8 +235,13 @@ class Unsealed:
 
     @property
     def leaf(self) -> bytes:
-        """Its leaf in its group's tree, and in its writer's checkpoint."""
+        """Its leaf in its group's tree."""
         return leaf_hash(self.message)
+
+    @property
+    def listed(self) -> tuple[str, bytes]:
+        """What its writer's checkpoint lists for it: the cache key and the payload's SHA-256."""
+        return self.cache_key, self.head[_SUM_AT : _SUM_AT + _SUM_BYTES]
 
     @property
     def checkpointed(self) -> bool:
@@ -379,7 +384,6 @@ class OpenedEntry:
     section: WriterSection | None
     digest: bytes  # the payload's SHA-256, as the header states it and the payload hashes to
     payload: bytes
-    leaf: bytes | None = None  # its leaf, once computed (`check_writers`): what its writer check hashes
     writer: object = None  # `check_writers`'s verdict: the writer's key id, None, or an EntryRejected
 
 
@@ -443,21 +447,18 @@ def decode_entries(
 
 def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> None:
     """The writer check (`_check_writer`) of each opened entry (cache key to entry), in one loop, its verdict in
-    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not. An entry naming a
-    checkpoint chunk whose leaf the trust policy knows (a verified chunk or group lists it) costs its leaf and a
-    lookup; any other is checked by `_check_writer` itself (which loads the chunk when due, or verifies the
-    group's signature)."""
+    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not. An entry a verified
+    checkpoint chunk of its writer lists costs a lookup; any other is checked by `_check_writer` itself (which
+    loads the chunk it names when due, or verifies the group's signature)."""
     trust = policy.trust
     for key, entry in opened.items():
         section = entry.section
-        if trust is not None and section is not None and section.chunk:
-            leaf = entry_leaf(SCHEMA_VERSION, entry.flags, section.key_id, key, entry.digest)
-            if trust.knows(section.key_id, leaf):  # as in _check_writer: only trusted writers' leaves are known
-                entry.writer = section.key_id
-                continue
-            entry.leaf = leaf
+        # As in _check_writer: only trusted writers' chunks are ever loaded, so only their pairs are listed.
+        if trust is not None and section is not None and trust.listed(section.key_id, listing_id(key)) == entry.digest:
+            entry.writer = section.key_id
+            continue
         try:
-            entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key, entry.leaf)
+            entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key)
         except EntryRejected as exc:
             entry.writer = exc
 
@@ -630,12 +631,12 @@ def _check_signature(payload: bytes, signature: bytes | None, policy: SignatureP
 
 
 def _check_writer(
-    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None,
-    leaf: bytes | None = None,
-) -> bytes | None:  # fmt: skip
+    flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
+) -> bytes | None:
     """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
-    policy when the reader holds one); raises EntryRejected when the policy does not accept it. `leaf`: the
-    entry's leaf when already computed (`check_writers`), else computed here."""
+    policy when the reader holds one); raises EntryRejected when the policy does not accept it: a verified
+    checkpoint chunk of the writer lists the entry (the chunk it names loaded first when due), or its own
+    (group) signature verifies."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
@@ -645,17 +646,20 @@ def _check_writer(
     if cache_key is None:
         raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
     key_id = section.key_id
+    trust = policy.trust
+    listed = listing_id(cache_key)
+    if trust.listed(key_id, listed) == digest:  # in a checkpoint chunk of this writer verified already
+        return key_id
+    if section.chunk and policy.checkpoints is not None:
+        policy.checkpoints.load(key_id, section.chunk)  # then a lookup, when the chunk lists the entry
+        if trust.listed(key_id, listed) == digest:
+            return key_id
     if section.size:
         # The leaf walked up its path to a root the signature must cover: another group's path, another index,
         # another cache key or payload give a root no signature of the writer covers, as a forgery does.
-        if leaf is None:
-            leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
-        if policy.trust.knows(key_id, leaf):  # in a checkpoint or group of this writer verified already
-            return key_id
-        if section.chunk and policy.checkpoints is not None:
-            policy.checkpoints.load(key_id, section.chunk)  # then the leaf alone, when the chunk lists it
+        leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
         place = (section.index, section.size, section.path)
-        problem = policy.trust.check_batch(key_id, leaf, place, section.signature)
+        problem = trust.check_batch(key_id, leaf, place, section.signature)
         if problem is not None:
             raise EntryRejected(problem)
         return key_id

@@ -10,6 +10,7 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     NS:vV:tc:TC:checkpoint:{KEYID.INSTANCE}:CHUNK  string   chunk CHUNK of the checkpoint a writer process
                                (its key id, its random instance id) signs of the entries it stored
                                (cachestore.checkpoint; TTL like entries, rewritten at each flush while current)
+    NS:vV:tc:TC:checkpoint:{KEYID.latest}   string   a copy of the chunk a process of writer KEYID wrote last
     NS:vV:variants:{KERNEL}      hash     the variant index of one kernel name (cachestore.variant_index): what
                                each toolchain stored of it, for the cause of a miss (TTL, refreshed on store)
     NS:vV:metrics-shards       string   S, the number of metrics shards (set once, by the first batch)
@@ -128,6 +129,11 @@ class KeySpace:
         """Inside the partition, so a scope's ACL (`NS:vV:tc:*:scope:*`) covers its writers' checkpoints and an
         untrusted writer cannot write the trusted scope's."""
         return f"{self.prefix}:tc:{toolchain}:checkpoint:{{{key_id_hex}.{instance_hex}}}:{chunk}"
+
+    def checkpoint_latest(self, toolchain: str, key_id_hex: str) -> str:
+        """The latest chunk any process of writer key `key_id_hex` wrote in the partition (a copy: a fresh reader
+        reads it with its first entries). Matched by `checkpoint_pattern` as a chunk is ("latest" is no instance)."""
+        return f"{self.prefix}:tc:{toolchain}:checkpoint:{{{key_id_hex}.latest}}"
 
     def checkpoint_pattern(self, key_id_hex: str | None = None) -> str:
         """SCAN pattern of one writer key's checkpoints in every toolchain and scope, or of every writer's."""
@@ -339,7 +345,7 @@ _KEY_TAG = re.compile(r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]")
 def key_tag(cache_key: str) -> str:
     """An entry's and its lease's hash tag: a SHA-256 hex cache key in 43 characters of unpadded base64url,
     any other key as "=" and its text."""
-    raw = _sha256_raw(cache_key)
+    raw = sha256_raw(cache_key)
     if raw is None:
         return "=" + cache_key
     return binascii.b2a_base64(raw, newline=False)[:43].translate(_TO_URLSAFE).decode()  # (43: no "=" padding)
@@ -375,14 +381,14 @@ def digest_bucket_of(digest: str) -> int:
 def digest_field(digest: str) -> bytes:
     """A digest's field in its bucket: the first DIGEST_FIELD_BYTES of the SHA-256, raw (a hex digest's; any
     other text as its bytes, which no raw prefix of that length equals unless it has that length too)."""
-    raw = _sha256_raw(digest)
+    raw = sha256_raw(digest)
     return raw[:DIGEST_FIELD_BYTES] if raw is not None else digest.encode()
 
 
 def holder_value(cache_key: str) -> bytes:
     """A cache key as the dedupe index stores it: 32 raw bytes for a SHA-256 hex key (every key the codegen
     loop makes), its text otherwise."""
-    raw = _sha256_raw(cache_key)
+    raw = sha256_raw(cache_key)
     return raw if raw is not None else cache_key.encode()
 
 
@@ -395,7 +401,7 @@ def holder_of(value: bytes | str | None) -> str | None:
     return value.hex() if len(value) == 32 else value.decode(errors="backslashreplace")
 
 
-def _sha256_raw(text: str) -> bytes | None:
+def sha256_raw(text: str) -> bytes | None:
     """The 32 raw bytes of a SHA-256 hex text (64 lowercase hex digits, nothing else), None for any other text.
     bytes.fromhex and hex() tell the two apart in fewer calls than a regular expression and a second decoding:
     every remote hit names its entry by its key's tag."""

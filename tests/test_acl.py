@@ -533,11 +533,13 @@ def test_the_untrusted_user_writes_its_own_scope_only(
         assert untrusted.get(KEYS.entry(toolchain_id(), cache_key))  # it may read the trusted scope
         # Writers' checkpoints (cachestore.checkpoint) sit inside their scope: ci's may be read by the reader user
         # and not written by the untrusted one; the laptop's own are in its scope.
-        [chunk] = list(reader.scan_iter(match=KEYS.checkpoint_pattern(ci.key_id_hex), count=1000))
-        assert chunk.decode().startswith(f"{KEYS.prefix}:tc:{toolchain_id()}:checkpoint:")
-        assert reader.getrange(chunk, 0, 2) == b"NKK"
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            untrusted.set(chunk, b"planted")
+        chunks = list(reader.scan_iter(match=KEYS.checkpoint_pattern(ci.key_id_hex), count=1000))
+        assert KEYS.checkpoint_latest(toolchain_id(), ci.key_id_hex).encode() in chunks and len(chunks) == 2
+        for chunk in chunks:  # the writer process's chunk, and its key's latest (a copy)
+            assert chunk.decode().startswith(f"{KEYS.prefix}:tc:{toolchain_id()}:checkpoint:")
+            assert reader.getrange(chunk, 0, 2) == b"NKK"
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                untrusted.set(chunk, b"planted")
         laptop_chunks = list(reader.scan_iter(match=KEYS.checkpoint_pattern(laptop.key_id_hex), count=1000))
         assert laptop_chunks and all(key.decode().startswith(f"{KEYS.prefix}:tc:{scope}:") for key in laptop_chunks)
 

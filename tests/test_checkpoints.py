@@ -1,6 +1,7 @@
-"""Writer checkpoints (issue 22, cachestore.checkpoint): a writer signs the list of the leaves it stored, chunk by
-chunk; a reader that verified a chunk checks the entries it lists by their leaf alone, and any entry the chunk
-does not vouch for (a forged, stale, garbage or missing chunk) falls back to its own group signature."""
+"""Writer checkpoints (issue 22, cachestore.checkpoint): a writer signs the list of what it stored (cache key,
+payload SHA-256), chunk by chunk; a reader that verified a chunk checks the entries it lists by a lookup alone, and
+any entry the chunk does not vouch for (a forged, stale, garbage, missing or old-format chunk) falls back to its
+own group signature. A writer's latest chunk comes with a fresh reader's first read."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from test_entry import make_entry
 
 import cachestore.checkpoint as checkpoint_module
 import cachestore.entry as entry_module
+import cachestore.trust as trust_module
+from bridge.identity import toolchain_id
+from cachestore.backends.redis import RedisBackend
 from cachestore.checkpoint import (
     MAX_CHECKPOINT_BYTES,
     REF_BYTES,
@@ -25,9 +29,11 @@ from cachestore.checkpoint import (
     chunk_ref,
     decode_checkpoint,
     encode_checkpoint,
+    listing_id,
 )
 from cachestore.client import TierClient, open_tier
 from cachestore.entry import (
+    SCHEMA_VERSION,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -46,6 +52,11 @@ from cachestore.trust import TrustPolicy, WriterKey, entry_leaf, signed_message,
 KEYS = [hashlib.sha256(b"checkpoint %d" % n).hexdigest() for n in range(64)]
 PARTITION = "tc-test"
 INSTANCE = b"\x01" * 8
+SCHEMA = SCHEMA_VERSION
+
+
+def pair(cache_key: str, payload: bytes) -> bytes:
+    return listing_id(cache_key) + hashlib.sha256(payload).digest()
 
 
 class Store:
@@ -70,13 +81,13 @@ def written(writer: WriterKey, log: CheckpointLog | None, groups: list[list[str]
     stored = {}
     for keys in groups:
         items = [unsealed_entry(make_entry(binary=key.encode()), None, writer, key, log is not None) for key in keys]
-        refs = log.place([item.leaf for item in items]) if log is not None else None
+        refs = log.place([item.listed for item in items]) if log is not None else None
         stored.update(zip(keys, seal(items, writer, refs), strict=True))
     return stored
 
 
 def reading(trust: TrustPolicy, store: Store, partition: str = PARTITION) -> SignaturePolicy:
-    return SignaturePolicy(trust=trust, checkpoints=CheckpointReader(store.fetch, trust, partition))
+    return SignaturePolicy(trust=trust, checkpoints=CheckpointReader(store.fetch, trust, partition, SCHEMA))
 
 
 def read_all(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
@@ -98,42 +109,64 @@ def test_an_entrys_leaf_is_the_merkle_leaf_of_its_signed_message(ci: WriterKey) 
     assert entry_leaf(3, 0x0C, ci.key_id, KEYS[0], digest) == leaf_hash(message)
 
 
-def test_a_chunk_verifies_once_and_lists_its_leaves(ci: WriterKey) -> None:
-    leaves = [hashlib.sha256(b"%d" % n).digest() for n in range(5)]
-    data = encode_checkpoint(ci, PARTITION, INSTANCE, 7, leaves)
+def test_a_chunk_verifies_once_and_lists_its_pairs(ci: WriterKey) -> None:
+    pairs = [pair(KEYS[n], b"%d" % n) for n in range(5)]
+    data = encode_checkpoint(ci, PARTITION, SCHEMA, INSTANCE, 7, pairs)
     trust = trusting(ci)
-    assert decode_checkpoint(data, ci.key_id, PARTITION, chunk_ref(INSTANCE, 7), trust) == leaves
+    assert decode_checkpoint(data, ci.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 7), trust) == b"".join(pairs)
     assert trust.verifies == 1
+    assert len(data) == 37 + 64 * 5 + 64  # header, pairs, signature
+
+
+def test_a_listing_id_is_a_hex_keys_raw_bytes_and_any_other_keys_hash() -> None:
+    assert listing_id(KEYS[0]) == bytes.fromhex(KEYS[0])
+    assert listing_id("k1") == hashlib.sha256(b"k1").digest()
+    # An upper-case or spaced spelling of a listed key is another key: it is hashed, never read as the same bytes.
+    assert listing_id(KEYS[0].upper()) == hashlib.sha256(KEYS[0].upper().encode()).digest() != listing_id(KEYS[0])
+    assert listing_id(" ".join(KEYS[0][i : i + 2] for i in range(0, 64, 2))) != listing_id(KEYS[0])
+
+
+@pytest.mark.parametrize("changed", ["version 1", "another schema"])
+def test_a_chunk_of_another_format_or_entry_schema_is_rejected_without_a_verify(ci: WriterKey, changed: str) -> None:
+    """A version-1 chunk (leaf hashes, as written before) or one listing entries of another schema: its entries
+    are not read through it (they verify by their own group signatures)."""
+    data = bytearray(encode_checkpoint(ci, PARTITION, SCHEMA, INSTANCE, 0, [pair(KEYS[0], b"p")]))
+    data[3 if changed == "version 1" else 4] = 1 if changed == "version 1" else SCHEMA + 1
+    trust = trusting(ci)
+    with pytest.raises(CheckpointRejected, match="version" if changed == "version 1" else "schema"):
+        decode_checkpoint(bytes(data), ci.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 0), trust)
+    assert trust.verifies == 0
 
 
 def test_a_chunk_signed_by_an_untrusted_key_is_rejected(ci: WriterKey, laptop: WriterKey) -> None:
-    data = encode_checkpoint(laptop, PARTITION, INSTANCE, 0, [b"\x00" * 32])
+    data = encode_checkpoint(laptop, PARTITION, SCHEMA, INSTANCE, 0, [b"\x00" * 64])
     with pytest.raises(CheckpointRejected, match="does not trust"):
-        decode_checkpoint(data, laptop.key_id, PARTITION, chunk_ref(INSTANCE, 0), trusting(ci))
+        decode_checkpoint(data, laptop.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 0), trusting(ci))
 
 
 def test_a_chunk_of_one_key_claiming_anothers_id_is_rejected(ci: WriterKey, laptop: WriterKey) -> None:
     """laptop signs a chunk whose header names ci's key id: it is fetched for ci's entries and verified with ci's
     key, and fails. Fetched for laptop's own ref it names the wrong writer."""
-    own = encode_checkpoint(laptop, PARTITION, INSTANCE, 0, [b"\x01" * 32])
-    claimed = own[:4] + ci.key_id + own[4 + 16 :]
+    own = encode_checkpoint(laptop, PARTITION, SCHEMA, INSTANCE, 0, [b"\x01" * 64])
+    claimed = own[:5] + ci.key_id + own[5 + 16 :]
     with pytest.raises(CheckpointRejected, match="does not verify"):
-        decode_checkpoint(claimed, ci.key_id, PARTITION, chunk_ref(INSTANCE, 0), trusting(ci, laptop))
+        decode_checkpoint(claimed, ci.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 0), trusting(ci, laptop))
     with pytest.raises(CheckpointRejected, match="names writer"):
-        decode_checkpoint(claimed, laptop.key_id, PARTITION, chunk_ref(INSTANCE, 0), trusting(ci, laptop))
+        decode_checkpoint(claimed, laptop.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 0), trusting(ci, laptop))
 
 
 def test_a_chunk_copied_to_another_partition_chunk_or_altered_is_rejected(ci: WriterKey) -> None:
-    data = encode_checkpoint(ci, PARTITION, INSTANCE, 3, [b"\x02" * 32, b"\x03" * 32])
+    data = encode_checkpoint(ci, PARTITION, SCHEMA, INSTANCE, 3, [b"\x02" * 64, b"\x03" * 64])
     trust = trusting(ci)
     with pytest.raises(CheckpointRejected, match="does not verify"):  # another toolchain or scope
-        decode_checkpoint(data, ci.key_id, "tc-test:scope:w-x", chunk_ref(INSTANCE, 3), trust)
+        decode_checkpoint(data, ci.key_id, "tc-test:scope:w-x", SCHEMA, chunk_ref(INSTANCE, 3), trust)
     with pytest.raises(CheckpointRejected, match="names writer"):  # stored where another chunk goes
-        decode_checkpoint(data, ci.key_id, PARTITION, chunk_ref(INSTANCE, 4), trust)
-    altered = bytearray(data)
-    altered[40] ^= 1  # a leaf
-    with pytest.raises(CheckpointRejected, match="does not verify"):
-        decode_checkpoint(bytes(altered), ci.key_id, PARTITION, chunk_ref(INSTANCE, 3), trust)
+        decode_checkpoint(data, ci.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 4), trust)
+    for at in (40, 37 + 64 + 40):  # a cache key's listing id; a payload digest
+        altered = bytearray(data)
+        altered[at] ^= 1
+        with pytest.raises(CheckpointRejected, match="does not verify"):
+            decode_checkpoint(bytes(altered), ci.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 3), trust)
 
 
 @pytest.mark.parametrize(
@@ -144,38 +177,39 @@ def test_a_chunk_copied_to_another_partition_chunk_or_altered_is_rejected(ci: Wr
 def test_garbage_under_a_chunks_name_is_rejected_without_a_verify(ci: WriterKey, garbage: object) -> None:
     trust = trusting(ci)
     with pytest.raises(CheckpointRejected):
-        decode_checkpoint(garbage, ci.key_id, PARTITION, chunk_ref(INSTANCE, 0), trust)
+        decode_checkpoint(garbage, ci.key_id, PARTITION, SCHEMA, chunk_ref(INSTANCE, 0), trust)
     assert trust.verifies == 0
 
 
 def test_a_truncated_extended_or_lying_chunk_is_rejected(ci: WriterKey) -> None:
-    data = encode_checkpoint(ci, PARTITION, INSTANCE, 0, [b"\x04" * 32, b"\x05" * 32])
+    data = encode_checkpoint(ci, PARTITION, SCHEMA, INSTANCE, 0, [b"\x04" * 64, b"\x05" * 64])
     trust, ref = trusting(ci), chunk_ref(INSTANCE, 0)
-    lying_count = data[:32] + (1000).to_bytes(4, "big") + data[36:]
-    for bad in (data[:-1], data + b"\x00", data[: -64 - 32] + data[-64:], lying_count):
+    lying_count = data[:33] + (1000).to_bytes(4, "big") + data[37:]
+    for bad in (data[:-1], data + b"\x00", data[: -64 - 32] + data[-64:], data[: -64 - 64] + data[-64:], lying_count):
         with pytest.raises(CheckpointRejected):
-            decode_checkpoint(bad, ci.key_id, PARTITION, ref, trust)
+            decode_checkpoint(bad, ci.key_id, PARTITION, SCHEMA, ref, trust)
+    assert trust.verifies == 0
 
 
 def test_the_log_freezes_a_full_chunk_and_begins_another(ci: WriterKey, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_LEAVES", 3)
-    log = CheckpointLog(ci, PARTITION)
-    leaves = [hashlib.sha256(b"%d" % n).digest() for n in range(7)]
-    refs = log.place(leaves[:2] + leaves[:1])  # the same leaf again is listed once
+    log = CheckpointLog(ci, PARTITION, SCHEMA)
+    listed = [(KEYS[n], hashlib.sha256(b"%d" % n).digest()) for n in range(7)]
+    refs = log.place(listed[:2] + listed[:1])  # the same entry again is listed once
     assert refs == [chunk_ref(log.instance, 0)] * 3
-    refs = log.place(leaves[2:])
+    refs = log.place(listed[2:])
     assert [ref[-4:] for ref in refs] == [(n).to_bytes(4, "big") for n in (0, 1, 1, 1, 2)]
     records = log.records()
     assert [(r.chunk, r.count) for r in records] == [(0, 3), (1, 3), (2, 1)]
     log.written(records)
     assert log.records() == []
-    log.place([b"\x09" * 32])
+    log.place([(KEYS[9], b"\x09" * 32)])
     assert [(r.chunk, r.count) for r in log.records()] == [(2, 2)]  # only the current chunk, grown, is rewritten
 
 
 # -- a reader ---------------------------------------------------------------------------------------------------
 def test_a_reader_verifies_one_chunk_for_many_groups(ci: WriterKey) -> None:
-    log, store = CheckpointLog(ci, PARTITION), Store()
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
     entries = written(ci, log, [KEYS[0:5], KEYS[5:12], KEYS[12:13], KEYS[13:20]])
     store.put(log)
     policy = reading(trusting(ci), store)
@@ -185,18 +219,18 @@ def test_a_reader_verifies_one_chunk_for_many_groups(ci: WriterKey) -> None:
 
 def test_a_forged_entry_and_a_forged_chunk_listing_it_are_both_rejected(ci: WriterKey, laptop: WriterKey) -> None:
     """laptop forges an entry claiming ci as its writer, and a chunk (its own signature, ci's id) listing the
-    forged entry's leaf: the chunk is rejected, the entry falls back to its group signature, and is rejected."""
-    log, store = CheckpointLog(ci, PARTITION), Store()
+    forged entry's key and payload: the chunk is rejected, the entry falls back to its group signature, and is
+    rejected."""
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
     honest = written(ci, log, [KEYS[0:3]])
     store.put(log)
-    forger_log = CheckpointLog(laptop, PARTITION)
+    forger_log = CheckpointLog(laptop, PARTITION, SCHEMA)
     forged = written(laptop, forger_log, [KEYS[3:4]])[KEYS[3]]
     forged = forged[:37] + ci.key_id + forged[37 + 16 :]  # the header names ci
     section = writer_section(forged)
     assert section is not None and section.key_id == ci.key_id
-    leaf = entry_leaf(3, forged[4], ci.key_id, KEYS[3], forged[5:37])
-    planted = encode_checkpoint(laptop, PARTITION, forger_log.instance, 0, [leaf])
-    planted = planted[:4] + ci.key_id + planted[4 + 16 :]
+    planted = encode_checkpoint(laptop, PARTITION, SCHEMA, forger_log.instance, 0, [listing_id(KEYS[3]) + forged[5:37]])
+    planted = planted[:5] + ci.key_id + planted[5 + 16 :]
     store.chunks[(ci.key_id_hex, forger_log.instance.hex(), 0)] = planted
     policy = reading(trusting(ci), store)
     result = read_all({**honest, KEYS[3]: forged}, policy)
@@ -208,7 +242,7 @@ def test_a_forged_entry_and_a_forged_chunk_listing_it_are_both_rejected(ci: Writ
 def test_a_chunk_replaced_by_an_older_version_leaves_the_newer_entries_to_their_group_signatures(
     ci: WriterKey,
 ) -> None:
-    log, store = CheckpointLog(ci, PARTITION), Store()
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
     first = written(ci, log, [KEYS[0:4]])
     store.put(log)
     older = dict(store.chunks)
@@ -225,7 +259,7 @@ def test_a_chunk_replaced_by_an_older_version_leaves_the_newer_entries_to_their_
 def test_entries_of_a_missing_or_garbage_chunk_verify_by_their_group_signature(ci: WriterKey, stored: str) -> None:
     """What a reader finds when the writer was killed between its entries and its checkpoint, or something else
     stands under the chunk's name."""
-    log, store = CheckpointLog(ci, PARTITION), Store()
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
     entries = written(ci, log, [KEYS[0:4], KEYS[4:6]])
     if stored != "missing":
         key = (ci.key_id_hex, log.instance.hex(), 0)
@@ -237,7 +271,7 @@ def test_entries_of_a_missing_or_garbage_chunk_verify_by_their_group_signature(c
 
 def test_a_chunk_ref_pointing_elsewhere_costs_the_fallback_only(ci: WriterKey) -> None:
     """The ref is a hint the signature does not cover: changed, the entry still verifies by its group."""
-    log, store = CheckpointLog(ci, PARTITION), Store()
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
     entries = written(ci, log, [KEYS[0:2]])
     store.put(log)
     data = entries[KEYS[0]]
@@ -250,12 +284,40 @@ def test_a_chunk_ref_pointing_elsewhere_costs_the_fallback_only(ci: WriterKey) -
 
 
 def test_an_untrusted_writers_chunk_is_never_fetched(ci: WriterKey, laptop: WriterKey) -> None:
-    log, store = CheckpointLog(laptop, PARTITION), Store()
+    log, store = CheckpointLog(laptop, PARTITION, SCHEMA), Store()
     entries = written(laptop, log, [KEYS[0:3]])
     store.put(log)
     policy = reading(trusting(ci), store)
     assert all("does not trust" in reason for reason in read_all(entries, policy).values())
     assert store.fetches == 0 and policy.trust.verifies == 0
+
+
+def test_a_listed_entry_moved_under_another_listed_key_is_rejected(ci: WriterKey) -> None:
+    """A transplant: KEYS[0]'s honest entry copied under KEYS[1], which the verified chunk lists with another
+    payload. The lookup does not match, and its own group signature covers KEYS[0], not KEYS[1]."""
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
+    entries = written(ci, log, [KEYS[0:2]])
+    store.put(log)
+    policy = reading(trusting(ci), store)
+    assert read_all(entries, policy) == {KEYS[0]: "ok", KEYS[1]: "ok"}
+    moved = read_all({KEYS[1]: entries[KEYS[0]]}, policy)
+    assert "does not verify" in moved[KEYS[1]]
+
+
+def test_a_writers_listing_starts_again_past_its_bound_and_its_entries_still_verify(
+    ci: WriterKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trust_module, "VERIFIED_MEMO_SIZE", 6)
+    monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_LEAVES", 4)
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
+    entries = written(ci, log, [KEYS[0:4], KEYS[4:8], KEYS[8:12]])
+    store.put(log)
+    trust = trusting(ci)
+    policy = reading(trust, store)
+    assert set(read_all(entries, policy).values()) == {"ok"}
+    assert len(trust._listings[ci.key_id]) <= 6  # three chunks of four loaded, the listing never past six
+    assert (trust.verifies, policy.checkpoints.loaded) == (3, 3)
+    assert set(read_all(entries, policy).values()) == {"ok"}  # the first chunk's entries by their groups again
 
 
 # -- on Redis ---------------------------------------------------------------------------------------------------
@@ -286,20 +348,93 @@ def checkpoint_keys(settings: Settings, key_id_hex: str | None = None) -> list[b
         client.close()
 
 
-def test_on_redis_a_fresh_reader_verifies_the_writers_chunk_once(redis_settings: Settings, tmp_path: Path) -> None:
+def latest_key(settings: Settings, key_id_hex: str) -> str:
+    return KeySpace(settings.namespace).checkpoint_latest(toolchain_id(), key_id_hex)
+
+
+def test_on_redis_a_fresh_reader_verifies_the_writers_chunk_once_from_its_first_read(
+    redis_settings: Settings, tmp_path: Path, ci: WriterKey
+) -> None:
+    """The writer's chunk, and its copy under the key's latest, which the reader's first read brings along."""
     writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
     publish_all(writer, KEYS[:12])
     writer.close()
-    [key] = checkpoint_keys(redis_settings)
+    keys = checkpoint_keys(redis_settings)
+    latest = latest_key(redis_settings, ci.key_id_hex)
+    assert len(keys) == 2 and latest.encode() in keys
     client = redis.Redis.from_url(redis_settings.tier)
-    assert 0 < client.ttl(key) <= redis_settings.entry_ttl
+    assert all(0 < client.ttl(key) <= redis_settings.entry_ttl for key in keys)
+    assert client.get(latest) == client.get(next(key for key in keys if key != latest.encode()))
     client.close()
     reader = open_tier(redis_settings.replace(tier_mode="read-only"))
     try:
         found, _ = reader.find_many(KEYS[:12])
         assert len(found) == 12 and reader.counts()["tier_rejected"] == 0
         assert len({writer_section(e.stored).signature for e in found.values()}) >= 3  # groups
-        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+        assert (reader.policy.trust.verifies, reader.checkpoints.fetches, reader.checkpoints.loaded) == (1, 0, 1)
+    finally:
+        reader.close()
+
+
+def test_on_redis_only_a_processs_first_read_brings_the_latest_chunks(
+    redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:8])
+    writer.close()
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    asked: list[list[str]] = []
+    inner = RedisBackend.fetch_with_latest
+    monkeypatch.setattr(
+        RedisBackend, "fetch_with_latest", lambda self, keys, ttl, w: asked.append(list(w)) or inner(self, keys, ttl, w)
+    )
+    try:
+        assert reader.lookup(KEYS[0]) is not None  # a lookup of one key brings them too
+        assert len(reader.find_many(KEYS[1:8])[0]) == 7 and reader.lookup(KEYS[0]) is not None
+        assert asked == [[key_id.hex() for key_id in reader.policy.trust.writers]]
+        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 0)
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("planted", ["garbage", "wrong type", "forged", "huge", "another process's"])
+def test_on_redis_a_bad_or_other_latest_chunk_costs_the_named_chunks_fetch_only(
+    redis_settings: Settings, tmp_path: Path, ci: WriterKey, laptop: WriterKey, planted: str
+) -> None:
+    """Whatever stands under a writer's latest (garbage, another type, a chunk the laptop signed naming ci's id
+    and chunk, more than a chunk's bytes, or the chunk of another process of the same key, which wrote last): the
+    reader's entries verify, by the chunk they name, fetched; no tier error, no rejection."""
+    writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+    publish_all(writer, KEYS[:8])
+    ref = writer._checkpoint_log.instance + bytes(4)  # type: ignore[union-attr]
+    writer.close()
+    latest = latest_key(redis_settings, ci.key_id_hex)
+    client = redis.Redis.from_url(redis_settings.tier)
+    client.delete(latest)
+    if planted == "wrong type":
+        client.hset(latest, mapping={"not": "a chunk"})
+    elif planted == "forged":
+        chunk = encode_checkpoint(laptop, PARTITION, SCHEMA, ref[:8], 0, [b"\x07" * 64])
+        client.set(latest, chunk[:5] + ci.key_id + chunk[21:])
+    else:
+        other = {"garbage": b"NKK garbage", "huge": b"\x00" * (MAX_CHECKPOINT_BYTES + 1)}
+        if planted == "another process's":
+            second = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
+            publish_all(second, KEYS[20:22])
+            second.close()
+        else:
+            client.set(latest, other[planted])
+    client.close()
+    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(KEYS[:8])
+        counts = reader.counts()
+        assert len(found) == 8 and counts["tier_rejected"] == counts["tier_errors"] == 0 and reader.available
+        assert reader.checkpoints.fetches == 1 and reader.checkpoints.loaded == 1
+        assert reader.policy.trust.verifies == (2 if planted == "forged" else 1)  # the forgery's own, refused
+        if planted == "another process's":  # kept, it serves the entries of the process that wrote it
+            assert len(reader.find_many(KEYS[20:22])[0]) == 2
+            assert (reader.checkpoints.fetches, reader.checkpoints.loaded) == (1, 2)
     finally:
         reader.close()
 
@@ -318,7 +453,7 @@ def test_on_redis_a_reference_is_listed_in_the_checkpoint_too(redis_settings: Se
         assert found[KEYS[1]].binary == b"shared" and reader.counts()["tier_rejected"] == 0
         raw = reader._backend.fetch([KEYS[1]], None)[KEYS[1]]
         assert decode_entry(raw, SignaturePolicy(), cache_key=KEYS[1]).is_reference
-        assert writer_section(raw).chunk and (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+        assert writer_section(raw).chunk and (reader.policy.trust.verifies, reader.checkpoints.loaded) == (1, 1)
     finally:
         reader.close()
 
@@ -327,10 +462,10 @@ def test_on_redis_a_wrong_type_under_the_chunk_costs_no_tier_error(redis_setting
     writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
     publish_all(writer, KEYS[:8])
     writer.close()
-    [key] = checkpoint_keys(redis_settings)
     client = redis.Redis.from_url(redis_settings.tier)
-    client.delete(key)
-    client.hset(key, mapping={"not": "a chunk"})
+    for key in checkpoint_keys(redis_settings):  # the chunk and the key's latest
+        client.delete(key)
+        client.hset(key, mapping={"not": "a chunk"})
     client.close()
     reader = open_tier(redis_settings.replace(tier_mode="read-only"))
     try:
@@ -376,19 +511,19 @@ def test_on_redis_gc_by_writer_removes_its_checkpoints(redis_settings: Settings,
     second = open_tier(both.replace(writer_key_file=str(tmp_path / "other.key")))
     publish_all(second, KEYS[4:6])
     second.close()
-    assert len(checkpoint_keys(redis_settings, ci.key_id_hex)) == 1
+    assert len(checkpoint_keys(redis_settings, ci.key_id_hex)) == 2  # its process's chunk and its latest
     from cachestore.api import open_backend
 
     reader = open_backend(both, reading=True)
     try:
         dry = collect_garbage(reader, SignaturePolicy(), writer=ci.key_id_hex, dry_run=True)
-        assert dry["checkpoints_evicted"] == 1 and len(checkpoint_keys(redis_settings, ci.key_id_hex)) == 1
+        assert dry["checkpoints_evicted"] == 2 and len(checkpoint_keys(redis_settings, ci.key_id_hex)) == 2
         done = collect_garbage(reader, SignaturePolicy(), writer=ci.key_id_hex)
-        assert done["checkpoints_evicted"] == 1 and done["evicted"] == 4
+        assert done["checkpoints_evicted"] == 2 and done["evicted"] == 4
     finally:
         reader.close()
     assert checkpoint_keys(redis_settings, ci.key_id_hex) == []
-    assert len(checkpoint_keys(redis_settings, other.key_id_hex)) == 1  # another writer's stay
+    assert len(checkpoint_keys(redis_settings, other.key_id_hex)) == 2  # another writer's stay
 
 
 def test_a_local_tier_keeps_no_checkpoints_and_its_entries_verify(tmp_path: Path, ci: WriterKey) -> None:
@@ -417,7 +552,7 @@ def read_all_at_once(entries: dict[str, bytes], policy: SignaturePolicy) -> dict
 
 def _scenario(name: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, bytes], Store]:
     """Entries and the chunks a store holds, for each case a reader must fall back or reject in."""
-    log, store = CheckpointLog(ci, PARTITION), Store()
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
     entries = written(ci, log, [KEYS[0:4], KEYS[4:6]])
     if name == "listed":
         store.put(log)
@@ -438,15 +573,15 @@ def _scenario(name: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, by
         entries[KEYS[0]] = data[:ref_at] + chunk_ref(log.instance, 99) + data[ref_at + REF_BYTES :]
     elif name == "forged":
         store.put(log)
-        forger_log = CheckpointLog(laptop, PARTITION)
+        forger_log = CheckpointLog(laptop, PARTITION, SCHEMA)
         forged = written(laptop, forger_log, [KEYS[20:21]])[KEYS[20]]
         forged = forged[:37] + ci.key_id + forged[37 + 16 :]
-        leaf = entry_leaf(forged[3], forged[4], ci.key_id, KEYS[20], forged[5:37])
-        planted = encode_checkpoint(laptop, PARTITION, forger_log.instance, 0, [leaf])
-        store.chunks[(ci.key_id_hex, forger_log.instance.hex(), 0)] = planted[:4] + ci.key_id + planted[20:]
+        listed = listing_id(KEYS[20]) + forged[5:37]
+        planted = encode_checkpoint(laptop, PARTITION, SCHEMA, forger_log.instance, 0, [listed])
+        store.chunks[(ci.key_id_hex, forger_log.instance.hex(), 0)] = planted[:5] + ci.key_id + planted[21:]
         entries[KEYS[20]] = forged
     elif name == "untrusted":
-        laptop_log = CheckpointLog(laptop, PARTITION)
+        laptop_log = CheckpointLog(laptop, PARTITION, SCHEMA)
         entries.update(written(laptop, laptop_log, [KEYS[30:33]]))
         store.put(laptop_log)
         store.put(log)
@@ -484,7 +619,7 @@ def test_a_reads_entries_checked_in_one_loop_are_accepted_rejected_and_fall_back
 def test_a_hundred_crafted_entries_of_an_untrusted_key_read_at_once_are_refused_before_any_fetch_or_decompression(
     ci: WriterKey, laptop: WriterKey, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    laptop_log = CheckpointLog(laptop, PARTITION)
+    laptop_log = CheckpointLog(laptop, PARTITION, SCHEMA)
     keys = [hashlib.sha256(b"crafted %d" % n).hexdigest() for n in range(100)]
     crafted = written(laptop, laptop_log, [keys[n : n + 10] for n in range(0, 100, 10)])
     store = Store()
@@ -501,9 +636,9 @@ def test_a_hundred_crafted_entries_of_an_untrusted_key_read_at_once_are_refused_
 def test_on_redis_a_reads_entries_are_checked_in_one_loop_and_a_lookup_of_one_as_before(
     redis_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pass's prefetch: one call checks every entry of the read (its leaf and a lookup each, no call per
-    entry once the writer's chunk is loaded); a read of one entry is decoded by decode_entry, one
-    `_check_writer` call, as before."""
+    """A pass's prefetch: one call checks every entry of the read (a lookup each, no call per entry once the
+    writer's chunk is loaded); a read of one entry is decoded by decode_entry, one `_check_writer` call, as
+    before."""
     writer = open_tier(redis_settings.replace(writer_key_file=str(tmp_path / "ci.key")))
     publish_all(writer, KEYS[:12])
     writer.close()
@@ -514,8 +649,8 @@ def test_on_redis_a_reads_entries_are_checked_in_one_loop_and_a_lookup_of_one_as
     reader = open_tier(redis_settings.replace(tier_mode="read-only"))
     try:
         assert len(reader.find_many(KEYS[:6])[0]) == 6
-        assert calls == ["loop", "one"]  # the first entry loads the chunk: the others are leaves and lookups
-        assert (reader.policy.trust.verifies, reader.checkpoints.fetches) == (1, 1)
+        assert calls == ["loop", "one"]  # the first entry loads the chunk (its first read brought it): then lookups
+        assert (reader.policy.trust.verifies, reader.checkpoints.loaded) == (1, 1)
         calls.clear()
         assert len(reader.find_many(KEYS[6:12])[0]) == 6 and calls == ["loop"]
         calls.clear()

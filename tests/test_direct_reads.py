@@ -72,6 +72,21 @@ def test_a_refused_command_raises_after_every_reply_is_read_and_the_next_read_is
     assert reader.getranges([keys[3], keys[0]], 0, 99) == [b"value 3", b"value 0"]
 
 
+def test_read_ranges_reads_each_its_own_range_and_hands_a_refusal_over_as_its_reply(
+    reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
+) -> None:
+    """What a first read with the writers' latest checkpoint chunks sends: entries' heads and chunks, each with its
+    own range, in one round trip; another type under one of the names is that one's reply, not the read's error."""
+    keys = [f"{redis_namespace}{n}" for n in range(3)]
+    redis_client.set(keys[0], b"0123456789")
+    redis_client.set(keys[1], b"abcdefghij")
+    redis_client.hset(keys[2], "a", "hash")
+    replies = reader.read_ranges([(keys[0], 0, 3), (keys[1], 2, -1), (keys[2], 0, 9), (keys[0], 5, 5)])
+    assert replies[:2] == [b"0123", b"cdefghij"] and replies[3] == b"5"
+    assert isinstance(replies[2], redis.ResponseError) and "WRONGTYPE" in str(replies[2])
+    assert reader.getranges([keys[1]], 0, 0) == [b"a"]  # in step
+
+
 def test_a_connection_the_server_killed_is_made_again(
     reader: DirectReader, redis_client: redis.Redis, redis_namespace: str
 ) -> None:

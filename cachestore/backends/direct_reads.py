@@ -65,24 +65,30 @@ class DirectReader:
         key of another type) raises its ResponseError once every reply is read, as a redis-py pipeline does; a
         connection error or timeout raises redis-py's error and drops the connection (a half-read reply is never
         left on it)."""
+        replies = self.read_ranges([(key, start, end) for key in keys])
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies  # type: ignore[return-value]
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | ResponseError]:
+        """GETRANGE key start end of each (key, start, end), in one write and one read of the replies; a command
+        refused (a key of another type) has its ResponseError for its reply. Errors otherwise as `getranges`."""
         with self._lock:
             connection = self._connected()
             try:
                 # hiredis packs a command in 1 µs, redis-py's pack_commands around it in 7.
-                packed = b"".join([pack_command(("GETRANGE", key, start, end)) for key in keys])
+                packed = b"".join([pack_command(("GETRANGE", key, start, end)) for key, start, end in ranges])
                 connection.send_packed_command([packed], check_health=False)
-                replies, refused = [], None
-                for _ in keys:
+                replies: list[bytes | ResponseError] = []
+                for _ in ranges:
                     try:
                         replies.append(connection.read_response())
                     except ResponseError as exc:  # the connection is still in step: read the rest
-                        refused = refused or exc
-                        replies.append(b"")
+                        replies.append(exc)
             except BaseException:
                 self._drop(connection)
                 raise
-        if refused is not None:
-            raise refused
         return replies
 
     def getrange(self, key: str, start: int, end: int) -> bytes:

@@ -28,7 +28,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
 
@@ -436,13 +436,37 @@ class RedisBackend:
 
         return self._within_op_timeout(read)
 
-    def _fetch_heads(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
-        """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded."""
+    def fetch_with_latest(
+        self, cache_keys: Sequence[str], ttl: int | None, writers: Sequence[str]
+    ) -> tuple[dict[str, bytes | TooLarge], dict[str, bytes]]:
+        """`fetch`, and in the same round trip the latest checkpoint chunk (cachestore.checkpoint) of each writer
+        key id (hex) of `writers`, as stored (unverified): what a fresh reader is about to need, without a round
+        trip of its own. Only on the direct connection, without a TTL refresh (else no chunk is read); a chunk
+        name holding nothing, another type or more than a chunk's bytes is left out."""
+        if ttl is not None or self._direct is None or not cache_keys:
+            return self.fetch(cache_keys, ttl), {}
+        names = {writer: self.keys.checkpoint_latest(self.toolchain, writer) for writer in writers}
+        chunks: dict[str, bytes] = {}
+        found = self._within_op_timeout(lambda: self._fetch_heads(cache_keys, names, chunks))
+        return found, chunks
+
+    def _fetch_heads(
+        self, cache_keys: Sequence[str], chunk_names: Mapping[str, str] | None = None,
+        chunks: dict[str, bytes] | None = None,
+    ) -> dict[str, bytes | TooLarge]:  # fmt: skip
+        """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded.
+        With `chunk_names` (writer key id hex to its latest chunk's name; direct connection only), those chunks
+        are read in the first round trip too, into `chunks`."""
         first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
         redis_keys = [self._entry(key) for key in cache_keys]
+        heads = self._heads(redis_keys, first, list(chunk_names.values()) if chunk_names else ())
+        if chunk_names and chunks is not None:
+            for writer, reply in zip(chunk_names, heads[len(redis_keys) :], strict=True):
+                if isinstance(reply, bytes) and 0 < len(reply) <= MAX_CHECKPOINT_BYTES:
+                    chunks[writer] = reply
         found: dict[str, bytes | TooLarge] = {}
         longer: list[int] = []
-        for i, head in enumerate(self._heads(redis_keys, first)):
+        for i, head in enumerate(heads[: len(redis_keys)]):
             if len(head) >= first:
                 longer.append(i)
             elif head:
@@ -536,10 +560,20 @@ class RedisBackend:
                 longer.append(i)
         return self._read_longer(redis_keys, found, longer)
 
-    def _heads(self, redis_keys: Sequence[str], first: int) -> list[bytes]:
-        """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key."""
+    def _heads(self, redis_keys: Sequence[str], first: int, chunk_keys: Sequence[str] = ()) -> list:
+        """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key; then, with
+        `chunk_keys` (direct connection only), up to a checkpoint chunk's bytes of each of those, in the same
+        round trip (a refused one's reply is its ResponseError: a chunk is only a shortcut)."""
         if self._direct is not None:
-            return self._call(lambda: self._direct.getranges(redis_keys, 0, first - 1))  # type: ignore[union-attr]
+            if not chunk_keys:
+                return self._call(lambda: self._direct.getranges(redis_keys, 0, first - 1))  # type: ignore[union-attr]
+            ranges = [(key, 0, first - 1) for key in redis_keys]
+            ranges += [(key, 0, MAX_CHECKPOINT_BYTES) for key in chunk_keys]
+            replies = self._call(lambda: self._direct.read_ranges(ranges))  # type: ignore[union-attr]
+            for reply in replies[: len(redis_keys)]:
+                if isinstance(reply, rex.ResponseError):  # an entry's name holding another type, as getranges
+                    raise reply
+            return replies
         if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
             return [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
         return self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
@@ -669,6 +703,9 @@ class RedisBackend:
         for record in checkpoints:
             key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
             pipe.set(key, record.data, ex=chunk_ttl)
+        if checkpoints:  # the last is the writer process's current chunk: its key's latest, for fresh readers
+            latest = checkpoints[-1]
+            pipe.set(self.keys.checkpoint_latest(self.toolchain, latest.key_id_hex), latest.data, ex=chunk_ttl)
 
     def fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
         """The stored chunk of a writer's checkpoint, or None: none there, another type of key under its name, or
