@@ -17,7 +17,8 @@ Two protocols, implemented by one class per backend (`cachestore/backends/`):
 Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `keeps_checkpoints`,
 `splits_scans`), never probed. `keeps_checkpoints` (Redis only): the backend stores writers' checkpoints
 (cachestore.checkpoint) with `store(requests, ttl, checkpoints=...)`, reads them with `fetch_checkpoint(key id
-hex, instance hex, chunk)` and deletes a writer's with `delete_checkpoints(key id hex, dry_run)`; the local and
+hex, instance hex, chunk)` and with entries (`fetch_with_latest(keys, ttl, key ids hex)`: `fetch` and the writers'
+latest chunks in one round trip) and deletes a writer's with `delete_checkpoints(key id hex, dry_run)`; the local and
 snapshot tiers keep none, and their readers check each entry by its group signature.
 """
 

@@ -72,6 +72,9 @@ _HEADER_BYTES = _REF_AT + REF_BYTES + 4
 MAX_CHECKPOINT_BYTES = _HEADER_BYTES + PAIR_BYTES * MAX_CHUNK_LEAVES + SIGNATURE_BYTES
 REFETCH_SECONDS = 1.0  # a chunk named again by an entry it does not list (it grew since) is fetched again after
 REMEMBERED_CHUNKS = 4096  # chunks a reader remembers having tried (an LRU: hostile refs cannot grow it)
+# A first read brings at most this many writers' latest chunks (16.5 KB each at most): a policy of many keys
+# costs the others' chunks a fetch of their own, not a first read of megabytes.
+LATEST_WRITERS = 8
 _DOMAIN = b"nkicache-checkpoint-v2-ed25519\x00"
 
 
@@ -230,12 +233,12 @@ class CheckpointReader:
         self.rejected = 0
 
     def latest_wanted(self) -> list[str]:
-        """The key ids (hex) of the trusted writers whose latest chunk a read should ask for: all of them on a
-        process's first read, none after."""
+        """The key ids (hex) of the trusted writers whose latest chunk a read should ask for: on a process's first
+        read, those of the first LATEST_WRITERS writers of the policy; none after."""
         if self._latest_asked:
             return []
         self._latest_asked = True
-        return [key_id.hex() for key_id in self.trust.writers]
+        return [key_id.hex() for key_id in list(self.trust.writers)[:LATEST_WRITERS]]
 
     def offer(self, key_id: bytes, data: object) -> None:
         """The latest chunk of writer `key_id` as a read found it (unverified): kept until an entry names it."""

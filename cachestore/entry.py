@@ -15,8 +15,8 @@ bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), a
 index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
 reading many entries of one group verifies one signature. Writers write bit 2 only; entries signed with bit 1
 (before batch signatures) verify as they did. Bit 3 (with bit 2) says the entry names the writer checkpoint
-chunk that lists its leaf (cachestore.checkpoint: the writer process's instance id and the chunk number), so a
-reader that verified that chunk once checks the entry by its leaf alone; the chunk ref is a hint the signature
+chunk that lists it (cachestore.checkpoint: the writer process's instance id and the chunk number), so a
+reader that verified that chunk once checks the entry by one lookup; the chunk ref is a hint the signature
 does not cover (a wrong one costs the fallback to the group signature). Entries written before writer
 signatures have neither bit and stay readable as they were, except by a reader with a trust policy, which
 rejects them (no trusted writer).
@@ -450,13 +450,15 @@ def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) ->
     `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not. An entry a verified
     checkpoint chunk of its writer lists costs a lookup; any other is checked by `_check_writer` itself (which
     loads the chunk it names when due, or verifies the group's signature)."""
-    trust = policy.trust
+    # As in _check_writer: only trusted writers' chunks are ever loaded, so only their pairs are listed.
+    listings = policy.trust.listings if policy.trust is not None else {}
     for key, entry in opened.items():
         section = entry.section
-        # As in _check_writer: only trusted writers' chunks are ever loaded, so only their pairs are listed.
-        if trust is not None and section is not None and trust.listed(section.key_id, listing_id(key)) == entry.digest:
-            entry.writer = section.key_id
-            continue
+        if section is not None:
+            listing = listings.get(section.key_id)
+            if listing is not None and listing.get(listing_id(key)) == entry.digest:
+                entry.writer = section.key_id
+                continue
         try:
             entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key)
         except EntryRejected as exc:

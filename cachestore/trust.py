@@ -207,8 +207,8 @@ class TrustPolicy:
         # second entry of a group read costs its leaf and a hash or two, and no verify.
         self._nodes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         # What verified checkpoint chunks list (cachestore.checkpoint), per trusted writer: listing id to payload
-        # SHA-256. A plain dict: one lookup a hit, and filled from a chunk in C.
-        self._listings: dict[bytes, dict[bytes, bytes]] = {}
+        # SHA-256. Plain dicts: one lookup a hit (read without the lock, as `listed` does), filled from a chunk in C.
+        self.listings: dict[bytes, dict[bytes, bytes]] = {}
         self.verifies = 0  # Ed25519 verifies this policy ran (the memos answer the others): `nkicache bench`
 
     def adding(self, writer: WriterKey, name: str) -> TrustPolicy:
@@ -276,7 +276,7 @@ class TrustPolicy:
     def listed(self, key_id: bytes, listing_id: bytes) -> bytes | None:
         """The payload SHA-256 a verified checkpoint chunk of the trusted writer `key_id` lists for the cache key
         whose listing id (cachestore.checkpoint.listing_id) is `listing_id`; None when none lists it."""
-        listing = self._listings.get(key_id)
+        listing = self.listings.get(key_id)
         return None if listing is None else listing.get(listing_id)
 
     def remember_listing(self, key_id: bytes, pairs: bytes) -> None:
@@ -286,7 +286,7 @@ class TrustPolicy:
         dict), 256 pairs in ~25 us; a listing past VERIFIED_MEMO_SIZE pairs starts again (its entries fall back to
         their chunks, fetched again, or their groups' signatures)."""
         with self._lock:
-            listing = self._listings.setdefault(key_id, {})
+            listing = self.listings.setdefault(key_id, {})
             if len(listing) + len(pairs) // _PAIR.size > VERIFIED_MEMO_SIZE:
                 listing.clear()
             listing.update(_PAIR.iter_unpack(pairs))

@@ -315,9 +315,25 @@ def test_a_writers_listing_starts_again_past_its_bound_and_its_entries_still_ver
     trust = trusting(ci)
     policy = reading(trust, store)
     assert set(read_all(entries, policy).values()) == {"ok"}
-    assert len(trust._listings[ci.key_id]) <= 6  # three chunks of four loaded, the listing never past six
+    assert len(trust.listings[ci.key_id]) <= 6  # three chunks of four loaded, the listing never past six
     assert (trust.verifies, policy.checkpoints.loaded) == (3, 3)
     assert set(read_all(entries, policy).values()) == {"ok"}  # the first chunk's entries by their groups again
+
+
+def test_a_first_read_asks_for_a_bounded_number_of_latest_chunks_once(tmp_path: Path) -> None:
+    keys = [write_writer_key(tmp_path / f"w{n}.key", f"w{n}") for n in range(checkpoint_module.LATEST_WRITERS + 3)]
+    trust = trusting(*keys)
+    reader = CheckpointReader(Store().fetch, trust, PARTITION, SCHEMA)
+    assert reader.latest_wanted() == [key.key_id_hex for key in keys[: checkpoint_module.LATEST_WRITERS]]
+    assert reader.latest_wanted() == []
+
+
+def test_an_offered_chunk_of_an_untrusted_writer_or_over_the_size_is_not_kept(ci: WriterKey, laptop: WriterKey) -> None:
+    reader = CheckpointReader(Store().fetch, trusting(ci), PARTITION, SCHEMA)
+    reader.offer(laptop.key_id, encode_checkpoint(laptop, PARTITION, SCHEMA, INSTANCE, 0, [b"\x01" * 64]))
+    reader.offer(ci.key_id, b"\x00" * (MAX_CHECKPOINT_BYTES + 1))
+    reader.offer(ci.key_id, {"not": "bytes"})
+    assert reader._offered == {}
 
 
 # -- on Redis ---------------------------------------------------------------------------------------------------
