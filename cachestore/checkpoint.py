@@ -81,7 +81,7 @@ _DOMAIN = b"nkicache-checkpoint-v2-ed25519\x00"
 def listing_id(cache_key: str) -> bytes:
     """What a chunk lists for `cache_key`: its raw bytes when it is a SHA-256 in hex, else the SHA-256 of it."""
     raw = sha256_raw(cache_key)
-    return raw if raw is not None else hashlib.sha256(cache_key.encode("utf-8", "surrogateescape")).digest()
+    return raw if raw is not None else hashlib.sha256(cache_key.encode("utf-8", "surrogatepass")).digest()
 
 
 class CheckpointRejected(ValueError):

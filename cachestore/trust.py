@@ -283,13 +283,14 @@ class TrustPolicy:
         """The pairs (listing id, payload SHA-256; 64 bytes each, concatenated) of a verified checkpoint chunk of
         the trusted writer `key_id`: an entry of that writer stored under a listed key with the listed payload is
         that writer's, as if its group's signature had been verified. Built in C (struct's iterator into the
-        dict), 256 pairs in ~25 us; a listing past VERIFIED_MEMO_SIZE pairs starts again (its entries fall back to
-        their chunks, fetched again, or their groups' signatures)."""
+        dict), 256 pairs in ~25 us. Past VERIFIED_MEMO_SIZE pairs over all writers (~150 bytes each) the listings
+        start again: their entries' chunks are loaded again, or their groups' signatures verified."""
         with self._lock:
-            listing = self.listings.setdefault(key_id, {})
-            if len(listing) + len(pairs) // _PAIR.size > VERIFIED_MEMO_SIZE:
-                listing.clear()
-            listing.update(_PAIR.iter_unpack(pairs))
+            held = sum(len(listing) for listing in self.listings.values())
+            if held + len(pairs) // _PAIR.size > VERIFIED_MEMO_SIZE:
+                for listing in self.listings.values():
+                    listing.clear()
+            self.listings.setdefault(key_id, {}).update(_PAIR.iter_unpack(pairs))
 
     def _remember(self, nodes: list[bytes], key_id: bytes) -> None:
         with self._lock:
