@@ -5,6 +5,7 @@ own group signature. A writer's latest chunk comes with a fresh reader's first r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -368,6 +369,19 @@ def checkpoint_keys(settings: Settings, key_id_hex: str | None = None) -> list[b
         client.close()
 
 
+@contextlib.contextmanager
+def read_cleanly(settings: Settings, keys: list[str]) -> Iterator[TierClient]:
+    """A fresh read-only reader that read `keys` at once: every entry found, none rejected, no tier error."""
+    reader = open_tier(settings.replace(tier_mode="read-only"))
+    try:
+        found, _ = reader.find_many(keys)
+        counts = reader.counts()
+        assert len(found) == len(keys) and counts["tier_rejected"] == counts["tier_errors"] == 0 and reader.available
+        yield reader
+    finally:
+        reader.close()
+
+
 def latest_key(settings: Settings, key_id_hex: str) -> str:
     return KeySpace(settings.namespace).checkpoint_latest(toolchain_id(), key_id_hex)
 
@@ -445,18 +459,12 @@ def test_on_redis_a_bad_or_other_latest_chunk_costs_the_named_chunks_fetch_only(
         else:
             client.set(latest, other[planted])
     client.close()
-    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
-    try:
-        found, _ = reader.find_many(KEYS[:8])
-        counts = reader.counts()
-        assert len(found) == 8 and counts["tier_rejected"] == counts["tier_errors"] == 0 and reader.available
+    with read_cleanly(redis_settings, KEYS[:8]) as reader:
         assert reader.checkpoints.fetches == 1 and reader.checkpoints.loaded == 1
         assert reader.policy.trust.verifies == (2 if planted == "forged" else 1)  # the forgery's own, refused
         if planted == "another process's":  # kept, it serves the entries of the process that wrote it
             assert len(reader.find_many(KEYS[20:22])[0]) == 2
             assert (reader.checkpoints.fetches, reader.checkpoints.loaded) == (1, 2)
-    finally:
-        reader.close()
 
 
 def test_on_redis_a_reference_is_listed_in_the_checkpoint_too(redis_settings: Settings, tmp_path: Path) -> None:
@@ -487,14 +495,8 @@ def test_on_redis_a_wrong_type_under_the_chunk_costs_no_tier_error(redis_setting
         client.delete(key)
         client.hset(key, mapping={"not": "a chunk"})
     client.close()
-    reader = open_tier(redis_settings.replace(tier_mode="read-only"))
-    try:
-        found, _ = reader.find_many(KEYS[:8])
-        counts = reader.counts()
-        assert len(found) == 8 and counts["tier_rejected"] == counts["tier_errors"] == 0 and reader.available
+    with read_cleanly(redis_settings, KEYS[:8]) as reader:
         assert reader.policy.trust.verifies == 2  # the two groups, by their own signatures
-    finally:
-        reader.close()
 
 
 def test_on_redis_a_writer_killed_before_its_checkpoint_leaves_entries_that_verify(
