@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 
 import fakeredis
 import pytest
@@ -176,3 +177,87 @@ def test_a_metric_another_tool_left_holding_no_number_counts_as_absent_and_stall
         for pattern in tier.keys.namespace_patterns():
             for key in redis_client.scan_iter(match=pattern, count=1000):
                 redis_client.delete(key)
+
+
+def plant_other_types(redis_client, tier: RedisBackend, keys: list[str]) -> list[str]:
+    """A string under every metrics name that is no hash of numbers: the sets, the pass log, a key's hashes."""
+    names = []
+    for shard in metrics_shards(redis_client, tier.keys):
+        names += [shard.workers, shard.toolchains, shard.pass_log, shard.key_first, shard.key_last, shard.key_kernel,
+                  shard.key_usage, *(shard.key_hosts(key) for key in keys)]  # fmt: skip
+    for name in names:
+        redis_client.delete(name)
+        redis_client.set(name, "another tool's string")
+    return names
+
+
+@pytest.mark.redis
+def test_another_type_under_a_metrics_name_fails_no_batch_and_no_report(redis_client) -> None:
+    """A string where a set, the pass log or a key's hash stands made every batch fail half-way (its applied
+    marker already set, so the retry counted nothing) and every report fail; each failure turned the tier off for
+    breaker_cooldown and held the entries queued behind the batch. Reads now take such a key as empty, and the
+    next batch replaces it."""
+    from cachestore.report import build_report
+
+    namespace = f"s-{uuid.uuid4().hex}"
+    tier = RedisBackend(redis_client, KeySpace(namespace), metrics_shards=2)
+    toolchain_pass = lambda n: replace(a_pass(n, KEYS[:4]), toolchain="tc")  # noqa: E731
+    try:
+        assert tier.apply_metrics(toolchain_pass(0))
+        assert tier.zero_counters({"zeroed": 1.0}) is None
+        plant_other_types(redis_client, tier, KEYS[:4])
+        # Read past: empty, not an error.
+        assert list(tier.workers()) == [] and tier.toolchains() == {} and tier.key_count() == 0
+        assert tier.key_records(KEYS[:4]) == {} and tier.key_hosts(KEYS[:4]) == {} and list(tier.key_usage()) == []
+        assert tier.pass_log_span(None) is None and list(tier.pass_log(None)) == []
+        report = build_report(tier)
+        assert report.totals["passes"] == 0 and report.per_host == {}
+        tier.zero_counters({"zeroed": 2.0})  # the pass log under its name replaced, the record appended
+        plant_other_types(redis_client, tier, KEYS[:4])
+        # Written through: the batch applies whole, and its retry is still counted once.
+        assert tier.apply_metrics(toolchain_pass(1)) and not tier.apply_metrics(toolchain_pass(1))
+        assert tier.apply_metrics(toolchain_pass(2))
+        assert tier.totals()["passes"] == 2 and set(tier.toolchains()) == {"tc"}
+        assert [(h, w, t["passes"]) for h, w, t in tier.workers()] == [("host", "w", 2)]
+        assert dict(tier.key_usage()) == dict.fromkeys(KEYS[:4], 4)
+        assert tier.key_hosts(KEYS[:4]) == {key: ["host"] for key in KEYS[:4]}
+        record = tier.key_records([KEYS[0]])[KEYS[0]]
+        assert (record.kernel_name, record.first_use, record.last_use) == ("softmax", 101.0, 202.0)
+        assert [r["graph"] for _, r in tier.pass_log(None)] == ["g1", "g2"]
+        home = tier.keys.metrics_shard(pass_shard("pass-2", 2))
+        assert [redis_client.type(name) for name in (home.workers, home.toolchains, home.pass_log)] == [
+            b"set", b"set", b"stream"]  # fmt: skip
+    finally:
+        for pattern in tier.keys.namespace_patterns():
+            for key in redis_client.scan_iter(match=pattern, count=1000):
+                redis_client.delete(key)
+
+
+@pytest.mark.redis
+def test_a_client_whose_metrics_meet_another_type_keeps_the_tier_on_and_its_entries_flowing(
+    redis_url: str, redis_client
+) -> None:
+    """The client's view of the case above: its batch is applied, its entries queued behind the batch are stored,
+    and no tier error opens the breaker (which turned remote hits into misses for breaker_cooldown)."""
+    from helpers_graphs import delete_namespace, unique_namespace
+    from test_entry import make_entry
+
+    from cachestore.client import open_tier
+    from cachestore.settings import Settings
+
+    namespace = unique_namespace()
+    client = open_tier(Settings(tier=redis_url, namespace=namespace, host="host", flush_interval=0.05))
+    try:
+        client.record(replace(a_pass(0, KEYS[:4]), toolchain="tc"))
+        assert client.flush(10)
+        plant_other_types(redis_client, client._backend, KEYS[:4])
+        client.record(replace(a_pass(1, KEYS[:4]), toolchain="tc"))
+        client.publish(KEYS[30], make_entry(binary=b"behind the batch"))
+        assert client.flush(10)
+        counts = client.counts()
+        assert counts["tier_errors"] == counts["tier_dropped"] == 0 and client.available
+        assert client.lookup(KEYS[30]).binary == b"behind the batch"
+        assert client._backend.totals()["passes"] == 2
+    finally:
+        client.close()
+        delete_namespace(redis_client, namespace)

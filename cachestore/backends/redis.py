@@ -89,7 +89,15 @@ PASS_LOG_MAXLEN = 1_000_000
 # them; ARGV[1] the record to log ('' in every shard but one), ARGV[2] the log's MAXLEN.
 ZERO_COUNTERS_LUA = """
 redis.call('DEL', unpack(KEYS, 2))
-if ARGV[1] ~= '' then redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'pass', ARGV[1]) end
+if ARGV[1] ~= '' then
+  local function log() return redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'pass', ARGV[1]) end
+  local reply = log()
+  if type(reply) == 'table' and reply.err and string.find(reply.err, 'WRONGTYPE', 1, true) then
+    redis.call('DEL', KEYS[1])  -- another tool's key under the pass log's name: replaced, as the metrics script does
+    reply = log()
+  end
+  if type(reply) == 'table' and reply.err then return redis.error_reply(reply.err) end
+end
 return 1
 """
 # Bytes of an entry read before its size is known: entries a compile writes are smaller (a few to a few hundred
@@ -131,6 +139,16 @@ local function add(command, key, name, value)
   end
 end
 local function stored(key, name) return tonumber(redis.pcall('HGET', key, name)) end
+-- A key another tool or a hand left holding another type (a string under the workers set, a hash under the
+-- pass log) would fail its command half-way through every batch to come, the same way: it is replaced.
+local function put(command, key, ...)
+  local reply = redis.pcall(command, key, ...)
+  if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'WRONGTYPE', 1, true) then redis.call('DEL', key) end
+    reply = redis.call(command, key, ...)  -- raises any other error, as redis.call does
+  end
+  return reply
+end
 local decoded, p = pcall(cjson.decode, ARGV[1])
 if not decoded or type(p) ~= 'table' then return refuse('ARGV[1] is not a JSON object') end
 if not (text(p.host) and text(p.member) and text(p.toolchain) and text(p.pass)) then
@@ -169,25 +187,25 @@ for name, value in pairs(p.totals) do
   add('HINCRBYFLOAT', KEYS[4], name, value)
   if p.toolchain ~= '' then add('HINCRBYFLOAT', KEYS[13], name, value) end
 end
-redis.call('SADD', KEYS[3], p.member)
-if p.toolchain ~= '' then redis.call('SADD', KEYS[12], p.toolchain) end
+put('SADD', KEYS[3], p.member)
+if p.toolchain ~= '' then put('SADD', KEYS[12], p.toolchain) end
 for name, calls in pairs(p.kernel_calls) do add('HINCRBY', KEYS[5], name, calls) end
 if p.pass ~= '' then
-  redis.call('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
+  put('XADD', KEYS[11], 'MAXLEN', '~', p.maxlen, '*', 'pass', p.pass)
 end
 end
 for i, k in ipairs(p.keys) do
   local key, kernel, usage, first, last = k[1], k[2], k[3], k[4], k[5]
-  if redis.call('HSETNX', KEYS[8], key, first) == 1 then
+  if put('HSETNX', KEYS[8], key, first) == 1 then
     add('HINCRBY', KEYS[6], kernel, 1)
-    redis.call('HSET', KEYS[10], key, kernel)
+    put('HSET', KEYS[10], key, kernel)
   else
     local known = stored(KEYS[8], key)
-    if not (known and first >= known) then redis.call('HSET', KEYS[8], key, first) end
+    if not (known and first >= known) then put('HSET', KEYS[8], key, first) end
   end
-  if last > (stored(KEYS[9], key) or 0) then redis.call('HSET', KEYS[9], key, last) end
+  if last > (stored(KEYS[9], key) or 0) then put('HSET', KEYS[9], key, last) end
   add('HINCRBY', KEYS[7], key, usage)
-  redis.call('SADD', KEYS[13 + i], p.host)
+  put('SADD', KEYS[13 + i], p.host)
 end
 return 1
 """.replace("MAX_BATCH_NUMBER", str(MAX_BATCH_NUMBER)).replace("INVALID_BATCH", json.dumps(INVALID_BATCH))
@@ -400,8 +418,10 @@ class RedisBackend:
 
         return self._call(run)
 
-    def _stream(self, iterator_factory: Callable[[], Iterator]) -> Iterator:
-        """Items of a redis-py scan iterator, with errors translated at every step."""
+    def _stream(self, iterator_factory: Callable[[], Iterator], *, of_metric: bool = False) -> Iterator:
+        """Items of a redis-py scan iterator, with errors translated at every step. `of_metric`: a scan of one
+        metrics key, which ends, empty, where another type stands under its name (another tool's or a hand's:
+        a report reads past it, and the metrics script replaces it at the next batch)."""
         with redis_errors(self.description):
             iterator = iterator_factory()
         while True:
@@ -412,6 +432,8 @@ class RedisBackend:
             except StopIteration:
                 return
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                if of_metric and _wrong_type(exc):
+                    return
                 with redis_errors(self.description):
                     raise exc from None
             yield item
@@ -870,13 +892,21 @@ class RedisBackend:
         self._shards = _parsed_shard_count(stored, self.keys.metrics_shard_count)
         return self._shards
 
+    def _metric_read(self, read: Callable[[], Any]) -> Any:
+        """A read of one metrics key (a set's members, a page of a log); empty where another type stands under
+        its name (as `_stream(of_metric=True)`)."""
+        with redis_errors(self.description):
+            try:
+                return read()
+            except rex.ResponseError as exc:
+                if _wrong_type(exc):
+                    return []
+                raise
+
     def _metric_shards(self) -> list[MetricsKeys]:
         return [self.keys.metrics_shard(i) for i in range(self._shard_count())]
 
     # -- fleet metrics (summed over the shards) ----------------------------------------------------
-    def _float_hash(self, name: str) -> dict[str, float]:
-        return {text(k): stored_number(v) for k, v in self._stream(lambda: self.client.hscan_iter(name, count=1000))}
-
     def _summed_hashes(self, names: Sequence[str]) -> dict[str, float]:
         """Field-wise sums of the hashes `names` (one per shard), read in one pipeline."""
         return _summed(self._pipeline(lambda pipe: [pipe.hgetall(name) for name in names], raise_on_error=False))
@@ -885,7 +915,8 @@ class RedisBackend:
         """The union of one set per shard, sorted."""
         found: set[str] = set()
         for shard in self._metric_shards():
-            found.update(text(m) for m in self._stream(lambda s=shard: self.client.sscan_iter(name_of(s), count=1000)))
+            members = self._stream(lambda s=shard: self.client.sscan_iter(name_of(s), count=1000), of_metric=True)
+            found.update(text(m) for m in members)
         return sorted(found)
 
     def totals(self) -> dict[str, float]:
@@ -919,12 +950,14 @@ class RedisBackend:
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         for shard in self._metric_shards():
-            for key, usage in self._stream(lambda s=shard: self.client.hscan_iter(s.key_usage, count=1000)):
+            pairs = self._stream(lambda s=shard: self.client.hscan_iter(s.key_usage, count=1000), of_metric=True)
+            for key, usage in pairs:
                 yield text(key), int(stored_number(usage))
 
     def key_count(self) -> int:
-        lengths = self._pipeline(lambda pipe: [pipe.hlen(shard.key_usage) for shard in self._metric_shards()])
-        return int(sum(lengths))
+        lengths = self._pipeline(lambda pipe: [pipe.hlen(shard.key_usage) for shard in self._metric_shards()],
+                                 raise_on_error=False)  # fmt: skip
+        return int(sum(_of_metric(length, 0) for length in lengths))
 
     def _by_key_shard(self, cache_keys: Sequence[str]) -> Iterator[tuple[MetricsKeys, list[str]]]:
         """The keys grouped by the shard that holds them, in chunks of at most BATCH."""
@@ -940,7 +973,10 @@ class RedisBackend:
         found: dict[str, KeyRecord] = {}
         for k, chunk in self._by_key_shard(cache_keys):
             hashes = (k.key_usage, k.key_kernel, k.key_first, k.key_last)
-            usage, kernel, first, last = self._pipeline(lambda pipe, c=chunk, h=hashes: [pipe.hmget(n, c) for n in h])
+            replies = self._pipeline(
+                lambda pipe, c=chunk, h=hashes: [pipe.hmget(n, c) for n in h], raise_on_error=False
+            )
+            usage, kernel, first, last = (_of_metric(reply, [None] * len(chunk)) for reply in replies)
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
                     found[key] = KeyRecord(key, text(kernel[i]) or "", int(stored_number(usage[i])),
@@ -950,9 +986,10 @@ class RedisBackend:
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
         for k, chunk in self._by_key_shard(cache_keys):
-            members = self._pipeline(lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c])
+            members = self._pipeline(lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c],
+                                     raise_on_error=False)  # fmt: skip
             for key, hosts in zip(chunk, members, strict=True):
-                if hosts:
+                if _of_metric(hosts, None):
                     found[key] = sorted(text(h) for h in hosts)
         return found
 
@@ -962,10 +999,10 @@ class RedisBackend:
 
     def pass_log_span(self, since: float | None) -> tuple[float, float] | None:
         spans = []
+        start = self._stream_id(since)
         for shard in self._metric_shards():
-            with redis_errors(self.description):
-                first = self.client.xrange(shard.pass_log, min=self._stream_id(since), count=1)
-                last = self.client.xrevrange(shard.pass_log, count=1)
+            first = self._metric_read(lambda s=shard: self.client.xrange(s.pass_log, min=start, count=1))
+            last = self._metric_read(lambda s=shard: self.client.xrevrange(s.pass_log, count=1))
             if first and last:
                 spans.append((_record_time(*first[0]), _record_time(*last[0])))
         if not spans:
@@ -982,8 +1019,7 @@ class RedisBackend:
     def _shard_pass_log(self, shard: MetricsKeys, since: float | None) -> Iterator[tuple[tuple, float, dict]]:
         start = self._stream_id(since)
         while True:
-            with redis_errors(self.description):
-                page = self.client.xrange(shard.pass_log, min=start, count=1000)
+            page = self._metric_read(lambda s=start: self.client.xrange(shard.pass_log, min=s, count=1000))
             for stream_id, fields in page:
                 record = _pass_record(fields)
                 if record is not None:
@@ -1000,8 +1036,8 @@ class RedisBackend:
         the pass log are kept."""
         calls = []
         for i, k in enumerate(self._metric_shards()):
-            workers = [text(m) for m in self._call(lambda k=k: self.client.smembers(k.workers))]
-            toolchains = [text(m) for m in self._call(lambda k=k: self.client.smembers(k.toolchains))]
+            workers = [text(m) for m in self._metric_read(lambda k=k: self.client.smembers(k.workers))]
+            toolchains = [text(m) for m in self._metric_read(lambda k=k: self.client.smembers(k.toolchains))]
             hashes = [k.worker_metrics(*m.partition(":")[::2]) for m in workers]
             hashes += [k.toolchain_metrics(t) for t in toolchains]
             logged = json.dumps(record, sort_keys=True) if i == 0 else ""
@@ -1157,6 +1193,20 @@ def _pipelined_script(
         client.script_load(script.script)
         pending = missing
     return results
+
+
+def _wrong_type(exc: BaseException) -> bool:
+    return isinstance(exc, rex.ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
+def _of_metric(reply: T | Exception, empty: T) -> T:
+    """A pipeline reply of a metrics key read without raising: `empty` where another type stands under its name,
+    any other error raised."""
+    if isinstance(reply, Exception):
+        if _wrong_type(reply):
+            return empty
+        raise reply
+    return reply
 
 
 def _unless_error(reply: T | Exception) -> T | None:
