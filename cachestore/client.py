@@ -751,6 +751,9 @@ class TierClient:
         lock is taken unless it wakes the flusher or the inbox has grown to outbox_limit."""
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
+        if self._closing:  # after close(): dropped and counted, as what close() could not deliver is
+            self.stats.add("tier_dropped")
+            return
         wake = wake or not (self._inbox or self._outbox)  # (unlocked: at worst one wake-up too many or too few)
         self._inbox.append(item)
         if wake or len(self._inbox) >= self.settings.outbox_limit:
@@ -784,6 +787,10 @@ class TierClient:
             self._awaited -= 1
 
     def _ensure_flusher(self) -> None:
+        """Start the flusher unless it runs, or close() has begun stopping it (a thread started then would send
+        on the backend close() closes)."""
+        if self._closing:
+            return
         if self._flusher is None or not self._flusher.is_alive():
             with self._outbox_lock:
                 self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)

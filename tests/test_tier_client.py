@@ -316,6 +316,22 @@ def test_close_counts_what_it_could_not_deliver(backend) -> None:
     assert counts(client)["tier_dropped"] == 2 and client.pending() == 0
 
 
+def test_a_write_after_close_is_dropped_and_counted_and_starts_no_flusher(backend) -> None:
+    """A publish, a lease release or a metrics batch after close(): nothing goes out on the closed backend (a
+    flusher started again would send there, from a daemon thread the process may kill mid-write)."""
+    client = client_for(backend)
+    client.publish("before", make_entry())
+    client.close()
+    threads = threading.active_count()
+    client.publish("after", make_entry())
+    client.release_lease("after")
+    client.record(MetricsBatch("b-after", "host-a", "w1", {"passes": 1}))
+    assert counts(client)["tier_dropped"] == 3 and client.pending() == 0
+    assert threading.active_count() == threads and not client._flusher.is_alive()
+    view = TierView.of(backend)
+    assert view.raw("before") is not None and view.raw("after") is None
+
+
 def test_writes_keep_their_order_through_failures(backend) -> None:
     flaky = FlakyBackend(backend)
     client = client_for(flaky, breaker_cooldown=0.1)
