@@ -243,7 +243,8 @@ class CheckpointReader:
     def offer(self, key_id: bytes, data: object) -> None:
         """The latest chunk of writer `key_id` as a read found it (unverified): kept until an entry names it."""
         if isinstance(data, bytes) and len(data) <= MAX_CHECKPOINT_BYTES and self.trust.trusts(key_id):
-            self._offered[key_id] = data
+            with self._lock:
+                self._offered[key_id] = data
 
     def load(self, key_id: bytes, ref: bytes) -> None:
         if len(ref) != REF_BYTES or not self.trust.trusts(key_id):
