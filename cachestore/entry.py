@@ -652,14 +652,16 @@ def _check_writer(
     listed = listing_id(cache_key)
     if trust.listed(key_id, listed) == digest:  # in a checkpoint chunk of this writer verified already
         return key_id
+    leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest) if section.size else None
+    if leaf is not None and trust.knows(key_id, leaf):  # in a group of this writer verified already: no fetch
+        return key_id
     if section.chunk and policy.checkpoints is not None:
         policy.checkpoints.load(key_id, section.chunk)  # then a lookup, when the chunk lists the entry
         if trust.listed(key_id, listed) == digest:
             return key_id
-    if section.size:
+    if leaf is not None:
         # The leaf walked up its path to a root the signature must cover: another group's path, another index,
         # another cache key or payload give a root no signature of the writer covers, as a forgery does.
-        leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest)
         place = (section.index, section.size, section.path)
         problem = trust.check_batch(key_id, leaf, place, section.signature)
         if problem is not None:

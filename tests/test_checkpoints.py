@@ -271,6 +271,22 @@ def test_entries_of_a_missing_or_garbage_chunk_verify_by_their_group_signature(c
     assert policy.trust.verifies == 2 and store.fetches == 1
 
 
+def test_entries_of_a_verified_group_fetch_no_missing_chunk_again(
+    ci: WriterKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once an entry's group signature verified (its chunk missing: the writer died before writing it), reading
+    it again asks the tier for nothing, however long after."""
+    log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
+    entries = written(ci, log, [KEYS[0:4]])
+    policy = reading(trusting(ci), store)
+    assert set(read_all(entries, policy).values()) == {"ok"}
+    assert (policy.trust.verifies, store.fetches) == (1, 1)
+    monkeypatch.setattr(checkpoint_module, "REFETCH_SECONDS", 0.0)  # as if long after
+    assert set(read_all(entries, policy).values()) == {"ok"}
+    assert set(read_all_at_once(entries, policy).values()) == {"ok"}
+    assert (policy.trust.verifies, store.fetches) == (1, 1)
+
+
 def test_a_chunk_ref_pointing_elsewhere_costs_the_fallback_only(ci: WriterKey) -> None:
     """The ref is a hint the signature does not cover: changed, the entry still verifies by its group."""
     log, store = CheckpointLog(ci, PARTITION, SCHEMA), Store()
