@@ -903,6 +903,16 @@ class RedisBackend:
                     return []
                 raise
 
+    def _of_metric(self, reply: T | Exception, empty: T) -> T:
+        """A pipeline reply of a metrics key read without raising: `empty` where another type stands under its
+        name, any other error raised as a TierError."""
+        if isinstance(reply, Exception):
+            if _wrong_type(reply):
+                return empty
+            with redis_errors(self.description):
+                raise reply
+        return reply
+
     def _metric_shards(self) -> list[MetricsKeys]:
         return [self.keys.metrics_shard(i) for i in range(self._shard_count())]
 
@@ -957,7 +967,7 @@ class RedisBackend:
     def key_count(self) -> int:
         lengths = self._pipeline(lambda pipe: [pipe.hlen(shard.key_usage) for shard in self._metric_shards()],
                                  raise_on_error=False)  # fmt: skip
-        return int(sum(_of_metric(length, 0) for length in lengths))
+        return int(sum(self._of_metric(length, 0) for length in lengths))
 
     def _by_key_shard(self, cache_keys: Sequence[str]) -> Iterator[tuple[MetricsKeys, list[str]]]:
         """The keys grouped by the shard that holds them, in chunks of at most BATCH."""
@@ -976,7 +986,7 @@ class RedisBackend:
             replies = self._pipeline(
                 lambda pipe, c=chunk, h=hashes: [pipe.hmget(n, c) for n in h], raise_on_error=False
             )
-            usage, kernel, first, last = (_of_metric(reply, [None] * len(chunk)) for reply in replies)
+            usage, kernel, first, last = (self._of_metric(reply, [None] * len(chunk)) for reply in replies)
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
                     found[key] = KeyRecord(key, text(kernel[i]) or "", int(stored_number(usage[i])),
@@ -989,7 +999,7 @@ class RedisBackend:
             members = self._pipeline(lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c],
                                      raise_on_error=False)  # fmt: skip
             for key, hosts in zip(chunk, members, strict=True):
-                if _of_metric(hosts, None):
+                if self._of_metric(hosts, None):
                     found[key] = sorted(text(h) for h in hosts)
         return found
 
@@ -1197,16 +1207,6 @@ def _pipelined_script(
 
 def _wrong_type(exc: BaseException) -> bool:
     return isinstance(exc, rex.ResponseError) and str(exc).startswith("WRONGTYPE")
-
-
-def _of_metric(reply: T | Exception, empty: T) -> T:
-    """A pipeline reply of a metrics key read without raising: `empty` where another type stands under its name,
-    any other error raised."""
-    if isinstance(reply, Exception):
-        if _wrong_type(reply):
-            return empty
-        raise reply
-    return reply
 
 
 def _unless_error(reply: T | Exception) -> T | None:
