@@ -43,7 +43,7 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import open_tier
+from cachestore.client import TierClient, open_tier
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry, encode_entry
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
@@ -351,56 +351,72 @@ def trickle(redis_url: str) -> Iterator[TrickleProxy]:
     proxy.close()
 
 
-def test_a_server_trickling_its_replies_is_given_up_on_within_op_timeout(trickle: TrickleProxy, redis_url: str) -> None:
+TRICKLED_OP_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def trickled(trickle: TrickleProxy, redis_url: str) -> Iterator[Settings]:
+    """Settings of a namespace of its own on Redis through `trickle` (op_timeout 0.5 s; a breaker that, once open,
+    stays open for the test); after it, the proxy back to full speed and the namespace deleted."""
+    namespace = unique_namespace()
+    yield Settings(tier=trickle.url, namespace=namespace, host="trickle", worker="w1", op_timeout=TRICKLED_OP_TIMEOUT,
+                   breaker_cooldown=30.0)  # fmt: skip
+    trickle.slow = False
+    cleaner = redis.Redis.from_url(redis_url)
+    delete_namespace(cleaner, namespace)
+    cleaner.close()
+
+
+def assert_lookup_gives_up_in_time(client: TierClient, key: str) -> dict[str, int]:
+    """One lookup through a trickling server: a miss within op_timeout and a small margin, counted as one
+    timeout. The client's counters after it."""
+    started = time.perf_counter()
+    assert client.lookup(key) is None
+    assert time.perf_counter() - started < TRICKLED_OP_TIMEOUT + 0.5
+    stats = client.stats.snapshot()
+    assert stats["tier_timeouts"] == 1
+    return stats
+
+
+def test_a_server_trickling_its_replies_is_given_up_on_within_op_timeout(
+    trickle: TrickleProxy, trickled: Settings
+) -> None:
     """Replies trickled at 640 bytes/s, each read answered within 0.1 s: a compile's one round trip for its
     six entries would take ~10 s. The read gives up at op_timeout, counts a timeout, opens the breaker (the
     compile's later lookups are skipped), and the compile traces everything in about the time it takes with no
     tier, plus op_timeout."""
-    namespace = unique_namespace()
-    op_timeout = 0.5
-    settings = Settings(tier=trickle.url, namespace=namespace, host="trickle", worker="w1", op_timeout=op_timeout,
-                        breaker_cooldown=30.0)  # fmt: skip
+    settings, op_timeout = trickled, TRICKLED_OP_TIMEOUT
     graph = mixed_graph()
-    try:
-        cold = open_tier(settings)
-        BirCodeGenLoop(tier=cold).run(load_graph(graph))
-        cold.close(timeout=30)
-        started = time.perf_counter()
-        bb_off = BirCodeGenLoop().run(load_graph(graph))
-        tier_off_seconds = time.perf_counter() - started
+    cold = open_tier(settings)
+    BirCodeGenLoop(tier=cold).run(load_graph(graph))
+    cold.close(timeout=30)
+    started = time.perf_counter()
+    bb_off = BirCodeGenLoop().run(load_graph(graph))
+    tier_off_seconds = time.perf_counter() - started
 
-        trickle.slow = True
-        client = open_tier(settings)
-        loop = BirCodeGenLoop(tier=client)
-        started = time.perf_counter()
-        bb = loop.run(load_graph(graph))
-        seconds = time.perf_counter() - started
-        stats = client.stats.snapshot()
-        client.close(timeout=1)
+    trickle.slow = True
+    client = open_tier(settings)
+    loop = BirCodeGenLoop(tier=client)
+    started = time.perf_counter()
+    bb = loop.run(load_graph(graph))
+    seconds = time.perf_counter() - started
+    stats = client.stats.snapshot()
+    client.close(timeout=1)
 
-        assert seconds - tier_off_seconds < op_timeout + 0.75, (seconds, tier_off_seconds)
-        assert stats["tier_timeouts"] == 1 and stats["tier_errors"] == 0, stats
-        assert stats["tier_skipped"] >= 1  # the breaker opened: later lookups were not sent
-        assert (loop.traces, loop.remote_hits) == (MIXED_DISTINCT_KEYS, 0)
-        assert binary_digests(bb) == binary_digests(bb_off)
+    assert seconds - tier_off_seconds < op_timeout + 0.75, (seconds, tier_off_seconds)
+    assert stats["tier_timeouts"] == 1 and stats["tier_errors"] == 0, stats
+    assert stats["tier_skipped"] >= 1  # the breaker opened: later lookups were not sent
+    assert (loop.traces, loop.remote_hits) == (MIXED_DISTINCT_KEYS, 0)
+    assert binary_digests(bb) == binary_digests(bb_off)
 
-        # One lookup alone, timed: given up on within op_timeout and a small margin.
-        one = open_tier(settings)
-        key = sorted(loop.key_use_times)[0]
-        started = time.perf_counter()
-        assert one.lookup(key) is None
-        assert time.perf_counter() - started < op_timeout + 0.5
-        assert one.stats.snapshot()["tier_timeouts"] == 1
-        one.close(timeout=1)
-    finally:
-        trickle.slow = False
-        cleaner = redis.Redis.from_url(redis_url)
-        delete_namespace(cleaner, namespace)
-        cleaner.close()
+    # One lookup alone, timed: given up on within op_timeout and a small margin.
+    one = open_tier(settings)
+    assert_lookup_gives_up_in_time(one, sorted(loop.key_use_times)[0])
+    one.close(timeout=1)
 
 
 def test_a_connected_hit_bounds_its_read_itself_and_gives_up_on_a_trickle_within_op_timeout(
-    trickle: TrickleProxy, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    trickle: TrickleProxy, trickled: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once the direct connection is made, a hit's one GETRANGE is bounded as a whole by the read itself (its
     socket timeout shortened to what is left of op_timeout before each socket read), not by a watchdog watch:
@@ -408,33 +424,20 @@ def test_a_connected_hit_bounds_its_read_itself_and_gives_up_on_a_trickle_within
     timeout, with the breaker open."""
     from cachestore.backends import deadline
 
-    namespace = unique_namespace()
-    op_timeout = 0.5
-    settings = Settings(tier=trickle.url, namespace=namespace, host="trickle", worker="w1", op_timeout=op_timeout,
-                        breaker_cooldown=30.0)  # fmt: skip
-    try:
-        writer = open_tier(settings)
-        key = "a" * 64
-        writer.publish(key, Entry(os.urandom(2000), ["x"], ["out"], "bir", "bir-1", {"k": 1}))  # 3 s trickled
-        writer.close(timeout=30)
-        reader = open_tier(settings)
-        assert reader.lookup(key) is not None  # connects (under the watchdog)
-        watches = []
-        watch = deadline.Watchdog.watch
-        monkeypatch.setattr(deadline.Watchdog, "watch", lambda *a, **k: watches.append(1) or watch(*a, **k))
-        assert reader.lookup(key) is not None and watches == []
-        trickle.slow = True
-        started = time.perf_counter()
-        assert reader.lookup(key) is None
-        assert time.perf_counter() - started < op_timeout + 0.5
-        stats = reader.stats.snapshot()
-        assert stats["tier_timeouts"] == 1 and stats["tier_errors"] == 0 and not reader.available
-        reader.close(timeout=1)
-    finally:
-        trickle.slow = False
-        cleaner = redis.Redis.from_url(redis_url)
-        delete_namespace(cleaner, namespace)
-        cleaner.close()
+    writer = open_tier(trickled)
+    key = "a" * 64
+    writer.publish(key, Entry(os.urandom(2000), ["x"], ["out"], "bir", "bir-1", {"k": 1}))  # 3 s trickled
+    writer.close(timeout=30)
+    reader = open_tier(trickled)
+    assert reader.lookup(key) is not None  # connects (under the watchdog)
+    watches = []
+    watch = deadline.Watchdog.watch
+    monkeypatch.setattr(deadline.Watchdog, "watch", lambda *a, **k: watches.append(1) or watch(*a, **k))
+    assert reader.lookup(key) is not None and watches == []
+    trickle.slow = True
+    stats = assert_lookup_gives_up_in_time(reader, key)
+    assert stats["tier_errors"] == 0 and not reader.available
+    reader.close(timeout=1)
 
 
 def test_the_watchdog_aborts_only_what_overran_and_again_until_it_ends() -> None:
