@@ -468,24 +468,24 @@ class RedisBackend:
         if ttl is not None or self._direct is None or not cache_keys:
             return self.fetch(cache_keys, ttl), {}
         names = {writer: self.keys.checkpoint_latest(self.toolchain, writer) for writer in writers}
-        chunks: dict[str, bytes] = {}
-        found = self._within_op_timeout(lambda: self._fetch_heads(cache_keys, names, chunks))
-        return found, chunks
+        return self._within_op_timeout(lambda: self._fetch_heads_and_chunks(cache_keys, names))
 
-    def _fetch_heads(
-        self, cache_keys: Sequence[str], chunk_names: Mapping[str, str] | None = None,
-        chunks: dict[str, bytes] | None = None,
-    ) -> dict[str, bytes | TooLarge]:  # fmt: skip
-        """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded.
-        With `chunk_names` (writer key id hex to its latest chunk's name; direct connection only), those chunks
-        are read in the first round trip too, into `chunks`."""
+    def _fetch_heads(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
+        """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded."""
+        return self._fetch_heads_and_chunks(cache_keys, {})[0]
+
+    def _fetch_heads_and_chunks(
+        self, cache_keys: Sequence[str], chunk_names: Mapping[str, str]
+    ) -> tuple[dict[str, bytes | TooLarge], dict[str, bytes]]:
+        """`_fetch_heads`, and in its first round trip the chunks `chunk_names` names (writer key id hex to its
+        latest chunk's name; direct connection only): those that hold one, by writer."""
         first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
         redis_keys = [self._entry(key) for key in cache_keys]
-        heads = self._heads(redis_keys, first, list(chunk_names.values()) if chunk_names else ())
-        if chunk_names and chunks is not None:
-            for writer, reply in zip(chunk_names, heads[len(redis_keys) :], strict=True):
-                if isinstance(reply, bytes) and 0 < len(reply) <= MAX_CHECKPOINT_BYTES:
-                    chunks[writer] = reply
+        heads = self._heads(redis_keys, first, list(chunk_names.values()))
+        chunks = {
+            writer: reply for writer, reply in zip(chunk_names, heads[len(redis_keys) :], strict=True)
+            if isinstance(reply, bytes) and 0 < len(reply) <= MAX_CHECKPOINT_BYTES
+        }  # fmt: skip
         found: dict[str, bytes | TooLarge] = {}
         longer: list[int] = []
         for i, head in enumerate(heads[: len(redis_keys)]):
@@ -496,7 +496,7 @@ class RedisBackend:
         if longer:
             values = self._read_longer(redis_keys, [(None, None)] * len(redis_keys), longer)
             found.update((cache_keys[i], values[i][0]) for i in longer if values[i][0] is not None)
-        return found
+        return found, chunks
 
     def _fetch_one(self, cache_key: str) -> dict[str, bytes | TooLarge] | None:
         """`_fetch_heads` of one key on the direct connection, bounded by op_timeout as a whole by the read itself
