@@ -4,7 +4,7 @@ A batch signature (cachestore.trust, cachestore.entry.seal) covers one flush of 
 end has its outbox sent at once (`TierClient.send_now`), so a fresh reader still verifies about one Ed25519
 signature a pass it reads. A writer process on a Redis tier therefore also keeps, per partition (toolchain and
 scope), a checkpoint: the list of what it stored, one (cache key, payload SHA-256) pair an entry, in chunks of at
-most MAX_CHUNK_LEAVES pairs, each signed. The current chunk is rewritten, grown and signed anew, at each flush,
+most MAX_CHUNK_PAIRS pairs, each signed. The current chunk is rewritten, grown and signed anew, at each flush,
 in the same pipeline after the entries, and copied to the writer key's "latest chunk" key beside it; a full
 chunk is written a last time and left alone, and a new one begun. Each entry's writer section names its chunk
 (`ChunkRef`: the writer process's random instance id and the chunk number), which the signature of the entry does
@@ -36,7 +36,7 @@ entry's or a group's message, nor a version-1 chunk's), the key id, the partitio
 another toolchain or scope does not verify), the schema, the instance, the chunk, the count and the SHA-256 of the
 pairs. Nothing is truncated: whoever can get a trusted writer to compile inputs of their choosing (a model graph
 sent upstream) could search for two keys colliding in a 16-byte prefix in about 2^64 hashes, one honest for the
-writer to store and one of their own to plant. A chunk of MAX_CHUNK_LEAVES pairs is 16 KB. Version-1 chunks
+writer to store and one of their own to plant. A chunk of MAX_CHUNK_PAIRS pairs is 16 KB. Version-1 chunks
 (leaf hashes, written before) are rejected like any chunk of another version: their entries verify by their
 group signatures.
 """
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 # The current chunk is rewritten whole at each flush: with chunks of 1024 pairs (64 KB) a writer whose flushes
 # carry ~5 entries (7 KB) would send many times those bytes again in checkpoints over a chunk's life; 256 bounds
 # that to 16 KB a flush, and a fresh reader still verifies one chunk per 256 entries of a writer process.
-MAX_CHUNK_LEAVES = 256
+MAX_CHUNK_PAIRS = 256
 PAIR_BYTES = 2 * HASH_BYTES
 INSTANCE_BYTES = 8
 REF_BYTES = INSTANCE_BYTES + 4  # instance id, chunk number: what an entry's writer section names
@@ -69,7 +69,7 @@ MAGIC = b"NKK"
 VERSION = 2
 _REF_AT = len(MAGIC) + 2 + KEY_ID_BYTES
 _HEADER_BYTES = _REF_AT + REF_BYTES + 4
-MAX_CHECKPOINT_BYTES = _HEADER_BYTES + PAIR_BYTES * MAX_CHUNK_LEAVES + SIGNATURE_BYTES
+MAX_CHECKPOINT_BYTES = _HEADER_BYTES + PAIR_BYTES * MAX_CHUNK_PAIRS + SIGNATURE_BYTES
 REFETCH_SECONDS = 1.0  # a chunk named again by an entry it does not list (it grew since) is fetched again after
 REMEMBERED_CHUNKS = 4096  # chunks a reader remembers having tried (an LRU: hostile refs cannot grow it)
 # A first read brings at most this many writers' latest chunks (16.5 KB each at most): a policy of many keys
@@ -138,7 +138,7 @@ def decode_checkpoint(
     if named != key_id or where != ref:
         raise CheckpointRejected(f"names writer {named.hex()} chunk {where.hex()}, not {key_id.hex()} {ref.hex()}")
     count = int.from_bytes(data[_HEADER_BYTES - 4 : _HEADER_BYTES], "big")
-    if not 0 < count <= MAX_CHUNK_LEAVES or len(data) != _HEADER_BYTES + PAIR_BYTES * count + SIGNATURE_BYTES:
+    if not 0 < count <= MAX_CHUNK_PAIRS or len(data) != _HEADER_BYTES + PAIR_BYTES * count + SIGNATURE_BYTES:
         raise CheckpointRejected(f"declares {count} pairs in {len(data)} bytes")
     pairs = data[_HEADER_BYTES : _HEADER_BYTES + PAIR_BYTES * count]
     instance, chunk = split_ref(ref)
@@ -182,7 +182,7 @@ class CheckpointLog:
             for cache_key, digest in listed:
                 pair = listing_id(cache_key) + digest
                 if pair not in self._seen:  # the same entry sealed again (a retried reference): listed once
-                    if len(self._pairs) == MAX_CHUNK_LEAVES:
+                    if len(self._pairs) == MAX_CHUNK_PAIRS:
                         self.chunk, self._pairs, self._seen = self.chunk + 1, [], set()  # the full one is frozen
                     self._pairs.append(pair)
                     self._seen.add(pair)

@@ -323,8 +323,8 @@ class SignaturePolicy:
 
 class CheckpointSource(Protocol):
     def load(self, key_id: bytes, ref: bytes) -> None:
-        """Fetch and verify the chunk `ref` of writer `key_id` unless done lately; its leaves go to the trust
-        policy's memo. Never raises."""
+        """Fetch and verify the chunk `ref` of writer `key_id` unless done lately; its pairs go to the trust
+        policy's listings. Never raises."""
 
 
 def decode_entry(

@@ -82,8 +82,8 @@ def signed_message(schema: int, flags: int, key_id: bytes, cache_key: str, paylo
 
 
 def entry_leaf(schema: int, flags: int, key_id: bytes, cache_key: str, payload_sha256: bytes) -> bytes:
-    """cachestore.merkle.leaf_hash of `signed_message(...)`, in one hash of one join: the whole cost of checking
-    an entry whose leaf a verified checkpoint or group lists (a hit's hot path)."""
+    """cachestore.merkle.leaf_hash of `signed_message(...)`, in one hash of one join: what an entry's group
+    signature covers, looked up among the nodes of verified groups before any verify."""
     key = cache_key.encode("utf-8")
     parts = (_LEAF_DOMAIN, bytes((schema, flags)), key_id, len(key).to_bytes(2, "big"), key, payload_sha256)
     return hashlib.sha256(b"".join(parts)).digest()

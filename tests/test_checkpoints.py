@@ -194,7 +194,7 @@ def test_a_truncated_extended_or_lying_chunk_is_rejected(ci: WriterKey) -> None:
 
 
 def test_the_log_freezes_a_full_chunk_and_begins_another(ci: WriterKey, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_LEAVES", 3)
+    monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_PAIRS", 3)
     log = CheckpointLog(ci, PARTITION, SCHEMA)
     listed = [(KEYS[n], hashlib.sha256(b"%d" % n).digest()) for n in range(7)]
     refs = log.place(listed[:2] + listed[:1])  # the same entry again is listed once
@@ -327,7 +327,7 @@ def test_the_listings_start_again_past_their_bound_and_their_entries_still_verif
 ) -> None:
     """The bound is over every trusted writer's listing together: many writers cannot grow a reader's memory."""
     monkeypatch.setattr(trust_module, "VERIFIED_MEMO_SIZE", 6)
-    monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_LEAVES", 4)
+    monkeypatch.setattr(checkpoint_module, "MAX_CHUNK_PAIRS", 4)
     log, laptop_log, store = CheckpointLog(ci, PARTITION, SCHEMA), CheckpointLog(laptop, PARTITION, SCHEMA), Store()
     entries = written(ci, log, [KEYS[0:4], KEYS[4:8]])
     entries.update(written(laptop, laptop_log, [KEYS[8:12]]))

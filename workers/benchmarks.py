@@ -408,9 +408,9 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
 @contextlib.contextmanager
 def _checks_timed(spent: list[float]) -> Iterator[None]:
     """Time every writer-signature check of an entry into spent[0], whole: cachestore.entry._check_writer (the
-    entry's message and leaf hash, the memo lookup, fetching and verifying a writer's checkpoint chunk
+    lookup in the verified checkpoint listings, the leaf hash and group memo, loading a writer's checkpoint chunk
     (cachestore.checkpoint) when the entry names one not loaded yet, and the group signature's verify) and
-    cachestore.entry.check_writers, which checks a read's entries in one loop (the same work: each leaf and
+    cachestore.entry.check_writers, which checks a read's entries in one loop (the same work: each entry's
     lookup, and _check_writer for the rest, counted once)."""
     timed = [(entry_module, "_check_writer"), (entry_module, "check_writers")]
     inner = [getattr(owner, name) for owner, name in timed]
