@@ -290,7 +290,7 @@ def _tensor(name: object, spec: object) -> Tensor:
     if not isinstance(name, str):
         raise _Malformed(f"{where}: name is not a string")
     _expect(spec, {"shape": list, "dtype": str}, where)
-    if spec["dtype"] not in dtypes.NUMPY_DTYPES:
+    if spec["dtype"] not in dtypes.ITEM_BYTES:
         raise _Malformed(f"{where}: unsupported dtype {spec['dtype']!r}")
     access = spec.get("access_shape")
     access_shape = None if access is None else _shape(access, where)

@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from bridge.errors import KernelCompileError, NkiCacheError
-from bridge.frontends.beta2 import TraceKernel
-from bridge.frontends.beta3 import trace_beta3
 from bridge.graph import Graph
 from bridge.identity import toolchain_id
 from bridge.ir import (
@@ -191,6 +189,8 @@ class BirCodeGenLoop:
             tuple(call_args["outputs"]),
             additional_args,
         )
+        from bridge.frontends.beta3 import trace_beta3  # the frontends load with the first trace, not on a warm hit
+
         started = time.perf_counter()
         result = trace_beta3(call, self.target)
         self.trace_seconds += time.perf_counter() - started
@@ -199,6 +199,8 @@ class BirCodeGenLoop:
 
     def _trace_kernel_beta2(self, inst: InternalNkiKernel, cache_key: str) -> dict:
         """The dormant leaf: TraceKernel.trace, format 'klir'. Complete, and called by nothing in the bridge."""
+        from bridge.frontends.beta2 import TraceKernel
+
         _cfg, kernel_func, additional_args, call_args = self._resolve_kernel_config(inst)
         with TraceKernel(
             target=self.target,

@@ -1,35 +1,46 @@
-"""The element types the kernel language knows and their numpy equivalents."""
+"""The element types the kernel language knows, their sizes, and (on demand) their numpy equivalents.
+
+Names and sizes are plain data so that a compile that only checks or hashes dtypes (every warm hit) loads
+neither numpy nor ml_dtypes; ml_dtypes' C extension alone takes about half a second to import.
+"""
 
 from __future__ import annotations
 
-import ml_dtypes
-import numpy as np
+import functools
+from typing import TYPE_CHECKING
 
 from bridge.errors import KernelCompileError
 
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int32": np.dtype(np.int32),
-}
+if TYPE_CHECKING:
+    import numpy as np
 
-ITEM_BYTES = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()}
+ITEM_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+DTYPE_NAMES: tuple[str, ...] = tuple(ITEM_BYTES)
 
 
 def check_dtype(name: object) -> str:
     """Return `name` when it is a supported dtype name, else raise a compile error."""
-    if not isinstance(name, str) or name not in NUMPY_DTYPES:
-        raise KernelCompileError(f"unsupported dtype {name!r}; supported: {', '.join(NUMPY_DTYPES)}")
+    if not isinstance(name, str) or name not in ITEM_BYTES:
+        raise KernelCompileError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
     return name
 
 
+@functools.cache
 def to_numpy(name: str) -> np.dtype:
-    return NUMPY_DTYPES[name]
+    """The numpy dtype of `name`; ml_dtypes is imported only for bfloat16."""
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(check_dtype(name))
 
 
 def from_numpy(dtype: np.dtype) -> str:
-    for name, candidate in NUMPY_DTYPES.items():
-        if candidate == dtype:
-            return name
+    import numpy as np
+
+    name = np.dtype(dtype).name
+    if name in ITEM_BYTES and to_numpy(name) == dtype:
+        return name
     raise KernelCompileError(f"unsupported numpy dtype {dtype}")

@@ -431,7 +431,7 @@ def _is_number(value: object) -> bool:
 
 
 def _dtype(value: object) -> str:
-    if not isinstance(value, str) or value not in dtypes.NUMPY_DTYPES:
+    if not isinstance(value, str) or value not in dtypes.ITEM_BYTES:
         raise BinaryFormatError(f"unknown dtype {value!r}")
     return value
 

@@ -141,8 +141,8 @@ def _tensor(name: str, spec: object, source: str) -> Tensor:
     _no_unknown_keys(spec, TENSOR_KEYS, source, f"tensor {name!r}")
     shape = _shape(spec.get("shape"), f"{where}: shape")
     dtype = spec.get("dtype")
-    if dtype not in dtypes.NUMPY_DTYPES:
-        raise GraphError(f"{where}: unsupported dtype {dtype!r}; supported: {', '.join(dtypes.NUMPY_DTYPES)}")
+    if dtype not in dtypes.ITEM_BYTES:
+        raise GraphError(f"{where}: unsupported dtype {dtype!r}; supported: {', '.join(dtypes.ITEM_BYTES)}")
     access_shape = spec.get("access_shape")
     if access_shape is not None:
         access_shape = _shape(access_shape, f"{where}: access_shape")

@@ -11,8 +11,6 @@ import dataclasses
 import math
 import os
 import re
-import socket
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,12 @@ class SettingsError(NkiCacheError):
     """A setting has a bad value; the message names the setting and where it came from."""
 
 
+def _host_name() -> str:
+    """This machine's name, as gethostname(2) gives it (uname's nodename is the same name, without loading the
+    socket module for it)."""
+    return os.uname().nodename
+
+
 def default_tier_url() -> str:
     cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return f"local:{Path(cache_home) / 'nkicache' / 'tier.sqlite'}"
@@ -73,7 +77,7 @@ class Settings:
     heartbeat_interval: float = 2.0  # seconds between worker heartbeats; 3 missed = not live
     require_signed: bool = True  # with an HMAC key: reject unsigned entries
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
-    host: str = dataclasses.field(default_factory=socket.gethostname)
+    host: str = dataclasses.field(default_factory=_host_name)
     # The metrics' worker label: stable, so local runs add to one series per host instead of one per process
     # (a pid would make a new Prometheus series every run). Fleet workers are named by `worker --name`.
     worker: str = "local"
@@ -177,6 +181,8 @@ def _config_path(environ: Mapping[str, str]) -> Path | None:
 
 
 def _from_file(path: Path) -> dict[str, Any]:
+    import tomllib  # only a process that has a config file parses TOML
+
     try:
         # Read as bytes and decoded here: read_text() would raise a UnicodeDecodeError (no OSError, and a
         # traceback) for a file that is not UTF-8, and would decode with the locale's encoding, not TOML's.

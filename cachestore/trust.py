@@ -39,18 +39,20 @@ import os
 import stat
 import struct
 import threading
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from nacl.exceptions import BadSignatureError
-from nacl.signing import VerifyKey
+from typing import TYPE_CHECKING
 
 from bridge.errors import NkiCacheError
 from cachestore.merkle import PathMismatch, climb
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+    from nacl.signing import VerifyKey
+
+# cryptography and PyNaCl (~40 ms of imports) are loaded by the functions that make, load, sign or verify with a
+# key, so that a process that uses no key never loads them.
 
 KEY_ID_BYTES = 16
 SIGNATURE_BYTES = 64
@@ -95,6 +97,8 @@ def batch_message(key_id: bytes, size: int, root: bytes) -> bytes:
 
 
 def public_raw(public: Ed25519PublicKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
@@ -107,6 +111,8 @@ class WriterKey:
 
     @classmethod
     def generate(cls) -> WriterKey:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         private = Ed25519PrivateKey.generate()
         return cls(private, key_id_of(public_raw(private.public_key())))
 
@@ -121,6 +127,8 @@ class WriterKey:
         return self.private.sign(message)
 
     def private_pem(self) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
         return self.private.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
@@ -154,6 +162,9 @@ def write_writer_key(path: Path, name: str) -> WriterKey:
 
 def load_writer_key(path: str | Path) -> WriterKey:
     """The private key in `path`; refused when others may read or write the file."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -183,10 +194,14 @@ class TrustedWriter:
     _verifier: VerifyKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        from nacl.signing import VerifyKey
+
         object.__setattr__(self, "_verifier", VerifyKey(public_raw(self.public)))
 
     def signed(self, signature: bytes, message: bytes) -> bool:
         """Whether `signature` is this writer's Ed25519 signature of `message`."""
+        from nacl.exceptions import BadSignatureError
+
         try:
             self._verifier.verify(message, signature)
         except (BadSignatureError, ValueError, TypeError):  # a forgery; a signature of the wrong length or type
@@ -302,6 +317,8 @@ class TrustPolicy:
 
 def load_trust_policy(path: str | Path) -> TrustPolicy:
     """The policy in the TOML file `path`; any malformed table is an error naming the file and the table."""
+    import tomllib
+
     path = Path(path)
     try:
         document = tomllib.loads(path.read_bytes().decode("utf-8"))
@@ -321,6 +338,8 @@ def load_trust_policy(path: str | Path) -> TrustPolicy:
 
 
 def _writer(path: Path, number: int, table: object) -> TrustedWriter:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     where = f"{path}: writer {number}"
     if not isinstance(table, dict) or set(table) - {"name", "public_key", "key_id"}:
         raise TrustError(f"{where}: a [[writer]] table holds name, public_key and key_id only")

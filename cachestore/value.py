@@ -15,7 +15,6 @@ of the same size; a large binary costs more room for the same seconds saved.
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections import deque
 
@@ -72,6 +71,8 @@ class ValueMedian:
             if len(self._values) < MEDIAN_MIN_SAMPLES:
                 return None
             if self._median is None or self._since >= 64:  # a sort of 1024 floats every 64 values at most
+                import statistics  # with its fractions and decimal, loaded by the first median, not at start-up
+
                 self._median = statistics.median(self._values)
                 self._since = 0
             return self._median

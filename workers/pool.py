@@ -9,21 +9,26 @@ lets the running ones finish (artifacts are written atomically) and reports what
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.util
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bridge.parallel import TraceOutcome, TraceTask, trace_task
 from cachestore.client import open_tier
 from cachestore.settings import Settings
 from workers.passes import PassResult, compile_graph
+
+if TYPE_CHECKING:
+    import multiprocessing.context
+
+    from bridge.parallel import TraceOutcome, TraceTask
+
+# multiprocessing and the trace tasks (bridge.parallel) are imported where a pool is used: a compile with one
+# worker never starts a process. The forkserver preloads what a pool process runs.
+FORKSERVER_PRELOAD = ["workers.pool", "bridge.parallel"]
 
 _process_tier = None  # the tier client of a pool process, opened by _init_process
 _process_limits = None  # the settings' bounds on one graph's work, set by _init_process
@@ -32,6 +37,8 @@ _process_limits = None  # the settings' bounds on one graph's work, set by _init
 def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> None:
     """A pool process's start: its own tier client, closed as the process ends; what the client drops outside
     the passes is added to `dropped_outside_passes` (a shared multiprocessing Value) when one is given."""
+    import multiprocessing.util
+
     global _process_tier, _process_limits
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _process_limits = settings.limits()
@@ -56,6 +63,8 @@ def _close_process_tier(dropped_outside_passes: Any) -> None:
 
 def _trace_in_process(tasks: list[TraceTask]) -> list[TraceOutcome]:
     """Trace tasks of `workers.variant_pool`, in a pool process, with its tier client and limits."""
+    from bridge.parallel import trace_task
+
     return [trace_task(task, _process_tier, _process_limits) for task in tasks]
 
 
@@ -181,10 +190,12 @@ def pool_context() -> multiprocessing.context.BaseContext:
     and every process forked from it inherit, so Ctrl-C cannot kill one of them while it is still importing
     (before `_init_process` ignores SIGINT itself) and print a traceback or break the pool: only this process
     sees it, and stops the pool cleanly."""
+    import multiprocessing.forkserver
+
     if sys.platform == "win32":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["workers.pool"])
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:

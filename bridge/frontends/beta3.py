@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bridge.errors import KernelCompileError
-from bridge.executor import LoadedProgram
 from bridge.frontends.interpreter import KernelInterpreter
 from bridge.nki.builder import KernelBuilder
 from bridge.nki.isa import reads_and_writes
@@ -81,6 +80,8 @@ class ParserFrontend:
             program.code = eliminate_dead_code(program.code)
         binary = encode_bir(program)
         if self.options.validate_binary:
+            from bridge.executor import LoadedProgram  # numpy: loaded by the first trace, not by a warm hit
+
             LoadedProgram(decode_bir(binary))
         return binary
 

@@ -13,8 +13,7 @@ serve the AST frontend (beta3) and the tracer (beta2).
 from __future__ import annotations
 
 import builtins
-
-import numpy as np
+import math
 
 from bridge.errors import KernelCompileError
 from bridge.nki import isa
@@ -91,7 +90,7 @@ def load(access: HBMAccess, dtype: str | None = None, shape: tuple[int, ...] | N
 def load_scalar(access: HBMAccess) -> RuntimeScalar:
     """Read one int32 element when the binary runs; the result indexes later loads and stores."""
     _expect(access, HBMAccess, "load_scalar", "an HBM tensor element such as ids[n, 0]")
-    if access.tensor.dtype != "int32" or int(np.prod(access.shape)) != 1:
+    if access.tensor.dtype != "int32" or math.prod(access.shape) != 1:
         raise KernelCompileError(f"load_scalar reads one int32 element, got {access.tensor.dtype}{list(access.shape)}")
     builder = active()
     register = builder.new_register()
@@ -239,7 +238,7 @@ def broadcast_to(x: Tile, shape: tuple[int, ...]) -> Tile:
     _expect(x, Tile, "broadcast_to", "a tile")
     shape = tuple(shape)
     try:
-        if np.broadcast_shapes(x.shape, shape) != shape:
+        if _broadcast_shapes(x.shape, shape) != shape:
             raise ValueError
     except ValueError:
         raise KernelCompileError(f"cannot broadcast a {list(x.shape)} tile to {list(shape)}") from None
@@ -333,14 +332,14 @@ def _broadcast_shape(op: str, x: object, y: object, into: tuple[int, ...] | None
         if not isinstance(value, Tile | RuntimeScalar | int | float) or isinstance(value, bool):
             raise KernelCompileError(f"{op} takes tiles and numbers, got {type(value).__name__}")
     try:
-        shape = np.broadcast_shapes(_shape(x), _shape(y))
+        shape = _broadcast_shapes(_shape(x), _shape(y))
         partitions = (into or shape)[0]
         if any(isinstance(v, Tile) and v.shape[0] != partitions for v in (x, y)):
             raise KernelCompileError(
                 f"{op} of shapes {list(_shape(x))} and {list(_shape(y))}: tiles must share the partition dim; "
                 "repeat a [1, F] row across partitions with nl.broadcast_to"
             )
-        if into is not None and np.broadcast_shapes(shape, into) != into:
+        if into is not None and _broadcast_shapes(shape, into) != into:
             raise ValueError
     except ValueError:
         raise KernelCompileError(
@@ -363,3 +362,11 @@ def _result_dtype(x: object, y: object) -> str:
 def _float_dtype(x: Tile) -> str:
     """Results of float math keep a float input's dtype; int and PSUM inputs give float32."""
     return x.dtype if x.dtype in ("bfloat16", "float16") and x.space == "sbuf" else float32
+
+
+def _broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy's broadcasting rule (ValueError when the shapes do not broadcast); numpy is loaded only when a kernel
+    is traced, so that importing the kernel library for a warm hit does not load it."""
+    import numpy as np
+
+    return np.broadcast_shapes(*shapes)
