@@ -5,27 +5,39 @@ kernel language, a frontend or the binary encoding, yesterday's binaries are wro
 trust put the compiler's identity beside the key (sccache hashes the compiler, TorchInductor hashes its own
 code generator); this is ours.
 
-The fingerprint is computed from the code itself, never from a hand-bumped constant: the source of every
-module a compile loads, found by following the imports of the codegen loop and the kernel library through
-the `bridge` package (so a module added to the compile path is covered without anyone remembering to list
-it), plus the versions of the libraries that shape a binary (numpy and ml_dtypes compute constants,
-msgpack encodes BIR) and of Python (the beta3 frontend parses kernels with Python's own parser). Anything
-else (docs, reports, the command line, cachestore, workers) can change without changing it.
+The fingerprint is computed from the code itself, never from a hand-bumped constant: what every module a
+compile loads means (its syntax tree without docstrings; comments, formatting and line numbers are not in
+it), the modules found by following the imports of the codegen loop and the kernel library through the
+`bridge` package (so a module added to the compile path is covered without anyone remembering to list it),
+plus the versions of the libraries that shape a binary (numpy and ml_dtypes compute constants, msgpack
+encodes BIR) and of Python (the beta3 frontend parses kernels with Python's own parser). Anything else
+(docs, reports, the command line, cachestore, workers) can change without changing it. Line numbers reach
+only error messages, never a binary, so a comment or a reformat keeps the id.
+
+Parsing the closure takes tens of milliseconds, so the id is kept in the package's `__pycache__` beside
+Python's own bytecode, under a stamp of every package file's size, times and inode and of the libraries'
+installed files: any edit, checkout or upgrade changes the stamp and the id is computed again.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
-import platform
-from importlib import metadata
+import importlib.util
+import json
+import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ast
 
 PACKAGE = "bridge"
 COMPILE_ROOTS = ("bridge.codegen", "bridge.kernels")  # the loop, and every kernel it can trace
 LIBRARIES = ("numpy", "ml_dtypes", "msgpack")
 FINGERPRINT_HEX_DIGITS = 16
+CACHE_NAME = "toolchain-id.json"
 
 
 def package_root() -> Path:
@@ -34,20 +46,31 @@ def package_root() -> Path:
 
 @functools.cache
 def toolchain_id() -> str:
-    """This compiler's identity: 16 hex digits of a SHA-256 over the compile path's sources and the versions
-    of the libraries and the Python that shape its binaries."""
-    return fingerprint(package_root())
+    """This compiler's identity: 16 hex digits of a SHA-256 over what the compile path's code means and the
+    versions of the libraries and the Python that shape its binaries."""
+    root = package_root()
+    stamp = source_stamp(root)
+    known = _cached_id(root, stamp)
+    if known is not None:
+        return known
+    identity = fingerprint(root)
+    _remember_id(root, stamp, identity)
+    return identity
 
 
 def fingerprint(root: Path) -> str:
     """The identity of the `bridge` package whose source folder is `root` (tests fingerprint copies)."""
+    import ast  # parsing: only when the id is computed, not when it is remembered
+
     digest = hashlib.sha256()
-    for path in compile_sources(root):
-        source = path.read_bytes()
-        digest.update(f"{path.relative_to(root).as_posix()}\0{len(source)}\0".encode())
-        digest.update(source)
+    for path, tree in sorted(_closure(root).items()):
+        meaning = ast.dump(_without_docstrings(tree)).encode()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{len(meaning)}\0".encode())
+        digest.update(meaning)
     for name in LIBRARIES:
         digest.update(f"{name}=={_version(name)}\0".encode())
+    import platform  # this and the imports below load only when the id is computed, not when it is remembered
+
     python = f"{platform.python_implementation()}-{'.'.join(platform.python_version_tuple()[:2])}"
     digest.update(f"python=={python}".encode())
     return digest.hexdigest()[:FINGERPRINT_HEX_DIGITS]
@@ -56,20 +79,85 @@ def fingerprint(root: Path) -> str:
 def compile_sources(root: Path) -> list[Path]:
     """The source files of every `bridge` module a compile loads: the closure of COMPILE_ROOTS' imports
     within the package (module-level and function-level imports alike), sorted."""
-    seen: set[Path] = set()
+    return sorted(_closure(root))
+
+
+def source_stamp(root: Path) -> str:
+    """A digest of every package source file's path, size, times and inode, of the installed files of the
+    libraries in LIBRARIES, and of this Python: it changes whenever the fingerprint could."""
+    digest = hashlib.sha256(f"{sys.version}\0{sys.implementation.cache_tag}\0".encode())
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            digest.update(_file_stamp(os.path.join(directory, name), root))
+    for name in LIBRARIES:
+        spec = importlib.util.find_spec(name)
+        digest.update(_file_stamp(spec.origin, root) if spec and spec.origin else f"{name} absent\n".encode())
+    return digest.hexdigest()
+
+
+def _file_stamp(path: str, root: Path) -> bytes:
+    status = os.stat(path)
+    where = os.path.relpath(path, root)
+    return f"{where}\0{status.st_size}\0{status.st_mtime_ns}\0{status.st_ctime_ns}\0{status.st_ino}\n".encode()
+
+
+def _cache_path(root: Path) -> Path:
+    return root / "__pycache__" / CACHE_NAME
+
+
+def _cached_id(root: Path, stamp: str) -> str | None:
+    """The id remembered under `stamp`, or None when there is none (or the file is not one we wrote)."""
+    try:
+        record = json.loads(_cache_path(root).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("stamp") != stamp:
+        return None
+    identity = record.get("toolchain")
+    valid = isinstance(identity, str) and len(identity) == FINGERPRINT_HEX_DIGITS
+    return identity if valid and all(c in "0123456789abcdef" for c in identity) else None
+
+
+def _remember_id(root: Path, stamp: str, identity: str) -> None:
+    """Keep the id for the next process (a temporary file renamed into place, so readers see all or nothing);
+    a package folder we may not write to only costs the next process the computation."""
+    import tempfile
+
+    path = _cache_path(root)
+    try:
+        path.parent.mkdir(exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{CACHE_NAME}.")
+    except OSError:
+        return
+    try:
+        with os.fdopen(descriptor, "w") as out:
+            json.dump({"stamp": stamp, "toolchain": identity}, out)
+        os.replace(temporary, path)
+    except OSError:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _closure(root: Path) -> dict[Path, ast.Module]:
+    """Every `bridge` module file a compile loads, with its parsed syntax tree."""
+    import ast
+
+    trees: dict[Path, ast.Module] = {}
     pending = [path for name in COMPILE_ROOTS for path in _module_files(root, name)]
     while pending:
         path = pending.pop()
-        if path in seen:
+        if path in trees:
             continue
-        seen.add(path)
-        pending.extend(_imported_files(root, path))
-    return sorted(seen)
+        trees[path] = ast.parse(path.read_bytes(), filename=str(path))
+        pending.extend(_imported_files(root, trees[path]))
+    return trees
 
 
-def _imported_files(root: Path, path: Path) -> list[Path]:
+def _imported_files(root: Path, tree: ast.Module) -> list[Path]:
+    import ast
+
     files: list[Path] = []
-    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 files.extend(_module_files(root, alias.name))
@@ -79,6 +167,25 @@ def _imported_files(root: Path, path: Path) -> list[Path]:
             for alias in node.names:
                 files.extend(_module_files(root, f"{node.module}.{alias.name}"))
     return files
+
+
+def _without_docstrings(tree: ast.Module) -> ast.Module:
+    """`tree` with the docstring of the module and of every class and function removed (in place: each tree
+    is dumped once). A docstring is documentation; any other string in the code stays."""
+    import ast
+
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.walk(tree):
+        if isinstance(node, documented) and node.body and _is_docstring(node.body[0]):
+            node.body = node.body[1:] or [ast.Pass()]
+    return tree
+
+
+def _is_docstring(statement: ast.stmt) -> bool:
+    import ast
+
+    value = statement.value if isinstance(statement, ast.Expr) else None
+    return isinstance(value, ast.Constant) and isinstance(value.value, str)
 
 
 def _module_files(root: Path, module: str) -> list[Path]:
@@ -98,6 +205,8 @@ def _module_files(root: Path, module: str) -> list[Path]:
 
 
 def _version(name: str) -> str:
+    from importlib import metadata
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
