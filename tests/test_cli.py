@@ -9,7 +9,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from workers.cli import DEMO_CASES, _Group, main
+from workers.cli import _Group, main
+from workers.compile_cli import DEMO_CASES
 
 
 def test_version_prints_the_package_version() -> None:

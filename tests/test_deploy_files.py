@@ -154,7 +154,7 @@ def test_kubernetes_worker_deployment_fits_sigterm_and_probes_heartbeats() -> No
     pod = objects[("Deployment", "nkicache-worker")]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] >= 60
     (container,) = pod["containers"]
-    assert container["args"][0] == "worker" and "worker" in nkicache.commands
+    assert container["args"][0] == "worker" and "worker" in nkicache.list_commands(None)
     assert "NKICACHE_HMAC_KEY_FILE" in env_of(container)  # workers sign what they store
     probe = container["livenessProbe"]
     assert probe["exec"]["command"] == ["nkicache", "queue", "--live-check"]
@@ -260,7 +260,7 @@ def test_compose_services_take_secrets_as_files(service: str) -> None:
     document = compose()
     spec = document["services"][service]
     assert spec["image"].startswith("nkicache:")
-    assert spec["command"][0] in nkicache.commands or spec["command"][0] == "serve-metrics"
+    assert spec["command"][0] in nkicache.list_commands(None) or spec["command"][0] == "serve-metrics"
     for variable, value in spec["environment"].items():
         if any(word in variable for word in SECRET_WORDS):
             assert variable.endswith("_FILE"), variable
@@ -315,7 +315,7 @@ def test_systemd_unit_starts_a_worker_command_that_exists() -> None:
     assert Path(argv[0]).name == "nkicache" and argv[1] == "worker"
     result = CliRunner().invoke(nkicache, ["worker", "--help"])
     assert result.exit_code == 0, result.output
-    worker_options = {opt for p in nkicache.commands["worker"].params for opt in getattr(p, "opts", [])}
+    worker_options = {opt for p in nkicache.get_command(None, "worker").params for opt in getattr(p, "opts", [])}
     assert {arg for arg in argv[2:] if arg.startswith("--")} <= worker_options
     service = dict(systemd_unit(UNIT)["Service"])
     assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStopSec"]) >= 60
@@ -376,7 +376,7 @@ def test_deploy_files_name_nkicache_commands_that_exist() -> None:
     for (kind, _), document in kubernetes_objects().items():
         if kind == "Deployment":
             named.add(document["spec"]["template"]["spec"]["containers"][0]["args"][0])
-    assert named <= set(nkicache.commands), named - set(nkicache.commands)
+    assert named <= set(nkicache.list_commands(None)), named - set(nkicache.list_commands(None))
 
 
 # -- cross references: what each deployment reads is defined, documented or installed ---------------------------

@@ -10,9 +10,6 @@ from typing import Any
 
 import click
 
-from bridge.port import HIT_RATE_WORDS, IN_PASS_HIT_RATE, SHARED_HIT_RATE, format_rate, hit_rates
-from cachestore.api import redact_url
-
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
 # one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
 # by Ctrl-C (what finished is kept and reported).
@@ -80,6 +77,8 @@ def plural(count: float, word: str) -> str:
 def rates_text(counts: dict) -> str:
     """The two hit rates in words, the shared cache's first: 'shared-cache hit rate 75% (3 of 4 tier lookups),
     in-pass hit rate 40%'; n/a when nothing asked the tier."""
+    from bridge.port import HIT_RATE_WORDS, IN_PASS_HIT_RATE, SHARED_HIT_RATE, format_rate, hit_rates
+
     rates = hit_rates(counts)
     lookups = int(counts.get("tier_lookups", 0))
     shared = (
@@ -172,6 +171,8 @@ def compile_and_summarize(
 ) -> tuple[dict, bool]:
     """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed).
     `print_json=False`: with `as_json`, print nothing (the caller prints one document holding the summary)."""
+    from bridge.port import hit_rates
+    from cachestore.api import redact_url
     from workers.passes import add_counts, add_level_hits
     from workers.pool import compile_run
 
