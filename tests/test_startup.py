@@ -1,0 +1,81 @@
+"""Start-up loads only what a command needs: each check runs in a fresh interpreter and reads its sys.modules.
+
+A warm compile's whole process is what a user feels (`nkicache bench`: version_ms, warm_compile_*_vs_floor);
+these tests hold the reason it can be fast: no numpy or ml_dtypes unless a value is computed, no cryptography
+or PyNaCl unless a key is used, no redis-py unless a Redis tier is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers_graphs import kernel_op, mixed_graph, tensor, write_graph
+
+HEAVY = ("numpy", "ml_dtypes", "cryptography", "nacl", "redis", "rich", "matplotlib", "prometheus_client")
+
+
+def loaded_after(code: str, *args: str, cwd: Path | None = None) -> tuple[set[str], str]:
+    """(the HEAVY top-level modules loaded, stdout) after running `code` in a new interpreter."""
+    probe = f"{code}\nimport sys\nprint('LOADED', *sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)}))"
+    done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=cwd,
+                          env=os.environ, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    head, _, loaded = done.stdout.rpartition("LOADED")
+    return set(loaded.split()), head
+
+
+def compile_in_fresh_process(graph: Path, tier: str, out: Path) -> tuple[set[str], dict]:
+    code = (
+        "import sys\nfrom workers.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    assert not exc.code, exc.code"
+    )
+    loaded, printed = loaded_after(code, "compile", str(graph), "--tier", tier, "--out", str(out), "--json")
+    return loaded, json.loads(printed)
+
+
+def test_the_storage_contract_and_the_command_line_load_nothing_heavy() -> None:
+    loaded, _ = loaded_after("import cachestore.api, cachestore.settings, workers.cli, bridge")
+    assert loaded == set()
+
+
+def test_version_loads_neither_the_compiler_nor_the_storage_side() -> None:
+    code = "from workers.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass"
+    loaded, printed = loaded_after(code)
+    assert loaded == set() and "toolchain" in printed
+
+
+def test_a_warm_compile_on_the_local_tier_loads_no_numpy_crypto_or_redis(tmp_path: Path) -> None:
+    graph = write_graph(tmp_path, mixed_graph("startup-warm"))
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    cold_loaded, cold = compile_in_fresh_process(graph, tier, tmp_path / "cold")
+    assert cold["traces"] > 0 and "numpy" in cold_loaded  # a trace validates its binary on the executor
+    warm_loaded, warm = compile_in_fresh_process(graph, tier, tmp_path / "warm")
+    assert warm["traces"] == 0 and warm["remote_hits"] == cold["traces"]
+    assert warm_loaded == set()
+    assert (tmp_path / "warm" / "startup-warm.nkibb").read_bytes() == (
+        tmp_path / "cold" / "startup-warm.nkibb"
+    ).read_bytes()
+
+
+def test_a_float32_compile_never_loads_ml_dtypes_and_a_bfloat16_one_compiles_runs_and_checks(tmp_path: Path) -> None:
+    float32 = write_graph(tmp_path, mixed_graph("startup-float32"))
+    loaded, result = compile_in_fresh_process(float32, "off", tmp_path / "out")
+    assert result["traces"] > 0 and "ml_dtypes" not in loaded
+    bfloat16 = write_graph(tmp_path, {
+        "name": "startup-bfloat16",
+        "tensors": {"x": tensor((129, 200), "bfloat16"), "y": tensor((129, 200), "bfloat16")},
+        "ops": [kernel_op("Softmax", ["x"], ["y"])],
+    })  # fmt: skip
+    loaded, result = compile_in_fresh_process(bfloat16, "off", tmp_path / "out")
+    assert result["failed"] == [] and "ml_dtypes" in loaded
+    code = (
+        "import sys\nfrom workers.cli import main\n"
+        "try:\n    main(['run', '--check', '--json', sys.argv[1]])\nexcept SystemExit as exc:\n    assert not exc.code"
+    )
+    _, printed = loaded_after(code, str(tmp_path / "out" / "startup-bfloat16.nkibb"))
+    checked = json.loads(printed)
+    assert checked["ok"] is True and checked["checked"] is True and checked["failed"] == []
+    assert [i["ok"] for i in checked["artifacts"][0]["instructions"]] == [True]
