@@ -4,6 +4,7 @@ saying where everything is."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -43,6 +44,14 @@ def test_the_summary_counts_what_the_cold_run_traced_in_parallel(tmp_path: Path)
     folder = tmp_path / "qs"
     result = CliRunner().invoke(main, ["quickstart", "--dir", str(folder), "--models", "2", "--workers", "2"])
     assert result.exit_code == 0, (result.output, result.exception)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("== warm run"))
-    cold_traces = int(line.split("traces ")[1].split(" ->")[0])
+    line = next(line for line in result.stdout.splitlines() if line.startswith("== cold compile took"))
+    cold_traces = int(line.split("; traces ")[1].split(" ->")[0])
     assert cold_traces > 0 and " -> 0;" in line  # a cold run with 2 workers traced, in parallel traces
+
+
+def test_the_summary_prints_the_wall_times_of_both_compiles_and_says_what_they_are(tmp_path: Path) -> None:
+    text = CliRunner().invoke(main, ["quickstart", "--dir", str(tmp_path / "qs"), "--models", "1"]).stdout
+    line = next(line for line in text.splitlines() if line.startswith("== cold compile took"))
+    times = re.match(r"== cold compile took (\d+\.\d\d) s, warm (\d+\.\d\d) s \(wall times", line)
+    assert times and float(times[1]) > float(times[2]) > 0, line
+    assert "x faster" not in line and "inside this process" in line and "nkicache bench" in line

@@ -86,7 +86,9 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
         echo_json(report)
     else:
         warm_rates = rates_text(report["warm"])
-        click.echo(f"== warm run {speedup:.1f}x faster than cold; traces {_traced(report['cold'])} -> "
+        click.echo(f"== cold compile took {report['cold']['seconds']:.2f} s, warm {report['warm']['seconds']:.2f} s "
+                   "(wall times of the two compiles inside this process; a separate `nkicache compile` also "
+                   f"starts Python, `nkicache bench` times whole commands); traces {_traced(report['cold'])} -> "
                    f"{_traced(report['warm'])}; warm {warm_rates}")  # fmt: skip
         click.echo(f"== check: {len(checks)} compiled graphs run, {kernels} kernel outputs compared with numpy "
                    f"references: {'all OK' if not bad else f'{len(bad)} FAILED'}")  # fmt: skip
