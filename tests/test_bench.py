@@ -16,7 +16,7 @@ from workers.cli import main
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[bench.BenchConfig, list]:
-    config = bench.BenchConfig(models=2, seed=3, repeats=1, quick=True)
+    config = bench.BenchConfig(models=2, seed=3, repeats=1, quick=True, process_rounds=1)
     return config, bench.workload_graphs(tmp_path_factory.mktemp("graphs"), config)
 
 
@@ -50,6 +50,22 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     storage = bench.storage_ratio(graphs, url)
     assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
     assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0
+
+
+def test_whole_process_figures(redis_url: str, tmp_path: Path) -> None:
+    """Every whole-process figure is measured from real `nkicache` processes beside its floor; the warm compiles
+    traced nothing (the measurement refuses a warm figure that traced)."""
+    from workers.workload import generate_workload
+
+    generate_workload(tmp_path / "graphs", 1, 3)
+    figures = bench.whole_process(tmp_path, redis_url, rounds=1)
+    for name in ("warm_compile_local_vs_floor", *bench.PROCESS_FIGURES):
+        assert figures[name] > 0, name
+    assert figures["warm_compile_local_vs_floor"] == round(
+        figures["warm_compile_local_ms"] / figures["floor_local_ms"], 3
+    )
+    assert figures["version_goal_ms"] == round(3 * figures["python_ms"] + 60, 1)
+    assert figures["floor_local_ms"] > figures["python_ms"] * 0.5 and figures["kernels"] > 0
 
 
 def test_bench_scripts_answer_json() -> None:

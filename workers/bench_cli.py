@@ -17,7 +17,22 @@ from workers.cli_common import EXIT_CHECK_FAILED, echo_json
               help="Measure against this Redis instead of a private redis-server on a free loopback port.")  # fmt: skip
 def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     """Measure nkicache against its goals, each figure a median of several runs and each goal a ratio of
-    two things measured side by side in this run (a noisy machine moves both):
+    two things measured side by side in this run (a noisy machine moves both).
+
+    The goals are what a user feels: whole `nkicache` processes on one graph of the workload, each the median
+    of 5 runs after a warm-up, beside a floor (a bare interpreter importing the third-party modules the
+    command needs, nothing of nkicache) measured in the same rounds:
+
+    \b
+      warm_compile_local_vs_floor  warm `compile` of one graph, local tier / its floor       goal <= 2.0
+      warm_compile_redis_vs_floor  the same on Redis / its floor (redis-py instead of sqlite3) goal <= 2.0
+      version_vs_goal        `nkicache --version` / (3 x python_ms + 60 ms)                  goal <= 1.0
+      version_ms, help_ms, python_ms, floor_local_ms, floor_redis_ms, cold_compile_local_ms,
+      warm_compile_local_ms, cold_compile_redis_ms, warm_compile_redis_ms, report_local_ms,
+      warm_compile_local_workers2_ms (start-up of --workers 2), toolchain_id_ms (one call in a
+      fresh process): the figures behind them, in milliseconds
+
+    The in-process ratios below are diagnostics of where time goes inside one process:
 
     \b
       warm_speedup           no tier / warm local tier, compiling a generated workload   goal >= 100

@@ -70,6 +70,7 @@ class BenchConfig:
     seed: int = 0
     repeats: int = 5
     quick: bool = False
+    process_rounds: int = 5  # timed runs of each whole process (workers.process_bench), after a warm-up
 
     @classmethod
     def for_mode(cls, quick: bool) -> BenchConfig:
@@ -888,16 +889,16 @@ PROCESS_FIGURES = (
 )  # fmt: skip
 
 
-def whole_process(work: Path, redis_url: str) -> dict:
+def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
     """Whole `nkicache` processes on the workload's first graph, beside their floors (workers.process_bench)."""
     from workers.process_bench import process_figures, redis_namespaces
 
     graph = sorted((work / "graphs").glob("*.json"))[0]
     namespace = "nkibench-process"
     try:
-        return process_figures(graph, redis_url, namespace, work / "process")
+        return process_figures(graph, redis_url, namespace, work / "process", rounds)
     finally:
-        drop_namespaces(redis_url, redis_namespaces(namespace))
+        drop_namespaces(redis_url, redis_namespaces(namespace, rounds))
 
 
 def _from_process(results: dict, name: str) -> dict:
@@ -939,7 +940,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
         graphs = workload_graphs(work / "graphs", config)
         results: dict[str, Any] = {"config": config.__dict__, "skipped": {}}
         steps = [
-            ("warm_compile_local_vs_floor", lambda: whole_process(work, redis_url)),
+            ("warm_compile_local_vs_floor", lambda: whole_process(work, redis_url, config.process_rounds)),
             *((name, partial(_from_process, results, name)) for name in PROCESS_FIGURES),
             ("warm_speedup", lambda: warm_speedup(graphs, config, work)),
             ("warm_speedup_redis", lambda: warm_speedup_redis(graphs, config, redis_url)),
