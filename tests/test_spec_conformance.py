@@ -272,7 +272,9 @@ def test_beta2_leaf_traces_to_klir_matching_beta3(loop: BirCodeGenLoop) -> None:
 def test_beta2_leaf_uses_the_trace_kernel_context(monkeypatch: pytest.MonkeyPatch, loop: BirCodeGenLoop) -> None:
     steps: list[str] = []
 
-    class RecordingTraceKernel(codegen.TraceKernel):
+    from bridge.frontends import beta2  # the loop imports TraceKernel from it when the leaf runs
+
+    class RecordingTraceKernel(beta2.TraceKernel):
         def __init__(self, **kwargs):
             steps.append(f"init target={type(kwargs['target']).__name__} cores={kwargs['num_neuroncores_per_sengine']}")
             super().__init__(**kwargs)
@@ -297,7 +299,7 @@ def test_beta2_leaf_uses_the_trace_kernel_context(monkeypatch: pytest.MonkeyPatc
             steps.append("trace")
             return super().trace()
 
-    monkeypatch.setattr(codegen, "TraceKernel", RecordingTraceKernel)
+    monkeypatch.setattr(beta2, "TraceKernel", RecordingTraceKernel)
     result = loop._trace_kernel_beta2(rmsnorm(eps=1e-3), "key")
     assert result["format"] == "klir"
     assert steps == [

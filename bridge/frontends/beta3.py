@@ -8,13 +8,12 @@ function), and serializes the flat instruction list as a BIR binary.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from bridge.errors import KernelCompileError
 from bridge.frontends.interpreter import KernelInterpreter
+from bridge.frontends.kernel_folder import kernel_folder
 from bridge.nki.builder import KernelBuilder
 from bridge.nki.isa import reads_and_writes
 from bridge.program import Program, decode_bir, encode_bir
@@ -90,12 +89,9 @@ def trace_beta3(call: KernelCall, target: Target) -> dict:
     """Compile `call` the way the bridge's beta3 leaf does; returns the specification's trace-result dict."""
     options = CompileOptions(target)
     options.set_pipeline_options(eliminate_dead_code=True, validate_binary=True)
-    directory = tempfile.mkdtemp(prefix="nkicache-kernel-")
-    try:
+    with kernel_folder() as directory:
         json_path = write_kernel_json(directory, call, target)
         binary = ParserFrontend(call.kernel_func, options).compile_to_bir(json_path)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
     return {
         "binary": binary,
         "input_names": [spec.name for spec in call.inputs],
