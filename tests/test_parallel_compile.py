@@ -149,7 +149,7 @@ def test_a_failing_variant_fails_its_pass_as_a_sequential_compile_does(tmp_path:
 def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every trace task SIGKILLs the pool process that takes it: the pool breaks, this process traces what was
     lost and the rest, and every pass completes with the artifacts of a sequential compile."""
-    import workers.pool
+    import bridge.parallel
     import workers.variant_pool
     from workers.pool import compile_run
 
@@ -160,8 +160,9 @@ def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest
         killed.write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    # Forked pool processes inherit the patched module; the parent traces through its own binding.
-    monkeypatch.setattr(workers.pool, "trace_task", die)
+    # Forked pool processes inherit the patched module (workers.pool imports trace_task from it when a pool process
+    # traces); the parent traces through variant_pool's own binding.
+    monkeypatch.setattr(bridge.parallel, "trace_task", die)
     monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
     settings = load_settings({"tier": "off"})
     parallel = compile_run(paths, settings=settings, workers=2, out_dir=str(tmp_path / "two"))
@@ -178,7 +179,7 @@ def test_one_helper_of_two_killed_leaves_its_task_to_the_others(
 ) -> None:
     """`--workers 3`: the first helper to trace is SIGKILLed mid-trace; the task it took is traced by this process,
     the other helper keeps taking tasks, and every pass completes with a sequential compile's artifacts."""
-    import workers.pool
+    import bridge.parallel
     import workers.variant_pool
     from bridge.parallel import trace_task
     from workers.pool import compile_run
@@ -196,7 +197,7 @@ def test_one_helper_of_two_killed_leaves_its_task_to_the_others(
             os.kill(os.getpid(), signal.SIGKILL)
         return trace_task(task, tier, limits)
 
-    monkeypatch.setattr(workers.pool, "trace_task", die_once)
+    monkeypatch.setattr(bridge.parallel, "trace_task", die_once)
     monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
     settings = load_settings({"tier": "off"})
     parallel = compile_run(paths, settings=settings, workers=3, out_dir=str(tmp_path / "three"))
