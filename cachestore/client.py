@@ -65,6 +65,8 @@ from cachestore.entry import (
     decode_entries,
     decode_entry,
     encode_entry,
+    open_stored,
+    payload_problem,
     seal,
     unsealed_entry,
 )
@@ -593,8 +595,9 @@ class TierClient:
             self.release_lease(pending.cache_key)
 
     def _prepare(self, pending: PendingStore) -> StoreRequest | None:
-        """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes. A writer's
-        entry is encoded but for its signature, which `_seal` adds with its group's on send."""
+        """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes or its
+        payload is one readers refuse unread (cachestore.entry.payload_problem). A writer's entry is encoded but for
+        its signature, which `_seal` adds with its group's on send."""
         if not pending.prepared:
             entry = pending.built()
             full, unsealed = b"", None
@@ -609,10 +612,14 @@ class TierClient:
             else:
                 full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, level)
                 size = len(full)
+            payload = unsealed.payload if unsealed is not None else open_stored(full)[1]
+            problem = payload_problem(payload, self.settings.max_entry_bytes)
             if size > self.settings.max_entry_bytes:
                 logger.warning(
                     "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], size
                 )
+            elif problem is not None:  # stored, every reader would refuse it: a miss each time, and a counted rejection
+                logger.warning("entry %s... not mirrored, readers would refuse it: %s", pending.cache_key[:16], problem)
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
                 reference = self._reference_encoder(entry, pending.cache_key)

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +74,7 @@ from cachestore.trust import (
     entry_leaf,
     signed_message,
 )
+from cachestore.value import DAY, MAX_COMPILE_SECONDS
 
 # 2: the body names its toolchain; 3: binary header, zstd payload, body a list; 4: the payload compressed with
 # the shipped dictionary (ENTRY_DICTIONARY_PATH)
@@ -87,7 +88,16 @@ ENTRY_DICTIONARY_PATH = Path(__file__).with_name("entry_dictionary.zstd")
 # (bench/RESULTS.md, issue 17); ccache likewise compresses fast by default and recompresses offline.
 COMPRESSION_LEVEL = 15
 AWAITED_COMPRESSION_LEVEL = 3
-MAX_ENTRY_BYTES = 64 * 1024 * 1024
+# What an entry may be, stored or decompressed (Settings.max_entry_bytes raises it): the default workload's largest
+# binary is 79 KB and a 1024x1024 conv's 2.8 MB (docs/tiers.md), so 8 MiB is 100 times the first and holds the
+# second, and a bomb declaring more is refused before any decompression.
+MAX_ENTRY_BYTES = 8 * 1024 * 1024
+# Real payloads decompress to at most 18.6 times their size (docs/tiers.md); one that declares more than this
+# many times its size is a bomb, refused before any decompression.
+MAX_COMPRESSION_RATIO = 64
+# A writer's clock may run ahead of a reader's, not by a day: a later `created` would make an entry look used
+# in the future to `inspect gc` and `warm`.
+MAX_CLOCK_AHEAD = DAY
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
 _WRITER_BATCH = 0x04  # the same, the signature a group's, then the leaf index, group size and audit path
@@ -336,15 +346,27 @@ def decode_entry(
     whatever it declares: the stored size first, then the header, the digest and the signature over the
     stored (compressed) bytes, then the payload's declared size before it is decompressed, and only then the
     body, whose shape is bounded before msgpack builds it. A policy with a trust policy needs `cache_key`, the
-    key the entry was read under, which the writer's signature covers."""
+    key the entry was read under, which the writer's signature covers. The EntryRejected raised holds its
+    reason alone (`_rejection`)."""
+    try:
+        return _decoded_entry(data, policy, max_bytes, cache_key)
+    except EntryRejected as exc:
+        rejection = _rejection(exc)
+    raise rejection  # out of the handler: with no context either
+
+
+def _rejection(exc: EntryRejected) -> EntryRejected:
+    """`exc` anew, its reason alone: the rejection a reader keeps (one per entry of a read, until the read returns)
+    then has no traceback or context through the frames of its checks, which held the payload and the
+    decompressed body, so no rejected body outlives its check."""
+    return EntryRejected(exc.reason)
+
+
+def _decoded_entry(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, cache_key: str | None) -> Entry:
     flags, signature, section, payload, digest = _intact(data, max_bytes)
     signed = _check_signature(payload, signature, policy)
     writer = _check_writer(flags, section, digest, policy, cache_key)
-    fields = _unpack(
-        _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
-        max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
-    )  # fmt: skip
-    entry = _entry_from_fields(fields)
+    entry = _body(payload, max_bytes)
     entry.signed = signed or (writer is not None and policy.trust is not None)
     entry.unverified = (signature is not None and not signed) or (writer is not None and policy.trust is None)
     entry.writer = writer.hex() if writer is not None else ""
@@ -398,11 +420,11 @@ def open_entry(
     return OpenedEntry(flags, signature, signed, section, digest, payload)
 
 
-def _body(opened: OpenedEntry, max_bytes: int) -> Entry:
-    """The entry its payload holds, its declared size bounded before it is decompressed, its shape before
-    msgpack builds it."""
+def _body(payload: bytes, max_bytes: int) -> Entry:
+    """The entry `payload` holds, its declared size bounded before it is decompressed, its shape before msgpack
+    builds it, then its fields checked."""
     fields = _unpack(
-        _decompress(opened.payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
+        _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
     )  # fmt: skip
     return _entry_from_fields(fields)
@@ -431,7 +453,7 @@ def decode_entries(
         try:
             opened[key] = open_entry(data, policy, max_bytes, key)
         except EntryRejected as exc:
-            results[key] = exc
+            results[key] = _rejection(exc)
     check_writers(opened, policy)
     for key, entry in opened.items():
         writer = entry.writer
@@ -439,9 +461,9 @@ def decode_entries(
             results[key] = writer
             continue
         try:
-            results[key] = _accepted(_body(entry, max_bytes), entry, writer, policy)  # type: ignore[arg-type]
+            results[key] = _accepted(_body(entry.payload, max_bytes), entry, writer, policy)  # type: ignore[arg-type]
         except EntryRejected as exc:
-            results[key] = exc
+            results[key] = _rejection(exc)
     return {key: results[key] for key in found}  # in the order found (the caller's order of its keys)
 
 
@@ -462,7 +484,7 @@ def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) ->
         try:
             entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key)
         except EntryRejected as exc:
-            entry.writer = exc
+            entry.writer = _rejection(exc)  # (the original's traceback would tie `opened` and its payloads in a cycle)
 
 
 def _decoded(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, key: str) -> Entry | EntryRejected:
@@ -553,10 +575,19 @@ def is_signed(data: bytes) -> bool:
         return False
 
 
-def _decompress(payload: bytes, max_bytes: int) -> bytes:
-    """The payload decompressed, refused unless it is one zstd frame that declares its size, that size is at
-    most `max_bytes`, and the frame holds exactly that. The declared size is checked first because zstandard
-    allocates what a frame declares (max_output_size bounds only frames that declare nothing)."""
+def payload_problem(payload: bytes, max_bytes: int) -> str | None:
+    """Why a reader refuses `payload` before decompressing it (`_declared_size`), or None. A writer asks too, so
+    that it stores nothing its readers would refuse."""
+    try:
+        _declared_size(payload, max_bytes)
+    except EntryRejected as exc:
+        return exc.reason
+    return None
+
+
+def _declared_size(payload: bytes, max_bytes: int) -> int:
+    """The size `payload` declares decompressed, refused unless it is one zstd frame that declares it, at most
+    `max_bytes` and at most MAX_COMPRESSION_RATIO times the payload's own size."""
     try:
         size = zstandard.frame_content_size(payload)
     except zstandard.ZstdError:
@@ -565,6 +596,17 @@ def _decompress(payload: bytes, max_bytes: int) -> bytes:
         raise EntryRejected("payload does not declare its decompressed size")
     if size > max_bytes:
         raise EntryRejected(f"payload declares {size} bytes decompressed, over the {max_bytes}-byte limit")
+    if size > MAX_COMPRESSION_RATIO * len(payload):
+        raise EntryRejected(f"payload of {len(payload)} bytes declares {size} decompressed, more than "
+                            f"{MAX_COMPRESSION_RATIO} times its size (no real entry compresses so well)")  # fmt: skip
+    return size
+
+
+def _decompress(payload: bytes, max_bytes: int) -> bytes:
+    """The payload decompressed, its declared size checked first (`_declared_size`: zstandard allocates what a
+    frame declares, and max_output_size bounds only frames that declare nothing), and the frame holding
+    exactly that."""
+    size = _declared_size(payload, max_bytes)
     try:
         # Positional (max_output_size, read_across_frames, allow_extra_data): parsing keywords costs the C call
         # 0.7 µs, a third of a small entry's decompression. The declared size, checked above, is what is allocated.
@@ -802,11 +844,14 @@ def _entry_from_fields(values: object) -> Entry:
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
     _check_shape(values)
     _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
-    # NaN and infinities would poison every sum they enter (saved seconds, fleet metrics, --json). A NaN fails every
-    # comparison: one chained comparison a number, no call (every remote hit runs this, right after its wait).
-    if not (0 <= created < math.inf and 0 <= compile_seconds < math.inf):
-        name, number = ("created", created) if not 0 <= created < math.inf else ("compile_seconds", compile_seconds)
-        raise EntryRejected(f"body field {name!r} is {number!r}, not a finite number >= 0")
+    # Each number within what this compiler can produce: a NaN, an infinity or a 1e300 would poison every sum it
+    # enters (a pass's saved seconds past what a metrics batch may carry drop the pass from the fleet's report),
+    # and a later `created` would make the entry look in use. A NaN fails every comparison.
+    if not 0 <= compile_seconds <= MAX_COMPILE_SECONDS:
+        raise EntryRejected(f"body field 'compile_seconds' is {compile_seconds!r}, not a number of seconds from 0 to "
+                            f"{MAX_COMPILE_SECONDS:g} (no trace takes a day)")  # fmt: skip
+    if not 0 <= created <= time.time() + MAX_CLOCK_AHEAD:
+        raise EntryRejected(f"body field 'created' is {created!r}, not a time from 0 (1970) to a day from now")
     if form not in ("bir", "klir"):
         raise EntryRejected(f"unknown binary format {form!r}")
     try:  # str.join takes strings alone, and checks them in C: no loop of isinstance calls here

@@ -18,6 +18,7 @@ from typing import Any
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
 from cachestore.api import redact_url, tier_levels, tier_url_problem
+from cachestore.entry import MAX_ENTRY_BYTES
 from cachestore.keys import (
     DEFAULT_JOB_SHARDS,
     DEFAULT_METRICS_SHARDS,
@@ -61,7 +62,9 @@ class Settings:
     connect_timeout: float = 0.5  # seconds to open a connection to the tier
     op_timeout: float = 1.0  # seconds for one tier operation
     entry_ttl: int = 30 * DAY  # seconds a binary entry lives unused; refreshed on every use
-    max_entry_bytes: int = 64 * 1024 * 1024  # larger entries are neither read nor written
+    # Larger entries, stored or decompressed, are neither read nor written (8 MiB: 100 times the default workload's
+    # largest binary, cachestore.entry.MAX_ENTRY_BYTES); raise it for kernels with larger binaries.
+    max_entry_bytes: int = MAX_ENTRY_BYTES
     single_flight: bool = True  # one worker traces a key that several miss at once
     lease_ttl: float = 6.0  # seconds a trace lease lives unless renewed (its holder renews it every third of that)
     lease_wait: float = 30.0  # seconds a worker waits for another's trace before tracing itself

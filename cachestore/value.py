@@ -11,6 +11,11 @@ One definition for every place that chooses what to keep:
 
 An entry that took 3.5 s to trace and is used by every model is worth far more than a 5 ms one used once
 of the same size; a large binary costs more room for the same seconds saved.
+
+A writer chooses the compile seconds its entry claims, so what it can gain is bounded twice: an entry is read
+only with compile seconds of at most MAX_COMPILE_SECONDS (cachestore.entry rejects, and counts in
+`tier_rejected`, one claiming more, so it is traced again and replaced, never refreshed), and the TTL factor is at
+most MAX_TTL_FACTOR whatever the value; the stored bytes the value divides by are measured by the reader.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ DAY = 86400.0
 MAX_SECONDS = 10 * 365 * 86400  # the longest TTL a setting may hold (cachestore.settings), and so any entry
 HALF_LIFE = 7 * DAY  # an entry unused for a week keeps half its score in the local trim
 MIN_COMPILE_SECONDS = 1e-3  # an entry with no recorded compile time (imported, older) still saves a little
-# No trace takes longer (a fleet job is killed after job_timeout, 600 s by default): a larger recorded time, from
-# a broken or hostile writer, counts as this, so a planted entry cannot make itself impossible to evict.
-MAX_COMPILE_SECONDS = 3600.0
+# No trace of this compiler takes a day (the slowest measured, a 1024x1024 conv, 7.5 s; a fleet job is killed after
+# job_timeout, 600 s by default): decode rejects an entry claiming more (cachestore.entry), and a larger time from
+# elsewhere (the local tier's column, a pass log) counts as this, so no writer can inflate a value past it.
+MAX_COMPILE_SECONDS = DAY
 MAX_TTL_FACTOR = 8.0  # the most valuable entries live at most this many entry_ttl on Redis
 MEDIAN_WINDOW = 1024  # values of the entries a client stored or read lately, for the TTL rule's median
 MEDIAN_MIN_SAMPLES = 16  # until a client has seen this many, every entry gets the base TTL

@@ -1,5 +1,5 @@
 """Never a wrong binary, end to end through the command line: entries swapped between keys (signed and
-unsigned), a 'klir' entry and an entry with NaN compile seconds are each refused and counted; the artifacts
+unsigned), a 'klir' entry and entries with NaN or 1e300 compile seconds are each refused and counted; the artifacts
 are the `--tier off` artifacts, `nkicache run --check` passes, and the fleet totals are the sums of what
 the passes reported."""
 
@@ -74,3 +74,35 @@ def test_swapped_klir_and_nan_entries_are_refused_and_the_build_stays_right(
     for name in PASS_COUNTERS:
         assert totals[name] == pytest.approx(cold[name] + warm[name], abs=1e-5), name
     assert off["traces"] == MIXED_DISTINCT_KEYS
+
+
+def test_entries_claiming_1e300_compile_seconds_are_refused_and_every_pass_stays_in_the_report(
+    tier: Tier, tmp_path: Path
+) -> None:
+    """Issue 35: an entry claiming 1e300 compile seconds (finite and >= 0) was accepted, and every pass that read
+    it sent a metrics batch whose saved_seconds no tier may record (over 2**53), so the report lost those passes,
+    while each read refreshed the entry's TTL. Three such entries, planted under real keys of a small workload:
+    each is refused and counted, traced again and replaced, and the report's totals are the passes' sums."""
+    graphs = tmp_path / "graphs"
+    assert nkicache(None, "workload", "--out", str(graphs), "--models", "4").exit_code == 0
+    cold = compile_json(tier, {}, graphs, tmp_path / "cold", "--workers", "1")
+    stored = {raw.cache_key: raw.data for raw in tier.backend.scan_entries()}
+    planted = sorted(stored)[:3]
+    view = TierView.of(tier.backend)
+    for cache_key in planted:
+        view.put_raw(cache_key, reencoded(stored[cache_key], None, compile_seconds=1e300))
+
+    warm = compile_json(tier, {}, graphs, tmp_path / "warm", "--workers", "1")
+    assert warm["tier_rejected"] >= 3 and warm["traces"] + warm["parallel_traces"] == 3, warm
+    for cache_key in planted:  # replaced by the trace, not kept alive
+        assert decode_entry(view.raw(cache_key), SignaturePolicy()).compile_seconds < 60
+    again = compile_json(tier, {}, graphs, tmp_path / "again", "--workers", "1")
+    assert again["tier_rejected"] == 0 and again["traces"] + again["parallel_traces"] == 0, again
+    for artifact in (tmp_path / "cold").glob("*.nkibb"):
+        assert (tmp_path / "warm" / artifact.name).read_bytes() == artifact.read_bytes()
+
+    totals = json.loads(nkicache(tier, "report", "--json").stdout)["totals"]
+    for name in ("passes", "kernels", "tier_rejected"):
+        assert totals[name] == cold[name] + warm[name] + again[name], name
+    for name in ("compile_seconds", "saved_seconds"):
+        assert totals[name] == pytest.approx(cold[name] + warm[name] + again[name], abs=1e-5), name

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import os
 import pickle
+import time
 from pathlib import Path
 
 import msgpack
@@ -16,6 +17,7 @@ import zstandard
 from helpers_entries import body_of, compress, decompress, payload_of, signature_of, stored
 
 from cachestore.entry import (
+    MAX_CLOCK_AHEAD,
     SCHEMA_VERSION,
     Entry,
     EntryRejected,
@@ -24,6 +26,7 @@ from cachestore.entry import (
     decode_entry,
     encode_entry,
 )
+from cachestore.value import MAX_COMPILE_SECONDS
 
 KEY = b"k" * 32
 OTHER_KEY = b"o" * 32
@@ -246,9 +249,21 @@ def test_bodies_that_do_not_match_the_schema_are_rejected(change: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["created", "compile_seconds"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1.0])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1.0, 1e300])
 def test_numbers_that_are_not_finite_and_positive_are_rejected(name: str, value: float) -> None:
-    assert "not a finite number" in rejected(stored(body_of(make_entry(), **{name: value})))
+    assert f"body field {name!r} is {value!r}, not a" in rejected(stored(body_of(make_entry(), **{name: value})))
+
+
+def test_numbers_are_bounded_by_what_this_compiler_can_produce() -> None:
+    """Compile seconds of a day at most, a creation time a day ahead of the reader's clock at most (issue 35:
+    1e300 compile seconds made every pass reading the entry unrecordable in the fleet's metrics)."""
+    for name, good, bad in (
+        ("compile_seconds", MAX_COMPILE_SECONDS, MAX_COMPILE_SECONDS * 1.01),
+        ("created", time.time() + MAX_CLOCK_AHEAD - 60, time.time() + MAX_CLOCK_AHEAD + 60),
+    ):
+        assert getattr(decode_entry(stored(body_of(make_entry(), **{name: good})), UNSIGNED_OK), name) == good
+        assert f"body field {name!r}" in rejected(stored(body_of(make_entry(), **{name: bad})))
+    assert decode_entry(stored(body_of(make_entry(), created=0, compile_seconds=0)), UNSIGNED_OK).created == 0
 
 
 def test_a_body_missing_a_field_is_rejected() -> None:
@@ -292,7 +307,7 @@ def test_oversize_entries_are_rejected_before_decoding() -> None:
 
 
 def test_oversize_strings_inside_are_rejected() -> None:
-    huge_name = "n" * ((1 << 20) + 1)
+    huge_name = os.urandom(1 << 19).hex() + "n"  # random, so that it compresses less than MAX_COMPRESSION_RATIO
     assert "decoded" in rejected(encode_entry(make_entry(input_names=[huge_name])))
 
 
