@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 import zlib
 from dataclasses import dataclass
@@ -410,6 +411,26 @@ def sha256_raw(text: str) -> bytes | None:
     except ValueError:
         return None
     return raw if len(raw) == 32 and raw.hex() == text else None
+
+
+logger = logging.getLogger(__name__)
+_REPORTED: set[tuple[str, str]] = set()  # (key, value) of the invalid shard counts this process warned of
+
+
+def shard_count_or(stored: bytes | str, maximum: int, configured: int, name: str) -> int:
+    """The shard count the key `name` holds; `configured` (this process's setting) when it holds no count from 1
+    to `maximum`, with one warning per process. Any writer of the key (a hand, another tool, the untrusted ACL
+    user) could write one: taking the setting every process of the fleet shares reads and writes the same
+    shards it would for a new namespace, instead of failing every report, scrape and metrics batch."""
+    count = stored_shard_count(stored, maximum)
+    if count is not None:
+        return count
+    shown = stored.decode(errors="backslashreplace") if isinstance(stored, bytes) else stored
+    if (name, shown) not in _REPORTED:
+        _REPORTED.add((name, shown))
+        logger.warning("%s holds %r, not a shard count from 1 to %d; using the setting, %d (set the key to the "
+                       "fleet's count to silence this)", name, shown[:40], maximum, configured)  # fmt: skip
+    return configured
 
 
 def stored_shard_count(stored: bytes | str, maximum: int) -> int | None:

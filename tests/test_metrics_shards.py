@@ -12,7 +12,7 @@ import fakeredis
 import pytest
 from helpers_graphs import metrics_shards
 
-from cachestore.api import KeyUsage, MetricsBatch, TierError
+from cachestore.api import KeyUsage, MetricsBatch
 from cachestore.backends.redis import RedisBackend
 from cachestore.keys import KeySpace, key_shard, pass_shard
 from cachestore.settings import SettingsError, load_settings
@@ -95,11 +95,15 @@ def test_a_reader_of_a_new_namespace_reads_one_shard_and_writes_nothing() -> Non
     assert tier.client.keys("*") == []
 
 
-def test_a_shard_count_that_is_no_count_is_a_one_line_error() -> None:
+def test_a_shard_count_that_is_no_count_is_the_setting_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35: any writer of the key could fail every report and batch; the setting the fleet shares is used."""
     tier = backend(fakeredis.FakeServer(), f"s-{uuid.uuid4().hex}")
     tier.client.set(tier.keys.metrics_shard_count, "lots")
-    with pytest.raises(TierError, match=r"metrics-shards holds 'lots', not a shard count from 1 to 1024"):
-        tier.totals()
+    assert tier.apply_metrics(a_pass(0, KEYS[:20]))
+    assert tier.totals() == {"passes": 1, "kernels": 40} and tier._shard_count() == 8
+    assert dict(tier.key_usage()) == dict.fromkeys(KEYS[:20], 2)  # every key read back from its shard of 8
+    warnings = [r.getMessage() for r in caplog.records if "metrics-shards holds 'lots'" in r.getMessage()]
+    assert len(warnings) == 1 and "not a shard count from 1 to 1024; using the setting, 8" in warnings[0]
 
 
 @pytest.mark.parametrize("value", ["0", "1025", "two"])

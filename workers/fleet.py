@@ -54,7 +54,7 @@ from bridge.graph import load_graph, parse_graph_json
 from bridge.identity import toolchain_id
 from cachestore.api import REDIS_SCHEMES, redact_url, shared_level, stored_number
 from cachestore.backends.redis import connect, text
-from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, stored_shard_count
+from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, shard_count_or
 from cachestore.settings import Settings
 from workers.job_process import CompileProcess
 from workers.passes import PassResult
@@ -177,19 +177,17 @@ def fix_job_shards(client: Any, keys: KeySpace, wanted: int) -> int:
     """The namespace's number of job shards, fixed by the first submitter or worker to `wanted` (the setting
     job_shards): every later one uses that count, whatever its own setting."""
     client.set(keys.job_shard_count, wanted, nx=True)
-    return job_shards(client, keys)
+    return job_shards(client, keys, wanted)
 
 
-def job_shards(client: Any, keys: KeySpace) -> int:
+def job_shards(client: Any, keys: KeySpace, configured: int = DEFAULT_JOB_SHARDS) -> int:
     """The namespace's number of job shards, or 1 before any is fixed (only shard 0, today's layout, can hold
-    jobs then). Only reads, so the read-only ACL user can run it."""
+    jobs then); `configured` (the job_shards setting) when the key holds no count, with one warning. Only
+    reads, so the read-only ACL user can run it."""
     stored = client.get(keys.job_shard_count)
     if stored is None:
         return 1
-    count = stored_shard_count(stored, MAX_JOB_SHARDS)
-    if count is None:
-        raise FleetError(f"{keys.job_shard_count} holds {text(stored)!r}, not a shard count from 1 to {MAX_JOB_SHARDS}")
-    return count
+    return shard_count_or(stored, MAX_JOB_SHARDS, configured, keys.job_shard_count)
 
 
 def home_shards(job_id: str, shards: int) -> list[int]:

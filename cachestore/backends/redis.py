@@ -49,7 +49,6 @@ from cachestore.api import (
     MetricsBatch,
     RawEntry,
     StoreRequest,
-    TierError,
     TierTimeout,
     TierUnavailable,
     WriteItem,
@@ -74,7 +73,7 @@ from cachestore.keys import (
     holder_value,
     key_shard,
     pass_shard,
-    stored_shard_count,
+    shard_count_or,
 )
 
 if TYPE_CHECKING:
@@ -889,7 +888,7 @@ class RedisBackend:
             stored = self._call(lambda: self.client.get(self.keys.metrics_shard_count))
         if stored is None:
             return 1
-        self._shards = _parsed_shard_count(stored, self.keys.metrics_shard_count)
+        self._shards = shard_count_or(stored, MAX_METRICS_SHARDS, self.metrics_shards, self.keys.metrics_shard_count)
         return self._shards
 
     def _metric_read(self, read: Callable[[], Any]) -> Any:
@@ -1162,13 +1161,6 @@ class RedisBackend:
         if self._direct is not None:
             self._direct.disconnect()
         self._call(self.client.close)
-
-
-def _parsed_shard_count(stored: bytes | str, name: str) -> int:
-    count = stored_shard_count(stored, MAX_METRICS_SHARDS)
-    if count is None:
-        raise TierError(f"{name} holds {text(stored)!r}, not a shard count from 1 to {MAX_METRICS_SHARDS}")
-    return count
 
 
 def _pipelined_script(

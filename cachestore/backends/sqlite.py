@@ -5,13 +5,19 @@ Several processes on one machine may share the file: writes take SQLite's write 
 and readers never block writers in WAL mode. Each thread gets its own connection, since the mirror's
 background flusher writes while the compiling thread reads. The reader side streams in keyset pages of
 BATCH rows, so memory stays bounded by the page, not by the size of the cache.
+
+A compile's file that SQLite reports as corrupt, or that is no tier at all, is moved aside as
+`PATH.corrupt-<time>` (its -wal and -shm with it) and a fresh tier started in its place (`_replace`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import json
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -36,6 +42,8 @@ from cachestore.api import (
 )
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.value import retention_score
+
+logger = logging.getLogger(__name__)
 
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
 # no compiler could ever take them again: upgrading drops those three tables and keeps the fleet metrics.
@@ -92,6 +100,28 @@ TTL_REFRESH_FRACTION = 0.9  # refresh an entry's expiry on use once less than 90
 USE_GRANULARITY = 60.0
 TRIM_TO = 0.9  # past max_size, entries are deleted until the file would be 90% of it: not a trim per write
 ROW_OVERHEAD = 256  # bytes a row takes beyond its data (keys, index entries, page slack), for the trim's sums
+# SQLite's primary result codes of a file that is damaged or no database at all: such a file is replaced.
+CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+
+
+class NotATier(TierUnavailable):
+    """The file is an SQLite database, but not a tier: it has tables and none of them says our schema."""
+
+
+class _FileState:
+    """Shared by a backend and its `in_toolchain` copies: bumped each time this process sees the file replaced,
+    so every thread's connection to the old file is reopened on the new one."""
+
+    generation = 0
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path` now, None when there is none: which file a connection opened."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 class SqliteBackend:
@@ -134,6 +164,9 @@ class SqliteBackend:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self._file = _FileState()
+        # Only a compile's backend replaces a broken file: reports and inspection say what they found.
+        self._heals = create and writable
         self.writable = writable
         self.read_only = not writable  # put_entries and delete_entries fail: the connections cannot write
         if create and writable:
@@ -150,9 +183,22 @@ class SqliteBackend:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TierUnavailable(f"local tier {self.path}: cannot create its folder: {exc.strerror}") from None
+        try:
+            self._create_tables()
+        except NotATier as exc:
+            if not self._heals:
+                raise
+            self._replace(str(exc))
+        except _Replaced:
+            pass  # the broken file is replaced, and the fresh one has its tables
+        self._vacuum_incrementally()
+
+    def _create_tables(self) -> None:
         with self._write() as db:  # one transaction: a second process creating or upgrading at once waits
-            db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            row = db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            row = db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone() if "meta" in tables else None
+            if row is None and tables - {"meta", "sqlite_sequence"}:
+                raise NotATier(f"an SQLite database without the tier's schema (tables {', '.join(sorted(tables))})")
             if row is not None and row[0] in UPGRADABLE:
                 for table in UPGRADABLE[row[0]]:
                     db.execute(f"DROP TABLE IF EXISTS {table}")
@@ -165,7 +211,6 @@ class SqliteBackend:
                 if statement.strip():
                     db.execute(statement)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        self._vacuum_incrementally()
 
     def _vacuum_incrementally(self) -> None:
         """A file made before schema 3 never gives space back: switching it to incremental vacuum takes one
@@ -212,8 +257,15 @@ class SqliteBackend:
 
     # -- connections ------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is not None and self._local.generation != self._file.generation:
+            self._drop_connection()  # the file was replaced since this thread opened it
+            db = None
         if db is None:
+            # Taken before opening: a file replaced in between makes the identity older than the connection's
+            # file, never newer, so `_replace` cannot mistake a fresh file for the broken one.
+            self._local.identity = _identity(self.path)
+            self._local.generation = self._file.generation
             try:
                 if self.writable:
                     db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
@@ -221,20 +273,99 @@ class SqliteBackend:
                     db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
                     db.execute("PRAGMA journal_mode=WAL")
                     db.execute("PRAGMA synchronous=NORMAL")
+                    if self.max_size is not None:
+                        self._bound_wal(db, self.max_size)
                 else:  # mode=ro: SQLite itself refuses every write, whatever a caller asks
                     db = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=ro", timeout=self.timeout,
                                          isolation_level=None, check_same_thread=False, uri=True)  # fmt: skip
             except sqlite3.Error as exc:
-                raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+                if db is not None:
+                    db.close()
+                raise self._failure(exc) from None
             self._local.db = db
             with self._lock:
                 self._connections.append(db)
         return db
 
+    @staticmethod
+    def _bound_wal(db: sqlite3.Connection, max_size: int) -> None:
+        """The write-ahead log counts against max_size too: it is checkpointed once it holds the trim's slack
+        (1 - TRIM_TO of the cap, at most SQLite's default 1000 pages) and then truncated back to that size."""
+        limit = int(max_size * (1 - TRIM_TO))
+        pages = max(1, min(1000, limit // db.execute("PRAGMA page_size").fetchone()[0]))
+        db.execute(f"PRAGMA journal_size_limit = {limit}")
+        db.execute(f"PRAGMA wal_autocheckpoint = {pages}")
+
+    def _drop_connection(self) -> None:
+        db = getattr(self._local, "db", None)
+        self._local.db = None
+        if db is None:
+            return
+        with self._lock:
+            if db in self._connections:
+                self._connections.remove(db)
+        with contextlib.suppress(sqlite3.Error):
+            db.close()
+
+    def _failure(self, exc: sqlite3.Error) -> TierUnavailable:
+        """The error to raise for `exc`: _Replaced when the broken file is replaced now (the caller may try again
+        once), TierUnavailable otherwise."""
+        if self._recovered(exc):
+            return _Replaced(f"local tier {self.path}: {exc}; replaced by a fresh tier")
+        return TierUnavailable(f"local tier {self.path}: {exc}")
+
+    def _recovered(self, exc: sqlite3.Error) -> bool:
+        """After `exc` from this thread's connection: True when the operation may be tried again on a fresh file,
+        because the file was corrupt (and is now replaced) or another process already replaced it."""
+        if not self._heals or getattr(self._local, "replacing", False):
+            return False  # a fresh file that fails at once is reported, not replaced again
+        corrupt = isinstance(exc, sqlite3.DatabaseError) and (exc.sqlite_errorcode & 0xFF) in CORRUPT_CODES
+        if not corrupt and _identity(self.path) == self._local.identity:
+            return False  # a failure of the same, sound file (locked, full, read-only): not ours to fix
+        self._replace(str(exc))
+        return True
+
+    def _replace(self, reason: str) -> None:
+        """Move the broken file this thread's connection opened aside and start over on a fresh one. Under a lock
+        file, and only while the file at the path is still that one: of several processes (or threads) that
+        find one broken file at once, one moves it, and the others reopen on the fresh file it leaves."""
+        lock_path = self.path.with_name(self.path.name + ".replace-lock")
+        with self._lock:
+            try:
+                with open(lock_path, "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                    if self._local.identity is not None and _identity(self.path) == self._local.identity:
+                        self._move_aside(reason)
+            except OSError as exc:
+                raise TierUnavailable(f"local tier {self.path} is no usable tier ({reason}) and could not be "
+                                      f"moved aside: {exc.strerror}: {exc.filename}") from None  # fmt: skip
+            self._file.generation += 1
+        self._drop_connection()
+        self._local.replacing = True
+        try:
+            self._create_tables()  # on the fresh file, or on the one another process started
+        finally:
+            self._local.replacing = False
+
+    def _move_aside(self, reason: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while aside.exists():  # two replacements within a second keep both files
+            n += 1
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        # The -wal and -shm go with it: SQLite would otherwise apply the old log to the fresh file.
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
+        logger.warning("local tier %s is no usable tier (%s): moved it to %s and started a fresh tier",
+                       self.path, reason, aside)  # fmt: skip
+
     @contextlib.contextmanager
     def _write(self, wait: float | None = None) -> Iterator[sqlite3.Connection]:
         """One write transaction, taking SQLite's write lock within `wait` seconds (default: write_timeout);
-        SQLite's busy handler retries the lock until then."""
+        SQLite's busy handler retries the lock until then. A broken file is replaced (_Replaced): the write is
+        lost, as its body cannot be run again, and the next one lands in the fresh file."""
         db = self._db()
         try:
             db.execute(f"PRAGMA busy_timeout = {int(1000 * (self.write_timeout if wait is None else wait))}")
@@ -248,15 +379,22 @@ class SqliteBackend:
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
                 raise TierBusy(f"local tier {self.path}: {exc}") from None
-            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+            raise self._failure(exc) from None
         except sqlite3.Error as exc:
-            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+            raise self._failure(exc) from None
 
     def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
         try:
-            return self._db().execute(sql, params).fetchall()
+            return self._query(sql, params)
+        except _Replaced:
+            return self._query(sql, params)  # once, on the fresh file
+
+    def _query(self, sql: str, params: Sequence) -> list[tuple]:
+        db = self._db()
+        try:
+            return db.execute(sql, params).fetchall()
         except sqlite3.Error as exc:
-            raise TierUnavailable(f"local tier {self.path}: {exc}") from None
+            raise self._failure(exc) from None
 
     # -- entries ----------------------------------------------------------------------------------
     # The stored size, and the data only when it is within max_entry_bytes (the first parameter): SQLite
@@ -717,6 +855,10 @@ class SqliteBackend:
                     db.close()
             self._connections.clear()
         self._local = threading.local()
+
+
+class _Replaced(TierUnavailable):
+    """A write failed because the file was broken or replaced; it is now replaced, and the write was not done."""
 
 
 _ENTRY_COLUMNS = "(toolchain, cache_key, data, digest, expires, used, compile_seconds) VALUES (?, ?, ?, ?, ?, ?, ?)"
