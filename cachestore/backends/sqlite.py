@@ -268,13 +268,17 @@ class SqliteBackend:
             self._local.generation = self._file.generation
             try:
                 if self.writable:
-                    db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
+                    # Set up waiting as long as a write may: processes that open a new file at once queue on its
+                    # lock here, and the switch to WAL is only needed (and only taken) by the first of them.
+                    db = sqlite3.connect(self.path, timeout=self.write_timeout, isolation_level=None,
                                          check_same_thread=False)  # fmt: skip
                     db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
-                    db.execute("PRAGMA journal_mode=WAL")
+                    if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                        db.execute("PRAGMA journal_mode=WAL")
                     db.execute("PRAGMA synchronous=NORMAL")
                     if self.max_size is not None:
                         self._bound_wal(db, self.max_size)
+                    db.execute(f"PRAGMA busy_timeout = {int(1000 * self.timeout)}")
                 else:  # mode=ro: SQLite itself refuses every write, whatever a caller asks
                     db = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=ro", timeout=self.timeout,
                                          isolation_level=None, check_same_thread=False, uri=True)  # fmt: skip
