@@ -68,6 +68,7 @@ def test_whole_process_figures(redis_url: str, tmp_path: Path) -> None:
     assert figures["floor_local_ms"] > figures["python_ms"] * 0.5 and figures["kernels"] > 0
 
 
+@pytest.mark.redis  # report_scale.py starts a redis-server of its own
 def test_bench_scripts_answer_json() -> None:
     """The scripts behind `nkicache bench` print one JSON object with their keys."""
     report = bench.bench_script("report_scale", "--sizes", "300", "--quick")
@@ -117,6 +118,7 @@ def test_bench_help_names_every_goal() -> None:
         assert key in result.output
 
 
+@pytest.mark.redis  # the measurement starts a redis-server of its own (it counts commands with INFO)
 def test_l1_measurement(tiny, tmp_path: Path) -> None:
     """A second compile through a local level asks Redis (nearly) nothing; the measurement compares artifacts."""
     config, _graphs = tiny

@@ -583,6 +583,7 @@ def test_compose_does_not_publish_redis_on_a_fixed_host_port() -> None:
     assert redis_service["healthcheck"]["test"][0] == "CMD-SHELL"
 
 
+@pytest.mark.redis  # the script is checked against a redis-server of its own
 def test_readme_secrets_script_fills_the_acl_file_and_the_secret(tmp_path: Path) -> None:
     """The script of deploy/README.md, run on copies: random secrets in deploy/secrets/ (0600), their hashes in
     users.acl, their values in worker.yaml's Secret; a second run changes nothing; Redis boots with the ACL file

@@ -31,7 +31,7 @@ from workers.warm import WarmError, default_source
 CRAFTED = 100
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
 def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
     yield from fresh_tier(request, tmp_path)
 

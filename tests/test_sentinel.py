@@ -28,7 +28,7 @@ from workers.sentinel import run_sentinel
 from workers.workload import generate_workload
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
 def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
     yield from fresh_tier(request, tmp_path)
 
