@@ -22,11 +22,16 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # that neither the in-pass cache nor the tier answered and the pass traced itself; `parallel_traces` the ones
 # another process traced for the pass (`nkicache compile --workers N`), so `traces` summed over passes is what
 # the passes traced themselves and the sum of both is what a sequential compile of the same passes traces.
+# Saved time is counted apart for each cache, so that none reads as the other's: `tier_saved_seconds` is the
+# compile seconds stored with the entries the shared tier answered (its remote hits), `in_pass_saved_seconds`
+# what tracing the variants the pass's own cache answered cost (its cache hits), which a pass saves with no tier.
 PASS_COUNTERS = (
     "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "parallel_traces", "compile_seconds",
-    "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
-    "tier_lookups", *MISS_COUNTERS,
+    "tier_saved_seconds", "in_pass_saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified",
+    "lease_waits", "tier_dropped", "tier_lookups", *MISS_COUNTERS,
 )  # fmt: skip
+# The counters that are seconds (sums kept as floats); every other counter is a whole count.
+SECONDS_COUNTERS = ("compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")
 # tier_lookups - remote_hits = the tier misses, each counted once under its cause (bridge.miss_causes).
 # The store's own share of those counts: faults and refusals, counted apart from misses.
 TIER_COUNTERS = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")

@@ -33,7 +33,7 @@ from cachestore.report import FleetReport
 logger = logging.getLogger(__name__)
 RATES = (SHARED_HIT_RATE, IN_PASS_HIT_RATE)
 TOTALS_SHOWN_FIRST = (*RATES, "passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits",
-                      "traces", "compile_seconds", "saved_seconds")  # fmt: skip
+                      "traces", "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")  # fmt: skip
 # One word for each count, in every table, plot and metric help: "in-pass" is the pass's own cache (the
 # specification's), "remote" the shared tier; a trace is a miss that neither answered.
 TOTAL_LABELS = {
@@ -47,7 +47,8 @@ TOTAL_LABELS = {
     "parallel_traces": "parallel traces (misses a trace task traced for the pass, compile --workers N)",
     **{name: f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]})" for name in RATES},
     "compile_seconds": "compile seconds spent",
-    "saved_seconds": "compile seconds saved",
+    "tier_saved_seconds": "compile seconds the shared tier saved (its remote hits)",
+    "in_pass_saved_seconds": "compile seconds the in-pass cache saved (its hits)",
     "lease_waits": "lease waits",
     "tier_errors": "tier errors",
     "tier_timeouts": "tier timeouts",
@@ -105,7 +106,7 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
 
 
 def non_finite_path(value: Any, path: str = "$") -> str | None:
-    """Where in `value` the first NaN or infinity is (like $.graphs[0].saved_seconds), or None."""
+    """Where in `value` the first NaN or infinity is (like $.graphs[0].tier_saved_seconds), or None."""
     if isinstance(value, float) and not math.isfinite(value):
         return path
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
@@ -256,11 +257,11 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
 
 
 WORKER_COUNTERS = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces", *RATES,
-                   "compile_seconds", "saved_seconds")  # fmt: skip
+                   "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")  # fmt: skip
 # Two-line headers (the same words as the totals, broken where a narrow column would cut them).
 RATE_HEADERS = [HIT_RATE_WORDS[name].replace(" hit rate", "\nhit rate") for name in RATES]
 WORKER_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS,
-                  "compile s", "saved s", "tier err/\ntmo/rej"]  # fmt: skip
+                  "compile s", "tier\nsaved s", "in-pass\nsaved s", "tier err/\ntmo/rej"]  # fmt: skip
 TIMELINE_COUNTERS_SHOWN = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces")
 TIMELINE_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS]
 
@@ -604,7 +605,8 @@ def render_html(report: FleetReport) -> str:
              (HIT_RATE_WORDS[IN_PASS_HIT_RATE], _value(IN_PASS_HIT_RATE, t[IN_PASS_HIT_RATE])),
              ("kernels", _value("kernels", t["kernels"])),
              ("passes", _value("passes", t["passes"])), ("traces", _value("traces", t["traces"])),
-             ("compile s saved", _value("saved_seconds", t["saved_seconds"])),
+             ("compile s the shared tier saved", _value("tier_saved_seconds", t["tier_saved_seconds"])),
+             ("compile s the in-pass cache saved", _value("in_pass_saved_seconds", t["in_pass_saved_seconds"])),
              ("variants", f"{report.variants:,}")]  # fmt: skip
     parts = [
         "<!DOCTYPE html>",

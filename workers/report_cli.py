@@ -91,7 +91,8 @@ def report_command(
     cache_hits / kernels). Totals cover every pass; --since limits the timeline.
 
     --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
-    tier_lookups, traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
+    tier_lookups, traces, compile_seconds, tier_saved_seconds,
+    in_pass_saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, as `nkicache compile --json`), per_host
     ({host: {totals, workers: {worker: {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the
     passes of each compiler, so an upgrade's cold start shows as such), per_kernel ({name: {call_count,
