@@ -62,25 +62,23 @@ def shared_hit_rate(counts: Mapping[str, float]) -> float | None:
     return counts.get("remote_hits", 0) / lookups
 
 
-def in_pass_hit_rate(counts: Mapping[str, float]) -> float:
-    """The specification's rate: the share of kernels the pass's own cache answered (cache_hits / kernels)."""
+def in_pass_hit_rate(counts: Mapping[str, float]) -> float | None:
+    """The specification's rate: the share of kernels the pass's own cache answered (cache_hits / kernels).
+    None when no kernel was compiled, as the shared rate is without lookups: nothing asked, no rate."""
     kernels = counts.get("kernels", 0)
     if not kernels:
-        return 0.0
+        return None
     return counts.get("cache_hits", 0) / kernels
 
 
 def hit_rates(counts: Mapping[str, float], digits: int = 6) -> dict[str, float | None]:
     """Both rates, rounded, under their names: what every JSON output and report adds to its counts."""
-    shared = shared_hit_rate(counts)
-    return {
-        SHARED_HIT_RATE: None if shared is None else round(shared, digits),
-        IN_PASS_HIT_RATE: round(in_pass_hit_rate(counts), digits),
-    }
+    rates = {SHARED_HIT_RATE: shared_hit_rate(counts), IN_PASS_HIT_RATE: in_pass_hit_rate(counts)}
+    return {name: None if rate is None else round(rate, digits) for name, rate in rates.items()}
 
 
 def format_rate(rate: float | None, digits: int = 1) -> str:
-    """A rate as a percentage, or 'n/a' when there is none (no tier lookups)."""
+    """A rate as a percentage, or 'n/a' when there is none (nothing was asked: no tier lookups, no kernels)."""
     return "n/a" if rate is None else f"{rate:.{digits}%}"
 
 

@@ -311,7 +311,7 @@ def test_without_batches_naming_a_toolchain_there_is_no_breakdown(tier: Tier) ->
 # -- edges ----------------------------------------------------------------------------------------------
 def test_an_empty_tier_reports_zeros(tier: Tier) -> None:
     report = report_json(tier)
-    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": None}
     assert report["per_kernel"] == {} and report["timeline"] == [] and report["top_variants"] == []
     assert "No passes in the pass log." in nkicache(tier, "report").stdout
     assert "nkicache_passes_total 0.0" in nkicache(tier, "report", "--prometheus").stdout
@@ -374,7 +374,7 @@ def test_a_fresh_machine_reports_zeros_in_every_format(tmp_path: Path) -> None:
     assert text.exit_code == 0, text.output
     assert "not created yet" in text.stdout and "No passes in the pass log." in text.stdout
     report = json.loads(nkicache(None, "report", "--tier", missing, "--json").stdout)
-    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": None}
     exposition = nkicache(None, "report", "--tier", missing, "--prometheus")
     assert exposition.exit_code == 0 and "nkicache_passes_total 0.0" in exposition.stdout
     assert not (tmp_path / "nothing.sqlite").exists()  # reading never creates a tier
@@ -464,7 +464,7 @@ def test_zero_resets_the_counters_and_the_pass_log_shows_it(fleet: tuple[Tier, l
     assert {name: answer["previous"][name] for name in EXPECTED_TOTALS} == EXPECTED_TOTALS
 
     report = report_json(tier)
-    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": 0.0}
+    assert report["totals"] == {**dict.fromkeys(TOTAL_COUNTERS, 0), "shared_hit_rate": None, "in_pass_hit_rate": None}
     assert report["per_host"] == {} and report["per_toolchain"] == {}
     # History and what gc and warm rank by are kept: the pass log, the per-kernel counts, the key usage.
     assert sum(b["passes"] for b in report["timeline"]) == 3
