@@ -77,6 +77,19 @@ def hit_rates(counts: Mapping[str, float], digits: int = 6) -> dict[str, float |
     return {name: None if rate is None else round(rate, digits) for name, rate in rates.items()}
 
 
+def plural(count: float, word: str) -> str:
+    """'1 job', '2 jobs', '1 pass', '3 passes', '1 entry', '2 entries', '1,024 kernels': every count a person
+    reads is worded by this rule, never by a hand-written 's'."""
+    count = int(count)
+    if count == 1:
+        return f"{count:,} {word}"
+    if word.endswith("s"):
+        return f"{count:,} {word}es"
+    if word.endswith("y") and word[-2:-1] not in "aeiou":
+        return f"{count:,} {word[:-1]}ies"
+    return f"{count:,} {word}s"
+
+
 def format_rate(rate: float | None, digits: int = 1) -> str:
     """A rate as a percentage, or 'n/a' when there is none (nothing was asked: no tier lookups, no kernels)."""
     return "n/a" if rate is None else f"{rate:.{digits}%}"

@@ -26,6 +26,7 @@ from bridge.port import (
     SHARED_HIT_RATE,
     format_rate,
     hit_rates,
+    plural,
 )
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.report import FleetReport
@@ -185,7 +186,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
 
     if report.trust.get("writers") or report.trust.get("sentinel_checked"):
         trust = report.trust
-        yield Text(f"Per writer (signing key id); sentinel: {trust['sentinel_checked']:,} entries traced again, "
+        yield Text(f"Per writer (signing key id); sentinel: {plural(trust['sentinel_checked'], 'entry')} traced again, "
                    f"{trust['quarantined']:,} quarantined", style="bold")  # fmt: skip
         writers = Table()
         writers.add_column("writer", no_wrap=True)
@@ -216,7 +217,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
     yield kernels
 
     if report.top_variants:
-        yield Text(f"Top {len(report.top_variants)} variants by usage", style="bold")
+        yield Text(f"Top {plural(len(report.top_variants), 'variant')} by usage", style="bold")
         top = Table()
         for column in ("#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts",
                        "last use"):  # fmt: skip
@@ -249,7 +250,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             yield Text("Tier misses by cause per kernel (passes in these buckets)", style="bold")
             headers, rows = _kernel_miss_rows(report)
             yield _misses_table(headers, rows)
-        yield (f"In these buckets: {window['passes']:,} passes, {window['kernels']:,} kernels, "
+        yield (f"In these buckets: {plural(window['passes'], 'pass')}, {plural(window['kernels'], 'kernel')}, "
                f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
                f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}")  # fmt: skip
     else:
@@ -563,8 +564,10 @@ def plot_kernel_usage(report: FleetReport, limit: int = 25) -> str | None:
     figure = Figure(figsize=(10, 1.2 + 0.45 * len(items)), layout="constrained")
     axes = figure.subplots()
     bars = axes.barh(names, calls, color="#0969da")
-    axes.bar_label(bars, labels=[f"{c:,} calls, {s['variants']:,} variants" for c, (_, s) in zip(calls, items,
-                   strict=True)], padding=4, fontsize="small")  # fmt: skip
+    labels = [
+        f"{plural(c, 'call')}, {plural(s['variants'], 'variant')}" for c, (_, s) in zip(calls, items, strict=True)
+    ]
+    axes.bar_label(bars, labels=labels, padding=4, fontsize="small")
     axes.set_xlabel("call_count (summed usage over all passes)")
     axes.set_title("Usage per kernel", loc="left")
     axes.set_xlim(0, max([*calls, 1]) * 1.35)
@@ -664,7 +667,7 @@ def render_html(report: FleetReport) -> str:
                         [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],
                         {1, 2}))  # fmt: skip
     if report.top_variants:
-        parts.append(f"<h2>Top {len(report.top_variants)} variants</h2>")
+        parts.append(f"<h2>Top {plural(len(report.top_variants), 'variant')}</h2>")
         rows = [[i, v.kernel_name, f"{v.usage:,}", shapes(v.operand_shapes), shapes(v.result_shapes),
                  ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))), v.key[:16],
                  ",".join(v.hosts), when(v.last_use)] for i, v in enumerate(report.top_variants, 1)]  # fmt: skip

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from bridge.port import plural
+
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
 # one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
 # by Ctrl-C (what finished is kept and reported).
@@ -67,11 +69,6 @@ def expand(paths: tuple[str, ...], suffix: str) -> list[str]:
         else:
             files.append(path)
     return files
-
-
-def plural(count: float, word: str) -> str:
-    count = int(count)
-    return f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"
 
 
 def rates_text(counts: dict) -> str:
@@ -224,7 +221,8 @@ def compile_and_summarize(
     else:
         click.echo(summary_line(len(results), len(failed), totals, seconds))
         if interrupted:
-            click.echo(f"interrupted: {len(results)} of {len(files)} graphs compiled; their artifacts are in {out_dir}")
+            click.echo(f"interrupted: {len(results)} of {plural(len(files), 'graph')} compiled; their artifacts are in "
+                       f"{out_dir}")  # fmt: skip
     return summary, bool(failed) or interrupted
 
 

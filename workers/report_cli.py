@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, refuse_read_only
+from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, plural, refuse_read_only
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -148,8 +148,9 @@ def _zero(settings: Any, as_json: bool) -> None:
     if as_json:
         echo_json({"zeroed": True, "tier": reader.description, "when": record["finished"], "previous": previous})
     else:
-        click.echo(f"zeroed the fleet counters of {reader.description} (they held {int(previous['passes']):,} passes, "
-                   f"{int(previous['kernels']):,} kernels); the pass log records it")  # fmt: skip
+        click.echo(f"zeroed the fleet counters of {reader.description} (they held "
+                   f"{plural(previous['passes'], 'pass')}, {plural(previous['kernels'], 'kernel')}); the pass log "
+                   "records it")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -354,7 +355,7 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
                        f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
                        f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}  "
                        f"writer {row['writer'][:8] or '-'}")  # fmt: skip
-        click.echo(f"{count} entries", err=True)
+        click.echo(plural(count, "entry"), err=True)
 
 
 @inspect_group.command("show")
@@ -432,9 +433,9 @@ def du_command(ctx: click.Context, as_json: bool, processes: int | None, tier: s
     console.print(table)
     for toolchain, row in usage["toolchains"].items():
         mine = " (this compiler)" if toolchain == toolchain_id() else ""
-        console.print(f"toolchain {toolchain}{mine}: {row['entries']:,} entries, {row['bytes']:,} bytes")
+        console.print(f"toolchain {toolchain}{mine}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
     for writer, row in usage["writers"].items():
-        console.print(f"writer {writer or '(none)'}: {row['entries']:,} entries, {row['bytes']:,} bytes")
+        console.print(f"writer {writer or '(none)'}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
     console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
                   f"references; {usage['unreadable']['entries']:,} unreadable entries "
                   f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
@@ -475,7 +476,8 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
     else:
         extra = "".join(f", {n} {what}" for n, what in ((report.recompiled, "recompiled"),
                                                         (report.executed, "executed")) if n)  # fmt: skip
-        click.echo(f"checked {report.checked} entries{extra}: {report.ok} ok, {len(report.bad)} problems")
+        click.echo(f"checked {plural(report.checked, 'entry')}{extra}: {report.ok} ok, "
+                   f"{plural(len(report.bad), 'problem')}")  # fmt: skip
         for item in report.bad:
             click.echo(f"  {item['key']}: {item['reason']}")
     if report.bad:
@@ -571,7 +573,7 @@ def export_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
     if as_json:
         echo_json({"exported": count, "file": file})
     else:
-        click.echo(f"exported {count} entries to {file}")
+        click.echo(f"exported {plural(count, 'entry')} to {file}")
 
 
 @inspect_group.command("import")
@@ -596,7 +598,7 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
     if as_json:
         echo_json(result)
     else:
-        click.echo(f"imported {result['imported']} entries, rejected {len(result['rejected'])}")
+        click.echo(f"imported {plural(result['imported'], 'entry')}, rejected {len(result['rejected'])}")
         for item in result["rejected"]:
             click.echo(f"  {item['key']}: {item['reason']}")
     if result["rejected"]:
@@ -652,10 +654,10 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
         return
     verb = "would evict" if dry_run else "evicted"
     reasons = ", ".join(f"{n} {reason}" for reason, n in result["reasons"].items()) or "nothing to evict"
-    click.echo(f"{result['entries']} entries ({result['bytes']:,} bytes): {verb} {result['evicted']} "
+    click.echo(f"{plural(result['entries'], 'entry')} ({plural(result['bytes'], 'byte')}): {verb} {result['evicted']} "
                f"({result['evicted_bytes']:,} bytes: {reasons}); {result['kept']} kept "
                f"({result['kept_bytes']:,} bytes)")  # fmt: skip
     if result["expired_purged"]:
-        click.echo(f"{'would purge' if dry_run else 'purged'} {result['expired_purged']} expired entries")
+        click.echo(f"{'would purge' if dry_run else 'purged'} {plural(result['expired_purged'], 'expired entry')}")
     if result["checkpoints_evicted"]:
-        click.echo(f"{verb} {result['checkpoints_evicted']} checkpoint chunks of the writer")
+        click.echo(f"{verb} {plural(result['checkpoints_evicted'], 'checkpoint chunk')} of the writer")
