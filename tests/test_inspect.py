@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,6 +124,10 @@ def test_show_gives_components_sizes_producer_usage_and_hosts(fleet: Tier) -> No
     assert shown["compile_seconds"] > 0 and shown["format"] == "bir"
     text = nkicache(fleet, "inspect", "show", key[:12]).stdout
     assert f"key: {key}" in text and "hosts: hostA, hostB" in text
+    # Issue 34: as a person reads them, not as Python spells them.
+    assert not re.search(r"\b(None|True|False)\b", text), text
+    for line in ("verified: yes", "problem: none", "ref: none", "writer: none"):
+        assert line in text.splitlines(), (line, text)
 
     missing = nkicache(fleet, "inspect", "show", "0123456789")
     assert missing.exit_code == 2 and "no entry starts with 0123456789" in missing.stderr

@@ -382,7 +382,18 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
         elif name in ("first_use", "last_use", "created"):
             click.echo(f"{name}: {_when(value)}" + (f" ({value:.3f})" if value else ""))
         else:
-            click.echo(f"{name}: {value if not isinstance(value, list) else ', '.join(map(str, value)) or '-'}")
+            click.echo(f"{name}: {_as_read(value)}")
+
+
+def _as_read(value: Any) -> str:
+    """A field of `inspect show` as a person reads it, not as Python spells it (None, True, [])."""
+    if value is None or value == "":
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
 
 
 # verify and du read the entries of a Redis tier in this many processes (cachestore.scan_split)
