@@ -544,6 +544,14 @@ def test_each_toolchain_is_listed_measured_verified_and_collected_apart(fleet: T
         {"other toolchain": len(keys)},
         {other: len(keys)},
     )
+    assert [(item["key"], item["toolchain"], item["reason"]) for item in dry["evictions"]] == [
+        (key, other, "other toolchain") for key in keys
+    ]
+    # Issue 34: the text says which entries would go, one line each, not only how many.
+    text = nkicache(fleet, "inspect", "gc", "--other-toolchains", "--dry-run").stdout
+    listed = [line for line in text.splitlines() if line.startswith("  would evict ")]
+    assert [line.split()[2:4] for line in listed] == [[key[:16], other[:8]] for key in keys], text
+    assert all(line.endswith(" bytes: other toolchain") for line in listed), text
     assert len(cli_json(fleet, "ls")) == 2 * EXPECTED_VARIANTS
     cli_json(fleet, "gc", "--other-toolchains")
     assert {row["toolchain"] for row in cli_json(fleet, "ls")} == {toolchain_id()}

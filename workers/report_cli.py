@@ -646,9 +646,11 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     used for that long; with --max-bytes, the lowest-value entries (usage x compile seconds per stored
     byte) until the rest fit. An entry holding a binary is evicted only with the references to it.
 
+    --dry-run lists each entry it would evict (key, toolchain, bytes, reason), one a line.
+
     --json keys: dry_run, entries, bytes, evicted, evicted_bytes, reasons, kept, kept_bytes,
-    expired_purged, keys, evicted_by_toolchain, checkpoints_evicted (with --writer on Redis: that writer's
-    checkpoint chunks).
+    expired_purged, keys, evictions ([{key, toolchain, bytes, reason}]), evicted_by_toolchain,
+    checkpoints_evicted (with --writer on Redis: that writer's checkpoint chunks).
     """
     from bridge.identity import toolchain_id
     from cachestore.inspect import collect_garbage
@@ -668,6 +670,10 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     click.echo(f"{plural(result['entries'], 'entry')} ({plural(result['bytes'], 'byte')}): {verb} {result['evicted']} "
                f"({result['evicted_bytes']:,} bytes: {reasons}); {result['kept']} kept "
                f"({result['kept_bytes']:,} bytes)")  # fmt: skip
+    if dry_run:
+        for item in result["evictions"]:
+            click.echo(f"  would evict {item['key'][:16]} {item['toolchain'][:8]} {plural(item['bytes'], 'byte')}: "
+                       f"{item['reason']}")  # fmt: skip
     if result["expired_purged"]:
         click.echo(f"{'would purge' if dry_run else 'purged'} {plural(result['expired_purged'], 'expired entry')}")
     if result["checkpoints_evicted"]:
