@@ -65,7 +65,9 @@ class BirCodeGenLoop:
         self.remote_hits = 0
         self.tier_lookups = 0  # in-pass misses that asked the tier: the shared-cache hit rate's denominator
         self.lease_waits = 0
-        self.saved_seconds = 0.0
+        # Compile seconds saved, per cache that answered (bridge.port): the tier's remote hits, the pass's own hits.
+        self.tier_saved_seconds = 0.0
+        self.in_pass_saved_seconds = 0.0
         self.key_use_times: dict[str, tuple[float, float]] = {}
         self._compile_seconds: dict[str, float] = {}
         self._leases: set[str] = set()
@@ -105,7 +107,8 @@ class BirCodeGenLoop:
             self.cache_hits += 1
             logger.info("Cache hit for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
             self._record_cache_usage(cache_key)
-            self._note_use(cache_key, saved=self._compile_seconds.get(cache_key, 0.0))
+            self.in_pass_saved_seconds += self._compile_seconds.get(cache_key, 0.0)
+            self._note_use(cache_key)
             result = cached
         else:
             self.cache_misses += 1
@@ -116,7 +119,7 @@ class BirCodeGenLoop:
             if result is None:
                 result = self._trace_and_publish(inst, cache_key, key_components)
             self._cache_new_nki_frontend_binary(cache_key, result, key_components)
-            self._note_use(cache_key, saved=0.0)
+            self._note_use(cache_key)
 
         kernel = NKIKLIRKernel(kernel_name, [t.name for t in inst.operands], [t.name for t in inst.results])
         kernel.set_klir_binary(result["binary"])
@@ -253,7 +256,7 @@ class BirCodeGenLoop:
             self._count_tier_miss(inst, cache_key, MissObservation(self._tier_down, held, lease_timed_out=waited))
             return None
         self.remote_hits += 1
-        self.saved_seconds += stored.compile_seconds
+        self.tier_saved_seconds += stored.compile_seconds
         self._compile_seconds[cache_key] = stored.compile_seconds
         return dict(stored.result)
 
@@ -349,11 +352,10 @@ class BirCodeGenLoop:
             self.tier.publish_trace(cache_key, result, key_components, seconds, release_lease=holds_lease)
         return result
 
-    def _note_use(self, cache_key: str, saved: float) -> None:
+    def _note_use(self, cache_key: str) -> None:
         now = time.time()
         first, _ = self.key_use_times.get(cache_key, (now, now))
         self.key_use_times[cache_key] = (first, now)
-        self.saved_seconds += saved
 
     def tier_counts(self) -> dict[str, int]:
         """Tier errors, timeouts, rejections and drops during this pass."""
@@ -375,7 +377,8 @@ class BirCodeGenLoop:
             "traces": self.traces,
             "parallel_traces": self.parallel_traces,
             "compile_seconds": round(self.trace_seconds, 6),
-            "saved_seconds": round(self.saved_seconds, 6),
+            "tier_saved_seconds": round(self.tier_saved_seconds, 6),
+            "in_pass_saved_seconds": round(self.in_pass_saved_seconds, 6),
             "lease_waits": self.lease_waits,
             **self.tier_counts(),
             **{f"misses_{cause}": count for cause, count in self.miss_causes.items()},

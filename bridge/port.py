@@ -22,11 +22,16 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # that neither the in-pass cache nor the tier answered and the pass traced itself; `parallel_traces` the ones
 # another process traced for the pass (`nkicache compile --workers N`), so `traces` summed over passes is what
 # the passes traced themselves and the sum of both is what a sequential compile of the same passes traces.
+# Saved time is counted apart for each cache, so that none reads as the other's: `tier_saved_seconds` is the
+# compile seconds stored with the entries the shared tier answered (its remote hits), `in_pass_saved_seconds`
+# what tracing the variants the pass's own cache answered cost (its cache hits), which a pass saves with no tier.
 PASS_COUNTERS = (
     "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "parallel_traces", "compile_seconds",
-    "saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "lease_waits", "tier_dropped",
-    "tier_lookups", *MISS_COUNTERS,
+    "tier_saved_seconds", "in_pass_saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified",
+    "lease_waits", "tier_dropped", "tier_lookups", *MISS_COUNTERS,
 )  # fmt: skip
+# The counters that are seconds (sums kept as floats); every other counter is a whole count.
+SECONDS_COUNTERS = ("compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")
 # tier_lookups - remote_hits = the tier misses, each counted once under its cause (bridge.miss_causes).
 # The store's own share of those counts: faults and refusals, counted apart from misses.
 TIER_COUNTERS = ("tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified", "tier_dropped")
@@ -57,25 +62,36 @@ def shared_hit_rate(counts: Mapping[str, float]) -> float | None:
     return counts.get("remote_hits", 0) / lookups
 
 
-def in_pass_hit_rate(counts: Mapping[str, float]) -> float:
-    """The specification's rate: the share of kernels the pass's own cache answered (cache_hits / kernels)."""
+def in_pass_hit_rate(counts: Mapping[str, float]) -> float | None:
+    """The specification's rate: the share of kernels the pass's own cache answered (cache_hits / kernels).
+    None when no kernel was compiled, as the shared rate is without lookups: nothing asked, no rate."""
     kernels = counts.get("kernels", 0)
     if not kernels:
-        return 0.0
+        return None
     return counts.get("cache_hits", 0) / kernels
 
 
 def hit_rates(counts: Mapping[str, float], digits: int = 6) -> dict[str, float | None]:
     """Both rates, rounded, under their names: what every JSON output and report adds to its counts."""
-    shared = shared_hit_rate(counts)
-    return {
-        SHARED_HIT_RATE: None if shared is None else round(shared, digits),
-        IN_PASS_HIT_RATE: round(in_pass_hit_rate(counts), digits),
-    }
+    rates = {SHARED_HIT_RATE: shared_hit_rate(counts), IN_PASS_HIT_RATE: in_pass_hit_rate(counts)}
+    return {name: None if rate is None else round(rate, digits) for name, rate in rates.items()}
+
+
+def plural(count: float, word: str) -> str:
+    """'1 job', '2 jobs', '1 pass', '3 passes', '1 entry', '2 entries', '1,024 kernels': every count a person
+    reads is worded by this rule, never by a hand-written 's'."""
+    count = int(count)
+    if count == 1:
+        return f"{count:,} {word}"
+    if word.endswith("s"):
+        return f"{count:,} {word}es"
+    if word.endswith("y") and word[-2:-1] not in "aeiou":
+        return f"{count:,} {word[:-1]}ies"
+    return f"{count:,} {word}s"
 
 
 def format_rate(rate: float | None, digits: int = 1) -> str:
-    """A rate as a percentage, or 'n/a' when there is none (no tier lookups)."""
+    """A rate as a percentage, or 'n/a' when there is none (nothing was asked: no tier lookups, no kernels)."""
     return "n/a" if rate is None else f"{rate:.{digits}%}"
 
 

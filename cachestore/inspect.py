@@ -645,6 +645,11 @@ def collect_garbage(
         "expired_purged": expired[0],
         "checkpoints_evicted": checkpoints,
         "keys": sorted(c.key for c in evicted),
+        # One item an entry, so that a dry run says which entries would go and why, not only how many.
+        "evictions": [
+            {"key": c.key, "toolchain": c.toolchain, "bytes": c.bytes, "reason": c.reason}
+            for c in sorted(evicted, key=lambda c: (c.key, c.toolchain))
+        ],
         "evicted_by_toolchain": dict(sorted(Counter(c.toolchain for c in evicted).items())),
     }
 

@@ -21,11 +21,10 @@ from datetime import datetime
 from typing import Any
 
 from bridge.miss_causes import MISS_CAUSES
-from bridge.port import hit_rates
+from bridge.port import SECONDS_COUNTERS, hit_rates
 from cachestore.api import TOTAL_COUNTERS, Reader
 from cachestore.keys import split_partition
 
-SECONDS_COUNTERS = ("compile_seconds", "saved_seconds")
 TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits", "traces")
 # Bucket widths the timeline chooses from: the smallest giving at most MAX_BUCKETS buckets.
 BUCKET_WIDTHS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)

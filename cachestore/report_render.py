@@ -26,6 +26,7 @@ from bridge.port import (
     SHARED_HIT_RATE,
     format_rate,
     hit_rates,
+    plural,
 )
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.report import FleetReport
@@ -33,7 +34,7 @@ from cachestore.report import FleetReport
 logger = logging.getLogger(__name__)
 RATES = (SHARED_HIT_RATE, IN_PASS_HIT_RATE)
 TOTALS_SHOWN_FIRST = (*RATES, "passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits",
-                      "traces", "compile_seconds", "saved_seconds")  # fmt: skip
+                      "traces", "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")  # fmt: skip
 # One word for each count, in every table, plot and metric help: "in-pass" is the pass's own cache (the
 # specification's), "remote" the shared tier; a trace is a miss that neither answered.
 TOTAL_LABELS = {
@@ -47,7 +48,8 @@ TOTAL_LABELS = {
     "parallel_traces": "parallel traces (misses a trace task traced for the pass, compile --workers N)",
     **{name: f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]})" for name in RATES},
     "compile_seconds": "compile seconds spent",
-    "saved_seconds": "compile seconds saved",
+    "tier_saved_seconds": "compile seconds the shared tier saved (its remote hits)",
+    "in_pass_saved_seconds": "compile seconds the in-pass cache saved (its hits)",
     "lease_waits": "lease waits",
     "tier_errors": "tier errors",
     "tier_timeouts": "tier timeouts",
@@ -105,7 +107,7 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
 
 
 def non_finite_path(value: Any, path: str = "$") -> str | None:
-    """Where in `value` the first NaN or infinity is (like $.graphs[0].saved_seconds), or None."""
+    """Where in `value` the first NaN or infinity is (like $.graphs[0].tier_saved_seconds), or None."""
     if isinstance(value, float) and not math.isfinite(value):
         return path
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
@@ -184,7 +186,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
 
     if report.trust.get("writers") or report.trust.get("sentinel_checked"):
         trust = report.trust
-        yield Text(f"Per writer (signing key id); sentinel: {trust['sentinel_checked']:,} entries traced again, "
+        yield Text(f"Per writer (signing key id); sentinel: {plural(trust['sentinel_checked'], 'entry')} traced again, "
                    f"{trust['quarantined']:,} quarantined", style="bold")  # fmt: skip
         writers = Table()
         writers.add_column("writer", no_wrap=True)
@@ -215,7 +217,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
     yield kernels
 
     if report.top_variants:
-        yield Text(f"Top {len(report.top_variants)} variants by usage", style="bold")
+        yield Text(f"Top {plural(len(report.top_variants), 'variant')} by usage", style="bold")
         top = Table()
         for column in ("#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts",
                        "last use"):  # fmt: skip
@@ -248,7 +250,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             yield Text("Tier misses by cause per kernel (passes in these buckets)", style="bold")
             headers, rows = _kernel_miss_rows(report)
             yield _misses_table(headers, rows)
-        yield (f"In these buckets: {window['passes']:,} passes, {window['kernels']:,} kernels, "
+        yield (f"In these buckets: {plural(window['passes'], 'pass')}, {plural(window['kernels'], 'kernel')}, "
                f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
                f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}")  # fmt: skip
     else:
@@ -256,11 +258,11 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
 
 
 WORKER_COUNTERS = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces", *RATES,
-                   "compile_seconds", "saved_seconds")  # fmt: skip
+                   "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")  # fmt: skip
 # Two-line headers (the same words as the totals, broken where a narrow column would cut them).
 RATE_HEADERS = [HIT_RATE_WORDS[name].replace(" hit rate", "\nhit rate") for name in RATES]
 WORKER_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS,
-                  "compile s", "saved s", "tier err/\ntmo/rej"]  # fmt: skip
+                  "compile s", "tier\nsaved s", "in-pass\nsaved s", "tier err/\ntmo/rej"]  # fmt: skip
 TIMELINE_COUNTERS_SHOWN = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces")
 TIMELINE_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS]
 
@@ -562,8 +564,10 @@ def plot_kernel_usage(report: FleetReport, limit: int = 25) -> str | None:
     figure = Figure(figsize=(10, 1.2 + 0.45 * len(items)), layout="constrained")
     axes = figure.subplots()
     bars = axes.barh(names, calls, color="#0969da")
-    axes.bar_label(bars, labels=[f"{c:,} calls, {s['variants']:,} variants" for c, (_, s) in zip(calls, items,
-                   strict=True)], padding=4, fontsize="small")  # fmt: skip
+    labels = [
+        f"{plural(c, 'call')}, {plural(s['variants'], 'variant')}" for c, (_, s) in zip(calls, items, strict=True)
+    ]
+    axes.bar_label(bars, labels=labels, padding=4, fontsize="small")
     axes.set_xlabel("call_count (summed usage over all passes)")
     axes.set_title("Usage per kernel", loc="left")
     axes.set_xlim(0, max([*calls, 1]) * 1.35)
@@ -604,7 +608,8 @@ def render_html(report: FleetReport) -> str:
              (HIT_RATE_WORDS[IN_PASS_HIT_RATE], _value(IN_PASS_HIT_RATE, t[IN_PASS_HIT_RATE])),
              ("kernels", _value("kernels", t["kernels"])),
              ("passes", _value("passes", t["passes"])), ("traces", _value("traces", t["traces"])),
-             ("compile s saved", _value("saved_seconds", t["saved_seconds"])),
+             ("compile s the shared tier saved", _value("tier_saved_seconds", t["tier_saved_seconds"])),
+             ("compile s the in-pass cache saved", _value("in_pass_saved_seconds", t["in_pass_saved_seconds"])),
              ("variants", f"{report.variants:,}")]  # fmt: skip
     parts = [
         "<!DOCTYPE html>",
@@ -662,7 +667,7 @@ def render_html(report: FleetReport) -> str:
                         [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],
                         {1, 2}))  # fmt: skip
     if report.top_variants:
-        parts.append(f"<h2>Top {len(report.top_variants)} variants</h2>")
+        parts.append(f"<h2>Top {plural(len(report.top_variants), 'variant')}</h2>")
         rows = [[i, v.kernel_name, f"{v.usage:,}", shapes(v.operand_shapes), shapes(v.result_shapes),
                  ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))), v.key[:16],
                  ",".join(v.hosts), when(v.last_use)] for i, v in enumerate(report.top_variants, 1)]  # fmt: skip

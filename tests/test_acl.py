@@ -245,9 +245,9 @@ def test_worker_runs_fleet_jobs(acl_server: int, worker_env: dict, tmp_path: Pat
     job = CliRunner().invoke(nkicache, ["job", "show", dead, "--json"], env=reader)
     assert json.loads(job.output)["status"] == "dead_letter", job.output
     requeued = CliRunner().invoke(nkicache, ["requeue", "--all"])
-    assert requeued.exit_code == 0 and f"1 jobs requeued: {dead}" in requeued.output, requeued.output
+    assert requeued.exit_code == 0 and f"1 job requeued: {dead}" in requeued.output, requeued.output
     purged = CliRunner().invoke(nkicache, ["purge", "--waiting", "--dead-letters"])
-    assert purged.exit_code == 0 and "0 dead letters, 1 waiting jobs" in purged.output, purged.output
+    assert purged.exit_code == 0 and "0 dead letters, 1 waiting job" in purged.output, purged.output
 
 
 def test_worker_heartbeat_passes_the_liveness_probe(acl_server: int, worker_env: dict) -> None:
@@ -440,7 +440,7 @@ def test_reader_sees_the_jobs_that_wait_for_a_toolchain(
     status = json.loads(queue.output)
     assert status["unserved"] == {toolchain: 1} and (status["pending"], status["in_flight"]) == (1, 0)
     text = CliRunner().invoke(nkicache, ["queue"])
-    assert text.exit_code == 0 and f"1 jobs wait for toolchain {toolchain}, which no live worker has" in text.output
+    assert text.exit_code == 0 and f"1 job waits for toolchain {toolchain}, which no live worker has" in text.output
 
 
 # -- secrets ---------------------------------------------------------------------------------------------

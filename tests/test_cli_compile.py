@@ -190,13 +190,13 @@ def test_compile_json_never_prints_a_nan(tmp_path: Path, monkeypatch: pytest.Mon
     real_summary = BirCodeGenLoop.pass_summary
 
     def pass_summary(self):
-        return {**real_summary(self), "saved_seconds": float("nan")}
+        return {**real_summary(self), "tier_saved_seconds": float("nan")}
 
     monkeypatch.setattr(BirCodeGenLoop, "pass_summary", pass_summary)
     result = invoke("compile", "--json", GRAPHS / "bf16_norm.json", "--out", tmp_path, "--workers", "1")
     assert "NaN" not in result.stdout
     assert result.exit_code == 2
-    assert result.stderr == "nkicache: error: cannot print JSON: $.saved_seconds is not a finite number\n"
+    assert result.stderr == "nkicache: error: cannot print JSON: $.tier_saved_seconds is not a finite number\n"
     assert (tmp_path / "bf16-norm.nkibb").exists()  # the compile itself went through
 
 

@@ -502,7 +502,8 @@ def test_a_job_waits_for_a_worker_of_its_toolchain_and_never_goes_to_another(
     assert (status["pending"], status["in_flight"]) == (1, 0)  # the sums over the toolchains
     assert [(w["name"], w["toolchain"]) for w in status["workers"]] == [("w-other", OTHER_TOOLCHAIN)]
     text = f.run("queue", "--tier", f.url).stdout
-    assert f"warning: 1 jobs wait for toolchain {mine}, which no live worker has" in text, text
+    assert f"warning: 1 job waits for toolchain {mine}, which no live worker has" in text, text
+    assert "\n1 live worker\n" in text and "1 live workers" not in text, text  # issue 34: "1 jobs" no more
 
     # A worker of the submitter's toolchain arrives: it compiles the waiting job, and the queue is served.
     f.start_worker("w-mine")

@@ -164,15 +164,16 @@ def test_wait_stops_at_its_timeout_and_says_no_worker_is_there(fleet, tmp_path: 
     assert done.returncode == EXIT_CHECK_FAILED and time.monotonic() - started < 20, done.stderr
     lines = done.stderr.splitlines()
     assert any(line.startswith(f"warning: no live worker has toolchain {toolchain_id()}") for line in lines), lines
-    assert lines[-1].startswith("nkicache: error: 1 of 1 jobs unfinished after 2 s"), lines
+    assert lines[-1].startswith("nkicache: error: 1 of 1 job unfinished after 2 s"), lines
     [batch_line, job_line, *_] = done.stdout.splitlines()
+    assert ": 1 job submitted for toolchain " in batch_line, batch_line
     batch = batch_line.split()[1].rstrip(":")
     job = job_line.split()[0]
     assert job_line.split()[1] == str(graph) and job.startswith(batch)
     shown = f.run("job", "show", job, "--tier", f.url, "--json")
     assert json.loads(shown.stdout)["status"] == "waiting"
     purged = f.run("purge", "--waiting", "--tier", f.url)
-    assert "1 waiting jobs" in purged.stdout
+    assert "0 dead letters, 1 waiting job" in purged.stdout  # issue 34: a count of one is worded so
     assert sum(f.redis.xlen(shard.stream(toolchain_id())) for shard in f.shards()) == 0
 
 
@@ -190,12 +191,14 @@ def test_a_dead_letter_is_shown_requeued_and_then_completes(fleet, tmp_path: Pat
     )
     batch = json.loads(f.run("batch", "show", report["batch"], "--tier", f.url, "--json", check=False).stdout)
     assert batch["dead_letter"] == 1 and batch["jobs"][job]["status"] == "dead_letter"
+    batch_text = f.run("batch", "show", report["batch"], "--tier", f.url, check=False).stdout
+    assert batch_text.startswith(f"batch {report['batch']}: 1 job, 0 completed, 1 dead-lettered"), batch_text
     assert f.stop("w1")[0] == 0
 
     # A worker with a higher limit, then the job again: the same id, completed.
     f.env["NKICACHE_MAX_TENSOR_ELEMENTS"] = "100000"
     f.start_worker("w2")
-    assert f"1 jobs requeued: {job}" in f.run("requeue", job, "--tier", f.url).stdout
+    assert f"1 job requeued: {job}" in f.run("requeue", job, "--tier", f.url).stdout
     wait_until(lambda: f.results().get(job, {}).get("status") == "completed")
     assert f.dead_letters() == []
     assert json.loads(f.run("job", "show", job, "--tier", f.url, "--json").stdout)["artifact_stored"] is True

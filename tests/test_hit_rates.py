@@ -99,3 +99,24 @@ def test_quickstart_names_both_rates(tmp_path: Path) -> None:
     result = invoke("quickstart", "--dir", tmp_path / "qs", "--models", "2", "--workers", "1")
     assert rate_names(result.stdout) == {"shared-cache", "in-pass"}
     assert "shared-cache hit rate 100%" in result.stdout  # the warm run: every lookup answered by the tier
+
+
+def test_a_rate_with_nothing_asked_is_n_a_in_report_text_never_0(tmp_path: Path) -> None:
+    """Issue 34: a worker that compiled no kernel (`nkicache warm` names its toolchain with a batch of no pass)
+    had an in-pass hit rate of 0%, which reads as a cache that never hits: no kernels, no rate."""
+    from cachestore.api import MetricsBatch
+    from cachestore.client import open_tier
+    from cachestore.settings import Settings
+
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    client = open_tier(Settings(tier=tier))
+    try:
+        client.record(MetricsBatch("no-pass", "host", "warm", {"passes": 0}))
+        assert client.flush()
+    finally:
+        client.close()
+    text = invoke("report", "--tier", tier).stdout
+    assert re.search(r"in-pass hit rate \(cache_hits / kernels\)\s*[│|]\s*n/a", text)
+    assert "0.0%" not in text and "0%" not in text
+    totals = json.loads(invoke("report", "--tier", tier, "--json").stdout)["totals"]
+    assert totals["shared_hit_rate"] is None and totals["in_pass_hit_rate"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,6 +124,10 @@ def test_show_gives_components_sizes_producer_usage_and_hosts(fleet: Tier) -> No
     assert shown["compile_seconds"] > 0 and shown["format"] == "bir"
     text = nkicache(fleet, "inspect", "show", key[:12]).stdout
     assert f"key: {key}" in text and "hosts: hostA, hostB" in text
+    # Issue 34: as a person reads them, not as Python spells them.
+    assert not re.search(r"\b(None|True|False)\b", text), text
+    for line in ("verified: yes", "problem: none", "ref: none", "writer: none"):
+        assert line in text.splitlines(), (line, text)
 
     missing = nkicache(fleet, "inspect", "show", "0123456789")
     assert missing.exit_code == 2 and "no entry starts with 0123456789" in missing.stderr
@@ -539,6 +544,14 @@ def test_each_toolchain_is_listed_measured_verified_and_collected_apart(fleet: T
         {"other toolchain": len(keys)},
         {other: len(keys)},
     )
+    assert [(item["key"], item["toolchain"], item["reason"]) for item in dry["evictions"]] == [
+        (key, other, "other toolchain") for key in keys
+    ]
+    # Issue 34: the text says which entries would go, one line each, not only how many.
+    text = nkicache(fleet, "inspect", "gc", "--other-toolchains", "--dry-run").stdout
+    listed = [line for line in text.splitlines() if line.startswith("  would evict ")]
+    assert [line.split()[2:4] for line in listed] == [[key[:16], other[:8]] for key in keys], text
+    assert all(line.endswith(" bytes: other toolchain") for line in listed), text
     assert len(cli_json(fleet, "ls")) == 2 * EXPECTED_VARIANTS
     cli_json(fleet, "gc", "--other-toolchains")
     assert {row["toolchain"] for row in cli_json(fleet, "ls")} == {toolchain_id()}

@@ -625,7 +625,7 @@ def test_a_stream_message_that_is_no_job_is_dead_lettered_and_the_worker_goes_on
     assert submitted.returncode == 0, submitted.stderr
     worker = nkicache("worker", "--max-jobs", "1", "--name", "w1", env=env)
     assert worker.returncode == 0 and "Traceback" not in worker.stderr, worker.stderr
-    assert worker.stderr.count("dead-lettered") == len(malformed) and "w1: 1 jobs, exiting" in worker.stderr
+    assert worker.stderr.count("dead-lettered") == len(malformed) and "w1: 1 job, exiting" in worker.stderr
     status = json.loads(nkicache("queue", "--dead-letters", "--json", env=env).stdout)
     assert (status["completed"], status["dead_letter"], status["pending"], status["in_flight"]) == (1, 5, 0, 0)
     assert [letter["job"] for letter in status["dead_letters"]] == message_ids

@@ -148,4 +148,4 @@ def test_a_stored_trace_with_a_time_that_is_not_a_finite_number_is_refused(secon
     loop = BirCodeGenLoop(make_target("Trn2"), tier=store)
     loop.run(graph)
     assert "not a finite number" in store.rejected[key]
-    assert (loop.traces, loop.remote_hits) == (1, MIXED_DISTINCT_KEYS - 1) and math.isfinite(loop.saved_seconds)
+    assert (loop.traces, loop.remote_hits) == (1, MIXED_DISTINCT_KEYS - 1) and math.isfinite(loop.tier_saved_seconds)

@@ -106,7 +106,7 @@ def test_a_second_process_hits_what_the_first_traced(tier: Tier, tmp_path: Path)
         for counter in ("tier_errors", "tier_timeouts", "tier_rejected", "tier_dropped", "lease_waits"):
             assert run["summary"][counter] == 0, counter
         assert run["stats"]["metrics_applied"] == 1
-    assert second["summary"]["saved_seconds"] > 0
+    assert second["summary"]["tier_saved_seconds"] > 0
 
     # The same binaries as a compile without any tier.
     _, bb = compile_in_process(graph)
@@ -154,7 +154,7 @@ CORRUPTIONS = {
     "wrongly-signed": _wrongly_signed,
     # The bridge only ever emits 'bir'; a 'klir' entry (the dormant beta2 leaf's format) is not its output.
     "klir": lambda data, policy: _resigned(data, policy, format="klir"),
-    # NaN compile seconds would poison saved_seconds, the fleet metrics and every --json output.
+    # NaN compile seconds would poison tier_saved_seconds, the fleet metrics and every --json output.
     "nan-seconds": lambda data, policy: _resigned(data, policy, compile_seconds=float("nan")),
 }
 

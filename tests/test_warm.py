@@ -85,6 +85,43 @@ def test_warm_with_nothing_to_warm_from_is_one_line(tmp_path: Path) -> None:
     assert "no entries of another toolchain" in done.stderr
 
 
+def test_a_dry_run_with_nothing_to_warm_from_says_so_and_exits_0(tmp_path: Path) -> None:
+    """Issue 34: a dry run asked what a warm would do; "nothing" is its answer, not an error."""
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    compiled(None, tmp_path, one_graph(tmp_path), "out", tier)
+    done = nkicache(None, tmp_path, "warm", "--tier", tier, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("nothing to warm: ") and "no entries of another toolchain" in done.stdout
+    assert done.stdout.count("\n") == 1 and "warmed" not in done.stdout
+    plan = json.loads(nkicache(None, tmp_path, "warm", "--tier", tier, "--dry-run", "--json").stdout)
+    assert plan["source"] is None and plan["would_trace"] == [] and plan["to_trace"] == 0
+    assert "no entries of another toolchain" in plan["nothing_to_warm"]
+
+
+def test_warming_from_this_compiler_s_own_toolchain_is_one_line(tmp_path: Path) -> None:
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    compiled(None, tmp_path, one_graph(tmp_path), "out", tier)
+    for dry_run in ((), ("--dry-run",)):
+        done = nkicache(None, tmp_path, "warm", "--tier", tier, "--from", toolchain_id(), *dry_run)
+        assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+        assert "is this compiler's own toolchain" in done.stderr and done.stdout == ""
+
+
+def test_a_dry_run_lists_each_variant_it_would_trace(tmp_path: Path) -> None:
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    compiled(None, tmp_path, one_graph(tmp_path), "out", tier)  # 6 variants
+    new = compiler_copy(tmp_path, "new", ("kernels/softmax.py", *SOFTMAX_MATHS))
+    done = nkicache(new, tmp_path, "warm", "--tier", tier, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    head, *listed = done.stdout.splitlines()
+    assert head.startswith(f"would warm {fingerprint(new / 'bridge')} from {toolchain_id()}: 6 variants, would trace 6")
+    assert len(listed) == 6 and all(line.startswith("  would trace ") for line in listed), listed
+    assert any(" softmax Trn2 [32,48] -> [32,48]" in line for line in listed), listed
+    plan = json.loads(nkicache(new, tmp_path, "warm", "--tier", tier, "--dry-run", "--json").stdout)
+    assert sorted(item["key"][:16] for item in plan["would_trace"]) == sorted(line.split()[2] for line in listed)
+    assert plan["traced"] == 0 and plan["nothing_to_warm"] is None
+
+
 @pytest.mark.parametrize("top", [1, 3])
 def test_top_picks_the_most_used_variants(tmp_path: Path, top: int) -> None:
     from cachestore.api import open_backend

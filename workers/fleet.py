@@ -52,6 +52,7 @@ import redis.exceptions as rex
 from bridge.errors import NkiCacheError
 from bridge.graph import load_graph, parse_graph_json
 from bridge.identity import toolchain_id
+from bridge.port import plural
 from cachestore.api import REDIS_SCHEMES, redact_url, shared_level, stored_number
 from cachestore.backends.redis import connect, text
 from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, shard_count_or
@@ -507,7 +508,8 @@ class Worker:
             self.compiler.close()
             with contextlib.suppress(rex.RedisError):
                 self._leave()
-        logger.info("worker %s: stopped after %d jobs (%d failed attempts)", self.name, self.done, self.failed)
+        logger.info("worker %s: stopped after %s (%s)", self.name, plural(self.done, "job"),
+                    plural(self.failed, "failed attempt"))  # fmt: skip
         return self.done
 
     def _stream(self, shard: JobKeys) -> str:
@@ -663,10 +665,10 @@ class Worker:
             keys = [shard.result(job["id"]), shard.counts, self._stream(shard), shard.failures]
             self._complete(keys=keys, args=[job["id"], json.dumps(record), ttl, message_id])
             c = result.counts
-            logger.info("worker %s: job %s (%s) finished in %.2f s: %d kernels, %d hits, %d misses, %d remote hits, "
-                        "%d traces, %d parallel traces", self.name, job["id"], job["file"], result.seconds,
-                        c["kernels"], c["cache_hits"], c["cache_misses"], c["remote_hits"], c["traces"],
-                        c["parallel_traces"])  # fmt: skip
+            logger.info("worker %s: job %s (%s) finished in %.2f s: %s, %s, %s, %s, %s, %s", self.name, job["id"],
+                        job["file"], result.seconds, plural(c["kernels"], "kernel"), plural(c["cache_hits"], "hit"),
+                        plural(c["cache_misses"], "miss"), plural(c["remote_hits"], "remote hit"),
+                        plural(c["traces"], "trace"), plural(c["parallel_traces"], "parallel trace"))  # fmt: skip
         else:
             # A retry goes back onto the stream the job was read from.
             error = result.error or "no artifact"

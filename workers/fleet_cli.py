@@ -16,6 +16,7 @@ from workers.cli_common import (
     echo_json,
     expand,
     load_cli_settings,
+    plural,
     refuse_read_only,
     tier_options,
 )
@@ -89,7 +90,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
                  for job in submission.job_ids},
     }  # fmt: skip
     if not as_json:
-        click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted for toolchain "
+        click.echo(f"batch {submission.batch_id}: {plural(report['submitted'], 'job')} submitted for toolchain "
                    f"{submission.toolchain}")  # fmt: skip
         for job in submission.job_ids:
             click.echo(f"  {job} {submission.names[job]}")
@@ -101,7 +102,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         def progress(done: int) -> None:
             nonlocal next_look, warned
             if tty:
-                click.echo(f"\r{done}/{len(submission.job_ids)} jobs finished", err=True, nl=False)
+                click.echo(f"\r{done}/{plural(len(submission.job_ids), 'job')} finished", err=True, nl=False)
             # Only a worker of this toolchain takes these jobs: say once when none is live rather than wait in
             # silence (the jobs still wait, for one that starts later). Heartbeats change once an interval, so
             # looking more often would tell nothing new.
@@ -136,7 +137,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
                 if info["status"] != "completed":
                     click.echo(f"  {job} {info['file']}: {info['status']} {info['error'] or ''}".rstrip())
     if wait and report["unfinished"]:
-        click.echo(f"nkicache: error: {report['unfinished']} of {report['submitted']} jobs unfinished after "
+        click.echo(f"nkicache: error: {report['unfinished']} of {plural(report['submitted'], 'job')} unfinished after "
                    f"{timeout:g} s (--timeout, default wait_timeout); they stay queued: nkicache batch show "
                    f"{submission.batch_id}", err=True)  # fmt: skip
     if wait and report["completed"] < report["submitted"]:  # dead-lettered, unfinished or unreadable
@@ -235,7 +236,7 @@ def _run_worker(tier, tier_mode, name, max_jobs, out_dir, log_level: str | None 
     worker = Worker(settings, name, out_dir=out_dir, max_jobs=max_jobs)
     worker.install_signal_handlers()
     done = worker.run()
-    click.echo(f"worker {name}: {done} jobs, exiting", err=True)
+    click.echo(f"worker {name}: {plural(done, 'job')}, exiting", err=True)
     return done
 
 
@@ -296,14 +297,17 @@ def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> N
     mine = toolchain_id()
     for toolchain, row in status["toolchains"].items():
         click.echo(f"toolchain {toolchain}{' (this compiler)' if toolchain == mine else ''}: pending "
-                   f"{row['pending']}, in flight {row['in_flight']}, {row['live_workers']} live workers")  # fmt: skip
+                   f"{row['pending']}, in flight {row['in_flight']}, "
+                   f"{plural(row['live_workers'], 'live worker')}")  # fmt: skip
     for toolchain, waiting in status["unserved"].items():
-        click.echo(f"warning: {waiting} jobs wait for toolchain {toolchain}, which no live worker has")
-    click.echo(f"{len(status['workers'])} live workers")
+        click.echo(f"warning: {plural(waiting, 'job')} {'waits' if waiting == 1 else 'wait'} for toolchain "
+                   f"{toolchain}, which no live worker has")  # fmt: skip
+    click.echo(plural(len(status["workers"]), "live worker"))
     for w in status["workers"]:
         age = time.time() - w["time"]
         click.echo(f"  {w['name']} on {w['host']} (pid {w['pid']}, toolchain {w['toolchain'] or 'unknown'}): "
-                   f"{w['done']} jobs, {'on ' + w['job'] if w['job'] else 'idle'}, seen {age:.1f} s ago")  # fmt: skip
+                   f"{plural(w['done'], 'job')}, {'on ' + w['job'] if w['job'] else 'idle'}, "
+                   f"seen {age:.1f} s ago")  # fmt: skip
     for d in status.get("dead_letters", []):
         click.echo(f"  dead: {d['job']}: {d['error']}")
 
@@ -340,9 +344,10 @@ def job_show_command(job_id, tier, tier_mode, as_json) -> None:
         if info.get("worker"):
             line += f", worker {info['worker']}"
         if info["status"] == "completed":
-            line += f", {info.get('kernels', 0):g} kernels, {info.get('traces', 0):g} traces, {info['seconds']:.2f} s"
+            line += (f", {plural(info.get('kernels', 0), 'kernel')}, {plural(info.get('traces', 0), 'trace')}, "
+                     f"{info['seconds']:.2f} s")  # fmt: skip
         if info["failed_attempts"]:
-            line += f", {info['failed_attempts']} failed attempts"
+            line += f", {plural(info['failed_attempts'], 'failed attempt')}"
         click.echo(line)
         if info.get("error"):
             click.echo(f"  error: {info['error']}")
@@ -375,7 +380,7 @@ def batch_show_command(batch_id, tier, tier_mode, as_json) -> None:
     if as_json:
         echo_json(info)
     else:
-        click.echo(f"batch {batch_id}: {info['submitted']} jobs, {info['completed']} completed, "
+        click.echo(f"batch {batch_id}: {plural(info['submitted'], 'job')}, {info['completed']} completed, "
                    f"{info['dead_letter']} dead-lettered, {info['unfinished']} unfinished"
                    + (f", {info['unreadable']} unreadable" if info["unreadable"] else ""))  # fmt: skip
         for job, row in info["jobs"].items():
@@ -402,7 +407,7 @@ def requeue_command(job_ids, everything, tier, tier_mode) -> None:
     settings, client, keys = _fleet(tier, tier_mode)
     refuse_read_only(settings, "requeue", "queues jobs again")
     requeued, problems = fleet_ops.requeue(client, keys, list(job_ids) or None)
-    click.echo(f"{len(requeued)} jobs requeued" + (": " + ", ".join(requeued) if requeued else ""))
+    click.echo(f"{plural(len(requeued), 'job')} requeued" + (": " + ", ".join(requeued) if requeued else ""))
     for problem in problems:
         click.echo(f"nkicache: error: {problem}", err=True)
     if problems:
@@ -424,4 +429,4 @@ def purge_command(dead_letters, waiting, tier, tier_mode) -> None:
     settings, client, keys = _fleet(tier, tier_mode)
     refuse_read_only(settings, "purge", "deletes jobs")
     purged = fleet_ops.purge(client, keys, dead_letters, waiting)
-    click.echo(f"purged {purged['dead_letters']} dead letters, {purged['waiting']} waiting jobs")
+    click.echo(f"purged {plural(purged['dead_letters'], 'dead letter')}, {plural(purged['waiting'], 'waiting job')}")

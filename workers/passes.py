@@ -19,7 +19,7 @@ from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.metrics import KernelMetricsCollector
-from bridge.port import PASS_COUNTERS, KernelStore, TracedVariant
+from bridge.port import PASS_COUNTERS, SECONDS_COUNTERS, KernelStore, TracedVariant
 from bridge.targets import get_platform_target, make_target
 
 COUNT_KEYS = tuple(name for name in PASS_COUNTERS if name != "passes")  # a pass's own counts
@@ -131,6 +131,6 @@ def add_counts(results: list[PassResult]) -> dict[str, float]:
     for result in results:
         for key in COUNT_KEYS:
             totals[key] += result.counts.get(key, 0)
-    for key in ("compile_seconds", "saved_seconds"):
+    for key in SECONDS_COUNTERS:
         totals[key] = round(totals[key], 6)
     return totals

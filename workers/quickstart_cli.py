@@ -15,6 +15,7 @@ from workers.cli_common import (
     compile_and_summarize,
     echo_json,
     load_cli_settings,
+    plural,
     rates_text,
     run_one,
 )
@@ -34,7 +35,7 @@ def workload_command(out_dir: str, models: int, seed: int, as_json: bool) -> Non
     if as_json:
         echo_json({"out": str(out_dir), "models": models, "seed": seed, "graphs": [str(p) for p in paths]})
     else:
-        click.echo(f"{len(paths)} graphs written to {out_dir}")
+        click.echo(f"{plural(len(paths), 'graph')} written to {out_dir}")
 
 
 @click.command("quickstart")
@@ -64,7 +65,8 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
     failed = False
     for run in ("cold", "warm"):
         if not as_json:
-            click.echo(f"== {run} compile: {len(files)} graphs, {workers} workers, tier local:{tier_path}")
+            click.echo(f"== {run} compile: {plural(len(files), 'graph')}, {plural(workers, 'worker')}, "
+                       f"tier local:{tier_path}")  # fmt: skip
         summary, run_failed = compile_and_summarize(
             files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=as_json,
             print_json=False,

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, refuse_read_only
+from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, plural, refuse_read_only
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -91,7 +91,8 @@ def report_command(
     cache_hits / kernels). Totals cover every pass; --since limits the timeline.
 
     --json keys: tier, generated, since, totals (passes, kernels, cache_hits, cache_misses, remote_hits,
-    tier_lookups, traces, compile_seconds, saved_seconds, lease_waits, tier_errors, tier_timeouts,
+    tier_lookups, traces, compile_seconds, tier_saved_seconds,
+    in_pass_saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, as `nkicache compile --json`), per_host
     ({host: {totals, workers: {worker: {...}}}}), per_toolchain ({toolchain id: {...the same counters}}: the
     passes of each compiler, so an upgrade's cold start shows as such), per_kernel ({name: {call_count,
@@ -147,8 +148,9 @@ def _zero(settings: Any, as_json: bool) -> None:
     if as_json:
         echo_json({"zeroed": True, "tier": reader.description, "when": record["finished"], "previous": previous})
     else:
-        click.echo(f"zeroed the fleet counters of {reader.description} (they held {int(previous['passes']):,} passes, "
-                   f"{int(previous['kernels']):,} kernels); the pass log records it")  # fmt: skip
+        click.echo(f"zeroed the fleet counters of {reader.description} (they held "
+                   f"{plural(previous['passes'], 'pass')}, {plural(previous['kernels'], 'kernel')}); the pass log "
+                   "records it")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -353,7 +355,7 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
                        f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
                        f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}  "
                        f"writer {row['writer'][:8] or '-'}")  # fmt: skip
-        click.echo(f"{count} entries", err=True)
+        click.echo(plural(count, "entry"), err=True)
 
 
 @inspect_group.command("show")
@@ -380,7 +382,18 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
         elif name in ("first_use", "last_use", "created"):
             click.echo(f"{name}: {_when(value)}" + (f" ({value:.3f})" if value else ""))
         else:
-            click.echo(f"{name}: {value if not isinstance(value, list) else ', '.join(map(str, value)) or '-'}")
+            click.echo(f"{name}: {_as_read(value)}")
+
+
+def _as_read(value: Any) -> str:
+    """A field of `inspect show` as a person reads it, not as Python spells it (None, True, [])."""
+    if value is None or value == "":
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
 
 
 # verify and du read the entries of a Redis tier in this many processes (cachestore.scan_split)
@@ -431,9 +444,9 @@ def du_command(ctx: click.Context, as_json: bool, processes: int | None, tier: s
     console.print(table)
     for toolchain, row in usage["toolchains"].items():
         mine = " (this compiler)" if toolchain == toolchain_id() else ""
-        console.print(f"toolchain {toolchain}{mine}: {row['entries']:,} entries, {row['bytes']:,} bytes")
+        console.print(f"toolchain {toolchain}{mine}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
     for writer, row in usage["writers"].items():
-        console.print(f"writer {writer or '(none)'}: {row['entries']:,} entries, {row['bytes']:,} bytes")
+        console.print(f"writer {writer or '(none)'}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
     console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
                   f"references; {usage['unreadable']['entries']:,} unreadable entries "
                   f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
@@ -474,7 +487,8 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
     else:
         extra = "".join(f", {n} {what}" for n, what in ((report.recompiled, "recompiled"),
                                                         (report.executed, "executed")) if n)  # fmt: skip
-        click.echo(f"checked {report.checked} entries{extra}: {report.ok} ok, {len(report.bad)} problems")
+        click.echo(f"checked {plural(report.checked, 'entry')}{extra}: {report.ok} ok, "
+                   f"{plural(len(report.bad), 'problem')}")  # fmt: skip
         for item in report.bad:
             click.echo(f"  {item['key']}: {item['reason']}")
     if report.bad:
@@ -570,7 +584,7 @@ def export_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
     if as_json:
         echo_json({"exported": count, "file": file})
     else:
-        click.echo(f"exported {count} entries to {file}")
+        click.echo(f"exported {plural(count, 'entry')} to {file}")
 
 
 @inspect_group.command("import")
@@ -595,7 +609,7 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
     if as_json:
         echo_json(result)
     else:
-        click.echo(f"imported {result['imported']} entries, rejected {len(result['rejected'])}")
+        click.echo(f"imported {plural(result['imported'], 'entry')}, rejected {len(result['rejected'])}")
         for item in result["rejected"]:
             click.echo(f"  {item['key']}: {item['reason']}")
     if result["rejected"]:
@@ -632,9 +646,11 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     used for that long; with --max-bytes, the lowest-value entries (usage x compile seconds per stored
     byte) until the rest fit. An entry holding a binary is evicted only with the references to it.
 
+    --dry-run lists each entry it would evict (key, toolchain, bytes, reason), one a line.
+
     --json keys: dry_run, entries, bytes, evicted, evicted_bytes, reasons, kept, kept_bytes,
-    expired_purged, keys, evicted_by_toolchain, checkpoints_evicted (with --writer on Redis: that writer's
-    checkpoint chunks).
+    expired_purged, keys, evictions ([{key, toolchain, bytes, reason}]), evicted_by_toolchain,
+    checkpoints_evicted (with --writer on Redis: that writer's checkpoint chunks).
     """
     from bridge.identity import toolchain_id
     from cachestore.inspect import collect_garbage
@@ -651,10 +667,14 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
         return
     verb = "would evict" if dry_run else "evicted"
     reasons = ", ".join(f"{n} {reason}" for reason, n in result["reasons"].items()) or "nothing to evict"
-    click.echo(f"{result['entries']} entries ({result['bytes']:,} bytes): {verb} {result['evicted']} "
+    click.echo(f"{plural(result['entries'], 'entry')} ({plural(result['bytes'], 'byte')}): {verb} {result['evicted']} "
                f"({result['evicted_bytes']:,} bytes: {reasons}); {result['kept']} kept "
                f"({result['kept_bytes']:,} bytes)")  # fmt: skip
+    if dry_run:
+        for item in result["evictions"]:
+            click.echo(f"  would evict {item['key'][:16]} {item['toolchain'][:8]} {plural(item['bytes'], 'byte')}: "
+                       f"{item['reason']}")  # fmt: skip
     if result["expired_purged"]:
-        click.echo(f"{'would purge' if dry_run else 'purged'} {result['expired_purged']} expired entries")
+        click.echo(f"{'would purge' if dry_run else 'purged'} {plural(result['expired_purged'], 'expired entry')}")
     if result["checkpoints_evicted"]:
-        click.echo(f"{verb} {result['checkpoints_evicted']} checkpoint chunks of the writer")
+        click.echo(f"{verb} {plural(result['checkpoints_evicted'], 'checkpoint chunk')} of the writer")

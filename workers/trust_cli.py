@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from workers.cli_common import echo_json
+from workers.cli_common import echo_json, plural
 
 
 @click.command("keygen")
@@ -132,7 +132,8 @@ def sentinel_command(tier: str | None, rate: float | None, since: str | None, se
     if as_json:
         echo_json(report.as_json())
     else:
-        click.echo(f"sentinel over toolchain {report.toolchain}: {report.entries} entries, {report.sampled} traced "
+        click.echo(f"sentinel over toolchain {report.toolchain}: {plural(report.entries, 'entry')}, "
+                   f"{report.sampled} traced "
                    f"again at rate {rate:g}: {report.matched} matched, {len(report.quarantined)} quarantined, "
                    f"{len(report.failed)} could not be traced, {report.rejected} rejected by the policy "
                    f"({report.seconds:.1f} s)")  # fmt: skip

@@ -24,7 +24,7 @@ from bridge.identity import toolchain_id
 from bridge.toolchain import compile_kernel
 from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
-from cachestore.inspect import decode_or_reason
+from cachestore.inspect import decode_or_reason, describe_components
 from cachestore.keys import split_partition
 from workers.verify import rebuild_op
 
@@ -43,7 +43,7 @@ class Variant:
 
 @dataclass
 class WarmReport:
-    source: str  # the toolchain warmed from
+    source: str | None  # the toolchain warmed from (None: a dry run that found none to warm from)
     toolchain: str  # this compiler's
     considered: int = 0  # variants picked
     to_trace: int = 0  # of those, what this compiler had to trace (with --dry-run: would have)
@@ -55,6 +55,10 @@ class WarmReport:
     trace_seconds: float = 0.0  # compile time of the traced variants, summed
     batch: str | None = None  # with the fleet: the batch of trace jobs submitted
     jobs: list[str] = field(default_factory=list)
+    # With --dry-run: what would be traced, one item a variant ({key, kernel_name, target, operand_shapes,
+    # result_shapes}), so that a dry run says which variants, not only how many.
+    would_trace: list[dict] = field(default_factory=list)
+    nothing_to_warm: str | None = None  # a dry run's reason there is nothing to warm from (a warm's error)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -140,6 +144,8 @@ def warm(
         else:
             calls.append((variant, call))
     report.to_trace = len(calls)
+    if dry_run:
+        report.would_trace = [_planned(variant) for variant, _ in calls]
     if fleet is not None and not dry_run:
         submission = fleet(warm_graphs([call for _, call in calls], report.toolchain, per_job))
         report.batch, report.jobs = submission.batch_id, list(submission.job_ids)
@@ -184,6 +190,14 @@ def _graph(name: str, target: str, calls: list[dict]) -> dict:
                     "kernel_name": call["components"]["kernel_name"], "operands": names["in"],
                     "results": names["out"], "attrs": call["attrs"]})  # fmt: skip
     return {"name": name, "target": target, "tensors": tensors, "ops": ops}
+
+
+def _planned(variant: Variant) -> dict:
+    """What a dry run shows of a variant it would trace: its key, kernel and shapes (its call was rebuilt, so
+    its components are well formed)."""
+    info = describe_components(variant.components)
+    return {"key": variant.cache_key, **{name: info[name] for name in ("kernel_name", "target", "operand_shapes",
+                                                                         "result_shapes")}}  # fmt: skip
 
 
 def _rebuilt_call(variant: Variant) -> tuple[dict | None, str | None]:

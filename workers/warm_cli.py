@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from cachestore.api import REDIS_SCHEMES, shared_level
-from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings, refuse_read_only
+from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings, plural, refuse_read_only
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -60,20 +60,34 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     per job) and counts what they traced; a dead-lettered job is failed with its error. Exit 1 when any job
     failed or did not finish in time.
 
+    --dry-run lists each variant it would trace (key, kernel, target, shapes) and traces nothing; with no other
+    toolchain to warm from it says so and exits 0 (a warm exits 2: it was asked to warm and could not).
+
     --json keys: source, toolchain, considered, to_trace, traced, present, skipped ([{key, reason}]), failed
-    ([{key, reason}], with --fleet also [{job, reason}]), seconds, trace_seconds, batch, jobs (with --fleet).
+    ([{key, reason}], with --fleet also [{job, reason}]), seconds, trace_seconds, batch, jobs (with --fleet),
+    would_trace ([{key, kernel_name, target, operand_shapes, result_shapes}], with --dry-run), nothing_to_warm
+    (with --dry-run: why there is nothing to warm from, else null).
     """
+    from bridge.identity import toolchain_id
     from cachestore.api import open_backend
     from cachestore.client import open_tier
-    from workers.warm import default_source, pick_variants, warm
+    from workers.warm import WarmError, WarmReport, default_source, pick_variants, warm
 
     settings = load_cli_settings(tier=tier)
     refuse_read_only(settings, "warm", "stores the entries it traces")
     if settings.tier == "off":
         raise click.UsageError("--tier off has nothing to warm; name a tier")
+    if source == toolchain_id():  # its entries are this compiler's already: warming from them traces nothing
+        raise WarmError(f"--from {source} is this compiler's own toolchain; name an older compiler's (see `report`)")
     reader = open_backend(settings, reading=True)
     try:
-        source = source or default_source(reader)
+        try:
+            source = source or default_source(reader)
+        except WarmError as exc:
+            if not dry_run:
+                raise
+            _print_nothing_to_warm(WarmReport(None, toolchain_id(), nothing_to_warm=str(exc)), as_json)
+            return
         variants = pick_variants(reader, source, top=top, min_usage=min_usage, since=since)
     finally:
         reader.close()
@@ -93,14 +107,31 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     if as_json:
         click.echo(json.dumps(report.as_json()))
     else:
-        traced = f"would trace {report.to_trace}" if dry_run else f"traced {report.traced}"
-        click.echo(f"warmed {report.toolchain} from {report.source}: {report.considered} variants, {traced}, "
+        verb, traced = (
+            ("would warm", f"would trace {report.to_trace}") if dry_run else ("warmed", f"traced {report.traced}")
+        )
+        click.echo(f"{verb} {report.toolchain} from {report.source}: {plural(report.considered, 'variant')}, {traced}, "
                    f"{report.present} already present, {len(report.skipped)} skipped, {len(report.failed)} failed "
                    f"({report.seconds:.1f} s)")  # fmt: skip
+        for item in report.would_trace:
+            click.echo(f"  would trace {item['key'][:16]} {item['kernel_name']} {item['target']} "
+                       f"{_shapes(item['operand_shapes'])} -> {_shapes(item['result_shapes'])}")  # fmt: skip
         for item in report.skipped + report.failed:
             click.echo(f"  {item.get('key', '')[:16] or item.get('job')}: {item['reason']}", err=True)
     if report.failed:
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _print_nothing_to_warm(report: Any, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+    else:
+        click.echo(f"nothing to warm: {report.nothing_to_warm}")
+
+
+def _shapes(shapes: list) -> str:
+    """[[32, 48], [48]] as '[32,48] [48]', as `inspect ls` shows shapes."""
+    return " ".join(json.dumps(shape, separators=(",", ":")) for shape in shapes) or "-"
 
 
 def _fleet_submitter(settings: Any) -> Callable[[list[tuple[str, str]]], Any]:
