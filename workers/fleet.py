@@ -45,7 +45,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.exceptions as rex
 
@@ -256,7 +256,7 @@ def submit_texts(
     client.hset(keys.job_toolchains, toolchain, time.time())
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
     for path, graph in graphs:
-        job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
+        job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"  # batch_of(job_id) is the batch id
         job = {"id": job_id, "batch": submission.batch_id, "file": path, "graph": graph, "attempt": 1,
                "toolchain": toolchain}  # fmt: skip
         client.xadd(keys.job_shard(job_shard(job_id, count)).stream(toolchain), {"job": json.dumps(job)})
@@ -303,15 +303,63 @@ def job_result(job_id: str, value: bytes | str) -> dict[str, Any]:
     return result
 
 
+def batch_of(job_id: str) -> str:
+    """The batch a job id belongs to (`submit_texts` makes job ids BATCH-NNNNN)."""
+    return job_id.rpartition("-")[0]
+
+
+T = TypeVar("T")
+# How long a waiting submitter keeps retrying a Redis it cannot reach before it gives up: long enough for a
+# restart or a cluster failover (a replica takes over within cluster-node-timeout, 15 s by default).
+RECONNECT_SECONDS = 30.0
+# What a restart or a failover raises while it lasts (BusyLoadingError is a ConnectionError).
+TRANSIENT_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError, rex.TryAgainError,
+                    rex.ReadOnlyError, rex.MasterDownError)  # fmt: skip
+
+
+def retrying(call: Callable[[], T]) -> T:
+    """`call()`, retried while Redis is restarting or failing over, for at most RECONNECT_SECONDS in a row."""
+    deadline = time.monotonic() + RECONNECT_SECONDS
+    while True:
+        try:
+            return call()
+        except TRANSIENT_ERRORS:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@dataclass
+class Waited:
+    results: dict[str, dict]  # job id -> result, for the jobs that finished
+    lost: list[str]  # jobs with no result whose batch is gone from Redis: they will never finish
+
+
+def lost_jobs(client: Any, keys: KeySpace, unfinished: Sequence[str]) -> list[str]:
+    """The unfinished jobs whose batch list is gone (Redis restarted empty, or a failover lost the writes).
+    A batch's list is written after its jobs, so while it exists the jobs do too (a replica applies writes in
+    order); it expires job_ttl (7 days) after the submission, far beyond a wait (wait_timeout, 1 hour)."""
+    batches = sorted({batch_of(job) for job in unfinished})
+    with client.pipeline(transaction=False) as pipe:
+        for batch in batches:
+            pipe.exists(keys.job_batch(batch))
+        exists = dict(zip(batches, pipe.execute(), strict=True))
+    return [job for job in unfinished if not exists[batch_of(job)]]
+
+
 def wait_for(
     client: Any, keys: KeySpace, job_ids: Sequence[str], timeout: float | None, on_progress: Callable[[int], None]
-) -> dict[str, dict]:
+) -> Waited:
+    """Poll until every job finished or is lost, or `timeout` passed; a short restart or failover is ridden out
+    (`retrying`), a longer one raises redis-py's error."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        results = results_of(client, keys, job_ids)
+        results = retrying(lambda: results_of(client, keys, job_ids))
         on_progress(len(results))
-        if len(results) == len(job_ids) or (deadline is not None and time.monotonic() > deadline):
-            return results
+        unfinished = [job for job in job_ids if job not in results]
+        lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending)) if unfinished else []
+        if len(lost) == len(unfinished) or (deadline is not None and time.monotonic() > deadline):
+            return Waited(results, lost)
         time.sleep(0.2)
 
 

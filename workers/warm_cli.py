@@ -130,13 +130,15 @@ def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) 
             progress.advance("job finished")
 
     try:
-        results = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished)
+        waited = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished)
     finally:
         progress.close()
         client.close()
     for job_id in report.jobs:
-        result = results.get(job_id)
-        if result is None:
+        result = waited.results.get(job_id)
+        if job_id in waited.lost:
+            report.failed.append({"job": job_id, "reason": "gone from Redis (it restarted empty or failed over)"})
+        elif result is None:
             report.failed.append({"job": job_id, "reason": f"not finished after {timeout:g} s (it stays queued)"})
         elif result.get("status") != "completed":
             report.failed.append({"job": job_id, "reason": result.get("error") or result.get("status", "failed")})
