@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bridge import dtypes
 from bridge.errors import NkiCacheError
+from bridge.inputs import InputFileError, read_input, shown_path
 from bridge.ir import ORDINARY_OPS, InternalNkiKernel, MacroOp, Tensor
 from bridge.limits import DEFAULT_GRAPH_BYTES
 from bridge.targets import TARGETS
@@ -52,15 +53,17 @@ def load_graph(
     names the file it came from, for errors and the default graph name, as if it had been read from there)."""
     if isinstance(path_or_dict, Mapping):
         return _build(path_or_dict, source or "<dict>")
-    source = str(path_or_dict)
+    source = shown_path(path_or_dict)  # every message below names the file by it
+    return _build(parse_graph_json(read_graph_file(path_or_dict, max_bytes), source), source)
+
+
+def read_graph_file(path: str | Path, max_bytes: int = MAX_GRAPH_BYTES) -> bytes:
+    """A graph file's bytes: a regular file of at most `max_bytes` (never a device nor a FIFO, which would
+    never end or block), else a GraphError naming it."""
     try:
-        size = Path(source).stat().st_size
-        if size > max_bytes:
-            raise GraphError(f"{source}: graph file of {size} bytes exceeds the limit max_graph_bytes = {max_bytes}")
-        data = Path(source).read_bytes()
-    except OSError as exc:
-        raise GraphError(f"{source}: cannot read graph file: {exc.strerror or exc}") from None
-    return _build(parse_graph_json(data, source), source)
+        return read_input(path, max_bytes, "graph file", "max_graph_bytes")
+    except InputFileError as exc:
+        raise GraphError(f"{shown_path(path)}: {exc}") from None
 
 
 def parse_graph_json(data: bytes | str, source: str) -> Mapping:

@@ -50,8 +50,9 @@ from typing import Any, TypeVar
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
-from bridge.graph import load_graph, parse_graph_json
+from bridge.graph import load_graph, parse_graph_json, read_graph_file
 from bridge.identity import toolchain_id
+from bridge.inputs import shown_path
 from cachestore.api import REDIS_SCHEMES, redact_url, shared_level, stored_number
 from cachestore.backends.redis import connect, text
 from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, shard_count_or
@@ -212,18 +213,13 @@ def read_graphs(paths: Sequence[str], max_bytes: int = MAX_GRAPH_BYTES) -> list[
     as a dead letter after job_max_attempts compiles."""
     graphs = []
     for path in paths:
-        try:
-            with open(path, "rb") as file:
-                data = file.read(max_bytes + 1)  # bounded: a device or a huge file is not read whole
-        except OSError as exc:
-            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
-        if len(data) > max_bytes:
-            raise FleetError(f"{path}: graph file of more than {max_bytes} bytes, the limit max_graph_bytes")
+        data = read_graph_file(path, max_bytes)  # bounded, and never a device or a FIFO
+        source = shown_path(path)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise FleetError(f"{path}: graph file is not UTF-8 text: byte {exc.start} is invalid") from None
-        load_graph(parse_graph_json(text, str(path)), source=str(path))
+            raise FleetError(f"{source}: graph file is not UTF-8 text: byte {exc.start} is invalid") from None
+        load_graph(parse_graph_json(text, source), source=source)
         graphs.append(text)
     return graphs
 

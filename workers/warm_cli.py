@@ -51,8 +51,8 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
 
     Each kernel call is rebuilt from an entry's key components, traced, and stored, single flight with
     every other process. A variant this compiler already holds is skipped; one that cannot be rebuilt (a
-    kernel no longer in the library) is skipped with its reason; one this compiler refuses is reported as
-    failed. Exit 1 when any failed.
+    kernel no longer in the library) is skipped with its reason; one this compiler refuses (over a limit such
+    as max_tensor_elements, as a compile would refuse it) is reported as failed. Exit 1 when any failed.
 
     --fleet traces on the fleet instead of here: the variants to trace become jobs of --per-job kernel calls
     each, under this compiler's toolchain, so only workers of this compiler take them (deploy them before
@@ -84,7 +84,7 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     try:
         submit = _fleet_submitter(settings) if fleet else None
         report = warm(client, variants, source, workers=workers, dry_run=dry_run, fleet=submit, per_job=per_job,
-                      on_progress=lambda: progress.advance("variant"))  # fmt: skip
+                      limits=settings.limits(), on_progress=lambda: progress.advance("variant"))  # fmt: skip
     finally:
         progress.close()
         client.close()
