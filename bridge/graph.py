@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,8 @@ def parse_graph_json(data: bytes | str, source: str) -> Mapping:
         document = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GraphError(f"{source}: not valid JSON: {exc}") from None
+    except ValueError:  # Python's int-str limit (CVE-2020-10735): an integer no graph needs
+        raise GraphError(f"{source}: holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
     except RecursionError:
         raise GraphError(f"{source}: JSON nested deeper than {MAX_GRAPH_NESTING} levels") from None
     if not isinstance(document, Mapping):
@@ -154,6 +157,19 @@ def _tensor(name: str, spec: object, source: str) -> Tensor:
     return Tensor(name, shape, dtype, access_shape)
 
 
+def _finite_attrs(attrs: Mapping, where: str) -> None:
+    """JSON as Python reads it takes NaN and Infinity, which no kernel means: a GraphError naming the attr."""
+    pending = [(name, value) for name, value in attrs.items()]
+    while pending:  # nesting is bounded already (parse_graph_json); a loop all the same, as `nesting` is
+        name, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GraphError(f"{where}: attr {name!r} is {value}; attrs must be finite numbers")
+        if isinstance(value, Mapping):
+            pending.extend((name, item) for item in value.values())
+        elif isinstance(value, list | tuple):
+            pending.extend((name, item) for item in value)
+
+
 def _op(op: object, index: int, graph: Graph, source: str) -> InternalNkiKernel | MacroOp:
     where = f"{source}: op {index}"
     if not isinstance(op, Mapping):
@@ -167,6 +183,7 @@ def _op(op: object, index: int, graph: Graph, source: str) -> InternalNkiKernel 
         attrs = op.get("attrs", {})
         if not isinstance(attrs, Mapping):
             raise GraphError(f"{where}: 'attrs' must be an object")
+        _finite_attrs(attrs, f"{where} ({op['func_name']})")
         operands = _operands(op, index, graph, source)
         results = _declared_results(op, index, graph, source)
         return InternalNkiKernel(op["func_name"], op["kernel_name"], operands, results, attrs)

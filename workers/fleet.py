@@ -788,6 +788,7 @@ def _job(raw: object) -> dict | str:
     for name in ("id", "file", "graph"):
         if not isinstance(job.get(name), str):
             return f"the job's {name!r} is not a string"
+    job["file"] = shown_path(job["file"])  # logged and put in errors: a newline in it must not forge a log line
     return job
 
 

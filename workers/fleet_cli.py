@@ -77,6 +77,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     {file, status, error}}), artifacts (with --out), error (when the wait failed or jobs were lost).
     """
     from bridge.errors import NkiCacheError
+    from bridge.inputs import shown_path
     from cachestore.backends.redis import redis_errors
     from workers import fleet
 
@@ -97,7 +98,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         click.echo(f"batch {submission.batch_id}: {report['submitted']} jobs submitted for toolchain "
                    f"{submission.toolchain}")  # fmt: skip
         for job in submission.job_ids:
-            click.echo(f"  {job} {submission.names[job]}")
+            click.echo(f"  {job} {shown_path(submission.names[job])}")
     timeout = settings.wait_timeout if timeout is None else timeout
     if wait:
         tty = not as_json and sys.stderr.isatty()
@@ -158,7 +159,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
                        f"{report['unfinished']} unfinished, {report['lost']} lost")  # fmt: skip
             for job, info in report["jobs"].items():
                 if info["status"] != "completed":
-                    click.echo(f"  {job} {info['file']}: {info['status']} {info['error'] or ''}".rstrip())
+                    click.echo(f"  {job} {shown_path(info['file'])}: {info['status']} {info['error'] or ''}".rstrip())
     if wait and report["lost"]:
         click.echo(f"nkicache: error: {report['error']}", err=True)
         sys.exit(EXIT_PROJECT_ERROR)

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, refuse_read_only
+from workers.cli_common import EXIT_CHECK_FAILED, PROCESS_COUNT, SEED, echo_json, load_cli_settings, refuse_read_only
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -384,7 +384,7 @@ def show_command(ctx: click.Context, key: str, as_json: bool, tier: str | None, 
 
 
 # verify and du read the entries of a Redis tier in this many processes (cachestore.scan_split)
-PROCESSES = click.option("--processes", type=click.IntRange(min=1), default=None, metavar="N",
+PROCESSES = click.option("--processes", type=PROCESS_COUNT, default=None, metavar="N",
                          help="Processes reading a Redis tier's entries. Default: one a CPU, at most 4.")  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from cachestore.api import REDIS_SCHEMES, shared_level
-from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings, refuse_read_only
+from workers.cli_common import EXIT_CHECK_FAILED, PROCESS_COUNT, Progress, load_cli_settings, refuse_read_only
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -33,7 +33,7 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
               help="Only variants used at least U times.")  # fmt: skip
 @click.option("--since", default=None, metavar="D", callback=_since,
               help="Only variants used since D ago (7d, 12h) or since a date.")  # fmt: skip
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True,
               help="Processes tracing at once.")  # fmt: skip
 @click.option("--fleet", is_flag=True,
               help="Have the fleet's workers of this compiler trace them (Redis jobs), and wait.")  # fmt: skip
