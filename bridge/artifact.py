@@ -23,6 +23,7 @@ import msgpack
 from bridge import dtypes
 from bridge.errors import BinaryFormatError, NkiCacheError
 from bridge.graph import Graph
+from bridge.inputs import InputFileError, read_input, shown_path
 from bridge.ir import BasicBlock, BirElementwise, InternalNkiKernel, NKIKLIRKernel, Tensor, freeze_attr
 from bridge.klir import decode_klir
 from bridge.program import decode_bir
@@ -219,14 +220,11 @@ _UMASK: int | None = None
 # -- loading --------------------------------------------------------------------------------------
 def load_artifact(path: str | Path) -> Artifact:
     """Read and validate an artifact; any problem raises ArtifactError naming the file."""
-    source = str(path)
+    source = shown_path(path)
     try:
-        size = Path(source).stat().st_size
-        if size > MAX_ARTIFACT_BYTES:
-            raise ArtifactError(f"{source}: artifact of {size} bytes exceeds the {MAX_ARTIFACT_BYTES}-byte limit")
-        data = Path(source).read_bytes()
-    except OSError as exc:
-        raise ArtifactError(f"{source}: cannot read artifact: {exc.strerror or exc}") from None
+        data = read_input(path, MAX_ARTIFACT_BYTES, "artifact", "on artifacts")
+    except InputFileError as exc:
+        raise ArtifactError(f"{source}: {exc}") from None
     return decode_artifact(data, source)
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bridge import dtypes
 from bridge.errors import NkiCacheError
+from bridge.inputs import InputFileError, read_input, shown_path
 from bridge.ir import ORDINARY_OPS, InternalNkiKernel, MacroOp, Tensor
 from bridge.limits import DEFAULT_GRAPH_BYTES
 from bridge.targets import TARGETS
@@ -52,15 +54,17 @@ def load_graph(
     names the file it came from, for errors and the default graph name, as if it had been read from there)."""
     if isinstance(path_or_dict, Mapping):
         return _build(path_or_dict, source or "<dict>")
-    source = str(path_or_dict)
+    source = shown_path(path_or_dict)  # every message below names the file by it
+    return _build(parse_graph_json(read_graph_file(path_or_dict, max_bytes), source), source)
+
+
+def read_graph_file(path: str | Path, max_bytes: int = MAX_GRAPH_BYTES) -> bytes:
+    """A graph file's bytes: a regular file of at most `max_bytes` (never a device nor a FIFO, which would
+    never end or block), else a GraphError naming it."""
     try:
-        size = Path(source).stat().st_size
-        if size > max_bytes:
-            raise GraphError(f"{source}: graph file of {size} bytes exceeds the limit max_graph_bytes = {max_bytes}")
-        data = Path(source).read_bytes()
-    except OSError as exc:
-        raise GraphError(f"{source}: cannot read graph file: {exc.strerror or exc}") from None
-    return _build(parse_graph_json(data, source), source)
+        return read_input(path, max_bytes, "graph file", "max_graph_bytes")
+    except InputFileError as exc:
+        raise GraphError(f"{shown_path(path)}: {exc}") from None
 
 
 def parse_graph_json(data: bytes | str, source: str) -> Mapping:
@@ -71,6 +75,8 @@ def parse_graph_json(data: bytes | str, source: str) -> Mapping:
         document = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GraphError(f"{source}: not valid JSON: {exc}") from None
+    except ValueError:  # Python's int-str limit (CVE-2020-10735): an integer no graph needs
+        raise GraphError(f"{source}: holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
     except RecursionError:
         raise GraphError(f"{source}: JSON nested deeper than {MAX_GRAPH_NESTING} levels") from None
     if not isinstance(document, Mapping):
@@ -151,6 +157,19 @@ def _tensor(name: str, spec: object, source: str) -> Tensor:
     return Tensor(name, shape, dtype, access_shape)
 
 
+def _finite_attrs(attrs: Mapping, where: str) -> None:
+    """JSON as Python reads it takes NaN and Infinity, which no kernel means: a GraphError naming the attr."""
+    pending = [(name, value) for name, value in attrs.items()]
+    while pending:  # nesting is bounded already (parse_graph_json); a loop all the same, as `nesting` is
+        name, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GraphError(f"{where}: attr {name!r} is {value}; attrs must be finite numbers")
+        if isinstance(value, Mapping):
+            pending.extend((name, item) for item in value.values())
+        elif isinstance(value, list | tuple):
+            pending.extend((name, item) for item in value)
+
+
 def _op(op: object, index: int, graph: Graph, source: str) -> InternalNkiKernel | MacroOp:
     where = f"{source}: op {index}"
     if not isinstance(op, Mapping):
@@ -164,6 +183,7 @@ def _op(op: object, index: int, graph: Graph, source: str) -> InternalNkiKernel 
         attrs = op.get("attrs", {})
         if not isinstance(attrs, Mapping):
             raise GraphError(f"{where}: 'attrs' must be an object")
+        _finite_attrs(attrs, f"{where} ({op['func_name']})")
         operands = _operands(op, index, graph, source)
         results = _declared_results(op, index, graph, source)
         return InternalNkiKernel(op["func_name"], op["kernel_name"], operands, results, attrs)

@@ -407,7 +407,11 @@ def redact_url(url: str) -> str:
         return " ".join(map(redact_url, levels))
     if "://" not in url:
         return url  # off, local:PATH
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # not a URL (redis://[::1): shown to say so, without what could be user-info or a query
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{rest.partition('?')[0].rpartition('@')[2]}"
     netloc = parts.netloc
     if "@" in netloc:
         user_info, _, hosts = netloc.rpartition("@")

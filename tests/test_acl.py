@@ -422,6 +422,20 @@ def test_reader_runs_the_read_only_commands(acl_server: int, worker_env: dict, t
         pytest.skip("nkicache report and inspect are not there yet; the reader ran `queue` only")
 
 
+def test_reader_runs_the_sentinel_read_only(acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch) -> None:
+    """Issue 35: `sentinel --tier-mode read-only` runs as nkicache-reader (which may send no write at all) and
+    checks every entry the worker user stored."""
+    compile_json(str(write_graph(tmp_path, mixed_graph("acl-sentinel"))), "--out", str(tmp_path / "out"))
+    (tmp_path / "reader").mkdir()
+    monkeypatch.setenv("NKICACHE_TIER", f"redis://nkicache-reader@127.0.0.1:{acl_server}/0")
+    for name, value in secret_files(tmp_path / "reader", "nkicache-reader").items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(nkicache, ["sentinel", "--tier-mode", "read-only", "--rate", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["read_only"] and report["sampled"] == report["entries"] == report["matched"] == MIXED_DISTINCT_KEYS
+
+
 def test_reader_sees_the_jobs_that_wait_for_a_toolchain(
     acl_server: int, worker_env: dict, tmp_path: Path, monkeypatch
 ) -> None:

@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from helpers_graphs import softmax_graph
-from test_fleet import BEAT, Fleet, slow_graphs, wait_until
+from test_fleet import BEAT, NKICACHE, WAIT, Fleet, slow_graphs, wait_until
 
 from bridge.identity import toolchain_id
-from workers.cli_common import EXIT_CHECK_FAILED
+from workers.cli_common import EXIT_CHECK_FAILED, EXIT_PROJECT_ERROR
 from workers.workload import generate_workload
 
 
@@ -223,3 +224,61 @@ def test_a_worker_logs_one_line_per_job_at_info_unless_told_otherwise(fleet, tmp
     if not level:
         assert all("kernels" in line and "traces" in line and " INFO workers.fleet: " in line for line in lines)
         assert "Cache hit for" not in log and "Cache miss for" not in log  # per-kernel lines only at DEBUG
+
+
+def submit_waiting(f: Fleet, graph: Path) -> tuple[subprocess.Popen, str]:
+    """`submit --wait --json` started with no worker; returns it once its batch is in Redis, and the batch id."""
+    process = subprocess.Popen([NKICACHE, "submit", str(graph), "--tier", f.url, "--wait", "--json", "--timeout",
+                                str(WAIT)], env=f.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    wait_until(lambda: f.redis.keys(f.keys.job_batch("*")))
+    [batch_key] = f.redis.keys(f.keys.job_batch("*"))
+    return process, batch_key.decode().rsplit(":", 1)[1]
+
+
+def test_wait_says_at_once_that_redis_lost_the_jobs_and_prints_the_batch(private_redis_server, tmp_path) -> None:
+    """Issue 35: Redis restarts empty under `submit --wait --json` (down for about 0.3 s): the wait rides out the
+    restart, sees the batch is gone, says so in one line and exits 2 at once with the batch id in its JSON,
+    instead of waiting out --timeout and saying the jobs stay queued."""
+    server = private_redis_server()
+    f = Fleet(server.url, tmp_path)
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=31)
+    process, batch = submit_waiting(f, graph)
+    server.stop()
+    time.sleep(0.3)
+    server.start()
+    restarted = time.monotonic()
+    stdout, stderr = process.communicate(timeout=WAIT)
+    assert process.returncode == EXIT_PROJECT_ERROR and time.monotonic() - restarted < 10, (stdout, stderr)
+    report = json.loads(stdout)
+    assert report["batch"] == batch and report["lost"] == 1 and report["unfinished"] == 0
+    assert "gone from the fleet's Redis" in report["error"] and batch in report["error"]
+    errors = [line for line in stderr.splitlines() if not line.startswith("warning: no live worker")]
+    assert errors == [f"nkicache: error: {report['error']}"], stderr
+
+
+def test_wait_on_a_redis_that_stays_down_prints_the_batch(private_redis_server, tmp_path, monkeypatch) -> None:
+    """Redis goes away for longer than the wait rides out (shortened here): one line, exit 2, and the batch id
+    in the JSON object all the same."""
+    from click.testing import CliRunner
+
+    from workers import fleet as fleet_module
+    from workers.cli import main as nkicache
+
+    server = private_redis_server()
+    f = Fleet(server.url, tmp_path)
+    [graph] = generate_workload(tmp_path / "graphs", 1, seed=32)
+    monkeypatch.setattr(fleet_module, "RECONNECT_SECONDS", 1.0, raising=False)  # not there before issue 35
+    real_wait_for = fleet_module.wait_for
+
+    def stopped_then_waited(*args, **kwargs):
+        server.stop()
+        return real_wait_for(*args, **kwargs)
+
+    monkeypatch.setattr(fleet_module, "wait_for", stopped_then_waited)
+    argv = ["submit", str(graph), "--tier", f.url, "--wait", "--json", "--timeout", str(WAIT)]
+    result = CliRunner().invoke(nkicache, argv, env={"NKICACHE_NAMESPACE": f.namespace})
+    assert result.exit_code == EXIT_PROJECT_ERROR, result.output
+    report = json.loads(result.stdout)
+    assert report["batch"] and "the fleet's Redis" in report["error"] and report["batch"] in report["error"]
+    assert result.stderr.strip().splitlines() == [f"nkicache: error: {report['error']}"]

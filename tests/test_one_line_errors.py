@@ -630,3 +630,63 @@ def test_a_stream_message_that_is_no_job_is_dead_lettered_and_the_worker_goes_on
     assert (status["completed"], status["dead_letter"], status["pending"], status["in_flight"]) == (1, 5, 0, 0)
     assert [letter["job"] for letter in status["dead_letters"]] == message_ids
     assert "no job field" in status["dead_letters"][1]["error"] and "'id'" in status["dead_letters"][2]["error"]
+
+
+# -- issue 35 item 9 ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [["compile", "g.json", "--out", "out"], ["report"], ["inspect", "ls"], ["queue"]])
+def test_a_malformed_tier_url_is_one_line(tmp_path: Path, command: list[str]) -> None:
+    write_graph(tmp_path, {**mixed_graph(), "name": "g"})
+    line = one_line_error(nkicache(*command, "--tier", "redis://[::1", cwd=tmp_path))
+    assert "'redis://[::1'" in line and "is not a valid URL" in line
+
+
+def test_a_malformed_tier_url_never_shows_its_password(tmp_path: Path) -> None:
+    line = one_line_error(nkicache("report", env={"NKICACHE_TIER": "redis://u:hunter2@[::1?password=hunter3"}))
+    assert "hunter" not in line and "is not a valid URL" in line
+
+
+def test_workers_100000_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    graph = write_graph(tmp_path, mixed_graph())
+    line = usage_error(nkicache("compile", graph, "--out", tmp_path / "out", "--tier", "off", "--workers", 100000))
+    assert "--workers" in line and "1<=x<=256" in line
+
+
+def graph_with_attrs(tmp_path: Path, name: str, attrs_json: str) -> Path:
+    graph = {"name": name, "tensors": {"x": {"shape": [4, 8], "dtype": "float32"}, "g": {"shape": [8],
+             "dtype": "float32"}, "y": {"shape": [4, 8], "dtype": "float32"}},
+             "ops": [{"type": "InternalNkiKernel", "func_name": "RMSNorm", "kernel_name": "rmsnorm",
+                      "operands": ["x", "g"], "results": ["y"], "attrs": {}}]}  # fmt: skip
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(graph).replace('"attrs": {}', f'"attrs": {attrs_json}'))
+    return path
+
+
+def test_a_5000_digit_integer_in_a_graph_is_one_line(tmp_path: Path) -> None:
+    graph = graph_with_attrs(tmp_path, "digits", '{"eps": ' + "9" * 5000 + "}")
+    compiled = nkicache("compile", graph, "--out", tmp_path / "out", "--tier", "off")
+    line = one_line_error(compiled, code=1)  # a bad graph fails its pass (exit 1), as every bad graph does
+    assert line == f"nkicache: error: {graph}: holds an integer of more than 4300 digits"
+    submitted = one_line_error(nkicache("submit", graph, "--tier", "redis://127.0.0.1:1/0"))  # exit 2
+    assert submitted == line
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "[1, -Infinity]"])
+def test_nan_or_infinity_in_graph_attrs_is_refused_naming_file_and_op(tmp_path: Path, value: str) -> None:
+    graph = graph_with_attrs(tmp_path, "nan", '{"eps": ' + value + "}")
+    line = one_line_error(nkicache("compile", graph, "--out", tmp_path / "out", "--tier", "off"), code=1)
+    assert line.startswith(f"nkicache: error: {graph}: op 0 (RMSNorm): attr 'eps' is ") and "finite" in line
+
+
+def test_a_newline_in_a_file_name_is_printed_escaped(tmp_path: Path) -> None:
+    forged = tmp_path / "evil\n2024-01-01 00:00:00 INFO forged: line.json"
+    forged.write_text(json.dumps(mixed_graph("evil")))
+    broken = tmp_path / "bad\nname.json"
+    broken.write_text("{")
+    done = nkicache("compile", forged, broken, "--out", tmp_path / "out", "--tier", "off")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert not any(line.startswith("2024-01-01") for line in (done.stdout + done.stderr).splitlines())
+    assert "evil\\n2024-01-01 00:00:00 INFO forged: line.json -> " in done.stdout
+    assert done.stderr.splitlines() == [
+        f"nkicache: error: {tmp_path}/bad\\nname.json: not valid JSON: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    ]

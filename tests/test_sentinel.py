@@ -153,3 +153,103 @@ def test_sampling_follows_the_rate_and_the_scope_quarantine_is_reserved(base: Se
         load_settings({"scope": "quarantine"}, environ={})
     with pytest.raises(SettingsError, match="sentinel_rate"):
         load_settings({"sentinel_rate": "1.5"}, environ={})
+
+
+# Redis commands that change data (MONITOR shows every command a client sends; these must not be among them).
+WRITE_COMMANDS = set(
+    [
+        "SET",
+        "SETEX",
+        "GETEX",
+        "DEL",
+        "UNLINK",
+        "EXPIRE",
+        "PEXPIRE",
+        "PERSIST",
+        "HSET",
+        "HSETNX",
+        "HINCRBY",
+        "HINCRBYFLOAT",
+        "HDEL",
+        "SADD",
+        "SREM",
+        "RPUSH",
+        "LPUSH",
+        "XADD",
+        "XACK",
+        "XDEL",
+        "XGROUP",
+        "EVAL",
+        "EVALSHA",
+        "SCRIPT",
+        "FCALL",
+        "MSET",
+        "RENAME",
+        "COPY",
+        "INCR",
+        "INCRBY",
+    ]
+)
+
+
+def monitored_commands(url: str, run: Any) -> list[str]:
+    """The command names the server receives while `run()` runs (from a MONITOR connection of its own)."""
+    import threading
+
+    import redis
+
+    monitor_client = redis.Redis.from_url(url)
+    seen: list[str] = []
+    with monitor_client.monitor() as monitor:
+        done = threading.Event()
+
+        def collect() -> None:
+            for command in monitor.listen():
+                words = command["command"].split()
+                if words and words[0] == "PING" and len(words) > 1 and "sentinel-test-end" in words[1]:
+                    done.set()
+                    return
+                seen.append(words[0].upper() if words else "")
+
+        thread = threading.Thread(target=collect, daemon=True)
+        thread.start()
+        run()
+        redis.Redis.from_url(url).execute_command("PING", "sentinel-test-end")
+        assert done.wait(10)
+    monitor_client.close()
+    return seen
+
+
+def test_a_read_only_sentinel_sends_no_write_and_reports_what_it_would_quarantine(
+    private_redis_server: Any, keys: dict[str, Any]
+) -> None:
+    """Issue 35: `sentinel --tier-mode read-only` finds the planted mismatch, says it would quarantine it, exits 1,
+    and the server receives not one writing command (counted with MONITOR): the entry is still served."""
+    server = private_redis_server()
+    base = Settings(tier=server.url, namespace="nkicache", host="h", flush_interval=0.05)
+    key, wrong = plant_wrong_binary(base, keys, mixed_graph("sentinel-ro"))
+    env = {"NKICACHE_NAMESPACE": base.namespace, "NKICACHE_TRUST_POLICY": keys["policy"]}
+    results = []
+
+    def sweep() -> None:
+        argv = ["sentinel", "--tier", base.tier, "--rate", "1", "--tier-mode", "read-only"]
+        results.append(CliRunner().invoke(nkicache, argv, env=env))
+        results.append(CliRunner().invoke(nkicache, [*argv, "--json"], env=env))
+
+    commands = monitored_commands(server.url, sweep)
+    text, as_json = results
+    assert text.exit_code == 1, text.output
+    assert f"would quarantine (read-only) {key[:16]}" in text.output, text.output
+    assert as_json.exit_code == 1 and '"read_only": true' in as_json.output
+    assert commands and not set(commands) & WRITE_COMMANDS, sorted(set(commands))
+    reader = client_of(base, keys, None, tier_mode="read-only")
+    try:
+        assert reader.lookup(key).binary == wrong  # not moved
+    finally:
+        reader.close()
+    store = trusted_reader(base)
+    try:
+        assert store.in_toolchain(partition(toolchain_id(), QUARANTINE_SCOPE)).get_entries([key]) == {}
+        assert store.totals().get("sentinel_checked", 0) == 0
+    finally:
+        store.close()

@@ -20,6 +20,11 @@ EXIT_PROJECT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 # Every --seed: numpy's generators refuse a negative seed, with a ValueError deep inside a command.
 SEED = click.IntRange(min=0)
+# Every --workers and --processes: a process per CPU is what helps, and each one holds pipes and file
+# descriptors, so 100000 of them fail as "Too many open files" deep inside a pool; no machine has 256 CPUs
+# to use here.
+MAX_PROCESSES = 256
+PROCESS_COUNT = click.IntRange(min=1, max=MAX_PROCESSES)
 
 
 def tier_options(command: Callable) -> Callable:
@@ -146,11 +151,14 @@ class Progress:
 
 
 def _pass_line(result: Any) -> str:
+    from bridge.inputs import shown_path  # a file name cannot end the line and forge the next one
+
     if result.error:
-        return f"{result.file}: FAILED"
+        return f"{shown_path(result.file)}: FAILED"
     c = result.counts
     return (
-        f"{result.file} -> {result.artifact}: {result.target}, {plural(c['kernels'], 'kernel')}, "
+        f"{shown_path(result.file)} -> {shown_path(result.artifact)}: {result.target}, "
+        f"{plural(c['kernels'], 'kernel')}, "
         f"{plural(c['cache_hits'], 'in-pass hit')}, {plural(c['remote_hits'], 'remote hit')}, "
         f"{traces_text(c)}, {result.seconds:.2f} s"
     )

@@ -13,6 +13,7 @@ import click
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
+    PROCESS_COUNT,
     SEED,
     compile_and_summarize,
     echo_json,
@@ -139,7 +140,7 @@ DEFAULT_OUT_DIR = "out"
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=PROCESS_COUNT,
     default=None,
     help="Processes tracing the graphs' kernel variants in parallel (the passes then run in order, each handed "
     "what was traced for it; a single graph gets them all too). Default: the number of CPUs (at most one per graph).",

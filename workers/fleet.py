@@ -45,13 +45,14 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.exceptions as rex
 
 from bridge.errors import NkiCacheError
-from bridge.graph import load_graph, parse_graph_json
+from bridge.graph import load_graph, parse_graph_json, read_graph_file
 from bridge.identity import toolchain_id
+from bridge.inputs import shown_path
 from bridge.port import plural
 from cachestore.api import REDIS_SCHEMES, redact_url, shared_level, stored_number
 from cachestore.backends.redis import connect, text
@@ -213,18 +214,13 @@ def read_graphs(paths: Sequence[str], max_bytes: int = MAX_GRAPH_BYTES) -> list[
     as a dead letter after job_max_attempts compiles."""
     graphs = []
     for path in paths:
-        try:
-            with open(path, "rb") as file:
-                data = file.read(max_bytes + 1)  # bounded: a device or a huge file is not read whole
-        except OSError as exc:
-            raise FleetError(f"{path}: cannot read the graph file: {exc.strerror or exc}") from None
-        if len(data) > max_bytes:
-            raise FleetError(f"{path}: graph file of more than {max_bytes} bytes, the limit max_graph_bytes")
+        data = read_graph_file(path, max_bytes)  # bounded, and never a device or a FIFO
+        source = shown_path(path)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise FleetError(f"{path}: graph file is not UTF-8 text: byte {exc.start} is invalid") from None
-        load_graph(parse_graph_json(text, str(path)), source=str(path))
+            raise FleetError(f"{source}: graph file is not UTF-8 text: byte {exc.start} is invalid") from None
+        load_graph(parse_graph_json(text, source), source=source)
         graphs.append(text)
     return graphs
 
@@ -257,7 +253,7 @@ def submit_texts(
     client.hset(keys.job_toolchains, toolchain, time.time())
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
     for path, graph in graphs:
-        job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"
+        job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"  # batch_of(job_id) is the batch id
         job = {"id": job_id, "batch": submission.batch_id, "file": path, "graph": graph, "attempt": 1,
                "toolchain": toolchain}  # fmt: skip
         client.xadd(keys.job_shard(job_shard(job_id, count)).stream(toolchain), {"job": json.dumps(job)})
@@ -304,15 +300,63 @@ def job_result(job_id: str, value: bytes | str) -> dict[str, Any]:
     return result
 
 
+def batch_of(job_id: str) -> str:
+    """The batch a job id belongs to (`submit_texts` makes job ids BATCH-NNNNN)."""
+    return job_id.rpartition("-")[0]
+
+
+T = TypeVar("T")
+# How long a waiting submitter keeps retrying a Redis it cannot reach before it gives up: long enough for a
+# restart or a cluster failover (a replica takes over within cluster-node-timeout, 15 s by default).
+RECONNECT_SECONDS = 30.0
+# What a restart or a failover raises while it lasts (BusyLoadingError is a ConnectionError).
+TRANSIENT_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError, rex.TryAgainError,
+                    rex.ReadOnlyError, rex.MasterDownError)  # fmt: skip
+
+
+def retrying(call: Callable[[], T]) -> T:
+    """`call()`, retried while Redis is restarting or failing over, for at most RECONNECT_SECONDS in a row."""
+    deadline = time.monotonic() + RECONNECT_SECONDS
+    while True:
+        try:
+            return call()
+        except TRANSIENT_ERRORS:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@dataclass
+class Waited:
+    results: dict[str, dict]  # job id -> result, for the jobs that finished
+    lost: list[str]  # jobs with no result whose batch is gone from Redis: they will never finish
+
+
+def lost_jobs(client: Any, keys: KeySpace, unfinished: Sequence[str]) -> list[str]:
+    """The unfinished jobs whose batch list is gone (Redis restarted empty, or a failover lost the writes).
+    A batch's list is written after its jobs, so while it exists the jobs do too (a replica applies writes in
+    order); it expires job_ttl (7 days) after the submission, far beyond a wait (wait_timeout, 1 hour)."""
+    batches = sorted({batch_of(job) for job in unfinished})
+    with client.pipeline(transaction=False) as pipe:
+        for batch in batches:
+            pipe.exists(keys.job_batch(batch))
+        exists = dict(zip(batches, pipe.execute(), strict=True))
+    return [job for job in unfinished if not exists[batch_of(job)]]
+
+
 def wait_for(
     client: Any, keys: KeySpace, job_ids: Sequence[str], timeout: float | None, on_progress: Callable[[int], None]
-) -> dict[str, dict]:
+) -> Waited:
+    """Poll until every job finished or is lost, or `timeout` passed; a short restart or failover is ridden out
+    (`retrying`), a longer one raises redis-py's error."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        results = results_of(client, keys, job_ids)
+        results = retrying(lambda: results_of(client, keys, job_ids))
         on_progress(len(results))
-        if len(results) == len(job_ids) or (deadline is not None and time.monotonic() > deadline):
-            return results
+        unfinished = [job for job in job_ids if job not in results]
+        lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending)) if unfinished else []
+        if len(lost) == len(unfinished) or (deadline is not None and time.monotonic() > deadline):
+            return Waited(results, lost)
         time.sleep(0.2)
 
 
@@ -746,6 +790,7 @@ def _job(raw: object) -> dict | str:
     for name in ("id", "file", "graph"):
         if not isinstance(job.get(name), str):
             return f"the job's {name!r} is not a string"
+    job["file"] = shown_path(job["file"])  # logged and put in errors: a newline in it must not forge a log line
     return job
 
 

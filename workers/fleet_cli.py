@@ -66,14 +66,20 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
     --version`) takes the jobs; with --wait, a warning on stderr says so when no live worker has it, and
     the jobs keep waiting for one. It prints the batch id, the toolchain and each job's id and file
     (`nkicache job show ID`, `nkicache batch show BATCH`). With --wait it gives up after --timeout seconds
-    (default: wait_timeout) with one line saying how many jobs are unfinished, exit 1; they stay queued.
+    (default: wait_timeout) with one line saying how many jobs are unfinished, exit 1; they stay queued. It
+    rides out a Redis restart or failover of up to 30 s; jobs that Redis lost (their batch is gone: it
+    restarted empty) end the wait at once with one line saying so, exit 2, as does a Redis that stays
+    unreachable; the batch id is printed either way (with --json, in the object, with `error`).
     Every file is checked before the first job is enqueued: one that cannot be read, is larger than
     max_graph_bytes (16 MiB), is not UTF-8 JSON or is not a valid graph is an error naming it, and nothing is
     submitted.
 
-    --json keys: batch, toolchain, submitted, completed, failed, dead_letter, unfinished, jobs ({id: {file,
-    status, error}}), artifacts (with --out).
+    --json keys: batch, toolchain, submitted, completed, failed, dead_letter, unfinished, lost, jobs ({id:
+    {file, status, error}}), artifacts (with --out), error (when the wait failed or jobs were lost).
     """
+    from bridge.errors import NkiCacheError
+    from bridge.inputs import shown_path
+    from cachestore.backends.redis import redis_errors
     from workers import fleet
 
     files = expand(graphs, ".json")
@@ -93,7 +99,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         click.echo(f"batch {submission.batch_id}: {plural(report['submitted'], 'job')} submitted for toolchain "
                    f"{submission.toolchain}")  # fmt: skip
         for job in submission.job_ids:
-            click.echo(f"  {job} {submission.names[job]}")
+            click.echo(f"  {job} {shown_path(submission.names[job])}")
     timeout = settings.wait_timeout if timeout is None else timeout
     if wait:
         tty = not as_json and sys.stderr.isatty()
@@ -109,33 +115,55 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
             if warned or done == len(submission.job_ids) or time.monotonic() < next_look:
                 return
             next_look = time.monotonic() + settings.heartbeat_interval
-            if not fleet.serves(client, keys, submission.toolchain, settings.heartbeat_interval):
+            toolchain, interval = submission.toolchain, settings.heartbeat_interval
+            if not fleet.retrying(lambda: fleet.serves(client, keys, toolchain, interval)):
                 warned = True
                 after_progress = "\n" if tty else ""  # off the progress line
                 click.echo(f"{after_progress}warning: no live worker has toolchain {submission.toolchain} (this "
                            "compiler's); the jobs wait until one starts", err=True)  # fmt: skip
 
-        results = fleet.wait_for(client, keys, submission.job_ids, timeout, progress)
+        try:
+            # The jobs are queued: from here on a failure still reports the batch id (with --json, in the
+            # object), so the submitter can find the batch again.
+            with redis_errors("the fleet's Redis"):
+                waited = fleet.wait_for(client, keys, submission.job_ids, timeout, progress)
+                if out_dir:
+                    report["artifacts"] = fleet.download_artifacts(client, keys, waited.results, out_dir)
+        except NkiCacheError as exc:
+            report["error"] = f"{' '.join(str(exc).split())} (batch {submission.batch_id} was submitted)"
+            if as_json:
+                echo_json(report)
+            off_progress = "\n" if tty else ""
+            click.echo(f"{off_progress}nkicache: error: {report['error']}", err=True)
+            sys.exit(EXIT_PROJECT_ERROR)
+        results = waited.results
         statuses = [r.get("status") for r in results.values()]
         report.update(
             completed=statuses.count("completed"),
             dead_letter=statuses.count("dead_letter"),
             failed=sum(_attempts(r) for r in results.values() if r.get("status") == "dead_letter"),
-            unfinished=len(submission.job_ids) - len(results),
-            jobs={job: {"file": submission.names[job], "status": results.get(job, {}).get("status", "unfinished"),
-                        "error": results.get(job, {}).get("error")} for job in submission.job_ids},
+            lost=len(waited.lost),
+            unfinished=len(submission.job_ids) - len(results) - len(waited.lost),
+            jobs={job: {"file": submission.names[job], "error": results.get(job, {}).get("error"),
+                        "status": "lost" if job in waited.lost else results.get(job, {}).get("status", "unfinished")}
+                  for job in submission.job_ids},
         )  # fmt: skip
-        if out_dir:
-            report["artifacts"] = fleet.download_artifacts(client, keys, results, out_dir)
+        if waited.lost:
+            report["error"] = (f"{report['lost']} of {report['submitted']} jobs are gone from the fleet's Redis "
+                               f"(it restarted empty or failed over; batch {submission.batch_id} no longer exists): "
+                               "submit them again")  # fmt: skip
     if as_json:
         echo_json(report)
     else:
         if wait:
             click.echo(f"{report['completed']} completed, {report['dead_letter']} dead-lettered, "
-                       f"{report['unfinished']} unfinished")  # fmt: skip
+                       f"{report['unfinished']} unfinished, {report['lost']} lost")  # fmt: skip
             for job, info in report["jobs"].items():
                 if info["status"] != "completed":
-                    click.echo(f"  {job} {info['file']}: {info['status']} {info['error'] or ''}".rstrip())
+                    click.echo(f"  {job} {shown_path(info['file'])}: {info['status']} {info['error'] or ''}".rstrip())
+    if wait and report["lost"]:
+        click.echo(f"nkicache: error: {report['error']}", err=True)
+        sys.exit(EXIT_PROJECT_ERROR)
     if wait and report["unfinished"]:
         click.echo(f"nkicache: error: {report['unfinished']} of {plural(report['submitted'], 'job')} unfinished after "
                    f"{timeout:g} s (--timeout, default wait_timeout); they stay queued: nkicache batch show "

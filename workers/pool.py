@@ -72,16 +72,14 @@ def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:
     """{path: error} for graph files whose artifact name an earlier file in `paths` already takes; a
     file that cannot be read or is larger than `max_bytes` is left to its pass to report."""
     from bridge.artifact import artifact_filename
-    from bridge.graph import GraphError, parse_graph_json
+    from bridge.graph import GraphError, parse_graph_json, read_graph_file
 
     seen: dict[str, str] = {}
     errors: dict[str, str] = {}
     for path in paths:
         try:
-            if Path(path).stat().st_size > max_bytes:
-                continue
-            name = parse_graph_json(Path(path).read_bytes(), path).get("name") or Path(path).stem
-        except (OSError, GraphError):
+            name = parse_graph_json(read_graph_file(path, max_bytes), path).get("name") or Path(path).stem
+        except GraphError:
             continue
         filename = artifact_filename(str(name))
         if filename in seen:

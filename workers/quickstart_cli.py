@@ -11,6 +11,7 @@ import click
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
+    PROCESS_COUNT,
     SEED,
     compile_and_summarize,
     echo_json,
@@ -42,7 +43,7 @@ def workload_command(out_dir: str, models: int, seed: int, as_json: bool) -> Non
 @click.option("--dir", "work_dir", type=click.Path(file_okay=False), default="nkicache-quickstart",
               show_default=True, help="Folder for the graphs, the artifacts and the tier file.")  # fmt: skip
 @click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graphs to generate.")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Pool processes.")
+@click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True, help="Pool processes.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Workload and input seed.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: cold, warm, check, warm_speedup and paths.")  # fmt: skip

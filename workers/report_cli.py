@@ -12,7 +12,15 @@ from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json, load_cli_settings, plural, refuse_read_only
+from workers.cli_common import (
+    EXIT_CHECK_FAILED,
+    PROCESS_COUNT,
+    SEED,
+    echo_json,
+    load_cli_settings,
+    plural,
+    refuse_read_only,
+)
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
@@ -397,7 +405,7 @@ def _as_read(value: Any) -> str:
 
 
 # verify and du read the entries of a Redis tier in this many processes (cachestore.scan_split)
-PROCESSES = click.option("--processes", type=click.IntRange(min=1), default=None, metavar="N",
+PROCESSES = click.option("--processes", type=PROCESS_COUNT, default=None, metavar="N",
                          help="Processes reading a Redis tier's entries. Default: one a CPU, at most 4.")  # fmt: skip
 
 

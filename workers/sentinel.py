@@ -42,6 +42,7 @@ class SentinelReport:
     failed: list[dict] = field(default_factory=list)  # [{key, reason}]: could not be traced again
     rejected: int = 0  # entries the policy rejects: never served, nothing to check
     seconds: float = 0.0
+    read_only: bool = False  # tier_mode read-only: `quarantined` lists what it would quarantine; nothing moved
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -57,12 +58,15 @@ def run_sentinel(
     quarantine_ttl: float = 30 * 24 * 3600,
     rng: random.Random | None = None,
     now: float | None = None,
+    read_only: bool = False,
 ) -> SentinelReport:
-    """One sweep over `reader`'s partition (a toolchain's trusted scope): sample, trace again, quarantine."""
+    """One sweep over `reader`'s partition (a toolchain's trusted scope): sample, trace again, quarantine.
+    `read_only` (tier_mode read-only, e.g. the reader ACL user): the same sweep sending no write, neither a
+    quarantine nor a metrics count; the report lists what it would have quarantined."""
     rng = rng or random.Random()
     started = time.perf_counter()
     cutoff = None if since is None else (time.time() if now is None else now) - since
-    report = SentinelReport(reader.toolchain, rate)
+    report = SentinelReport(reader.toolchain, rate, read_only=read_only)
     for batch in batched(reader.scan_entries(with_ttl=False)):
         usage = reader.key_records([raw.cache_key for raw in batch]) if cutoff is not None else {}
         for raw in batch:
@@ -77,7 +81,7 @@ def run_sentinel(
                 continue
             report.sampled += 1
             _check(reader, raw.cache_key, raw.data, entry, report, host, quarantine_ttl)
-    if report.sampled:
+    if report.sampled and not read_only:
         _count(reader, host, reader.toolchain, {"sentinel_checked": report.sampled})
     report.seconds = time.perf_counter() - started
     return report
@@ -92,8 +96,10 @@ def _check(reader: Reader, key: str, data: bytes, entry: Entry, report: Sentinel
     if not problem.startswith(MISMATCH_PREFIXES):
         report.failed.append({"key": key, "reason": problem})
         return
-    quarantine(reader, key, data, entry, ttl)
     report.quarantined.append({"key": key, "writer": entry.writer, "toolchain": entry.toolchain, "reason": problem})
+    if report.read_only:
+        return
+    quarantine(reader, key, data, entry, ttl)
     _count(reader, host, entry.toolchain, {"quarantined": 1, f"quarantined_writer:{entry.writer or 'none'}": 1})
 
 

@@ -91,16 +91,23 @@ def trust_distrust(key_id: str, policy: Path | None) -> None:
               help="Share of the entries in use to trace again, 0 to 1 (default: setting sentinel_rate).")  # fmt: skip
 @click.option("--since", default=None, metavar="D",
               help="Only entries the fleet used within D (1h, 2d); default: every trusted entry.")  # fmt: skip
+@click.option("--tier-mode", type=click.Choice(["read-through", "mirror", "read-only", "off"]), default=None,
+              help="read-only: send no write (report what it would quarantine, count nothing); default: the "
+              "tier_mode setting.")  # fmt: skip
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (default: random).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def sentinel_command(tier: str | None, rate: float | None, since: str | None, seed: int | None, as_json: bool) -> None:
+def sentinel_command(
+    tier: str | None, rate: float | None, since: str | None, tier_mode: str | None, seed: int | None, as_json: bool
+) -> None:
     """Trace again a sample of this compiler's trusted entries in use and compare each binary with the stored
     one; quarantine every mismatch (moved to the quarantine scope: never served again, kept for `nkicache
     inspect`; counted per writer and toolchain in `report` and Prometheus). Runs one sweep; schedule it
-    (cron, a systemd timer) on spare capacity. Exits 1 when it quarantined anything.
+    (cron, a systemd timer) on spare capacity. Exits 1 when it quarantined anything. Under tier_mode
+    read-only it writes nothing (it can run as the reader ACL user) and lists what it would quarantine.
 
     --json keys: toolchain, rate, entries, sampled, matched, quarantined ([{key, writer, toolchain, reason}]),
-    failed ([{key, reason}]: could not be traced again), rejected (refused by the trust policy), seconds.
+    failed ([{key, reason}]: could not be traced again), rejected (refused by the trust policy), seconds,
+    read_only (true: `quarantined` is what it would have quarantined).
     """
     import random
 
@@ -116,7 +123,9 @@ def sentinel_command(tier: str | None, rate: float | None, since: str | None, se
         window = None if since is None else parse_duration(since)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--since") from None
-    settings = load_cli_settings(tier=tier)
+    settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
+    if settings.tier_mode == "off":
+        raise click.UsageError("`nkicache sentinel` checks the tier's entries; tier_mode is off")
     rate = settings.sentinel_rate if rate is None else rate
     if not 0 <= rate <= 1:
         raise click.BadParameter(f"{rate} is not from 0 to 1", param_hint="--rate")
@@ -126,7 +135,7 @@ def sentinel_command(tier: str | None, rate: float | None, since: str | None, se
     try:
         report = run_sentinel(reader, policy, rate=rate, since=window,
                               host=settings.host, quarantine_ttl=settings.entry_ttl,
-                              rng=random.Random(seed))  # fmt: skip
+                              rng=random.Random(seed), read_only=settings.tier_mode == "read-only")  # fmt: skip
     finally:
         reader.close()
     if as_json:
@@ -134,10 +143,12 @@ def sentinel_command(tier: str | None, rate: float | None, since: str | None, se
     else:
         click.echo(f"sentinel over toolchain {report.toolchain}: {plural(report.entries, 'entry')}, "
                    f"{report.sampled} traced "
-                   f"again at rate {rate:g}: {report.matched} matched, {len(report.quarantined)} quarantined, "
+                   f"again at rate {rate:g}: {report.matched} matched, {len(report.quarantined)} "
+                   f"{'to quarantine (read-only: none moved)' if report.read_only else 'quarantined'}, "
                    f"{len(report.failed)} could not be traced, {report.rejected} rejected by the policy "
                    f"({report.seconds:.1f} s)")  # fmt: skip
+        verb = "would quarantine (read-only)" if report.read_only else "quarantined"
         for item in report.quarantined:
-            click.echo(f"quarantined {item['key'][:16]} (writer {item['writer'] or 'none'}): {item['reason']}")
+            click.echo(f"{verb} {item['key'][:16]} (writer {item['writer'] or 'none'}): {item['reason']}")
     if report.quarantined:
         raise SystemExit(EXIT_CHECK_FAILED)

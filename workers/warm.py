@@ -20,7 +20,9 @@ from typing import Any
 
 from bridge.codegen import kernel_cache_key
 from bridge.errors import NkiCacheError
+from bridge.graph import load_graph
 from bridge.identity import toolchain_id
+from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.toolchain import compile_kernel
 from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
@@ -119,12 +121,15 @@ def warm(
     on_progress: Callable[[], None] = lambda: None,
     fleet: Callable[[list[tuple[str, str]]], Any] | None = None,
     per_job: int = 8,
+    limits: Limits | None = None,
 ) -> WarmReport:
     """Trace `variants` with this compiler and store them in its partition of `tier`, single flight with
     every other process (a variant another process holds the lease on is left to it). With `fleet`, the
     variants to trace go to the fleet instead: `fleet` submits graphs of `per_job` kernel calls each, as
     (name, graph JSON), and returns the submission; this compiler's workers trace them (their codegen loops
-    take the leases), and `report.jobs` names the jobs."""
+    take the leases), and `report.jobs` names the jobs. `limits` (the settings' bounds on a graph's work)
+    apply as they do to a compile: a call over one fails with the limit's message."""
+    limits = limits or Limits()
     report = WarmReport(source, toolchain_id(), considered=len(variants))
     started = time.perf_counter()
     held = tier.find_traces([v.cache_key for v in variants])[0]
@@ -135,8 +140,12 @@ def warm(
             on_progress()
             continue
         call, problem = _rebuilt_call(variant)
+        refused = None if problem is not None else _over_limits(variant, call, limits)
         if problem is not None:
             report.skipped.append({"key": variant.cache_key, "reason": problem})
+            on_progress()
+        elif refused is not None:
+            report.failed.append({"key": variant.cache_key, "reason": refused})
             on_progress()
         elif fleet is None and not dry_run and not tier.acquire_lease(variant.cache_key):
             report.present += 1  # another warmer or compile is tracing it now
@@ -150,7 +159,7 @@ def warm(
         submission = fleet(warm_graphs([call for _, call in calls], report.toolchain, per_job))
         report.batch, report.jobs = submission.batch_id, list(submission.job_ids)
     elif not dry_run:
-        for variant, call, outcome in _traced(calls, workers):
+        for variant, call, outcome in _traced(calls, workers, limits.max_kernel_instructions):
             _store(tier, report, variant, call, outcome)
             on_progress()
     if not dry_run:
@@ -213,27 +222,43 @@ def _rebuilt_call(variant: Variant) -> tuple[dict | None, str | None]:
     return call, None
 
 
-def _traced(calls: list[tuple[Variant, dict]], workers: int) -> Iterator[tuple[Variant, dict, Any]]:
+def _over_limits(variant: Variant, call: dict, limits: Limits) -> str | None:
+    """Why a compile would refuse this call's graph (a tensor or the graph over max_tensor_elements or
+    max_graph_elements), or None: the very check a compile makes (bridge.limits.check_graph), on the graph of
+    this one call that `--fleet` would submit."""
+    try:
+        graph = load_graph(_graph(f"warm-{variant.cache_key[:16]}", call["target"], [call]),
+                           source=f"variant {variant.cache_key[:16]}")  # fmt: skip
+        check_graph(graph, limits)
+    except NkiCacheError as exc:
+        return " ".join(str(exc).split())
+    return None
+
+
+def _traced(
+    calls: list[tuple[Variant, dict]], workers: int, max_instructions: int
+) -> Iterator[tuple[Variant, dict, Any]]:
     """(variant, call, (result, seconds) or the error message), as each trace finishes."""
     if workers <= 1 or len(calls) <= 1:
         for variant, call in calls:
-            yield variant, call, _trace(call)
+            yield variant, call, _trace(call, max_instructions)
         return
     from workers.pool import pool_context
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
-        futures = [(variant, call, pool.submit(_trace, call)) for variant, call in calls]
+        futures = [(variant, call, pool.submit(_trace, call, max_instructions)) for variant, call in calls]
         for variant, call, future in futures:
             yield variant, call, future.result()
 
 
-def _trace(call: dict) -> tuple[dict, float] | str:
+def _trace(call: dict, max_instructions: int) -> tuple[dict, float] | str:
     from bridge.targets import make_target
 
     started = time.perf_counter()
     try:
-        result = compile_kernel(call["func_name"], call["operands"], call["results"], call["attrs"],
-                                target=make_target(call["target"]))  # fmt: skip
+        with kernel_instruction_limit(max_instructions):  # as a compile's pass traces (workers.passes)
+            result = compile_kernel(call["func_name"], call["operands"], call["results"], call["attrs"],
+                                    target=make_target(call["target"]))  # fmt: skip
     except NkiCacheError as exc:
         return " ".join(str(exc).split())
     return result, time.perf_counter() - started

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from cachestore.api import REDIS_SCHEMES, shared_level
-from workers.cli_common import EXIT_CHECK_FAILED, Progress, load_cli_settings, plural, refuse_read_only
+from workers.cli_common import EXIT_CHECK_FAILED, PROCESS_COUNT, Progress, load_cli_settings, plural, refuse_read_only
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -33,7 +33,7 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
               help="Only variants used at least U times.")  # fmt: skip
 @click.option("--since", default=None, metavar="D", callback=_since,
               help="Only variants used since D ago (7d, 12h) or since a date.")  # fmt: skip
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True,
               help="Processes tracing at once.")  # fmt: skip
 @click.option("--fleet", is_flag=True,
               help="Have the fleet's workers of this compiler trace them (Redis jobs), and wait.")  # fmt: skip
@@ -51,8 +51,8 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
 
     Each kernel call is rebuilt from an entry's key components, traced, and stored, single flight with
     every other process. A variant this compiler already holds is skipped; one that cannot be rebuilt (a
-    kernel no longer in the library) is skipped with its reason; one this compiler refuses is reported as
-    failed. Exit 1 when any failed.
+    kernel no longer in the library) is skipped with its reason; one this compiler refuses (over a limit such
+    as max_tensor_elements, as a compile would refuse it) is reported as failed. Exit 1 when any failed.
 
     --fleet traces on the fleet instead of here: the variants to trace become jobs of --per-job kernel calls
     each, under this compiler's toolchain, so only workers of this compiler take them (deploy them before
@@ -98,7 +98,7 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     try:
         submit = _fleet_submitter(settings) if fleet else None
         report = warm(client, variants, source, workers=workers, dry_run=dry_run, fleet=submit, per_job=per_job,
-                      on_progress=lambda: progress.advance("variant"))  # fmt: skip
+                      limits=settings.limits(), on_progress=lambda: progress.advance("variant"))  # fmt: skip
     finally:
         progress.close()
         client.close()
@@ -161,13 +161,15 @@ def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) 
             progress.advance("job finished")
 
     try:
-        results = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished)
+        waited = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished)
     finally:
         progress.close()
         client.close()
     for job_id in report.jobs:
-        result = results.get(job_id)
-        if result is None:
+        result = waited.results.get(job_id)
+        if job_id in waited.lost:
+            report.failed.append({"job": job_id, "reason": "gone from Redis (it restarted empty or failed over)"})
+        elif result is None:
             report.failed.append({"job": job_id, "reason": f"not finished after {timeout:g} s (it stays queued)"})
         elif result.get("status") != "completed":
             report.failed.append({"job": job_id, "reason": result.get("error") or result.get("status", "failed")})
