@@ -40,11 +40,16 @@ def nkicache_command() -> list[str]:
 
 
 def child_environment(work: Path) -> dict[str, str]:
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    config = work / "empty-config.toml"  # no user's config file: the defaults and the flags given only
+    """This environment without PYTHONDONTWRITEBYTECODE and without the user's nkicache settings (an empty
+    config file, no NKICACHE_* variable): the figures are of the defaults and the flags given."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "PYTHONDONTWRITEBYTECODE" and not name.startswith("NKICACHE_")
+    }
+    config = work / "empty-config.toml"
     config.write_text("")
     environment["NKICACHE_CONFIG"] = str(config)
-    environment.pop("NKICACHE_TIER", None)
     return environment
 
 
