@@ -954,18 +954,22 @@ class TierClient:
             return len(self._outbox)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush (bounded; waiting out the breaker when it closes in time), stop the flusher, count what could
-        not be delivered, close the backend: here once the flusher has stopped, else by the flusher itself as it
-        stops (a send cut off by the join's bound is never followed by a close under it)."""
+        """Flush and stop the flusher within `timeout` seconds in all (default final_flush_timeout; waiting out
+        the breaker when it closes in time), count what could not be delivered, close the backend: here once
+        the flusher has stopped, else by the flusher itself as it stops (a send cut off by the deadline is never
+        followed by a close under it)."""
+        # One deadline for the flush and the flusher's stop: close() waits final_flush_timeout at most (a send
+        # still under way then finishes on the flusher, which closes the backend after it).
+        deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         self._leases.stop()
         self._closing_soon = True
-        self.flush(timeout, through_outage=True)
+        self.flush(deadline - time.monotonic(), through_outage=True)
         with self._outbox_lock:
             self._closing = True
             self._outbox_lock.notify_all()
         flusher = self._flusher
         if flusher is not None:
-            flusher.join(timeout=max(self.settings.op_timeout * 3, 1.0))
+            flusher.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._outbox_lock:
             self._absorb()
             if self._outbox:

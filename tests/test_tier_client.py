@@ -316,6 +316,27 @@ def test_close_counts_what_it_could_not_deliver(backend) -> None:
     assert counts(client)["tier_dropped"] == 2 and client.pending() == 0
 
 
+def test_close_waits_no_longer_than_final_flush_timeout_for_a_tier_that_hangs(backend) -> None:
+    """A tier that takes a send and does not answer (frozen, trickling): close() gives up at its deadline, the
+    flush and the flusher's stop together, and the send left under way closes the backend when it ends."""
+    sending, released = threading.Event(), threading.Event()
+
+    class HangingBackend(FlakyBackend):
+        def store(self, requests, ttl):
+            sending.set()
+            released.wait(10)
+            super().store(requests, ttl)
+
+    client = client_for(HangingBackend(backend), final_flush_timeout=1.0)
+    client.publish("a", make_entry())
+    assert sending.wait(5)  # the flusher is inside the send
+    started = time.monotonic()
+    client.close()
+    took = time.monotonic() - started
+    released.set()
+    assert took < 1.5, took  # it waited the flush's 1 s and then up to 3 s more for the flusher
+
+
 def test_a_write_after_close_is_dropped_and_counted_and_starts_no_flusher(backend) -> None:
     """A publish, a lease release or a metrics batch after close(): nothing goes out on the closed backend (a
     flusher started again would send there, from a daemon thread the process may kill mid-write)."""
