@@ -72,6 +72,7 @@ from cachestore.entry import (
 )
 from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
+from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings, SettingsError
 from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
 from cachestore.value import ValueMedian, entry_value
@@ -170,6 +171,7 @@ class TierClient:
         self.description = description
         self.mode = settings.tier_mode
         self.stats = TierStats()
+        self._rejections = RejectionLog(description)
         self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
         self.credentials = credentials or settings_credentials(settings)
@@ -520,7 +522,7 @@ class TierClient:
 
     def reject(self, cache_key: str, reason: str) -> None:
         self.stats.add("tier_rejected")
-        logger.warning("rejected tier entry %s...: %s", cache_key[:16], reason)
+        self._rejections.add(cache_key, reason)
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:
@@ -980,6 +982,7 @@ class TierClient:
             # Decided under the lock the flusher reads it with as it stops: exactly one of the two closes it.
             running = flusher is not None and flusher is self._flusher and not self._flusher_stopped
             self._backend_closed_by_flusher = running
+        self._rejections.log_summary()
         if not running:
             self._close_backend()
         else:
