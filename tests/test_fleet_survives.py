@@ -111,16 +111,16 @@ def test_a_compile_process_runs_under_the_memory_limit(fleet, tmp_path: Path) ->
 
 
 def test_a_job_over_its_time_limit_is_killed_and_the_next_one_compiles(fleet, tmp_path: Path) -> None:
-    # A second leaves the quick job's process time to start on a loaded machine, and the slow graph (five
-    # large UNet kernels: 1.5-3.5 s of tracing here) never finishes within it.
-    f = fleet(job_timeout=1.0, job_max_attempts=1)
-    [slow] = slow_graphs(tmp_path / "slow", [400])
+    # Three seconds leave the quick job's process time to start with both cores busy elsewhere, and the slow
+    # graph (five UNet kernels at size 1000: 4-9 s of tracing here) never finishes within them.
+    f = fleet(job_timeout=3.0, job_max_attempts=1)
+    [slow] = slow_graphs(tmp_path / "slow", [1000])
     quick = softmax_graph(tmp_path / "quick", "quick", 4, 8)
     f.start_worker("w1")
     report = f.submit(slow, quick, expect_code=EXIT_CHECK_FAILED)
     by_file = {info["file"]: info for info in report["jobs"].values()}
     assert by_file[str(slow)]["status"] == "dead_letter"
-    assert "compiling took longer than the limit job_timeout = 1 s; killed" in by_file[str(slow)]["error"]
+    assert "compiling took longer than the limit job_timeout = 3 s; killed" in by_file[str(slow)]["error"]
     assert by_file[str(quick)]["status"] == "completed"
     assert f.workers["w1"].poll() is None and f.stop("w1")[0] == 0
 
@@ -282,3 +282,27 @@ def test_wait_on_a_redis_that_stays_down_prints_the_batch(private_redis_server, 
     report = json.loads(result.stdout)
     assert report["batch"] and "the fleet's Redis" in report["error"] and report["batch"] in report["error"]
     assert result.stderr.strip().splitlines() == [f"nkicache: error: {report['error']}"]
+
+
+def test_a_wait_longer_than_job_ttl_keeps_its_batch_and_a_lost_batch_is_told(redis_client) -> None:
+    """The submitter's polls keep the batch list it waits on (a slow batch is not taken for one Redis lost),
+    and a batch whose list is gone is reported lost at the next poll."""
+    from helpers_graphs import delete_namespace, unique_namespace
+
+    from cachestore.keys import KeySpace
+    from workers.fleet import lost_jobs
+
+    namespace = unique_namespace()
+    keys = KeySpace(namespace)
+    jobs = ["b1-00000", "b1-00001"]
+    try:
+        redis_client.rpush(keys.job_batch("b1"), *jobs)
+        redis_client.pexpire(keys.job_batch("b1"), 300)  # job_ttl shorter than the wait
+        for _ in range(4):
+            time.sleep(0.2)
+            assert lost_jobs(redis_client, keys, jobs, keep_for=1) == []
+        assert 0 < redis_client.pttl(keys.job_batch("b1")) <= 1000
+        redis_client.delete(keys.job_batch("b1"))  # Redis restarted empty
+        assert lost_jobs(redis_client, keys, jobs, keep_for=1) == jobs
+    finally:
+        delete_namespace(redis_client, namespace)

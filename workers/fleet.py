@@ -332,29 +332,35 @@ class Waited:
     lost: list[str]  # jobs with no result whose batch is gone from Redis: they will never finish
 
 
-def lost_jobs(client: Any, keys: KeySpace, unfinished: Sequence[str]) -> list[str]:
-    """The unfinished jobs whose batch list is gone (Redis restarted empty, or a failover lost the writes).
-    A batch's list is written after its jobs, so while it exists the jobs do too (a replica applies writes in
-    order); it expires job_ttl (7 days) after the submission, far beyond a wait (wait_timeout, 1 hour)."""
+def lost_jobs(client: Any, keys: KeySpace, unfinished: Sequence[str], keep_for: int) -> list[str]:
+    """The unfinished jobs whose batch list is gone (Redis restarted empty, or a failover lost the writes); the
+    lists that are there are kept `keep_for` seconds more (EXPIRE answers both), so that a wait longer than
+    job_ttl does not take its own batch for lost. A batch's list is written after its jobs, so while it exists
+    the jobs do too (a replica applies writes in order)."""
     batches = sorted({batch_of(job) for job in unfinished})
     with client.pipeline(transaction=False) as pipe:
         for batch in batches:
-            pipe.exists(keys.job_batch(batch))
+            pipe.expire(keys.job_batch(batch), keep_for)
         exists = dict(zip(batches, pipe.execute(), strict=True))
     return [job for job in unfinished if not exists[batch_of(job)]]
 
 
 def wait_for(
-    client: Any, keys: KeySpace, job_ids: Sequence[str], timeout: float | None, on_progress: Callable[[int], None]
+    client: Any,
+    keys: KeySpace,
+    job_ids: Sequence[str],
+    timeout: float | None,
+    on_progress: Callable[[int], None],
+    job_ttl: int,
 ) -> Waited:
     """Poll until every job finished or is lost, or `timeout` passed; a short restart or failover is ridden out
-    (`retrying`), a longer one raises redis-py's error."""
+    (`retrying`), a longer one raises redis-py's error. The batches waited on are kept job_ttl from each poll."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         results = retrying(lambda: results_of(client, keys, job_ids))
         on_progress(len(results))
         unfinished = [job for job in job_ids if job not in results]
-        lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending)) if unfinished else []
+        lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending, job_ttl)) if unfinished else []
         if len(lost) == len(unfinished) or (deadline is not None and time.monotonic() > deadline):
             return Waited(results, lost)
         time.sleep(0.2)

@@ -126,7 +126,7 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
             # The jobs are queued: from here on a failure still reports the batch id (with --json, in the
             # object), so the submitter can find the batch again.
             with redis_errors("the fleet's Redis"):
-                waited = fleet.wait_for(client, keys, submission.job_ids, timeout, progress)
+                waited = fleet.wait_for(client, keys, submission.job_ids, timeout, progress, settings.job_ttl)
                 if out_dir:
                     report["artifacts"] = fleet.download_artifacts(client, keys, waited.results, out_dir)
         except NkiCacheError as exc:

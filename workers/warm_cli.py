@@ -161,7 +161,7 @@ def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) 
             progress.advance("job finished")
 
     try:
-        waited = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished)
+        waited = wait_for(client, KeySpace(settings.namespace), report.jobs, timeout, finished, settings.job_ttl)
     finally:
         progress.close()
         client.close()
