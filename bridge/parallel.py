@@ -212,7 +212,7 @@ def _variant(task: TraceTask, stored: Any) -> TracedVariant | None:
     """A stored trace as a traced variant, when it is what tracing the task would give."""
     if stored is None or stored_trace_problem(task.cache_key, stored) is not None:
         return None
-    return TracedVariant(dict(stored.result), stored.compile_seconds)
+    return TracedVariant(dict(stored.result), stored.compile_seconds, elsewhere=True)  # another process traced it
 
 
 # -- a task as JSON (fleet trace tasks travel on the job stream) -------------------------------------------
