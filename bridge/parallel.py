@@ -7,7 +7,7 @@ traced for it (`BirCodeGenLoop.traced_elsewhere`); what it is not handed (a task
 changed in between) it traces itself, as it would without any of this.
 
 Which pass a variant is traced for follows what a sequential compile of the same graphs would do, so each
-pass counts what it counts sequentially (`traces` there = `traces` + `parallel_traces` here):
+pass counts what it counts sequentially (`parallel_traces` says how many of its `traces` ran elsewhere):
 
 - tier that reads: one task per variant the tier does not hold, for the first graph (in input order) that
   uses it; a later graph gets it from the tier, as a remote hit, as it would after the earlier pass published
