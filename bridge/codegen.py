@@ -84,11 +84,14 @@ class BirCodeGenLoop:
         self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
         self._tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
-        # Variants a trace task traced for this pass (bridge.parallel; in this process or another): key -> trace.
-        # A miss on one is answered as a remote hit is, and counted in parallel_traces, not in traces or
-        # remote_hits.
+        # Variants a fleet job's trace tasks traced and published for this pass (workers/trace_tasks.py): key ->
+        # trace. A miss on one is answered before the tier is asked, and counted in traces.
         self.traced_elsewhere: dict[str, TracedVariant] = {}
-        self.parallel_traces = 0
+        # Variants `compile --workers N` traced ahead for this pass (workers/variant_pool.py), published by no one:
+        # a miss the tier does not answer takes the one traced for it instead of tracing, and publishes it, so the
+        # pass asks, counts and stores exactly what it would alone. What is left is the caller's to hand on.
+        self.traced_ahead: dict[str, TracedVariant] = {}
+        self.parallel_traces = 0  # of `traces`, those made in another process
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -281,10 +284,15 @@ class BirCodeGenLoop:
         if self._tier_reads():
             self.tier_lookups += 1
             self._count_cause(inst, cache_key, traced.miss_cause)
-        self.parallel_traces += 1
-        self.trace_seconds += traced.seconds
+        self._count_trace(traced)
         self._compile_seconds[cache_key] = traced.seconds
         return dict(traced.result)
+
+    def _count_trace(self, traced: TracedVariant) -> None:
+        """A trace made for this pass by another process or ahead of it: counted as the pass's own trace."""
+        self.traces += 1
+        self.parallel_traces += int(traced.elsewhere)
+        self.trace_seconds += traced.seconds
 
     def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
         traces, held = self.tier.find_traces([cache_key])
@@ -340,14 +348,17 @@ class BirCodeGenLoop:
     def _trace_and_publish(self, inst: InternalNkiKernel, cache_key: str, key_components: dict) -> dict:
         holds_lease = cache_key in self._leases
         self._leases.discard(cache_key)
+        ahead = self.traced_ahead.pop(cache_key, None)
         started = time.perf_counter()
         try:
-            result = self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
+            result = dict(ahead.result) if ahead else self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
         except BaseException:
             if holds_lease:
                 self.tier.release_lease(cache_key)
             raise
-        seconds = self._compile_seconds[cache_key] = time.perf_counter() - started
+        if ahead is not None:
+            self._count_trace(ahead)
+        seconds = self._compile_seconds[cache_key] = ahead.seconds if ahead else time.perf_counter() - started
         if self.tier is not None:
             self.tier.publish_trace(cache_key, result, key_components, seconds, release_lease=holds_lease)
         return result

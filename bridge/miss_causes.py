@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING, Any
 
 from bridge.ir import freeze_key_components
@@ -97,6 +97,27 @@ def facts_of_absent(
     down = not tier.available
     absent = {key: parts for key, parts in components.items() if key not in stored}
     return down, tier.variant_facts(absent) if absent and not down else None
+
+
+def facts_of_stored(
+    cache_key: str, key_components: Mapping[str, Any], stored: Mapping[str, Mapping[str, Any]]
+) -> VariantFacts:
+    """What the variant index would say of a miss on `cache_key` once the entries `stored` (cache key -> key
+    components, all this toolchain's) are in it: a store's queued entries count as stored, as its reads do."""
+    prints = variant_fingerprints(key_components)
+    others = [variant_fingerprints(components) for components in stored.values()]
+    same_kernel = [other for other in others if other.kernel_name == prints.kernel_name]
+    return VariantFacts(
+        stored_here_before=cache_key in stored,
+        same_attrs_stored=any(other.attrs == prints.attrs for other in same_kernel),
+        same_shapes_stored=any(other.shapes == prints.shapes for other in same_kernel),
+        kernel_stored=bool(same_kernel),
+    )
+
+
+def merged_facts(one: VariantFacts, other: VariantFacts) -> VariantFacts:
+    """Facts of two sources of the same index (what it holds, what is on its way to it): each fact of either."""
+    return VariantFacts(*(a or b for a, b in zip(astuple(one), astuple(other), strict=True)))
 
 
 def classify_miss(seen: MissObservation, facts: VariantFacts | None) -> str:

@@ -7,7 +7,7 @@ traced for it (`BirCodeGenLoop.traced_elsewhere`); what it is not handed (a task
 changed in between) it traces itself, as it would without any of this.
 
 Which pass a variant is traced for follows what a sequential compile of the same graphs would do, so each
-pass counts what it counts sequentially (`traces` there = `traces` + `parallel_traces` here):
+pass counts what it counts sequentially (`parallel_traces` says how many of its `traces` ran elsewhere):
 
 - tier that reads: one task per variant the tier does not hold, for the first graph (in input order) that
   uses it; a later graph gets it from the tier, as a remote hit, as it would after the earlier pass published
@@ -212,7 +212,7 @@ def _variant(task: TraceTask, stored: Any) -> TracedVariant | None:
     """A stored trace as a traced variant, when it is what tracing the task would give."""
     if stored is None or stored_trace_problem(task.cache_key, stored) is not None:
         return None
-    return TracedVariant(dict(stored.result), stored.compile_seconds)
+    return TracedVariant(dict(stored.result), stored.compile_seconds, elsewhere=True)  # another process traced it
 
 
 # -- a task as JSON (fleet trace tasks travel on the job stream) -------------------------------------------

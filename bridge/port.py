@@ -19,9 +19,9 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # What one pass counts, in the order reports show them. `kernels` = cache_hits + cache_misses (the
 # specification's counters, the in-pass cache); `tier_lookups` are the in-pass misses that asked the shared
 # tier (none with the tier off or in mirror mode), `remote_hits` the ones it answered; `traces` are the misses
-# that neither the in-pass cache nor the tier answered and the pass traced itself; `parallel_traces` the ones
-# another process traced for the pass (`nkicache compile --workers N`), so `traces` summed over passes is what
-# the passes traced themselves and the sum of both is what a sequential compile of the same passes traces.
+# that neither the in-pass cache nor the tier answered: every trace made for the pass, wherever it ran;
+# `parallel_traces` how many of those ran in another process (`nkicache compile --workers N`'s helpers, a fleet
+# job's trace tasks), so `traces` is the same with 1 or N workers and `parallel_traces` only says where.
 # Saved time is counted apart for each cache, so that none reads as the other's: `tier_saved_seconds` is the
 # compile seconds stored with the entries the shared tier answered (its remote hits), `in_pass_saved_seconds`
 # what tracing the variants the pass's own cache answered cost (its cache hits), which a pass saves with no tier.
@@ -115,6 +115,7 @@ class TracedVariant:
     result: dict
     seconds: float
     miss_cause: str = "unknown"  # why the tier missed it when the compile's plan asked (bridge.miss_causes)
+    elsewhere: bool = False  # traced in another process than the pass's (counted in parallel_traces)
 
 
 @dataclass(frozen=True)

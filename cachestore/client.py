@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
-from bridge.miss_causes import VariantFacts
+from bridge.miss_causes import VariantFacts, facts_of_stored, merged_facts
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
     REDIS_SCHEMES,
@@ -517,8 +517,23 @@ class TierClient:
             logger.debug("tier %s: variant index not read (%s); misses of this pass are of unknown cause",
                          self.description, exc)  # fmt: skip
             return None
-        return {key: facts(values, self._partition)
-                for key, values in zip(queries, answers, strict=True) if values is not None}  # fmt: skip
+        found = {key: facts(values, self._partition)
+                 for key, values in zip(queries, answers, strict=True) if values is not None}  # fmt: skip
+        return self._with_own_unsent(misses, found)
+
+    def _with_own_unsent(
+        self, misses: Mapping[str, Mapping[str, Any]], found: dict[str, VariantFacts]
+    ) -> dict[str, VariantFacts]:
+        """`found` with what this client queued and has not stored yet counted as in the index, as its reads
+        count those entries as held: a pass's miss causes do not depend on how far the write-behind got."""
+        with self._outbox_lock:
+            self._absorb()
+            queued = {key: pending.built().key_components for key, pending in self._unsent.items()}
+        if not queued:
+            return found
+        for key in found:  # (a key the index could not say anything of stays unknown)
+            found[key] = merged_facts(found[key], facts_of_stored(key, misses[key], queued))
+        return found
 
     def reject(self, cache_key: str, reason: str) -> None:
         self.stats.add("tier_rejected")

@@ -518,7 +518,7 @@ def plot_hit_rate(report: FleetReport) -> str | None:
     width_days = report.bucket_seconds / 86400 * 0.9
     local = [b.counts["cache_hits"] for b in report.timeline]
     remote = [b.counts["remote_hits"] for b in report.timeline]
-    traced = [b.counts["traces"] + b.counts.get("parallel_traces", 0) for b in report.timeline]
+    traced = [b.counts["traces"] for b in report.timeline]  # every trace, the parallel ones included
     centers = [datetime.fromtimestamp(b.start + report.bucket_seconds / 2) for b in report.timeline]
 
     figure = Figure(figsize=(10, 5.5), layout="constrained")

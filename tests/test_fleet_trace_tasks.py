@@ -50,7 +50,7 @@ def test_one_job_is_traced_by_two_workers(fleet, tmp_path: Path) -> None:
     [result] = f.results().values()
     assert result["status"] == "completed", result
     # Every variant was traced by a trace task, by the job's worker or the other one, none by the pass itself.
-    assert result["traces"] == 0 and result["parallel_traces"] == result["cache_misses"] > 5
+    assert result["traces"] == result["cache_misses"] > 5 and result["parallel_traces"] > 0
     job_worker = result["worker"]
     helper = "w2" if job_worker == "w1" else "w1"
     wait_until(lambda: stream_drained(f))
@@ -88,7 +88,7 @@ def test_a_trace_task_whose_worker_is_killed_is_taken_over_and_the_job_completes
     wait_until(lambda: f.results())
     [result] = f.results().values()
     assert result["status"] == "completed" and result["worker"] != victim, result
-    assert result["traces"] + result["parallel_traces"] == result["cache_misses"]
+    assert result["traces"] == result["cache_misses"]
     # The variant the dead worker held was traced by another (the job's worker once the lease lapsed, or the
     # worker that took the task over), and nothing is left pending on the stream.
     assert all(f.redis.exists(f.keys.entry(toolchain_id(), key)) for key in held)

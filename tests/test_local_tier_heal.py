@@ -35,7 +35,7 @@ def compile_json(tier: Path, out: Path, caplog: pytest.LogCaptureFixture) -> tup
 
 
 def traced(report: dict) -> int:
-    return report["traces"] + report["parallel_traces"]
+    return report["traces"]
 
 
 def foreign_database(path: Path) -> None:

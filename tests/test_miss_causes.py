@@ -346,3 +346,21 @@ def test_a_stacks_misses_take_the_shared_levels_index_and_its_outage(tmp_path: P
     finally:
         delete_namespace(client, namespace)
         client.close()
+
+
+def test_a_pass_s_causes_do_not_depend_on_how_far_the_write_behind_got(
+    tier: Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two passes in a row, the first one's entries still queued (the flusher stopped): the second pass's
+    misses have the causes they have once those are stored, as its reads already find the queued entries."""
+    from cachestore.client import TierClient
+
+    client = tier.client()
+    with monkeypatch.context() as patch:
+        patch.setattr(TierClient, "_ensure_flusher", lambda self: None)
+        BirCodeGenLoop(make_target("Trn2"), tier=client).run(load_graph(graph_of(SOFTMAX_64, RMS_A)))
+        second = BirCodeGenLoop(make_target("Trn2"), tier=client)
+        second.run(load_graph(graph_of(SOFTMAX_64, SOFTMAX_128, RMS_B)))
+    assert second.remote_hits == 1
+    assert causes(second) == {"new_shape": 1, "attrs_differ": 1}
+    client.close()

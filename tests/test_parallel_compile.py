@@ -28,12 +28,12 @@ SAME = ("kernels", "cache_hits", "cache_misses", "remote_hits", "tier_lookups", 
         "tier_rejected", "tier_dropped")  # fmt: skip
 
 
-def compile_json(graphs: Path, out: Path, workers: int, tier: str, env: dict | None = None) -> dict:
+def compile_json(graphs: Path, out: Path, workers: int, tier: str, env: dict | None = None, expect: int = 0) -> dict:
     done = subprocess.run(
         [NKICACHE, "compile", str(graphs), "--workers", str(workers), "--tier", tier, "--out", str(out), "--json"],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == expect, done.stderr
     return json.loads(done.stdout)
 
 
@@ -46,9 +46,9 @@ def assert_same_passes(sequential: dict, parallel: dict) -> None:
     for one, two in zip(sequential["graphs"], parallel["graphs"], strict=True):
         assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
         assert {key: two[key] for key in SAME} == {key: one[key] for key in SAME}, one["file"]
-        # What the sequential pass traced, the parallel one traced or was handed by a trace task.
+        # Every trace made for the pass is in `traces`, wherever it ran; `parallel_traces` says how many ran elsewhere.
         assert one["parallel_traces"] == 0
-        assert two["traces"] + two["parallel_traces"] == one["traces"], one["file"]
+        assert two["traces"] == one["traces"] >= two["parallel_traces"], one["file"]
         # Every tier miss has one cause, a parallel trace's too (the plan's lookup found it).
         for run in (one, two):
             assert sum(run[name] for name in MISS_COUNTERS) == run["tier_lookups"] - run["remote_hits"], one["file"]
@@ -72,7 +72,7 @@ def test_parallel_compile_counts_and_artifacts_equal_a_sequential_one(
         runs[workers] = compile_json(default_workload, tmp_path / f"out-{workers}", workers, url)
     assert runs[1]["passes"] == runs[2]["passes"] == 12
     assert_same_passes(runs[1], runs[2])
-    assert runs[2]["traces"] == 0 and runs[2]["parallel_traces"] > 0  # every variant traced by a trace task
+    assert runs[2]["traces"] == runs[1]["traces"] and runs[2]["parallel_traces"] > 0  # helpers traced some
     if tier == "local":
         assert runs[2]["remote_hits"] > 0  # a variant another graph needs first comes from the tier, as sequentially
     assert artifact_bytes(tmp_path / "out-2") == artifact_bytes(tmp_path / "out-1")
@@ -98,7 +98,7 @@ def test_a_single_graph_is_traced_by_every_worker(default_workload: Path, tmp_pa
     one = compile_json(graph, tmp_path / "one", 1, "off")
     two = compile_json(graph, tmp_path / "two", 2, "off")
     assert_same_passes(one, two)
-    assert two["parallel_traces"] == one["traces"] > 1
+    assert two["traces"] == one["traces"] > 1
     assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
 
 
@@ -170,7 +170,7 @@ def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest
     assert killed.exists() and int(killed.read_text()) != os.getpid()
     assert not parallel.interrupted and [r.error for r in parallel.results] == [None] * 4
     for one, two in zip(sequential.results, parallel.results, strict=True):
-        assert two.counts["traces"] + two.counts["parallel_traces"] == one.counts["traces"]
+        assert two.counts["traces"] == one.counts["traces"]
     assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
 
 
@@ -204,8 +204,8 @@ def test_one_helper_of_two_killed_leaves_its_task_to_the_others(
     sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
     assert int(killed.read_text()) not in (0, parent)
     assert not parallel.interrupted and [r.error for r in parallel.results] == [None] * 4
-    parallel_traces = sum(r.counts["parallel_traces"] for r in parallel.results)
-    assert parallel_traces == sum(r.counts["traces"] for r in sequential.results)  # the lost task included
+    traces = sum(r.counts["traces"] for r in parallel.results)
+    assert traces == sum(r.counts["traces"] for r in sequential.results)  # the lost task included
     assert artifact_bytes(tmp_path / "three") == artifact_bytes(tmp_path / "one")
 
 
@@ -234,7 +234,7 @@ def test_a_helper_killed_holding_the_task_counter_costs_no_pass(
     parallel = compile_run(paths, settings=settings, workers=2, out_dir=str(tmp_path / "two"))
     sequential = compile_run(paths, settings=settings, workers=1, out_dir=str(tmp_path / "one"))
     assert [r.error for r in parallel.results] == [None] * 3
-    assert [r.counts["parallel_traces"] for r in parallel.results] == [r.counts["traces"] for r in sequential.results]
+    assert [r.counts["traces"] for r in parallel.results] == [r.counts["traces"] for r in sequential.results]
     assert artifact_bytes(tmp_path / "two") == artifact_bytes(tmp_path / "one")
 
 
@@ -372,3 +372,65 @@ def task_binary(task: Any) -> bytes:
 
     loop = BirCodeGenLoop(make_target(task.target))
     return loop._trace_internal_kernel_to_new_nki_frontend(task.op, task.cache_key)["binary"]
+
+
+# What may differ between runs of the same compile: where and how long, never what was counted. Every other key
+# of `compile --json` (each counter, per pass and in the totals, tier_rejected and misses_* included) is compared.
+WHERE_AND_HOW_LONG = {"seconds", "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds", "parallel_traces",
+                      "workers", "tier", "artifact", "artifacts"}  # fmt: skip
+
+
+def counted(run: dict) -> dict:
+    """Everything a compile counted, its tier levels named by position (each run has a tier file of its own)."""
+
+    def strip(document: dict) -> dict:
+        kept = {key: value for key, value in document.items() if key not in WHERE_AND_HOW_LONG | {"graphs"}}
+        kept["level_hits"] = list(document["level_hits"].values())
+        return kept
+
+    return {**strip(run), "graphs": [strip(graph) for graph in run["graphs"]]}
+
+
+def tier_with_every_other_entry_damaged(path: Path) -> None:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        keys = [row[0] for row in db.execute("SELECT cache_key FROM entries ORDER BY cache_key")]
+        for key in keys[::2]:
+            db.execute("UPDATE entries SET data = ? WHERE cache_key = ?", (b"damaged", key))
+
+
+@pytest.mark.parametrize("state", ["cold", "warm", "damaged", "read-only", "down"])
+def test_every_counter_is_the_same_with_1_2_and_4_workers(tmp_path: Path, state: str) -> None:
+    """The default workload's six models with a graph that fails half-way in the middle, on a cold, warm,
+    damaged (every other entry corrupted), read-only and down tier: every counter of `compile --json`, per pass
+    and in the totals, is the same with 1, 2 and 4 workers; only `parallel_traces` says where traces ran."""
+    graphs = tmp_path / "graphs"
+    paths = generate_workload(graphs, 6, 0)
+    failing = json.loads(paths[3].read_text())
+    kernels = [op for op in failing["ops"] if "kernel_name" in op]
+    kernels[len(kernels) // 2]["kernel_name"] = "not_this_kernel"  # its trace fails half-way through the graph
+    paths[3].write_text(json.dumps(failing))
+    runs = {}
+    for workers in (1, 2, 4):
+        tier = tmp_path / f"tier-{workers}.sqlite"
+        url, env = f"local:{tier}", {**os.environ}
+        if state in ("warm", "damaged", "read-only"):
+            compile_json(graphs, tmp_path / f"warm-{workers}", 1, url, expect=1)  # all but the failing graph's last ops
+        if state == "damaged":
+            tier_with_every_other_entry_damaged(tier)
+        if state == "read-only":
+            env["NKICACHE_TIER_MODE"] = "read-only"  # what is not stored yet, no pass can read back from it
+        if state == "down":
+            url = "redis://127.0.0.1:9/0"  # a closed port
+            # Retried after breaker_cooldown, a down tier's errors count how long the compile took: not here.
+            env["NKICACHE_BREAKER_COOLDOWN"] = "600"
+        runs[workers] = compile_json(graphs, tmp_path / f"out-{workers}", workers, url, env, expect=1)
+    assert len(runs[1]["failed"]) == 1 and runs[1]["parallel_traces"] == 0
+    for workers in (2, 4):
+        assert counted(runs[workers]) == counted(runs[1]), workers
+        assert artifact_bytes(tmp_path / f"out-{workers}") == artifact_bytes(tmp_path / "out-1")
+    if state == "damaged":
+        assert runs[1]["tier_rejected"] > 0
+    if state in ("cold", "down"):  # (which process traced what varies: only `parallel_traces` says so)
+        assert runs[4]["parallel_traces"] > 0

@@ -32,7 +32,7 @@ def test_compile_counts_the_writes_a_down_tier_never_got(
     summary = json.loads(done.stdout)
     assert summary["compiled"] == 3 and summary["tier_errors"] >= 1
     # No tier: every distinct kernel of every pass is traced, by the pass or by a trace task for it (2 workers).
-    traced = summary["traces"] + summary["parallel_traces"]
+    traced = summary["traces"]
     assert traced == 3 * 6
     # Each trace queued its entry and the release of its lease (taken, the tier being unable to say otherwise);
     # each pass queued its metrics batch. None of them reached the tier.

@@ -726,10 +726,10 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
     return {
         "upgrade_first_pass_hit_rate": first["shared_hit_rate"] or 0.0,
         "warm_seconds_per_variant": warmed["seconds"] / max(1, warmed["traced"]),
-        "cold_seconds_per_trace": old["compile_seconds"] / max(1, old["traces"] + old["parallel_traces"]),
+        "cold_seconds_per_trace": old["compile_seconds"] / max(1, old["traces"]),
         "variants": variants,
         "warmed": warmed["traced"],
-        "first_pass_traces": first["traces"] + first["parallel_traces"],
+        "first_pass_traces": first["traces"],
     }
 
 

@@ -167,7 +167,7 @@ def _pass_line(result: Any) -> str:
 def traces_text(counts: dict) -> str:
     """'N traces', and how many of them trace tasks made for the passes (`compile --workers N`)."""
     parallel = counts.get("parallel_traces", 0)
-    traced = plural(counts["traces"] + parallel, "trace")
+    traced = plural(counts["traces"], "trace")  # every trace, wherever it ran
     return f"{traced} ({parallel} in parallel)" if parallel else traced
 
 

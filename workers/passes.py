@@ -51,6 +51,7 @@ def compile_graph(
     pass_id: str | None = None,
     limits: Limits | None = None,
     traced_elsewhere: Mapping[str, TracedVariant] | None = None,
+    traced_ahead: dict[str, TracedVariant] | None = None,
 ) -> tuple[PassResult, bytes | None]:
     """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
 
@@ -58,7 +59,9 @@ def compile_graph(
     returned either way, for callers that ship it elsewhere (the fleet). `pass_id` names the pass's metrics
     batch: two passes with one id count once in the fleet metrics. `limits` bound the graph's work (default:
     the settings' defaults); exceeding one fails the pass with an error naming the graph, the op and the limit.
-    `traced_elsewhere` holds variants other processes traced for this pass (bridge.parallel), by cache key."""
+    `traced_elsewhere` holds variants a fleet job's trace tasks traced for this pass, by cache key; `traced_ahead`
+    variants traced ahead for it (`compile --workers N`): the pass takes those it would trace out of the dict,
+    and leaves the rest there for the caller."""
     limits = limits or Limits()
     result = PassResult(label or (str(source) if not isinstance(source, Mapping) else "<graph>"))
     started = time.perf_counter()
@@ -82,6 +85,7 @@ def compile_graph(
         loop = BirCodeGenLoop(target, tier=tier)
         loop.pass_id = pass_id
         loop.traced_elsewhere = dict(traced_elsewhere or {})
+        loop.traced_ahead = traced_ahead if traced_ahead is not None else {}
         with kernel_instruction_limit(limits.max_kernel_instructions):
             bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)

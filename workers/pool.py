@@ -62,10 +62,11 @@ def _close_process_tier(dropped_outside_passes: Any) -> None:
 
 
 def _trace_in_process(tasks: list[TraceTask]) -> list[TraceOutcome]:
-    """Trace tasks of `workers.variant_pool`, in a pool process, with its tier client and limits."""
+    """Trace tasks of `workers.variant_pool`, in a pool process, with its limits; never published here: the pass
+    that takes a trace publishes it, as it publishes its own."""
     from bridge.parallel import trace_task
 
-    return [trace_task(task, _process_tier, _process_limits) for task in tasks]
+    return [trace_task(task, None, _process_limits) for task in tasks]
 
 
 def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:

@@ -103,4 +103,4 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
 
 def _traced(summary: dict) -> int:
     """Variants a compile traced, by its passes or by its processes in parallel (`parallel_traces`)."""
-    return int(summary.get("traces", 0)) + int(summary.get("parallel_traces", 0))
+    return int(summary.get("traces", 0))  # every trace, the parallel ones included

@@ -22,10 +22,12 @@ import multiprocessing
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task, with_causes, without_held
+from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task
+from bridge.port import TracedVariant
 from cachestore.client import open_tier
 from cachestore.settings import Settings
 from workers.passes import PassResult, compile_graph
@@ -174,17 +176,14 @@ def compile_in_parallel(
     tier = open_tier(settings)  # connects on first use only: nothing of it is in use when the helpers fork
     results: list[PassResult] = []
     with CtrlC() as ctrl_c:
-        shared = tier is not None and tier.reads
-        plan = key_variants(paths, shared=shared, target_name=target_name, limits=limits)
+        plan = key_variants(paths, shared=False, target_name=target_name, limits=limits)  # every graph's variants
         claims = Claims(context, len(plan.tasks))
         # Out of the collector's reach before the fork: its full collections would otherwise walk (and write) every
         # object of this process in both, copying their pages (about 5% more trace CPU in two processes, measured).
         gc.freeze()
         helpers = Helpers(context, plan.tasks, claims, workers - 1, settings, dropped_outside_passes)
         try:
-            if shared and plan.tasks:
-                plan = without_held(plan, tier)
-            scheduler = Scheduler(plan, claims, helpers, tier, limits)
+            scheduler = Scheduler(plan, ahead_of(plan, tier), claims, helpers, tier, limits)
             results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
         finally:
             gc.unfreeze()
@@ -203,14 +202,38 @@ def compile_in_parallel(
     return run
 
 
+def ahead_of(plan: VariantPlan, tier: Any) -> list[int]:
+    """The tasks worth tracing ahead, in the pass order: not a variant the tier's index says it stored (its pass
+    reads it), and, when the tier stores what a pass publishes and reads it back, one per variant of the whole
+    compile (a later pass reads the earlier one's). A guess only: a pass counts what it would alone whatever is
+    traced ahead, tracing itself what is missing and leaving what it does not need (one index read)."""
+    if tier is None or not tier.reads:
+        return [task.task_id for task in plan.tasks]
+    facts = tier.variant_facts({task.cache_key: task.key_components for task in plan.tasks})
+    shared = facts is not None and getattr(tier, "writes", True)  # an index that cannot be read: a tier down
+    seen: set[str] = set()
+    left = []
+    for task in plan.tasks:
+        held = facts is not None and task.cache_key in facts and facts[task.cache_key].stored_here_before
+        if held or (shared and task.cache_key in seen):
+            continue
+        seen.add(task.cache_key)
+        left.append(task.task_id)
+    return left
+
+
 class Scheduler:
     """Runs each pass once every task it needs is answered, and takes the next task to trace in between."""
 
-    def __init__(self, plan: VariantPlan, claims: Claims, helpers: Helpers, tier: Any, limits: Any):
+    def __init__(self, plan: VariantPlan, left: list[int], claims: Claims, helpers: Helpers, tier: Any, limits: Any):
         self.plan, self.claims, self.helpers, self.tier, self.limits = plan, claims, helpers, tier, limits
-        self.left = [task.task_id for task in plan.tasks]  # in the pass order; helpers index it by position
+        self.left = left  # the tasks to trace, in the pass order; helpers index it by position
+        self.needs = {graph: set(tasks) & set(left) for graph, tasks in plan.needs.items()}
         self.by_id = {task.task_id: task for task in plan.tasks}
         self.outcomes: dict[int, TraceOutcome] = {}
+        # Traces a pass did not take (its graph failed first, or the tier answered): a later pass of the same
+        # variant takes them instead of tracing.
+        self.spare: dict[str, TracedVariant] = {}
         self.orphans: deque[int] = deque()  # tasks a dead helper took: traced here
         self.broken = False  # the counter's lock is lost: every task not answered is traced here
         helpers.hand_out(self.left)
@@ -221,11 +244,11 @@ class Scheduler:
         while len(results) < len(paths) and not ctrl_c.pressed:
             self._receive(0)
             index = len(results)
-            if self.plan.needs[index] <= self.outcomes.keys():
+            if self.needs[index] <= self.outcomes.keys():
                 results.append(self._run_pass(paths[index], index, out_dir, target_name))
                 on_result(results[-1])
             elif (task := self._next_task()) is not None:
-                self.outcomes[task.task_id] = trace_task(task, self.tier, self.limits)
+                self.outcomes[task.task_id] = trace_task(task, None, self.limits)  # published by its pass
             else:
                 self._receive(CTRL_C_POLL_SECONDS)  # the helpers trace the rest
         return results
@@ -235,6 +258,8 @@ class Scheduler:
             return
         outcomes, dead = self.helpers.receive(timeout)
         for outcome in outcomes:
+            if outcome.traced is not None:
+                outcome = replace(outcome, traced=replace(outcome.traced, elsewhere=True))  # a helper traced it
             self.outcomes.setdefault(outcome.task_id, outcome)
         for who in dead:
             self._helper_died(who)
@@ -260,11 +285,16 @@ class Scheduler:
         return self.by_id[pending[-1]] if pending else None  # from the end: a helper may be tracing the next one
 
     def _run_pass(self, path: str, index: int, out_dir: str, target_name: str | None) -> PassResult:
-        owned = [self.outcomes[task_id] for task_id in self.plan.owned[index]]
-        for outcome in owned:  # handed to its one pass: the binary is not kept for the rest of the compile
-            self.outcomes[outcome.task_id] = TraceOutcome(outcome.task_id, outcome.cache_key)
-        handed = with_causes({outcome.cache_key: outcome.traced for outcome in owned if outcome.traced is not None},
-                             self.plan)  # fmt: skip
+        ahead: dict[str, TracedVariant] = {}
+        for task_id in self.plan.owned[index]:
+            key, outcome = self.by_id[task_id].cache_key, self.outcomes.pop(task_id, None)
+            if outcome is not None and outcome.traced is not None:
+                ahead[key] = outcome.traced
+            elif key in self.spare:
+                ahead[key] = self.spare.pop(key)
+            if outcome is not None:  # answered, the binary handed to its one pass and not kept
+                self.outcomes[task_id] = TraceOutcome(task_id, key)
         result, _ = compile_graph(path, tier=self.tier, target_name=target_name, out_dir=out_dir, limits=self.limits,
-                                  traced_elsewhere=handed)  # fmt: skip
+                                  traced_ahead=ahead)  # fmt: skip
+        self.spare.update(ahead)  # what the pass did not take
         return result

@@ -175,5 +175,5 @@ def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) 
             report.failed.append({"job": job_id, "reason": result.get("error") or result.get("status", "failed")})
         else:
             # By the job's pass, or by trace tasks for it (workers/trace_tasks.py): each variant once.
-            report.traced += int(result.get("traces", 0)) + int(result.get("parallel_traces", 0))
+            report.traced += int(result.get("traces", 0))  # every trace, the parallel ones included
             report.trace_seconds += float(result.get("compile_seconds", 0.0))
