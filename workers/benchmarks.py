@@ -35,6 +35,7 @@ GOALS = {
     "warm_compile_local_vs_floor": ("max", 2.0),
     "warm_compile_redis_vs_floor": ("max", 2.0),
     "version_vs_goal": ("max", 1.0),
+    "broken_tier_overhead": ("max", 1.1),
     # In-process ratios: diagnostics of where time goes inside one process.
     "warm_speedup": ("min", 100.0),
     "warm_speedup_redis": ("min", 50.0),
@@ -901,6 +902,13 @@ def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
         drop_namespaces(redis_url, redis_namespaces(namespace, rounds))
 
 
+def broken_tier(work: Path, config: BenchConfig) -> dict:
+    """The workload compiled with --workers 2 on a down and on a frozen Redis, beside --tier off."""
+    from workers.broken_tier_bench import ROUNDS, broken_tier_overhead
+
+    return broken_tier_overhead(work / "graphs", work / "broken-tier", min(ROUNDS, config.process_rounds))
+
+
 def _from_process(results: dict, name: str) -> dict:
     detail = results.get("warm_compile_local_vs_floor_detail")
     if detail is None:
@@ -942,6 +950,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
         steps = [
             ("warm_compile_local_vs_floor", lambda: whole_process(work, redis_url, config.process_rounds)),
             *((name, partial(_from_process, results, name)) for name in PROCESS_FIGURES),
+            ("broken_tier_overhead", lambda: broken_tier(work, config)),
             ("warm_speedup", lambda: warm_speedup(graphs, config, work)),
             ("warm_speedup_redis", lambda: warm_speedup_redis(graphs, config, redis_url)),
             ("mirror_overhead", lambda: mirror_overhead(graphs, config, redis_url)),
