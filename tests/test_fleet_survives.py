@@ -306,3 +306,22 @@ def test_a_wait_longer_than_job_ttl_keeps_its_batch_and_a_lost_batch_is_told(red
         assert lost_jobs(redis_client, keys, jobs, keep_for=1) == jobs
     finally:
         delete_namespace(redis_client, namespace)
+
+
+def test_a_result_seen_once_is_kept_though_it_expires_before_the_batch_ends(monkeypatch) -> None:
+    """A result expires job_ttl after its job finished: a batch longer than that still reports its first jobs."""
+    import workers.fleet as fleet
+
+    answers = iter([{"b-00000": {"status": "completed"}}, {}, {"b-00001": {"status": "completed"}}])
+    asked: list[list[str]] = []
+
+    def results_of(client, keys, job_ids):
+        asked.append(list(job_ids))
+        return next(answers)
+
+    monkeypatch.setattr(fleet, "results_of", results_of)
+    monkeypatch.setattr(fleet, "lost_jobs", lambda client, keys, unfinished, keep_for: [])
+    monkeypatch.setattr(fleet.time, "sleep", lambda seconds: None)
+    waited = fleet.wait_for(None, None, ["b-00000", "b-00001"], timeout=60, on_progress=lambda done: None, job_ttl=5)
+    assert set(waited.results) == {"b-00000", "b-00001"} and waited.lost == []
+    assert asked == [["b-00000", "b-00001"], ["b-00001"], ["b-00001"]]  # a finished job is not asked for again

@@ -356,8 +356,12 @@ def wait_for(
     """Poll until every job finished or is lost, or `timeout` passed; a short restart or failover is ridden out
     (`retrying`), a longer one raises redis-py's error. The batches waited on are kept job_ttl from each poll."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    results: dict[str, dict] = {}
     while True:
-        results = retrying(lambda: results_of(client, keys, job_ids))
+        # Only the jobs not seen finished are asked for: a result read once is kept, since it expires job_ttl
+        # after its job finished, which a long batch's first jobs can reach before its last one finishes.
+        waiting = [job for job in job_ids if job not in results]
+        results.update(retrying(lambda waiting=waiting: results_of(client, keys, waiting)))
         on_progress(len(results))
         unfinished = [job for job in job_ids if job not in results]
         lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending, job_ttl)) if unfinished else []
