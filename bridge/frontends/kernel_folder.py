@@ -47,5 +47,5 @@ def _running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError):  # another user's process, or no pid we can ask about: left alone
-        return True
+        pass
     return True
