@@ -9,7 +9,6 @@ cache lives on the instance and dies with the pass; nothing here is persisted.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ from bridge.ir import (
     NKIKLIRKernel,
     freeze_key_components,
 )
+from bridge.key_rule import key_digest
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
 from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
@@ -149,8 +149,7 @@ class BirCodeGenLoop:
         """Compute a cache key from key components."""
         key_components["target"] = self.target.__class__.__name__
         key_components["num_neuroncores"] = self.target.num_neuroncores_per_sengine
-        # The one place the key rule is written: str() of the sorted (name, value) items, hashed.
-        return hashlib.sha256(str(sorted(key_components.items())).encode()).hexdigest()
+        return key_digest(key_components)
 
     # -- the three maps ---------------------------------------------------------------------------
     def _get_cached_new_nki_frontend_binary(self, cache_key: str) -> dict | None:

@@ -16,12 +16,12 @@ The causes are checked in the order of MISS_CAUSES, so each miss gets the first 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING, Any
 
 from bridge.ir import freeze_key_components
+from bridge.key_rule import key_digest
 
 if TYPE_CHECKING:
     from bridge.port import KernelStore
@@ -85,8 +85,8 @@ def variant_fingerprints(key_components: Mapping[str, Any]) -> VariantFingerprin
 
 
 def _digest(components: Mapping[str, Any]) -> str:
-    # The key rule's own canonical form (str of the sorted items), so equal components always match.
-    return hashlib.sha256(str(sorted(components.items())).encode()).hexdigest()[:FINGERPRINT_HEX]
+    # The key rule's own canonical form, so equal components always match.
+    return key_digest(components)[:FINGERPRINT_HEX]
 
 
 def facts_of_absent(

@@ -22,6 +22,7 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import Graph, load_graph
 from bridge.ir import BasicBlock, InternalNkiKernel
+from bridge.key_rule import canonical_text
 from bridge.targets import make_target
 from cachestore import entry as entry_module
 from cachestore.backends.direct_reads import DirectReader
@@ -555,7 +556,7 @@ def key_throughput(graphs: list[Graph], config: BenchConfig) -> dict:
         probe = BirCodeGenLoop(make_target(graph.target or "Trn2"))
         probe.run(graph)
         components.extend(probe._cache_key_components.values())
-    strings = [str(sorted(kc.items())).encode() for kc in components]
+    strings = [canonical_text(kc) for kc in components]
     rounds = max(1, 20_000 // len(components))
 
     def via_loop() -> None:
