@@ -160,8 +160,8 @@ def test_a_killed_pool_process_costs_no_pass(tmp_path: Path, monkeypatch: pytest
         killed.write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    # Forked pool processes inherit the patched module (workers.pool imports trace_task from it when a pool process
-    # traces); the parent traces through variant_pool's own binding.
+    # Forked pool processes inherit the patched module (workers.pool_process imports trace_task from it when a pool
+    # process traces); the parent traces through variant_pool's own binding.
     monkeypatch.setattr(bridge.parallel, "trace_task", die)
     monkeypatch.setattr(workers.variant_pool, "pool_start_context", lambda: multiprocessing.get_context("fork"))
     settings = load_settings({"tier": "off"})

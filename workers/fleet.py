@@ -49,22 +49,21 @@ from typing import Any, TypeVar
 
 import redis.exceptions as rex
 
-from bridge.errors import NkiCacheError
 from bridge.graph import load_graph, parse_graph_json, read_graph_file
 from bridge.identity import toolchain_id
 from bridge.inputs import shown_path
 from bridge.port import plural
-from cachestore.api import REDIS_SCHEMES, redact_url, shared_level, stored_number
-from cachestore.backends.redis import connect, text
+from cachestore.api import stored_number
+from cachestore.backends.redis import text
 from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, shard_count_or
 from cachestore.settings import Settings
+from workers.fleet_connection import BLOCK_MS, FleetError, fleet_client
 from workers.job_process import CompileProcess
 from workers.passes import PassResult
 
 logger = logging.getLogger(__name__)
 GROUP = "nkicache-workers"
 MAX_GRAPH_BYTES = 16 * 1024 * 1024  # the max_graph_bytes setting's default
-BLOCK_MS = 1000
 
 # KEYS[1] result key  KEYS[2] counts hash  KEYS[3] job stream  KEYS[4] failures hash
 # ARGV[1] job id  ARGV[2] result JSON  ARGV[3] job_ttl (s)  ARGV[4] message id
@@ -151,18 +150,6 @@ if redis.call('XDEL', KEYS[1], ARGV[1]) == 1 then
 end
 return 0
 """
-
-
-class FleetError(NkiCacheError):
-    """A fleet operation cannot proceed (a graph too large to submit, a tier that is not Redis)."""
-
-
-def fleet_client(settings: Settings) -> Any:
-    url = shared_level(settings.tier)  # a stack's shared level holds the queue
-    if not url.startswith(REDIS_SCHEMES):
-        raise FleetError(f"the fleet runs on Redis; --tier must be a redis:// URL, got {redact_url(settings.tier)!r}")
-    return connect(url, connect_timeout=settings.connect_timeout, op_timeout=max(settings.op_timeout,
-                   BLOCK_MS / 1000 + 1), password=settings.redis_password)  # fmt: skip
 
 
 def ensure_group(client: Any, keys: KeySpace, toolchain: str, shards: int) -> None:

@@ -263,7 +263,7 @@ def _trace_task_queue(settings: Settings) -> Any:
 
     def enqueue(streams: list[str], job_id: str, tasks: Any) -> Any:
         if not clients:
-            from workers.fleet import fleet_client
+            from workers.fleet_connection import fleet_client
 
             clients.append(fleet_client(settings))
         return enqueue_tasks(clients[0], streams, job_id, tasks)

@@ -9,64 +9,13 @@ lets the running ones finish (artifacts are written atomically) and reports what
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from cachestore.client import open_tier
 from cachestore.settings import Settings
+from workers.compile_run import CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
-
-if TYPE_CHECKING:
-    import multiprocessing.context
-
-    from bridge.parallel import TraceOutcome, TraceTask
-
-# multiprocessing and the trace tasks (bridge.parallel) are imported where a pool is used: a compile with one
-# worker never starts a process. The forkserver preloads what a pool process runs.
-FORKSERVER_PRELOAD = ["workers.pool", "bridge.parallel"]
-
-_process_tier = None  # the tier client of a pool process, opened by _init_process
-_process_limits = None  # the settings' bounds on one graph's work, set by _init_process
-
-
-def _init_process(settings: Settings, dropped_outside_passes: Any = None) -> None:
-    """A pool process's start: its own tier client, closed as the process ends; what the client drops outside
-    the passes is added to `dropped_outside_passes` (a shared multiprocessing Value) when one is given."""
-    import multiprocessing.util
-
-    global _process_tier, _process_limits
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _process_limits = settings.limits()
-    _process_tier = open_tier(settings)  # one metrics series per host and worker name, however many processes
-    if _process_tier is not None:
-        # Pool processes end without running atexit; a multiprocessing finalizer still runs, before the
-        # process exits and so before the parent's shutdown(wait=True) returns.
-        multiprocessing.util.Finalize(None, _close_process_tier, args=(dropped_outside_passes,), exitpriority=10)
-
-
-def _close_process_tier(dropped_outside_passes: Any) -> None:
-    """Close this process's tier client and add what it dropped outside every pass (at close above all: the
-    writes still queued when the tier is down) to the parent's shared counter, which no result carries: a pool
-    process runs trace tasks, never a pass, so every write it dropped is outside the passes."""
-    _process_tier.close()
-    if dropped_outside_passes is None:
-        return
-    unreported = _process_tier.counts()["tier_dropped"]
-    with dropped_outside_passes.get_lock():
-        dropped_outside_passes.value += unreported
-
-
-def _trace_in_process(tasks: list[TraceTask]) -> list[TraceOutcome]:
-    """Trace tasks of `workers.variant_pool`, in a pool process, with its limits; never published here: the pass
-    that takes a trace publishes it, as it publishes its own."""
-    from bridge.parallel import trace_task
-
-    return [trace_task(task, None, _process_limits) for task in tasks]
 
 
 def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:
@@ -91,18 +40,6 @@ def duplicate_names(paths: Sequence[str], max_bytes: int) -> dict[str, str]:
         else:
             seen[filename] = path
     return errors
-
-
-@dataclass
-class CompileRun:
-    results: list[PassResult]  # in input order
-    interrupted: bool
-    # Tier writes dropped outside every pass, so in no result: above all those still queued when the tier
-    # clients closed after the last pass (the tier being down), but also any refused between passes.
-    tier_dropped_outside_passes: int = 0
-    # Tier errors and timeouts outside every pass: `compile --workers N`'s plan asks the tier for the compile's
-    # variants before any pass runs (workers/variant_pool.py).
-    tier_faults_outside_passes: dict[str, int] = field(default_factory=dict)
 
 
 def compile_run(
@@ -152,56 +89,6 @@ def _compile_all(
 
     return compile_in_parallel(paths, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
                                on_result=on_result)  # fmt: skip
-
-
-CTRL_C_POLL_SECONDS = 0.1
-
-
-class CtrlC:
-    """Ctrl-C as a flag the compile loop polls: the first one stops handing out graphs (running passes finish),
-    a second one raises KeyboardInterrupt. A KeyboardInterrupt raised at an arbitrary point of the main thread
-    can land inside concurrent.futures while it holds a future's lock (its `wait` takes them one by one) and
-    hang the pool's shutdown, or inside the first submit, before the executor can be shut down at all."""
-
-    def __init__(self) -> None:
-        self.pressed = False
-        self._previous: Any = None
-
-    def __enter__(self) -> CtrlC:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.pressed:
-            raise KeyboardInterrupt
-        self.pressed = True
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
-def pool_context() -> multiprocessing.context.BaseContext:
-    """forkserver (spawn on Windows), the server importing the compiler once so pool processes start with it.
-
-    A terminal's Ctrl-C goes to the whole process group. The server is started with SIGINT ignored, which it
-    and every process forked from it inherit, so Ctrl-C cannot kill one of them while it is still importing
-    (before `_init_process` ignores SIGINT itself) and print a traceback or break the pool: only this process
-    sees it, and stops the pool cleanly."""
-    import multiprocessing.forkserver
-
-    if sys.platform == "win32":
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORKSERVER_PRELOAD)
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-    return context
 
 
 def _compile_serially(

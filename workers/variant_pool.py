@@ -10,7 +10,7 @@ input order, with the specification's loop, handed the variants traced for it.
 With a tier that reads, this process asks it for the variants after the fork (a forked process must not
 inherit a tier client in use) and tells the helpers which tasks are left. Helpers are forked when this
 process runs no other thread (they start in milliseconds, the compiler already imported), otherwise they
-start from the forkserver (`workers.pool.pool_context`). A helper that dies leaves the tasks it took to this
+start from the forkserver (`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this
 process, which traces them; the others keep taking tasks, and each pass completes as without helpers.
 """
 
@@ -30,8 +30,9 @@ from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, 
 from bridge.port import TracedVariant
 from cachestore.client import open_tier
 from cachestore.settings import Settings
+from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
-from workers.pool import CTRL_C_POLL_SECONDS, CompileRun, CtrlC, _init_process, _trace_in_process, pool_context
+from workers.pool_process import init_process, pool_context, trace_in_process
 
 # A process killed while it holds the counter's lock (a window of microseconds) would hold it for ever: the
 # others give up on it after this long and trace what is left here.
@@ -91,11 +92,11 @@ def _helper(who: int, tasks: list[TraceTask], claims: Claims, connection: Connec
     trace comes first, once this compile's parent has asked the tier)."""
     for other in others:  # the other pipes' ends: a pipe whose process dies must read as closed
         other.close()
-    _init_process(settings, dropped_outside_passes)
+    init_process(settings, dropped_outside_passes)
     try:
         left = connection.recv()
         while (position := claims.take(who, len(left))) is not None:
-            connection.send(_trace_in_process([tasks[left[position]]])[0])
+            connection.send(trace_in_process([tasks[left[position]]])[0])
     except (EOFError, OSError, ClaimsBroken):  # the parent is gone or stopped the compile
         pass
     finally:

@@ -243,7 +243,7 @@ def _traced(
         for variant, call in calls:
             yield variant, call, _trace(call, max_instructions)
         return
-    from workers.pool import pool_context
+    from workers.pool_process import pool_context
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
         futures = [(variant, call, pool.submit(_trace, call, max_instructions)) for variant, call in calls]
