@@ -29,12 +29,13 @@ from bridge.ir import (
     NKIKLIRKernel,
     freeze_key_components,
 )
+from bridge.kernels import get_internal_kernel_registry
 from bridge.key_rule import key_digest
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
 from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
 from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, TracedVariant, VariantUse
-from bridge.registry import InternalKernelConfig, KernelCall, get_internal_kernel_registry
+from bridge.registry import InternalKernelConfig, KernelCall
 from bridge.targets import Target, get_platform_target, make_target
 
 logger = logging.getLogger(__name__)

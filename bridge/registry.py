@@ -129,16 +129,3 @@ class KernelRegistry:
                 f"no internal kernel is registered for func_name {func_name!r}; known: {', '.join(self.names())}"
             )
         return config
-
-
-_INTERNAL_KERNEL_REGISTRY = KernelRegistry()
-
-
-def get_internal_kernel_registry() -> KernelRegistry:
-    import bridge.kernels  # noqa: F401 - registers the kernels on first use
-
-    return _INTERNAL_KERNEL_REGISTRY
-
-
-def register(config: InternalKernelConfig) -> InternalKernelConfig:
-    return _INTERNAL_KERNEL_REGISTRY.register(config)

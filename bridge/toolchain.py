@@ -8,9 +8,10 @@ import numpy as np
 
 from bridge.executor import LoadedProgram
 from bridge.frontends.beta3 import trace_beta3
+from bridge.kernels import get_internal_kernel_registry
 from bridge.klir import decode_klir
 from bridge.program import decode_bir
-from bridge.registry import TensorLike, get_internal_kernel_registry
+from bridge.registry import TensorLike
 from bridge.targets import Target, get_platform_target
 
 

@@ -14,9 +14,9 @@ from bridge import Tensor
 from bridge.errors import BinaryFormatError, KernelCompileError
 from bridge.frontends.beta2 import TraceKernel, trace_beta2
 from bridge.frontends.beta3 import trace_beta3
+from bridge.kernels import get_internal_kernel_registry
 from bridge.klir import decode_klir
 from bridge.program import decode_bir
-from bridge.registry import get_internal_kernel_registry
 from bridge.sampling import sample_inputs
 from bridge.targets import Trn1, Trn2
 

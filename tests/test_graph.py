@@ -30,8 +30,8 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import GraphError, load_graph
 from bridge.graph_runner import compare_output, run_compiled, sample_artifact_inputs, tolerance
 from bridge.ir import NKIKLIRKernel, Tensor
+from bridge.kernels import get_internal_kernel_registry
 from bridge.references import _REFERENCES, reference
-from bridge.registry import get_internal_kernel_registry
 from bridge.sampling import sample_graph_inputs, sample_inputs
 from bridge.targets import Trn1, Trn2
 

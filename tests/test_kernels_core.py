@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import bridge
+import bridge.kernels
 from bridge import Tensor, references
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -179,7 +180,7 @@ def test_references_accept_bfloat16_inputs() -> None:
 
 
 def test_kernels_are_registered_under_their_names() -> None:
-    registry = bridge.registry.get_internal_kernel_registry()
+    registry = bridge.kernels.get_internal_kernel_registry()
     names = {config.func_name: config.kernel_name for config in map(registry.get, ("Matmul", "Softmax", "RMSNorm"))}
     assert names == {"Matmul": "matmul_tiled", "Softmax": "softmax", "RMSNorm": "rmsnorm"}
 

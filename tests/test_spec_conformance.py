@@ -22,10 +22,11 @@ from bridge.codegen import BANNER, CACHE_KEY_LOG_PREFIX, BirCodeGenLoop
 from bridge.errors import NkiCacheError, UnknownKernelError
 from bridge.graph import load_graph
 from bridge.ir import BasicBlock, InternalNkiKernel, NKIKLIRKernel, Tensor
+from bridge.kernels import get_internal_kernel_registry
 from bridge.metrics import KernelCategory, KernelMetricsCollector
 from bridge.program import BIR_VERSION_IDENTIFIER
 from bridge.references import reference
-from bridge.registry import InternalKernelConfig, get_internal_kernel_registry
+from bridge.registry import InternalKernelConfig
 from bridge.targets import TARGET_ENV, Target, Trn1, Trn2, get_platform_target
 
 TRACE_RESULT_KEYS = {"binary", "input_names", "output_names", "format"}

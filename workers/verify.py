@@ -19,8 +19,8 @@ from bridge.graph import load_graph
 from bridge.graph_runner import RUNNERS, compare_output
 from bridge.identity import toolchain_id
 from bridge.ir import InternalNkiKernel, Tensor, freeze_key_components
+from bridge.kernels import get_internal_kernel_registry
 from bridge.references import reference
-from bridge.registry import get_internal_kernel_registry
 from bridge.sampling import sample_inputs
 from bridge.targets import Target, get_platform_target, make_target
 from cachestore.api import BATCH, RawEntry, Reader

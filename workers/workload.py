@@ -18,7 +18,7 @@ import numpy as np
 
 from bridge.errors import NkiCacheError
 from bridge.ir import Tensor
-from bridge.registry import get_internal_kernel_registry
+from bridge.kernels import get_internal_kernel_registry
 
 ZIPF_S = 1.2
 MOE_FRACTION = 0.5

@@ -22,7 +22,7 @@ repeat inside a block, and they add zeros.
 """
 
 import bridge.nki.language as nl
-from bridge.registry import InternalKernelConfig, register
+from bridge.registry import InternalKernelConfig
 
 
 def blockwise_mm(
@@ -145,4 +145,4 @@ def project(x_t, gate_up, e, which, i0, i1):
     return acc
 
 
-register(InternalKernelConfig("BlockwiseMatmul", "blockwise_mm", blockwise_mm))
+CONFIG = InternalKernelConfig("BlockwiseMatmul", "blockwise_mm", blockwise_mm)

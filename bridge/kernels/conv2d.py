@@ -15,7 +15,7 @@ out[o, pixels] += W[:, c, kh, kw].T @ in[c, shifted pixels], accumulated over (k
 """
 
 import bridge.nki.language as nl
-from bridge.registry import InternalKernelConfig, register
+from bridge.registry import InternalKernelConfig
 
 DEFAULT_ATTRS = {"stride": (1, 1), "padding": ((0, 0), (0, 0)), "dilation": (1, 1)}
 
@@ -194,6 +194,6 @@ def select_conv2d(operands, results, attrs):
     return ("conv2d_pbp_1x1", conv2d_pbp_1x1) if is_1x1 else ("conv2d_pbp_kxk", conv2d_pbp_kxk)
 
 
-register(
-    InternalKernelConfig("Conv2d", "conv2d_pbp_kxk", conv2d_pbp_kxk, attr_defaults=DEFAULT_ATTRS, select=select_conv2d)
+CONFIG = InternalKernelConfig(
+    "Conv2d", "conv2d_pbp_kxk", conv2d_pbp_kxk, attr_defaults=DEFAULT_ATTRS, select=select_conv2d
 )

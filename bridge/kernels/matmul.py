@@ -1,7 +1,7 @@
 """Matmul -> matmul_tiled: out[M, N] = lhsT.T @ rhs, tiled for the PE array with float32 accumulation."""
 
 import bridge.nki.language as nl
-from bridge.registry import InternalKernelConfig, register
+from bridge.registry import InternalKernelConfig
 
 
 def matmul_tiled(lhsT, rhs, out):
@@ -25,4 +25,4 @@ def matmul_tiled(lhsT, rhs, out):
             nl.store(out[m0 : m0 + ms, n0 : n0 + ns], value=nl.copy(acc, dtype=out.dtype))
 
 
-register(InternalKernelConfig("Matmul", "matmul_tiled", matmul_tiled))
+CONFIG = InternalKernelConfig("Matmul", "matmul_tiled", matmul_tiled)

@@ -18,7 +18,7 @@ Channels are cut into chunks so that a tile stays well inside one SBUF partition
 import math
 
 import bridge.nki.language as nl
-from bridge.registry import InternalKernelConfig, register
+from bridge.registry import InternalKernelConfig
 
 TILE_BUDGET_BYTES = 64 * 1024  # per partition, for each of the two tiles of a chunk
 
@@ -164,4 +164,4 @@ def store_rows(out, remapped, move, n, h0, h1, c0, c1):
     )
 
 
-register(InternalKernelConfig("ResizeNearest", "resize_nearest_fixed_dma_kernel", resize_nearest_fixed_dma_kernel))
+CONFIG = InternalKernelConfig("ResizeNearest", "resize_nearest_fixed_dma_kernel", resize_nearest_fixed_dma_kernel)

@@ -1,7 +1,7 @@
 """RMSNorm -> rmsnorm: a * rsqrt(mean(a^2, last axis) + eps) * g, 128 rows at a time."""
 
 import bridge.nki.language as nl
-from bridge.registry import InternalKernelConfig, register
+from bridge.registry import InternalKernelConfig
 
 
 def rmsnorm(a, g, out, eps=1e-6):
@@ -19,4 +19,4 @@ def rmsnorm(a, g, out, eps=1e-6):
         nl.store(out[r0 : r0 + rows, :], value=nl.multiply(t * scale, gain_rows[0:rows, :], dtype=out.dtype))
 
 
-register(InternalKernelConfig("RMSNorm", "rmsnorm", rmsnorm, attr_defaults={"eps": 1e-6}))
+CONFIG = InternalKernelConfig("RMSNorm", "rmsnorm", rmsnorm, attr_defaults={"eps": 1e-6})

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import builtins
 import math
+import sys
 
 from bridge.errors import KernelCompileError
-from bridge.nki import isa
+from bridge.nki import isa, values
 from bridge.nki.builder import active, check_matmul_shapes
 from bridge.nki.values import HBMAccess, RuntimeScalar, Tile
 
@@ -370,3 +371,6 @@ def _broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     import numpy as np
 
     return np.broadcast_shapes(*shapes)
+
+
+values.use_language(sys.modules[__name__])

@@ -9,8 +9,20 @@ AST frontend (beta3) and the tracer (beta2) get the same instructions from `a + 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 from bridge.errors import KernelCompileError
+
+# The kernel language (bridge.nki.language), which tiles' operators emit through: it imports this module, so
+# it registers itself here as it loads (`use_language`) instead of being imported back. Tiles exist only
+# while a kernel is traced, and every kernel module imports the language.
+_language_module: ModuleType | None = None
+
+
+def use_language(language: ModuleType) -> None:
+    global _language_module
+    _language_module = language
+
 
 Region = tuple[tuple[int, int, int], ...]
 
@@ -211,7 +223,7 @@ class Tile:
         raise KernelCompileError("a tile has no value at compile time; it cannot drive control flow")
 
 
-def _language():
-    from bridge.nki import language
-
-    return language
+def _language() -> ModuleType:
+    if _language_module is None:
+        raise KernelCompileError("tile operators need the kernel language: import bridge.nki.language")
+    return _language_module
