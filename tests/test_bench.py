@@ -171,12 +171,13 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
 
 @pytest.mark.redis  # a redis-server of its own, stopped with SIGSTOP
 def test_broken_tier_measurement(tmp_path: Path) -> None:
-    """A down and a frozen Redis each give tier off's artifacts; the figure is the worse over off."""
+    """A down, a frozen and a trickling Redis each give tier off's artifacts; the figure is the worst over off."""
     from workers.broken_tier_bench import broken_tier_overhead
     from workers.workload import generate_workload
 
     generate_workload(tmp_path / "graphs", 2, 3)
     figures = broken_tier_overhead(tmp_path / "graphs", tmp_path / "work", rounds=1)
-    worse = max(figures["down_ms"], figures["frozen_ms"])
+    worse = max(figures["down_ms"], figures["frozen_ms"], figures["trickling_ms"])
     assert figures["broken_tier_overhead"] == round(worse / figures["off_ms"], 3) > 0
-    assert figures["traces"]["down"] == figures["traces"]["frozen"] == figures["traces"]["off"] > 0
+    traces = figures["traces"]
+    assert traces["down"] == traces["frozen"] == traces["trickling"] == traces["off"] > 0
