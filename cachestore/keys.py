@@ -216,6 +216,11 @@ class KeySpace:
     def job_batch(self, batch_id: str) -> str:
         return self.jobs(f"batch:{batch_id}")
 
+    def job_traced(self, job_id: str) -> str:
+        """The cache keys other workers traced from a job's trace tasks (a set, TTL `job_ttl`): how the job tells
+        a trace made for it from another job's it only waited for (workers/trace_tasks.py)."""
+        return f"{self.prefix}:traced-for:{{{job_id}}}"
+
     def job_artifact(self, job_id: str) -> str:
         """A finished job's artifact (TTL `job_ttl`), tagged by its job id: artifacts, up to megabytes each,
         spread over a cluster's masters instead of all sitting on the jobs slot's one."""

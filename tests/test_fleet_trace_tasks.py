@@ -97,3 +97,28 @@ def test_a_trace_task_whose_worker_is_killed_is_taken_over_and_the_job_completes
                            "--json", "--timeout", str(WAIT)], env=f.env, capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "slow.nkibb").read_bytes() == local_artifact(graph, tmp_path / "local")
+
+
+def test_two_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path) -> None:
+    """Two jobs with variants in common, compiled at once: each variant is traced once fleet-wide, and a job
+    that only waited for the other job's trace (its own process, or a worker tracing the other's task) reads it
+    as a remote hit, so the jobs' traces add up to the distinct variants (docs/reports.md)."""
+    f = fleet()
+    left = unet_graph(tmp_path / "graphs", "left", [UNET_CONFIGS[0], UNET_CONFIGS[1], UNET_CONFIGS[2]])
+    right = unet_graph(tmp_path / "graphs", "right", [UNET_CONFIGS[1], UNET_CONFIGS[2], UNET_CONFIGS[0]])
+    for name in ("w1", "w2", "w3"):
+        f.start_worker(name)
+    f.wait_live("w1", "w2", "w3")
+    wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2", "w3")))
+    f.submit(left, right, out=tmp_path / "out")
+    results = list(f.results().values())
+    assert [r["status"] for r in results] == ["completed", "completed"], results
+    alone = subprocess.run([NKICACHE, "compile", str(left), str(right), "--workers", "1", "--tier",
+                            f"local:{tmp_path / 'alone.db'}", "--out", str(tmp_path / "alone"), "--json"],
+                           capture_output=True, text=True, timeout=WAIT)  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    distinct = json.loads(alone.stdout)["traces"]
+    assert sum(r["traces"] for r in results) == distinct > 5
+    assert sum(r["traces"] + r["remote_hits"] for r in results) == sum(r["cache_misses"] for r in results)
+    for name in ("left", "right"):
+        assert (tmp_path / "out" / f"{name}.nkibb").read_bytes() == (tmp_path / "alone" / f"{name}.nkibb").read_bytes()

@@ -297,7 +297,8 @@ def test_a_trace_task_message_of_several_variants_is_checked_whole(default_workl
 
     pipe = Pipe()
     all_tasks = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks
-    enqueue_tasks(type("Client", (), {"pipeline": lambda self, transaction: pipe})(), ["s0", "s1"], "j", all_tasks)
+    client = type("Client", (), {"pipeline": lambda self, transaction: pipe})()
+    enqueue_tasks(client, ["s0", "s1"], "j", all_tasks, "traced-for-j")
     sent_keys = [task["cache_key"] for _, message in pipe.sent for task in message["tasks"]]
     assert sent_keys == [task.cache_key for task in all_tasks]  # every variant once, in the pass's order
     assert {stream for stream, _ in pipe.sent} == {"s0", "s1"}

@@ -257,6 +257,7 @@ def _trace_task_queue(settings: Settings) -> Any:
     connection opened on the first job that has tasks to share."""
     from functools import partial
 
+    from cachestore.keys import KeySpace
     from workers.trace_tasks import enqueue_tasks
 
     clients: list[Any] = []
@@ -266,7 +267,8 @@ def _trace_task_queue(settings: Settings) -> Any:
             from workers.fleet_connection import fleet_client
 
             clients.append(fleet_client(settings))
-        return enqueue_tasks(clients[0], streams, job_id, tasks)
+        traced_for = KeySpace(settings.namespace).job_traced(job_id)
+        return enqueue_tasks(clients[0], streams, job_id, tasks, traced_for)
 
     def queue_for(job: dict) -> Any:
         streams = job.get("streams")

@@ -36,9 +36,12 @@ class PassResult:
     error: str | None = None
     # {tier level: verified entries it answered during the pass}, nearest first (one item for a single tier).
     level_hits: dict[str, int] = field(default_factory=dict)
+    # A fleet trace task's answer (workers/trace_tasks.py): the cache keys it traced, told to the job they are for.
+    traced_keys: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        return {key: value for key, value in asdict(self).items() if key != "counts"} | self.counts
+        shown = {key: value for key, value in asdict(self).items() if key not in ("counts", "traced_keys")}
+        return shown | self.counts
 
 
 def compile_graph(

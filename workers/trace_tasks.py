@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from bridge.errors import NkiCacheError
@@ -51,14 +52,20 @@ TASKS_PER_MESSAGE = 3
 MIN_MESSAGES = 8  # a job with few variants still gives every idle worker a message
 MAX_TASKS_PER_MESSAGE = 64  # a message holding more is no trace task (it bounds a forged message's work)
 BUSY_POLL_LIMIT = 30.0  # seconds of polling a variant traced elsewhere before the tier client's own wait
+# How long a job waits, once its variants are all traced, for the workers still answering its messages: they
+# record what they traced just after their last trace is stored, so only a worker that died waits this long.
+ANSWER_WAIT_SECONDS = 1.0
 
 
-def enqueue_tasks(client: Any, streams: Sequence[str], job_id: str, tasks: Sequence[TraceTask]) -> Callable[[], None]:
+def enqueue_tasks(
+    client: Any, streams: Sequence[str], job_id: str, tasks: Sequence[TraceTask], traced_for: str
+) -> Callable[[], set[str]]:
     """The trace tasks as messages of a few consecutive variants each (`message_size`), dealt over the
     toolchain's job streams (one per shard) in the pass's order, in one round trip: an idle worker blocks on one
     shard at a time, so every idle worker wakes at once. Returns how to withdraw them once the job's variants
-    are all traced: acknowledged and deleted, so no worker takes one any more, nor takes over one a dead worker
-    held (a worker tracing one acknowledges it again)."""
+    are all traced: the messages a worker is still answering are waited for (at most ANSWER_WAIT_SECONDS), then
+    all are acknowledged and deleted, so no worker takes one any more, nor takes over one a dead worker held;
+    it returns the cache keys other workers traced from them (the set `traced_for`, KeySpace.job_traced)."""
     size = message_size(len(tasks))
     groups = [tasks[start : start + size] for start in range(0, len(tasks), size)]
     dealt = [streams[index % len(streams)] for index in range(len(groups))]
@@ -67,14 +74,36 @@ def enqueue_tasks(client: Any, streams: Sequence[str], job_id: str, tasks: Seque
             pipe.xadd(stream, {TRACE_FIELD: json.dumps({"job": job_id, "tasks": [task_document(t) for t in group]})})
         message_ids = pipe.execute()
 
-    def withdraw() -> None:
+    messages = list(zip(dealt, message_ids, strict=True))
+
+    def withdraw() -> set[str]:
+        _wait_for_answers(client, messages)
         with client.pipeline(transaction=False) as pipe:
-            for stream, message_id in zip(dealt, message_ids, strict=True):
+            for stream, message_id in messages:
                 pipe.xack(stream, GROUP, message_id)
                 pipe.xdel(stream, message_id)
             pipe.execute()
+        with client.pipeline(transaction=False) as pipe:
+            pipe.smembers(traced_for)
+            pipe.delete(traced_for)
+            traced = pipe.execute()[0]
+        return {key.decode() if isinstance(key, bytes) else key for key in traced}
 
     return withdraw
+
+
+def _wait_for_answers(client: Any, messages: Sequence[tuple[str, Any]]) -> None:
+    """Until no worker holds one of `messages` unanswered (a worker records what it traced before it
+    acknowledges the message), or ANSWER_WAIT_SECONDS: a worker that died holding one answers never."""
+    deadline = time.monotonic() + ANSWER_WAIT_SECONDS
+    while True:
+        with client.pipeline(transaction=False) as pipe:
+            for stream, message_id in messages:
+                pipe.xpending_range(stream, GROUP, min=message_id, max=message_id, count=1)
+            held = [pending for pending in pipe.execute() if pending]
+        if not held or time.monotonic() >= deadline:
+            return
+        time.sleep(BUSY_POLL_SECONDS)
 
 
 def compile_job(
@@ -95,8 +124,14 @@ def compile_job(
         plan = plan_variants([graph], tier=tier, target_name=None, limits=limits, labels=[job["file"]])
         if len(plan.tasks) >= MIN_TASKS:
             withdraw = _queued(enqueue, plan.tasks, job["id"])
-            handed = with_causes(trace_alongside(plan.tasks, tier, limits), plan)
-            _withdrawn(withdraw, job["id"])
+            traced, found = trace_alongside(plan.tasks, tier, limits)
+            traced_for_job = _withdrawn(withdraw, job["id"])
+            if traced_for_job is not None:
+                # Found in the tier but traced by no worker for this job: another job's trace, which this pass
+                # reads from the tier as a remote hit instead of counting it as a trace of its own.
+                for cache_key in found - traced_for_job:
+                    traced.pop(cache_key, None)
+            handed = with_causes(traced, plan)
     result, artifact = compile_graph(graph, tier=tier, label=job["file"], out_dir=out_dir,
                                      pass_id=f"job-{job['id']}", limits=limits, traced_elsewhere=handed)  # fmt: skip
     result.seconds = time.perf_counter() - started
@@ -111,24 +146,33 @@ def _queued(enqueue: Callable, tasks: Sequence[TraceTask], job_id: str) -> Calla
         return None
 
 
-def _withdrawn(withdraw: Callable[[], None] | None, job_id: str) -> None:
+def _withdrawn(withdraw: Callable[[], set[str]] | None, job_id: str) -> set[str] | None:
+    """The cache keys other workers traced for the job, or None when that is not known (no tasks were queued,
+    or the queue's Redis failed: then every variant found is counted as traced for the job)."""
+    if withdraw is None:
+        return None
     try:
-        if withdraw is not None:
-            withdraw()
+        return withdraw()
     except Exception as exc:  # left on the stream, they are answered as traced elsewhere: only time lost
         logger.warning("job %s: trace tasks not withdrawn (%s)", job_id, exc)
+        return None
 
 
-def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limits) -> dict[str, TracedVariant]:
+def trace_alongside(
+    tasks: Sequence[TraceTask], tier: KernelStore, limits: Limits
+) -> tuple[dict[str, TracedVariant], set[str]]:
     """Trace the tasks from the last one back (other workers take them from the first), skipping the ones
-    another process holds the lease on; then wait for those, tracing any whose holder died without a trace."""
+    another process holds the lease on; then wait for those, tracing any whose holder died without a trace.
+    Returns every variant, traced here or found in the tier, and the cache keys of those found."""
     handed: dict[str, TracedVariant] = {}
+    found: set[str] = set()
+    _take = partial(_take_outcome, handed, found)
     busy = []
     for task in reversed(tasks):
         outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the pass is handed it directly
         if outcome.busy:
             busy.append(task)
-        _take(handed, outcome)
+        _take(outcome)
     # Poll the leases held elsewhere every few milliseconds (the tier client's own wait polls at 50 ms, which
     # the job would spend idle): a lease free again is the holder done (its trace is found under the lease)
     # or dead (the lease lapsed: traced here).
@@ -140,20 +184,23 @@ def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limit
             outcome = trace_task(task, tier, limits, wait=False, flush=False)
             if outcome.busy:
                 still.append(task)
-            _take(handed, outcome)
+            _take(outcome)
         busy = still
     for task in busy:  # held for longer than the poll: the tier client's bounded wait (lease_wait)
         outcome = trace_task(task, tier, limits, wait=True, flush=False)
         if outcome.traced is None and outcome.found is None and outcome.error is None:
             outcome = trace_task(task, tier, limits, wait=True, flush=False)  # its holder died: the lease lapsed
-        _take(handed, outcome)
-    return handed
+        _take(outcome)
+    return handed, found
 
 
-def _take(handed: dict[str, TracedVariant], outcome: TraceOutcome) -> None:
-    variant = outcome.traced or outcome.found
-    if variant is not None:
-        handed[outcome.cache_key] = variant
+def _take_outcome(handed: dict[str, TracedVariant], found: set[str], outcome: TraceOutcome) -> None:
+    if outcome.traced is not None:
+        handed[outcome.cache_key] = outcome.traced
+        found.discard(outcome.cache_key)
+    elif outcome.found is not None:
+        handed[outcome.cache_key] = outcome.found
+        found.add(outcome.cache_key)
 
 
 def message_size(tasks: int) -> int:
@@ -178,7 +225,9 @@ def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
         # keep for up to flush_interval after the trace (the job's last variants waited that long for it).
         outcome = trace_task(task, tier, limits, wait=False, awaited=True)
         result.error = result.error or outcome.error
-        result.counts["parallel_traces"] += int(outcome.traced is not None)
+        if outcome.traced is not None:
+            result.counts["parallel_traces"] += 1
+            result.traced_keys.append(task.cache_key)
     return result
 
 
