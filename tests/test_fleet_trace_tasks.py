@@ -119,6 +119,13 @@ def test_two_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path) 
     assert alone.returncode == 0, alone.stderr
     distinct = json.loads(alone.stdout)["traces"]
     assert sum(r["traces"] for r in results) == distinct > 5
+
+    # The fleet report sums the jobs' passes: its traces are the distinct variants too (once both batches landed).
+    def fleet_totals() -> dict | None:
+        totals = json.loads(f.run("report", "--tier", f.url, "--json").stdout)["totals"]
+        return totals if totals.get("passes") == 2 else None
+
+    assert wait_until(fleet_totals)["traces"] == distinct
     assert sum(r["traces"] + r["remote_hits"] for r in results) == sum(r["cache_misses"] for r in results)
     for name in ("left", "right"):
         assert (tmp_path / "out" / f"{name}.nkibb").read_bytes() == (tmp_path / "alone" / f"{name}.nkibb").read_bytes()
