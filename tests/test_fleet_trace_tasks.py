@@ -9,10 +9,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from test_fleet import NKICACHE, WAIT, Fleet, wait_until
 
 from bridge.identity import toolchain_id
-from workers.workload import UNET_CONFIGS, GraphBuilder, unet_block
+from workers.workload import UNET_CONFIGS, GraphBuilder, generate_workload, unet_block
 
 
 def unet_graph(folder: Path, name: str, configs: list[tuple[int, int, int]]) -> Path:
@@ -99,21 +100,28 @@ def test_a_trace_task_whose_worker_is_killed_is_taken_over_and_the_job_completes
     assert (tmp_path / "out" / "slow.nkibb").read_bytes() == local_artifact(graph, tmp_path / "local")
 
 
-def test_two_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path) -> None:
-    """Two jobs with variants in common, compiled at once: each variant is traced once fleet-wide, and a job
-    that only waited for the other job's trace (its own process, or a worker tracing the other's task) reads it
-    as a remote hit, so the jobs' traces add up to the distinct variants (docs/reports.md)."""
+def shared_variant_pair(folder: Path) -> list[Path]:
+    """Two graphs holding the same variants in another order."""
+    return [unet_graph(folder, "left", [UNET_CONFIGS[0], UNET_CONFIGS[1], UNET_CONFIGS[2]]),
+            unet_graph(folder, "right", [UNET_CONFIGS[1], UNET_CONFIGS[2], UNET_CONFIGS[0]])]  # fmt: skip
+
+
+@pytest.mark.parametrize("graphs", [shared_variant_pair, lambda folder: generate_workload(folder, 6, 0)],
+                         ids=["two-jobs-sharing-every-variant", "default-workload"])  # fmt: skip
+def test_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path, graphs) -> None:
+    """Jobs with variants in common, compiled at once on a cold tier: each variant is traced once fleet-wide,
+    and a job that only waited for another job's trace (its own process, or a worker tracing the other's task)
+    reads it as a remote hit, so the jobs' traces add up to the distinct variants (docs/reports.md)."""
     f = fleet()
-    left = unet_graph(tmp_path / "graphs", "left", [UNET_CONFIGS[0], UNET_CONFIGS[1], UNET_CONFIGS[2]])
-    right = unet_graph(tmp_path / "graphs", "right", [UNET_CONFIGS[1], UNET_CONFIGS[2], UNET_CONFIGS[0]])
+    paths = graphs(tmp_path / "graphs")
     for name in ("w1", "w2", "w3"):
         f.start_worker(name)
     f.wait_live("w1", "w2", "w3")
     wait_until(lambda: all(f.heartbeats()[name].get("compiler_pid") for name in ("w1", "w2", "w3")))
-    f.submit(left, right, out=tmp_path / "out")
+    f.submit(*paths, out=tmp_path / "out")
     results = list(f.results().values())
-    assert [r["status"] for r in results] == ["completed", "completed"], results
-    alone = subprocess.run([NKICACHE, "compile", str(left), str(right), "--workers", "1", "--tier",
+    assert [r["status"] for r in results] == ["completed"] * len(paths), results
+    alone = subprocess.run([NKICACHE, "compile", *map(str, paths), "--workers", "1", "--tier",
                             f"local:{tmp_path / 'alone.db'}", "--out", str(tmp_path / "alone"), "--json"],
                            capture_output=True, text=True, timeout=WAIT)  # fmt: skip
     assert alone.returncode == 0, alone.stderr
@@ -123,9 +131,9 @@ def test_two_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path) 
     # The fleet report sums the jobs' passes: its traces are the distinct variants too (once both batches landed).
     def fleet_totals() -> dict | None:
         totals = json.loads(f.run("report", "--tier", f.url, "--json").stdout)["totals"]
-        return totals if totals.get("passes") == 2 else None
+        return totals if totals.get("passes") == len(paths) else None
 
     assert wait_until(fleet_totals)["traces"] == distinct
     assert sum(r["traces"] + r["remote_hits"] for r in results) == sum(r["cache_misses"] for r in results)
-    for name in ("left", "right"):
-        assert (tmp_path / "out" / f"{name}.nkibb").read_bytes() == (tmp_path / "alone" / f"{name}.nkibb").read_bytes()
+    for artifact in (tmp_path / "alone").iterdir():
+        assert (tmp_path / "out" / artifact.name).read_bytes() == artifact.read_bytes()
