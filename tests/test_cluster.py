@@ -402,7 +402,7 @@ def test_a_master_killed_mid_run_fails_fast_and_counts_while_the_compile_succeed
 # -- a scan split over processes (cachestore.scan_split) ------------------------------------------------
 def test_du_and_verify_split_over_processes_on_a_cluster(backend: RedisBackend, ci: Any, laptop: Any,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The forked processes read through the cluster client they inherit (its pipelines; no direct reads)."""
+    """The forked processes read through the cluster client they inherit (its pipelines)."""
     from test_scan_split import HMAC_KEY, fill_mixed, previous_disk_usage
 
     from cachestore import scan_split
@@ -413,7 +413,6 @@ def test_du_and_verify_split_over_processes_on_a_cluster(backend: RedisBackend, 
     monkeypatch.setattr(scan_split, "PAGE", 3)
     monkeypatch.setattr(scan_split, "SPLIT_AFTER_PAGES", 2)
     bad = fill_mixed(backend, ci, laptop)
-    assert backend._direct is None
     assert disk_usage(backend, processes=2) == previous_disk_usage(backend)
     policy = SignaturePolicy(hmac_key=HMAC_KEY, require_signed=False)
     split, alone = verify_entries(backend, policy, processes=2), verify_entries(backend, policy, processes=1)

@@ -279,12 +279,11 @@ def test_a_scanning_process_that_dies_fails_the_scan(backend: RedisBackend, ci: 
         scan_split.scan_split(backend, lambda index: _Dies("tier"), processes=2)
 
 
-# -- the packed reads -----------------------------------------------------------------------------------
-def test_packed_reads_give_what_the_pipeline_gave(backend: RedisBackend) -> None:
+# -- a scan's reads of many entries ---------------------------------------------------------------------
+def test_a_scans_reads_give_each_value_and_a_refused_one_leaves_the_next_read_in_step(backend: RedisBackend) -> None:
     values = {f"{i:064x}": os.urandom(i * 37) for i in range(1, 40)}
     backend.put_entries([WriteItem(key, value, None, 3600) for key, value in values.items()])
     backend.client.set(backend.keys.entry(backend.toolchain, "e" * 64), b"")  # an empty value: read as what it is
-    assert backend._direct is not None  # cachestore/backends/direct_reads.py
     names = [backend.keys.entry(backend.toolchain, key) for key in [*values, "e" * 64, "d" * 64]]
     packed = backend._read_entries(names, with_ttl=False)
     assert packed == [(value, None) for value in values.values()] + [(b"", None), (None, None)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import sqlite3
 import time
 import uuid
@@ -168,6 +169,17 @@ def test_an_entry_over_the_limit_is_handed_over_as_its_size_and_every_other_read
     assert {raw.cache_key: raw.data for raw in backend.scan_entries()} == expected
     assert {raw.cache_key: raw.data for raw in backend.scan_entries(with_ttl=False)} == expected
     assert len(backend.fetch(["far-over"], TTL)["far-over"]) == 3 * limit  # its len() is the stored size
+
+
+def test_a_fetch_without_a_ttl_refresh_reads_each_value_whole(backend, view) -> None:
+    """The read a remote hit makes (no TTL refresh): values from a byte to a few hundred KiB, each alone and all
+    at once, a missing key among them."""
+    values = {f"k{size}": os.urandom(size) for size in (1, 1300, 70_000, 300_000)}
+    for key, data in values.items():
+        view.put_raw(key, data)
+    for key, data in values.items():
+        assert backend.fetch([key], None) == {key: data}
+    assert backend.fetch([*values, "missing"], None) == values
 
 
 # -- retention ----------------------------------------------------------------------------------------

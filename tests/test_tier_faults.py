@@ -1,11 +1,13 @@
-"""Redis faults against real redis-servers of our own (never REDIS_URL's): not listening, killed and
-restarted mid-run, slow, out of memory, flushed. The compile always finishes, correct and on time; errors
-and timeouts are counted; fleet totals equal what the passes counted, exactly once."""
+"""Redis faults against real redis-servers of our own (never REDIS_URL's): a connection closed by the server or
+inherited by a fork, not listening, killed and restarted mid-run, slow, out of memory, flushed. The compile
+always finishes, correct and on time; errors and timeouts are counted; fleet totals equal what the passes
+counted, exactly once."""
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +28,8 @@ from helpers_graphs import (
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
-from cachestore.api import TOTAL_COUNTERS
+from cachestore.api import TOTAL_COUNTERS, TierError, WriteItem
+from cachestore.backends.redis import RedisBackend
 from cachestore.client import TierClient, open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
@@ -105,6 +108,50 @@ def fleet_totals(url: str, namespace: str) -> dict[str, float]:
 def assert_totals_equal(fleet: dict[str, float], expected: dict[str, float]) -> None:
     for name in TOTAL_COUNTERS:
         assert fleet.get(name, 0) == pytest.approx(expected.get(name, 0), abs=1e-6), name
+
+
+# -- the Redis connection: forks and connections the server closed ------------------------------------------
+@pytest.fixture
+def backend(server: Any) -> Iterator[RedisBackend]:
+    tier = RedisBackend(redis.Redis.from_url(server.url, socket_timeout=5), KeySpace(unique_namespace()), "faults")
+    yield tier
+    tier.close()
+
+
+def test_a_forked_child_reads_on_a_connection_of_its_own(backend: RedisBackend) -> None:
+    """A worker pool forks from a parent that already read: the child reads on a connection of its own (two
+    processes on one socket would read each other's replies), and the parent's reads still work after it."""
+    backend.put_entries([WriteItem("k", b"shared", None, 3600)])
+    assert backend.fetch(["k"], None) == {"k": b"shared"}
+    parent_connection = backend.client.client_id()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = backend.fetch(["k"], None) == {"k": b"shared"} and backend.client.client_id() != parent_connection
+            os.write(write, b"ok" if ok else b"read on the parent's connection")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 100) == b"ok"
+    os.close(read)
+    assert backend.fetch(["k"], None) == {"k": b"shared"} and backend.client.client_id() == parent_connection
+
+
+def test_reads_go_on_after_the_server_closes_the_connection(backend: RedisBackend, admin: redis.Redis) -> None:
+    """The server closes the backend's connection (CLIENT KILL, as a restart or an idle timeout would): a read
+    may fail once, as a TierError, and never returns another read's bytes; the next connects again."""
+    backend.put_entries([WriteItem("k", b"v", None, 3600)])
+    assert backend.fetch(["k"], None) == {"k": b"v"}
+    assert admin.client_kill_filter(_id=backend.client.client_id()) == 1
+    results: list[object] = []
+    for _ in range(2):
+        try:
+            results.append(backend.fetch(["k"], None))
+        except TierError:
+            results.append("failed")
+    assert results[-1] == {"k": b"v"} and all(result in ("failed", {"k": b"v"}) for result in results)
 
 
 # -- not listening ------------------------------------------------------------------------------------

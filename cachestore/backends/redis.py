@@ -27,7 +27,6 @@ import heapq
 import json
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -59,7 +58,6 @@ from cachestore.api import (
     stored_number,
 )
 from cachestore.backends.deadline import watchdog
-from cachestore.backends.direct_reads import DirectReader
 from cachestore.checkpoint import MAX_CHECKPOINT_BYTES, CheckpointRecord
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
@@ -320,9 +318,6 @@ class RedisBackend:
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
         self._shards: int | None = None
         self.cluster = isinstance(client, RedisCluster)
-        # Value reads (a remote hit's one GETRANGE, a pass's prefetch, a checkpoint chunk, a scan's pages) skip
-        # redis-py's per-command layers where the client allows it (cachestore/backends/direct_reads.py).
-        self._direct = DirectReader(client) if DirectReader.usable(client) else None
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
@@ -403,8 +398,6 @@ class RedisBackend:
             self.client.disconnect_connection_pools()
         else:
             self.client.connection_pool.disconnect()
-        if self._direct is not None:
-            self._direct.disconnect()
 
     def _pipeline(self, fill: Callable[[Any], object], raise_on_error: bool = True) -> list:
         """Replies of the commands `fill` queues, in one round trip. With `raise_on_error` False a command's
@@ -445,10 +438,6 @@ class RedisBackend:
         refreshed (EXPIRE) in the same round trip. An empty value reads as no value: GETRANGE does not tell them
         apart, and an empty entry is no entry anyway."""
         if ttl is None:
-            if len(cache_keys) == 1 and self._direct is not None:  # a remote hit
-                found = self._fetch_one(cache_keys[0])
-                if found is not None:
-                    return found
             return self._within_op_timeout(lambda: self._fetch_heads(cache_keys))
 
         def read() -> dict[str, bytes | TooLarge]:
@@ -462,9 +451,9 @@ class RedisBackend:
     ) -> tuple[dict[str, bytes | TooLarge], dict[str, bytes]]:
         """`fetch`, and in the same round trip the latest checkpoint chunk (cachestore.checkpoint) of each writer
         key id (hex) of `writers`, as stored (unverified): what a fresh reader is about to need, without a round
-        trip of its own. Only on the direct connection, without a TTL refresh (else no chunk is read); a chunk
-        name holding nothing, another type or more than a chunk's bytes is left out."""
-        if ttl is not None or self._direct is None or not cache_keys:
+        trip of its own. Only without a TTL refresh (else no chunk is read); a chunk name holding nothing, another
+        type or more than a chunk's bytes is left out."""
+        if ttl is not None or not cache_keys:
             return self.fetch(cache_keys, ttl), {}
         names = {writer: self.keys.checkpoint_latest(self.toolchain, writer) for writer in writers}
         return self._within_op_timeout(lambda: self._fetch_heads_and_chunks(cache_keys, names))
@@ -477,7 +466,7 @@ class RedisBackend:
         self, cache_keys: Sequence[str], chunk_names: Mapping[str, str]
     ) -> tuple[dict[str, bytes | TooLarge], dict[str, bytes]]:
         """`_fetch_heads`, and in its first round trip the chunks `chunk_names` names (writer key id hex to its
-        latest chunk's name; direct connection only): those that hold one, by writer."""
+        latest chunk's name): those that hold one, by writer."""
         first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
         redis_keys = [self._entry(key) for key in cache_keys]
         heads = self._heads(redis_keys, first, list(chunk_names.values()))
@@ -496,27 +485,6 @@ class RedisBackend:
             values = self._read_longer(redis_keys, [(None, None)] * len(redis_keys), longer)
             found.update((cache_keys[i], values[i][0]) for i in longer if values[i][0] is not None)
         return found, chunks
-
-    def _fetch_one(self, cache_key: str) -> dict[str, bytes | TooLarge] | None:
-        """`_fetch_heads` of one key on the direct connection, bounded by op_timeout as a whole by the read itself
-        (DirectReader.getrange_within) rather than the watchdog, and with fewer layers of calls around the GETRANGE:
-        a remote hit runs them on a CPU whose caches the reply's wait left cold (the watchdog's watch cost a hit
-        4.5-7.5 µs of CPU there). None when the direct connection is not made yet (its first read connects under the
-        watchdog: the caller reads it so). A value longer than a head (over 1 MiB) is read again under the watchdog,
-        within what is left of op_timeout."""
-        first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
-        started = time.monotonic()
-        try:
-            head = self._direct.getrange_within(self._entry(cache_key), 0, first - 1, self.op_timeout)  # type: ignore[union-attr]
-        except (rex.RedisError, OSError) as exc:
-            with redis_errors(self.description):
-                raise exc from None
-        if head is None:
-            return None
-        if len(head) < first:
-            return {cache_key: head} if head else {}
-        left = None if self.op_timeout is None else self.op_timeout - (time.monotonic() - started)
-        return self._within_op_timeout(lambda: self._fetch_heads([cache_key]), left)
 
     def _read_entries(
         self, redis_keys: Sequence[str], refresh_ttl: int | None = None, with_ttl: bool = True
@@ -583,16 +551,19 @@ class RedisBackend:
 
     def _heads(self, redis_keys: Sequence[str], first: int, chunk_keys: Sequence[str] = ()) -> list:
         """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key; then, with
-        `chunk_keys` (direct connection only), up to a checkpoint chunk's bytes of each of those, in the same
-        round trip (a refused one's reply is its ResponseError: a chunk is only a shortcut)."""
-        if self._direct is not None:
-            if not chunk_keys:
-                return self._call(lambda: self._direct.getranges(redis_keys, 0, first - 1))  # type: ignore[union-attr]
-            ranges = [(key, 0, first - 1) for key in redis_keys]
-            ranges += [(key, 0, MAX_CHECKPOINT_BYTES) for key in chunk_keys]
-            replies = self._call(lambda: self._direct.read_ranges(ranges))  # type: ignore[union-attr]
+        `chunk_keys`, up to a checkpoint chunk's bytes of each of those, in the same round trip (a refused one's
+        reply is its ResponseError: a chunk is only a shortcut)."""
+        if chunk_keys:
+
+            def fill(pipe: Any) -> None:
+                for key in redis_keys:
+                    pipe.getrange(key, 0, first - 1)
+                for key in chunk_keys:
+                    pipe.getrange(key, 0, MAX_CHECKPOINT_BYTES)
+
+            replies = self._pipeline(fill, raise_on_error=False)
             for reply in replies[: len(redis_keys)]:
-                if isinstance(reply, rex.ResponseError):  # an entry's name holding another type, as getranges
+                if isinstance(reply, Exception):  # an entry's name holding another type: the read's error
                     raise reply
             return replies
         if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
@@ -736,8 +707,6 @@ class RedisBackend:
 
         def read() -> bytes | Exception:
             try:
-                if self._direct is not None:
-                    return self._direct.getranges([key], 0, MAX_CHECKPOINT_BYTES)[0]
                 return self.client.getrange(key, 0, MAX_CHECKPOINT_BYTES)
             except rex.ResponseError as exc:  # WRONGTYPE (another type under the name), NOPERM: no chunk to use
                 return exc
@@ -1158,8 +1127,6 @@ class RedisBackend:
         pass
 
     def close(self) -> None:
-        if self._direct is not None:
-            self._direct.disconnect()
         self._call(self.client.close)
 
 
