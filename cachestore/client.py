@@ -52,11 +52,9 @@ from cachestore.api import (
     redact_url,
     tier_levels,
 )
-from cachestore.checkpoint import CheckpointLog, CheckpointReader, CheckpointRecord
 from cachestore.entry import (
     AWAITED_COMPRESSION_LEVEL,
     COMPRESSION_LEVEL,
-    SCHEMA_VERSION,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -176,15 +174,8 @@ class TierClient:
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
         self.credentials = credentials or settings_credentials(settings)
         self.writer = self.credentials.writer
-        trust = self.credentials.trust
-        # Writers' checkpoints (cachestore.checkpoint) live on Redis only: a local tier's reader checks each entry
-        # by its group signature, and a writer's log is made with the backend, once it says it keeps them.
-        self.checkpoints = None
-        if trust is not None and settings.tier.startswith(REDIS_SCHEMES):
-            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition, SCHEMA_VERSION)
-        self._checkpoint_log: CheckpointLog | None = None
-        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust,
-                                      self.checkpoints)  # fmt: skip
+        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable,
+                                      self.credentials.trust)  # fmt: skip
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
@@ -318,7 +309,7 @@ class TierClient:
         spends its Python after the reply's wait, caches cold)."""
         if self._unsent or self._inbox:
             return self.find_many([cache_key])[0].get(cache_key)
-        ok, found = self._guarded(lambda b: self._fetch(b, [cache_key]), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
         data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
         entry = None if data is None else self._accepted(cache_key, data)
         if entry is not None:  # (_count_found of one entry, without its list)
@@ -345,7 +336,7 @@ class TierClient:
             if not cache_keys:
                 self.stats.add("entries_found", len(own))
                 return own, set(own)
-        ok, found = self._guarded(lambda b: self._fetch(b, cache_keys), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl), "lookup")
         if not ok:
             return own, set(own)
         entries = own
@@ -356,19 +347,6 @@ class TierClient:
                 entries[key] = entry
         self._count_found(entries.values())
         return entries, set(found) | set(own)
-
-    def _fetch(self, backend: Backend, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
-        """The backend's fetch of `cache_keys`; on a process's first read with a trust policy, on a backend that
-        keeps checkpoints, with the trusted writers' latest checkpoint chunks in the same round trip, handed to
-        the checkpoint reader (cachestore.checkpoint: a fresh reader's first entries then need no fetch of their
-        chunk)."""
-        wanted = self.checkpoints.latest_wanted() if self.checkpoints is not None else ()
-        if not wanted or not getattr(backend, "keeps_checkpoints", False):
-            return backend.fetch(cache_keys, self._refresh_ttl)
-        found, chunks = backend.fetch_with_latest(cache_keys, self._refresh_ttl, wanted)  # type: ignore[attr-defined]
-        for key_id_hex, data in chunks.items():
-            self.checkpoints.offer(bytes.fromhex(key_id_hex), data)  # type: ignore[union-attr]
-        return found
 
     def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
@@ -479,28 +457,6 @@ class TierClient:
         if isinstance(data, bytes):
             entry.stored = data
         return entry
-
-    def _fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
-        """A writer's checkpoint chunk as stored (CheckpointReader's fetch), or None; a timeout or an outage is
-        counted and opens the breaker as any read's does."""
-
-        def read(backend: Backend) -> bytes | None:
-            if not getattr(backend, "keeps_checkpoints", False):
-                return None
-            return backend.fetch_checkpoint(key_id_hex, instance_hex, chunk)  # type: ignore[attr-defined]
-
-        ok, data = self._guarded(read, "checkpoint")
-        return data if ok else None
-
-    def _checkpoint_writer(self) -> CheckpointLog | None:
-        """This writer's checkpoint log, made the first time it is asked for on a backend that keeps them (the
-        backend is opened for that: it is about to be written anyway)."""
-        if self._checkpoint_log is None and self.writer is not None and self.writes:
-            if self._backend is None:
-                self._guarded(lambda backend: None, "store")
-            if self._backend is not None and getattr(self._backend, "keeps_checkpoints", False):
-                self._checkpoint_log = CheckpointLog(self.writer, self._partition, SCHEMA_VERSION)
-        return self._checkpoint_log
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         """What the variant index knows of each missed cache key (its key components given), in one round
@@ -623,8 +579,7 @@ class TierClient:
             # issue 16, "close").
             level = AWAITED_COMPRESSION_LEVEL if self._closing_soon else pending.level
             if self.writer is not None:
-                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key,
-                                          self._checkpoint_writer() is not None, level)  # fmt: skip
+                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key, level=level)
                 size = unsealed.most_bytes
             else:
                 full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, level)
@@ -661,16 +616,8 @@ class TierClient:
         size = math.ceil(len(waiting) / groups)
         for start in range(0, len(waiting), size):
             group = waiting[start : start + size]
-            refs = self._chunk_refs([p.unsealed for p in group])
-            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer, refs), strict=True):
+            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer), strict=True):
                 pending.request, pending.unsealed = replace(pending.request, full=data), None
-
-    def _chunk_refs(self, group: Sequence[Unsealed]) -> list[bytes]:
-        """The checkpoint chunk each entry of `group` is listed in (b"" for one prepared without a checkpoint)."""
-        log = self._checkpoint_log
-        listed = [item for item in group if item.checkpointed]
-        refs = iter(log.place([item.listed for item in listed]) if listed and log is not None else ())
-        return [next(refs) if item.checkpointed else b"" for item in group]
 
     def publish_trace(
         self,
@@ -708,15 +655,8 @@ class TierClient:
 
     def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
         """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
-        key, writer, log = self.settings.hmac_key, self.writer, self._checkpoint_log
-        if writer is None or log is None:
-            return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
-
-        def listed(holder: str) -> bytes:  # in the checkpoint too: a reference's first hit then costs no verify
-            unsealed = unsealed_entry(entry.as_reference_to(holder), key, writer, cache_key, True)
-            return seal([unsealed], writer, log.place([unsealed.listed]))[0]
-
-        return listed
+        key, writer = self.settings.hmac_key, self.writer
+        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
@@ -928,20 +868,7 @@ class TierClient:
         return ok
 
     def _store(self, requests: list[StoreRequest]) -> bool:
-        """The entries, then (right after them, with the indexes) this writer's checkpoint chunks that changed."""
-        log, ttl = self._checkpoint_log, self.settings.entry_ttl
-        if log is None:
-            return self._guarded(lambda b: b.store(requests, ttl), "store")[0]
-        sent: list[CheckpointRecord] = []
-
-        def records() -> list[CheckpointRecord]:  # called once the references among the entries are sealed
-            sent[:] = log.records()
-            return sent
-
-        ok, _ = self._guarded(lambda b: b.store(requests, ttl, checkpoints=records), "store")  # type: ignore[call-arg]
-        if ok:
-            log.written(sent)
-        return ok
+        return self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")[0]
 
     def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
         """Wait until the outbox is empty, at most `timeout` seconds. While the tier is down it gives up at once,
