@@ -53,8 +53,6 @@ from cachestore.api import (
     tier_levels,
 )
 from cachestore.entry import (
-    AWAITED_COMPRESSION_LEVEL,
-    COMPRESSION_LEVEL,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -124,7 +122,6 @@ class PendingStore:
     prepared: bool = False  # `request` is None after preparing when the entry is too large to store
     # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
     unsealed: Unsealed | None = None
-    level: int = COMPRESSION_LEVEL  # AWAITED_COMPRESSION_LEVEL when another process waits for the entry
     entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
 
     def built(self) -> Entry:
@@ -179,13 +176,10 @@ class TierClient:
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
+        # What the compiling thread hands over (entries, lease releases, pass records), appended under the lock; the
+        # flusher thread drains it.
         self._outbox: collections.deque = collections.deque()
         self._outbox_lock = threading.Condition()
-        # What the compiling thread hands over (entries, lease releases, pass records), appended without the outbox
-        # lock and moved into the outbox under it (`_absorb`) by whoever next looks at the outbox. Taking the lock
-        # on the compiling thread made it wait for the flusher whenever the flusher held it, and then for the GIL
-        # the flusher holds while it encodes (bench/RESULTS.md, issue 16, "mirror_overhead_direct").
-        self._inbox: collections.deque = collections.deque()
         self._flusher: threading.Thread | None = None
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
@@ -204,7 +198,6 @@ class TierClient:
         # Entries and lease releases in the outbox: what other processes may be waiting for (send_now sends it at
         # once), unlike metrics batches and TTL refreshes, which go out by the flusher's timer.
         self._awaited = 0
-        self._closing_soon = False  # close() has begun: what it waits to encode is compressed fast
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
@@ -307,7 +300,7 @@ class TierClient:
         """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many` of
         one key, without its lists, sets and dicts when this process has no entry of its own queued (a remote hit
         spends its Python after the reply's wait, caches cold)."""
-        if self._unsent or self._inbox:
+        if self._unsent:
             return self.find_many([cache_key])[0].get(cache_key)
         ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
         data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
@@ -330,7 +323,7 @@ class TierClient:
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
-        own = self._own_unsent(cache_keys) if (self._unsent or self._inbox) and self._available() else {}
+        own = self._own_unsent(cache_keys) if self._unsent and self._available() else {}
         if own:
             cache_keys = [key for key in cache_keys if key not in own]
             if not cache_keys:
@@ -369,9 +362,6 @@ class TierClient:
     def _own_unsent(self, cache_keys: Sequence[str]) -> dict[str, Entry]:
         """The entries of `cache_keys` this client queued and has not stored yet: its own traces (or copies it
         verified when it read them), so nothing to verify; the tier will hold them once the flusher sends them."""
-        if self._inbox:
-            with self._outbox_lock:
-                self._absorb()
         own = {}
         for key in cache_keys:
             pending = self._unsent.get(key)
@@ -415,7 +405,6 @@ class TierClient:
             ttls[key] = max(ttl, ttls.get(key, 0))
         if ttls:
             with self._outbox_lock:
-                self._absorb()  # (what was handed over before these reads goes first)
                 for key, ttl in ttls.items():
                     self._append(TtlRefresh(key, ttl))
                 self._outbox_lock.notify_all()
@@ -483,7 +472,6 @@ class TierClient:
         """`found` with what this client queued and has not stored yet counted as in the index, as its reads
         count those entries as held: a pass's miss causes do not depend on how far the write-behind got."""
         with self._outbox_lock:
-            self._absorb()
             queued = {key: pending.built().key_components for key, pending in self._unsent.items()}
         if not queued:
             return found
@@ -574,15 +562,11 @@ class TierClient:
         if not pending.prepared:
             entry = pending.built()
             full, unsealed = b"", None
-            # close() waits for this encoding too (a compile about to exit: the user waits): fast, as for an entry
-            # another process waits for; a long-lived worker's flushes keep the small level (bench/RESULTS.md,
-            # issue 16, "close").
-            level = AWAITED_COMPRESSION_LEVEL if self._closing_soon else pending.level
             if self.writer is not None:
-                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key, level=level)
+                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
                 size = unsealed.most_bytes
             else:
-                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, level)
+                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key)
                 size = len(full)
             payload = unsealed.payload if unsealed is not None else open_stored(full)[1]
             problem = payload_problem(payload, self.settings.max_entry_bytes)
@@ -626,12 +610,10 @@ class TierClient:
         key_components: Mapping[str, Any],
         compile_seconds: float,
         release_lease: bool = False,
-        awaited: bool = False,
     ) -> None:
         """The port's write: the entry for a kernel the loop traced, produced by this host and worker. The
         compiling thread only copies what the entry needs and queues it: the Entry (the binary's SHA-256) and
-        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread, at the
-        fast AWAITED_COMPRESSION_LEVEL when `awaited` (another process waits for it)."""
+        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
         if not self.writes:
             return
         if self.writer is not None:
@@ -650,8 +632,7 @@ class TierClient:
             compile_seconds=compile_seconds,
             toolchain=self.toolchain,  # the compiler that traced it: this one
         )
-        level = AWAITED_COMPRESSION_LEVEL if awaited else COMPRESSION_LEVEL
-        self._publish(PendingStore(cache_key, build, level=level), release_lease)
+        self._publish(PendingStore(cache_key, build), release_lease)
 
     def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
         """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
@@ -701,7 +682,6 @@ class TierClient:
         if not self.writes:
             return
         with self._outbox_lock:
-            self._absorb()
             if not self._awaited:
                 return
             self._send_now = True
@@ -711,26 +691,19 @@ class TierClient:
     def _enqueue(self, item: object, wake: bool = True) -> None:
         """Hand `item` to the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
         or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile).
-        The first item of a quiet outbox wakes it all the same, so that it encodes while the pass goes on. No
-        lock is taken unless it wakes the flusher or the inbox has grown to outbox_limit."""
+        The first item of a quiet outbox wakes it all the same, so that it encodes while the pass goes on."""
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
         if self._closing:  # after close(): dropped and counted, as what close() could not deliver is
             self.stats.add("tier_dropped")
             return
-        wake = wake or not (self._inbox or self._outbox)  # (unlocked: at worst one wake-up too many or too few)
-        self._inbox.append(item)
-        if wake or len(self._inbox) >= self.settings.outbox_limit:
-            with self._outbox_lock:
-                self._absorb()  # the outbox's limit applies to the inbox too: a stuck flusher cannot grow it
+        with self._outbox_lock:
+            wake = wake or not self._outbox
+            self._append(item)
+            if wake:
                 self._outbox_lock.notify_all()
         if not self._flusher_running():
             self._ensure_flusher()
-
-    def _absorb(self) -> None:
-        """Move what the compiling thread handed over into the outbox, in order (the outbox lock held)."""
-        while self._inbox:
-            self._append(self._inbox.popleft())
 
     def _append(self, item: object) -> None:
         """Queue `item` (the outbox lock held); past outbox_limit the oldest item is dropped and counted."""
@@ -776,10 +749,7 @@ class TierClient:
     def _flush_until_closed(self) -> None:
         while True:
             with self._outbox_lock:
-                self._outbox_lock.wait_for(
-                    lambda: self._closing or bool(self._outbox or self._inbox), self.settings.flush_interval
-                )
-                self._absorb()
+                self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
                 if self._closing and not self._outbox:
                     return
                 cooling = self._open_until - time.monotonic()
@@ -804,7 +774,6 @@ class TierClient:
             with self._outbox_lock:
                 if self._closing or self._flush_waiters > 0 or self._send_now:
                     return
-                self._absorb()
                 todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
                 if not todo:
                     remaining = deadline - time.monotonic()
@@ -819,7 +788,6 @@ class TierClient:
         """Send what is queued, in order; False when the tier failed (items stay queued)."""
         self._collect_touched()
         with self._outbox_lock:
-            self._absorb()
             items = list(self._outbox)
             self._send_now = False  # what it asked to be sent is being sent
         if not items:
@@ -880,7 +848,6 @@ class TierClient:
             self._outbox_lock.notify_all()
             try:
                 while True:
-                    self._absorb()
                     if not self._outbox:
                         break
                     remaining = deadline - time.monotonic()
@@ -894,7 +861,6 @@ class TierClient:
 
     def pending(self) -> int:
         with self._outbox_lock:
-            self._absorb()
             return len(self._outbox)
 
     def close(self, timeout: float | None = None) -> None:
@@ -906,7 +872,6 @@ class TierClient:
         # still under way then finishes on the flusher, which closes the backend after it).
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         self._leases.stop()
-        self._closing_soon = True
         self.flush(deadline - time.monotonic(), through_outage=True)
         with self._outbox_lock:
             self._closing = True
@@ -915,7 +880,6 @@ class TierClient:
         if flusher is not None:
             flusher.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._outbox_lock:
-            self._absorb()
             if self._outbox:
                 self.stats.add("tier_dropped", len(self._outbox))
                 self._outbox.clear()

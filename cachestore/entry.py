@@ -80,12 +80,8 @@ SCHEMA_VERSION = 4
 MAGIC = b"NKC"
 ENTRY_DICTIONARY_PATH = Path(__file__).with_name("entry_dictionary.zstd")
 # With the dictionary, measured on the bench workload's bodies (bench/RESULTS.md, "Compact entries"): level 15
-# stores a body at 0.092 of its binary in 823 us, level 3 at 0.111 in 15 us. An entry another process is
-# waiting for (a trace task's: the job's process waits on its lease) is compressed at AWAITED_COMPRESSION_LEVEL,
-# since 0.8 ms a variant on the critical path cost the fleet's two-worker compile more than its bytes save
-# (bench/RESULTS.md, issue 17); ccache likewise compresses fast by default and recompresses offline.
+# stores a body at 0.092 of its binary in 823 us, on the flusher thread.
 COMPRESSION_LEVEL = 15
-AWAITED_COMPRESSION_LEVEL = 3
 # What an entry may be, stored or decompressed (Settings.max_entry_bytes raises it): the default workload's largest
 # binary is 79 KB and a 1024x1024 conv's 2.8 MB (docs/tiers.md), so 8 MiB is 100 times the first and holds the
 # second, and a bomb declaring more is refused before any decompression.
@@ -203,23 +199,22 @@ def encode_entry(
     hmac_key: bytes | None = None,
     writer: WriterKey | None = None,
     cache_key: str = "",
-    level: int = COMPRESSION_LEVEL,
 ) -> bytes:
     """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, the
     writer's section when a writer key is given (a batch signature of a group of one: over `cache_key`, the
     key it is stored under), then the payload (the body, compressed). A writer storing several entries at once
     signs them together instead (`unsealed_entry`, `seal`)."""
     if writer is not None:
-        return seal([unsealed_entry(entry, hmac_key, writer, cache_key, level=level)], writer)[0]
-    payload = _payload(entry, level)
+        return seal([unsealed_entry(entry, hmac_key, writer, cache_key)], writer)[0]
+    payload = _payload(entry)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
     flags = _SIGNED if signature else 0
     return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
 
 
-def _payload(entry: Entry, level: int = COMPRESSION_LEVEL) -> bytes:
+def _payload(entry: Entry) -> bytes:
     body = msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True)
-    return _compressor(level).compress(body)
+    return _compressor().compress(body)
 
 
 @dataclass(frozen=True)
@@ -253,10 +248,9 @@ def unsealed_entry(
     hmac_key: bytes | None,
     writer: WriterKey,
     cache_key: str,
-    level: int = COMPRESSION_LEVEL,
 ) -> Unsealed:
     """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`)."""
-    payload = _payload(entry, level)
+    payload = _payload(entry)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
     flags = (_SIGNED if signature else 0) | _WRITER_BATCH
     head = b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature))
@@ -601,16 +595,15 @@ def entry_dictionary() -> zstandard.ZstdCompressionDict:
         return _dictionary[0]
 
 
-def _compressor(level: int = COMPRESSION_LEVEL) -> zstandard.ZstdCompressor:
-    compressors = _local.__dict__.setdefault("compressors", {})
-    if level not in compressors:
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "compressor"):
         # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and the schema byte
         # names the dictionary.
-        compressors[level] = zstandard.ZstdCompressor(
-            level=level, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
+        _local.compressor = zstandard.ZstdCompressor(
+            level=COMPRESSION_LEVEL, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
             write_dict_id=False,
         )  # fmt: skip
-    return compressors[level]
+    return _local.compressor
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
