@@ -14,11 +14,10 @@ under and the payload's SHA-256, so it costs no hashing of the binary: bit 1's s
 bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), and the entry carries its leaf
 index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
 reading many entries of one group verifies one signature. Writers write bit 2 only; entries signed with bit 1
-(before batch signatures) verify as they did. Bit 3 (with bit 2) was written by earlier writers (writer
-checkpoints, since removed): 12 bytes no signature covers follow the group size, and a reader skips them; such
-an entry verifies by its group signature as any other. Entries written before writer
-signatures have neither bit and stay readable as they were, except by a reader with a trust policy, which
-rejects them (no trusted writer).
+(before batch signatures) verify as they did. Bit 3 (with bit 2), which only earlier writers set, says 12
+bytes no signature covers follow the group size: a reader skips them, and the entry verifies by its group
+signature as any other. Entries written before writer signatures have neither bit and stay readable as they
+were, except by a reader with a trust policy, which rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
 one msgpack unpack. Bodies compress to about a tenth of the binary (bench/RESULTS.md).

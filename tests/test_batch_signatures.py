@@ -166,9 +166,9 @@ def test_an_entry_signed_alone_before_batch_signatures_still_verifies(ci: Writer
 
 
 def test_an_entry_of_an_earlier_writer_with_flag_bit_3_verifies_by_its_group_signature(ci: WriterKey) -> None:
-    """Earlier writers (writer checkpoints, since removed) set flag bit 3 and put 12 bytes no signature covers
-    after the group size: a reader skips them, and the entry verifies by its group signature, forgeries still
-    refused."""
+    """Earlier writers set flag bit 3 and put 12 bytes no signature covers after the group size (a hint to
+    their checkpoint chunk): a reader skips them, and the entry verifies by its group signature, forgeries
+    still refused."""
     items = [unsealed_entry(make_entry(binary=b"bin %d" % n), None, ci, key) for n, key in enumerate(KEYS[:3])]
     flagged = [dataclasses.replace(item, head=item.head[: len(MAGIC) + 1] + b"\x0c" + item.head[len(MAGIC) + 2 :])
                for item in items]  # fmt: skip
