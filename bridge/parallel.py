@@ -171,14 +171,12 @@ def trace_task(
     limits: Limits,
     wait: bool = True,
     flush: bool = True,
-    awaited: bool = False,
 ) -> TraceOutcome:
     """Trace one task's variant as the loop's own miss would (single-flight lease, publish to the tier, the
     kernel instruction limit), in this process. When another process holds the lease: wait for its trace
     (`wait`), else answer `busy` at once, so a process with other tasks to trace goes on to the next. `flush`:
     the trace is stored before the answer (else written behind: the lease is released once it is stored, so
-    a process waiting on the lease still finds it). `awaited`: another process waits on the tier for this
-    trace (a fleet job's, for its trace task), so it is stored compressed fast (cachestore.entry)."""
+    a process waiting on the lease still finds it)."""
     lease = tier is not None and tier.reads and tier.single_flight
     if lease:
         if not tier.acquire_lease(task.cache_key):
@@ -202,7 +200,7 @@ def trace_task(
         return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
     seconds = time.perf_counter() - started
     if tier is not None:
-        tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease, awaited=awaited)
+        tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)
         if flush:
             tier.flush()  # a later pass reads it from the tier without a lease wait
     return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds))

@@ -174,10 +174,8 @@ class KernelStore(Protocol):
         key_components: Mapping[str, Any],
         compile_seconds: float,
         release_lease: bool = False,
-        awaited: bool = False,
     ) -> None:
-        """Store a kernel this process traced (write-behind), releasing its lease when it held one; `awaited`:
-        another process waits for it, so the store favours latency over bytes."""
+        """Store a kernel this process traced (write-behind), releasing its lease when it held one."""
 
     def record_pass(self, record: PassRecord) -> None:
         """Hand over what a pass did, to be applied to the fleet metrics exactly once. The pass's last call: it

@@ -14,12 +14,8 @@ Two protocols, implemented by one class per backend (`cachestore/backends/`):
 - `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
   reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
 
-Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `keeps_checkpoints`,
-`splits_scans`), never probed. `keeps_checkpoints` (Redis only): the backend stores writers' checkpoints
-(cachestore.checkpoint) with `store(requests, ttl, checkpoints=...)`, reads them with `fetch_checkpoint(key id
-hex, instance hex, chunk)` and with entries (`fetch_with_latest(keys, ttl, key ids hex)`: `fetch` and the writers'
-latest chunks in one round trip) and deletes a writer's with `delete_checkpoints(key id hex, dry_run)`; the local and
-snapshot tiers keep none, and their readers check each entry by its group signature.
+Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `splits_scans`), never
+probed.
 """
 
 from __future__ import annotations

@@ -52,11 +52,7 @@ from cachestore.api import (
     redact_url,
     tier_levels,
 )
-from cachestore.checkpoint import CheckpointLog, CheckpointReader, CheckpointRecord
 from cachestore.entry import (
-    AWAITED_COMPRESSION_LEVEL,
-    COMPRESSION_LEVEL,
-    SCHEMA_VERSION,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -126,7 +122,6 @@ class PendingStore:
     prepared: bool = False  # `request` is None after preparing when the entry is too large to store
     # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
     unsealed: Unsealed | None = None
-    level: int = COMPRESSION_LEVEL  # AWAITED_COMPRESSION_LEVEL when another process waits for the entry
     entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
 
     def built(self) -> Entry:
@@ -176,25 +171,15 @@ class TierClient:
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
         self.credentials = credentials or settings_credentials(settings)
         self.writer = self.credentials.writer
-        trust = self.credentials.trust
-        # Writers' checkpoints (cachestore.checkpoint) live on Redis only: a local tier's reader checks each entry
-        # by its group signature, and a writer's log is made with the backend, once it says it keeps them.
-        self.checkpoints = None
-        if trust is not None and settings.tier.startswith(REDIS_SCHEMES):
-            self.checkpoints = CheckpointReader(self._fetch_checkpoint, trust, self._partition, SCHEMA_VERSION)
-        self._checkpoint_log: CheckpointLog | None = None
-        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust,
-                                      self.checkpoints)  # fmt: skip
+        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable,
+                                      self.credentials.trust)  # fmt: skip
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
+        # What the compiling thread hands over (entries, lease releases, pass records), appended under the lock; the
+        # flusher thread drains it.
         self._outbox: collections.deque = collections.deque()
         self._outbox_lock = threading.Condition()
-        # What the compiling thread hands over (entries, lease releases, pass records), appended without the outbox
-        # lock and moved into the outbox under it (`_absorb`) by whoever next looks at the outbox. Taking the lock
-        # on the compiling thread made it wait for the flusher whenever the flusher held it, and then for the GIL
-        # the flusher holds while it encodes (bench/RESULTS.md, issue 16, "mirror_overhead_direct").
-        self._inbox: collections.deque = collections.deque()
         self._flusher: threading.Thread | None = None
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
@@ -213,7 +198,6 @@ class TierClient:
         # Entries and lease releases in the outbox: what other processes may be waiting for (send_now sends it at
         # once), unlike metrics batches and TTL refreshes, which go out by the flusher's timer.
         self._awaited = 0
-        self._closing_soon = False  # close() has begun: what it waits to encode is compressed fast
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
@@ -316,9 +300,9 @@ class TierClient:
         """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many` of
         one key, without its lists, sets and dicts when this process has no entry of its own queued (a remote hit
         spends its Python after the reply's wait, caches cold)."""
-        if self._unsent or self._inbox:
+        if self._unsent:
             return self.find_many([cache_key])[0].get(cache_key)
-        ok, found = self._guarded(lambda b: self._fetch(b, [cache_key]), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
         data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
         entry = None if data is None else self._accepted(cache_key, data)
         if entry is not None:  # (_count_found of one entry, without its list)
@@ -339,13 +323,13 @@ class TierClient:
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
-        own = self._own_unsent(cache_keys) if (self._unsent or self._inbox) and self._available() else {}
+        own = self._own_unsent(cache_keys) if self._unsent and self._available() else {}
         if own:
             cache_keys = [key for key in cache_keys if key not in own]
             if not cache_keys:
                 self.stats.add("entries_found", len(own))
                 return own, set(own)
-        ok, found = self._guarded(lambda b: self._fetch(b, cache_keys), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl), "lookup")
         if not ok:
             return own, set(own)
         entries = own
@@ -356,19 +340,6 @@ class TierClient:
                 entries[key] = entry
         self._count_found(entries.values())
         return entries, set(found) | set(own)
-
-    def _fetch(self, backend: Backend, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
-        """The backend's fetch of `cache_keys`; on a process's first read with a trust policy, on a backend that
-        keeps checkpoints, with the trusted writers' latest checkpoint chunks in the same round trip, handed to
-        the checkpoint reader (cachestore.checkpoint: a fresh reader's first entries then need no fetch of their
-        chunk)."""
-        wanted = self.checkpoints.latest_wanted() if self.checkpoints is not None else ()
-        if not wanted or not getattr(backend, "keeps_checkpoints", False):
-            return backend.fetch(cache_keys, self._refresh_ttl)
-        found, chunks = backend.fetch_with_latest(cache_keys, self._refresh_ttl, wanted)  # type: ignore[attr-defined]
-        for key_id_hex, data in chunks.items():
-            self.checkpoints.offer(bytes.fromhex(key_id_hex), data)  # type: ignore[union-attr]
-        return found
 
     def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
         """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
@@ -391,9 +362,6 @@ class TierClient:
     def _own_unsent(self, cache_keys: Sequence[str]) -> dict[str, Entry]:
         """The entries of `cache_keys` this client queued and has not stored yet: its own traces (or copies it
         verified when it read them), so nothing to verify; the tier will hold them once the flusher sends them."""
-        if self._inbox:
-            with self._outbox_lock:
-                self._absorb()
         own = {}
         for key in cache_keys:
             pending = self._unsent.get(key)
@@ -437,7 +405,6 @@ class TierClient:
             ttls[key] = max(ttl, ttls.get(key, 0))
         if ttls:
             with self._outbox_lock:
-                self._absorb()  # (what was handed over before these reads goes first)
                 for key, ttl in ttls.items():
                     self._append(TtlRefresh(key, ttl))
                 self._outbox_lock.notify_all()
@@ -480,28 +447,6 @@ class TierClient:
             entry.stored = data
         return entry
 
-    def _fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
-        """A writer's checkpoint chunk as stored (CheckpointReader's fetch), or None; a timeout or an outage is
-        counted and opens the breaker as any read's does."""
-
-        def read(backend: Backend) -> bytes | None:
-            if not getattr(backend, "keeps_checkpoints", False):
-                return None
-            return backend.fetch_checkpoint(key_id_hex, instance_hex, chunk)  # type: ignore[attr-defined]
-
-        ok, data = self._guarded(read, "checkpoint")
-        return data if ok else None
-
-    def _checkpoint_writer(self) -> CheckpointLog | None:
-        """This writer's checkpoint log, made the first time it is asked for on a backend that keeps them (the
-        backend is opened for that: it is about to be written anyway)."""
-        if self._checkpoint_log is None and self.writer is not None and self.writes:
-            if self._backend is None:
-                self._guarded(lambda backend: None, "store")
-            if self._backend is not None and getattr(self._backend, "keeps_checkpoints", False):
-                self._checkpoint_log = CheckpointLog(self.writer, self._partition, SCHEMA_VERSION)
-        return self._checkpoint_log
-
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         """What the variant index knows of each missed cache key (its key components given), in one round
         trip; None when the index cannot be read. A diagnosis only: a failure is logged at debug level and
@@ -527,7 +472,6 @@ class TierClient:
         """`found` with what this client queued and has not stored yet counted as in the index, as its reads
         count those entries as held: a pass's miss causes do not depend on how far the write-behind got."""
         with self._outbox_lock:
-            self._absorb()
             queued = {key: pending.built().key_components for key, pending in self._unsent.items()}
         if not queued:
             return found
@@ -618,16 +562,11 @@ class TierClient:
         if not pending.prepared:
             entry = pending.built()
             full, unsealed = b"", None
-            # close() waits for this encoding too (a compile about to exit: the user waits): fast, as for an entry
-            # another process waits for; a long-lived worker's flushes keep the small level (bench/RESULTS.md,
-            # issue 16, "close").
-            level = AWAITED_COMPRESSION_LEVEL if self._closing_soon else pending.level
             if self.writer is not None:
-                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key,
-                                          self._checkpoint_writer() is not None, level)  # fmt: skip
+                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
                 size = unsealed.most_bytes
             else:
-                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key, level)
+                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key)
                 size = len(full)
             payload = unsealed.payload if unsealed is not None else open_stored(full)[1]
             problem = payload_problem(payload, self.settings.max_entry_bytes)
@@ -661,16 +600,8 @@ class TierClient:
         size = math.ceil(len(waiting) / groups)
         for start in range(0, len(waiting), size):
             group = waiting[start : start + size]
-            refs = self._chunk_refs([p.unsealed for p in group])
-            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer, refs), strict=True):
+            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer), strict=True):
                 pending.request, pending.unsealed = replace(pending.request, full=data), None
-
-    def _chunk_refs(self, group: Sequence[Unsealed]) -> list[bytes]:
-        """The checkpoint chunk each entry of `group` is listed in (b"" for one prepared without a checkpoint)."""
-        log = self._checkpoint_log
-        listed = [item for item in group if item.checkpointed]
-        refs = iter(log.place([item.listed for item in listed]) if listed and log is not None else ())
-        return [next(refs) if item.checkpointed else b"" for item in group]
 
     def publish_trace(
         self,
@@ -679,12 +610,10 @@ class TierClient:
         key_components: Mapping[str, Any],
         compile_seconds: float,
         release_lease: bool = False,
-        awaited: bool = False,
     ) -> None:
         """The port's write: the entry for a kernel the loop traced, produced by this host and worker. The
         compiling thread only copies what the entry needs and queues it: the Entry (the binary's SHA-256) and
-        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread, at the
-        fast AWAITED_COMPRESSION_LEVEL when `awaited` (another process waits for it)."""
+        its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
         if not self.writes:
             return
         if self.writer is not None:
@@ -703,20 +632,12 @@ class TierClient:
             compile_seconds=compile_seconds,
             toolchain=self.toolchain,  # the compiler that traced it: this one
         )
-        level = AWAITED_COMPRESSION_LEVEL if awaited else COMPRESSION_LEVEL
-        self._publish(PendingStore(cache_key, build, level=level), release_lease)
+        self._publish(PendingStore(cache_key, build), release_lease)
 
     def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
         """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
-        key, writer, log = self.settings.hmac_key, self.writer, self._checkpoint_log
-        if writer is None or log is None:
-            return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
-
-        def listed(holder: str) -> bytes:  # in the checkpoint too: a reference's first hit then costs no verify
-            unsealed = unsealed_entry(entry.as_reference_to(holder), key, writer, cache_key, True)
-            return seal([unsealed], writer, log.place([unsealed.listed]))[0]
-
-        return listed
+        key, writer = self.settings.hmac_key, self.writer
+        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
@@ -761,7 +682,6 @@ class TierClient:
         if not self.writes:
             return
         with self._outbox_lock:
-            self._absorb()
             if not self._awaited:
                 return
             self._send_now = True
@@ -771,26 +691,19 @@ class TierClient:
     def _enqueue(self, item: object, wake: bool = True) -> None:
         """Hand `item` to the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
         or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile).
-        The first item of a quiet outbox wakes it all the same, so that it encodes while the pass goes on. No
-        lock is taken unless it wakes the flusher or the inbox has grown to outbox_limit."""
+        The first item of a quiet outbox wakes it all the same, so that it encodes while the pass goes on."""
         if not self.writes:
             return  # a read-only client's publish and lease release: nothing to send, nothing dropped
         if self._closing:  # after close(): dropped and counted, as what close() could not deliver is
             self.stats.add("tier_dropped")
             return
-        wake = wake or not (self._inbox or self._outbox)  # (unlocked: at worst one wake-up too many or too few)
-        self._inbox.append(item)
-        if wake or len(self._inbox) >= self.settings.outbox_limit:
-            with self._outbox_lock:
-                self._absorb()  # the outbox's limit applies to the inbox too: a stuck flusher cannot grow it
+        with self._outbox_lock:
+            wake = wake or not self._outbox
+            self._append(item)
+            if wake:
                 self._outbox_lock.notify_all()
         if not self._flusher_running():
             self._ensure_flusher()
-
-    def _absorb(self) -> None:
-        """Move what the compiling thread handed over into the outbox, in order (the outbox lock held)."""
-        while self._inbox:
-            self._append(self._inbox.popleft())
 
     def _append(self, item: object) -> None:
         """Queue `item` (the outbox lock held); past outbox_limit the oldest item is dropped and counted."""
@@ -836,10 +749,7 @@ class TierClient:
     def _flush_until_closed(self) -> None:
         while True:
             with self._outbox_lock:
-                self._outbox_lock.wait_for(
-                    lambda: self._closing or bool(self._outbox or self._inbox), self.settings.flush_interval
-                )
-                self._absorb()
+                self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
                 if self._closing and not self._outbox:
                     return
                 cooling = self._open_until - time.monotonic()
@@ -864,7 +774,6 @@ class TierClient:
             with self._outbox_lock:
                 if self._closing or self._flush_waiters > 0 or self._send_now:
                     return
-                self._absorb()
                 todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
                 if not todo:
                     remaining = deadline - time.monotonic()
@@ -879,7 +788,6 @@ class TierClient:
         """Send what is queued, in order; False when the tier failed (items stay queued)."""
         self._collect_touched()
         with self._outbox_lock:
-            self._absorb()
             items = list(self._outbox)
             self._send_now = False  # what it asked to be sent is being sent
         if not items:
@@ -928,20 +836,7 @@ class TierClient:
         return ok
 
     def _store(self, requests: list[StoreRequest]) -> bool:
-        """The entries, then (right after them, with the indexes) this writer's checkpoint chunks that changed."""
-        log, ttl = self._checkpoint_log, self.settings.entry_ttl
-        if log is None:
-            return self._guarded(lambda b: b.store(requests, ttl), "store")[0]
-        sent: list[CheckpointRecord] = []
-
-        def records() -> list[CheckpointRecord]:  # called once the references among the entries are sealed
-            sent[:] = log.records()
-            return sent
-
-        ok, _ = self._guarded(lambda b: b.store(requests, ttl, checkpoints=records), "store")  # type: ignore[call-arg]
-        if ok:
-            log.written(sent)
-        return ok
+        return self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")[0]
 
     def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
         """Wait until the outbox is empty, at most `timeout` seconds. While the tier is down it gives up at once,
@@ -953,7 +848,6 @@ class TierClient:
             self._outbox_lock.notify_all()
             try:
                 while True:
-                    self._absorb()
                     if not self._outbox:
                         break
                     remaining = deadline - time.monotonic()
@@ -967,7 +861,6 @@ class TierClient:
 
     def pending(self) -> int:
         with self._outbox_lock:
-            self._absorb()
             return len(self._outbox)
 
     def close(self, timeout: float | None = None) -> None:
@@ -979,7 +872,6 @@ class TierClient:
         # still under way then finishes on the flusher, which closes the backend after it).
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         self._leases.stop()
-        self._closing_soon = True
         self.flush(deadline - time.monotonic(), through_outage=True)
         with self._outbox_lock:
             self._closing = True
@@ -988,7 +880,6 @@ class TierClient:
         if flusher is not None:
             flusher.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._outbox_lock:
-            self._absorb()
             if self._outbox:
                 self.stats.add("tier_dropped", len(self._outbox))
                 self._outbox.clear()

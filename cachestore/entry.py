@@ -2,7 +2,7 @@
 
     stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>]
               [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>
-               [<leaf index: 2 bytes> <group size: 2 bytes> [<checkpoint chunk: 12 bytes>]
+               [<leaf index: 2 bytes> <group size: 2 bytes> [<12 bytes, skipped: flag bit 3>]
                 <audit path: 32 bytes a hash>]] payload
     payload = one zstd frame (its decompressed size declared), compressed with the shipped dictionary, of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
@@ -14,12 +14,10 @@ under and the payload's SHA-256, so it costs no hashing of the binary: bit 1's s
 bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), and the entry carries its leaf
 index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
 reading many entries of one group verifies one signature. Writers write bit 2 only; entries signed with bit 1
-(before batch signatures) verify as they did. Bit 3 (with bit 2) says the entry names the writer checkpoint
-chunk that lists it (cachestore.checkpoint: the writer process's instance id and the chunk number), so a
-reader that verified that chunk once checks the entry by one lookup; the chunk ref is a hint the signature
-does not cover (a wrong one costs the fallback to the group signature). Entries written before writer
-signatures have neither bit and stay readable as they were, except by a reader with a trust policy, which
-rejects them (no trusted writer).
+(before batch signatures) verify as they did. Bit 3 (with bit 2), which only earlier writers set, says 12
+bytes no signature covers follow the group size: a reader skips them, and the entry verifies by its group
+signature as any other. Entries written before writer signatures have neither bit and stay readable as they
+were, except by a reader with a trust policy, which rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
 one msgpack unpack. Bodies compress to about a tenth of the binary (bench/RESULTS.md).
@@ -57,12 +55,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import zstandard
 
-from cachestore.checkpoint import REF_BYTES, listing_id
 from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
 from cachestore.trust import (
     KEY_ID_BYTES,
@@ -82,12 +79,8 @@ SCHEMA_VERSION = 4
 MAGIC = b"NKC"
 ENTRY_DICTIONARY_PATH = Path(__file__).with_name("entry_dictionary.zstd")
 # With the dictionary, measured on the bench workload's bodies (bench/RESULTS.md, "Compact entries"): level 15
-# stores a body at 0.092 of its binary in 823 us, level 3 at 0.111 in 15 us. An entry another process is
-# waiting for (a trace task's: the job's process waits on its lease) is compressed at AWAITED_COMPRESSION_LEVEL,
-# since 0.8 ms a variant on the critical path cost the fleet's two-worker compile more than its bytes save
-# (bench/RESULTS.md, issue 17); ccache likewise compresses fast by default and recompresses offline.
+# stores a body at 0.092 of its binary in 823 us, on the flusher thread.
 COMPRESSION_LEVEL = 15
-AWAITED_COMPRESSION_LEVEL = 3
 # What an entry may be, stored or decompressed (Settings.max_entry_bytes raises it): the default workload's largest
 # binary is 79 KB and a 1024x1024 conv's 2.8 MB (docs/tiers.md), so 8 MiB is 100 times the first and holds the
 # second, and a bomb declaring more is refused before any decompression.
@@ -101,14 +94,15 @@ MAX_CLOCK_AHEAD = DAY
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
 _WRITER_BATCH = 0x04  # the same, the signature a group's, then the leaf index, group size and audit path
-_CHECKPOINTED = 0x08  # with _WRITER_BATCH: the chunk ref of the writer's checkpoint that lists the entry follows
-_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED | _WRITER_BATCH | _CHECKPOINTED
+_LEGACY_HINT = 0x08  # with _WRITER_BATCH, from earlier writers only: _LEGACY_HINT_BYTES unsigned bytes follow
+_LEGACY_HINT_BYTES = 12
+_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED | _WRITER_BATCH | _LEGACY_HINT
 _SUM_AT, _SUM_BYTES, _SIG_BYTES = len(MAGIC) + 2, 32, 32
 _WRITER_BYTES = KEY_ID_BYTES + SIGNATURE_BYTES
 _PLACE_BYTES = 4  # leaf index and group size, 2 bytes each
 # The most bytes a writer section adds to an entry (a group of MAX_GROUP): what a writer allows for when it
 # checks an entry's size before the group is known.
-MAX_WRITER_SECTION = _WRITER_BYTES + _PLACE_BYTES + REF_BYTES + HASH_BYTES * (MAX_GROUP - 1).bit_length()
+MAX_WRITER_SECTION = _WRITER_BYTES + _PLACE_BYTES + HASH_BYTES * (MAX_GROUP - 1).bit_length()
 # A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
 # four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
 MAX_BODY_OBJECTS = 1 << 16
@@ -204,23 +198,22 @@ def encode_entry(
     hmac_key: bytes | None = None,
     writer: WriterKey | None = None,
     cache_key: str = "",
-    level: int = COMPRESSION_LEVEL,
 ) -> bytes:
     """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, the
     writer's section when a writer key is given (a batch signature of a group of one: over `cache_key`, the
     key it is stored under), then the payload (the body, compressed). A writer storing several entries at once
     signs them together instead (`unsealed_entry`, `seal`)."""
     if writer is not None:
-        return seal([unsealed_entry(entry, hmac_key, writer, cache_key, level=level)], writer)[0]
-    payload = _payload(entry, level)
+        return seal([unsealed_entry(entry, hmac_key, writer, cache_key)], writer)[0]
+    payload = _payload(entry)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
     flags = _SIGNED if signature else 0
     return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
 
 
-def _payload(entry: Entry, level: int = COMPRESSION_LEVEL) -> bytes:
+def _payload(entry: Entry) -> bytes:
     body = msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True)
-    return _compressor(level).compress(body)
+    return _compressor().compress(body)
 
 
 @dataclass(frozen=True)
@@ -248,52 +241,35 @@ class Unsealed:
         """Its leaf in its group's tree."""
         return leaf_hash(self.message)
 
-    @property
-    def listed(self) -> tuple[str, bytes]:
-        """What its writer's checkpoint lists for it: the cache key and the payload's SHA-256."""
-        return self.cache_key, self.head[_SUM_AT : _SUM_AT + _SUM_BYTES]
-
-    @property
-    def checkpointed(self) -> bool:
-        return bool(self.head[len(MAGIC) + 1] & _CHECKPOINTED)
-
 
 def unsealed_entry(
     entry: Entry,
     hmac_key: bytes | None,
     writer: WriterKey,
     cache_key: str,
-    checkpointed: bool = False,
-    level: int = COMPRESSION_LEVEL,
 ) -> Unsealed:
-    """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`); `checkpointed`: it is
-    to name the checkpoint chunk that lists it (the writer keeps one: cachestore.checkpoint)."""
-    payload = _payload(entry, level)
+    """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`)."""
+    payload = _payload(entry)
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
-    flags = (_SIGNED if signature else 0) | _WRITER_BATCH | (_CHECKPOINTED if checkpointed else 0)
+    flags = (_SIGNED if signature else 0) | _WRITER_BATCH
     head = b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature))
     return Unsealed(cache_key, head, payload, writer.key_id)
 
 
-def seal(group: Sequence[Unsealed], writer: WriterKey, chunks: Sequence[bytes] | None = None) -> list[bytes]:
+def seal(group: Sequence[Unsealed], writer: WriterKey) -> list[bytes]:
     """The stored forms of `group` (1 to MAX_GROUP entries prepared for `writer`), signed with one signature
-    over the Merkle root of their messages; each carries its leaf index, the group's size and its audit path,
-    and a checkpointed entry the chunk ref `chunks` gives it (cachestore.checkpoint.CheckpointLog.place)."""
+    over the Merkle root of their messages; each carries its leaf index, the group's size and its audit path."""
     if not 1 <= len(group) <= MAX_GROUP:
         raise ValueError(f"a batch signature covers 1 to {MAX_GROUP} entries, not {len(group)}")
     if any(item.key_id != writer.key_id for item in group):
         raise ValueError("an entry of the group was prepared for another writer key")
-    refs = list(chunks) if chunks is not None else [b""] * len(group)
-    if len(refs) != len(group) or any(len(ref) != (REF_BYTES if item.checkpointed else 0)
-                                      for item, ref in zip(group, refs, strict=True)):  # fmt: skip
-        raise ValueError("a checkpointed entry needs its chunk ref, and only a checkpointed one has one")
     leaves = [item.leaf for item in group]
     size = len(group)
     signature = writer.sign(batch_message(writer.key_id, size, tree_root(leaves)))
     place = [(index.to_bytes(2, "big") + size.to_bytes(2, "big"), path) for index, path in
              enumerate(inclusion_paths(leaves))]  # fmt: skip
-    return [b"".join((item.head, writer.key_id, signature, at, ref, *path, item.payload))
-            for item, (at, path), ref in zip(group, place, refs, strict=True)]  # fmt: skip
+    return [b"".join((item.head, writer.key_id, signature, at, *path, item.payload))
+            for item, (at, path) in zip(group, place, strict=True)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -306,12 +282,12 @@ class WriterSection:
     index: int = 0
     size: int = 0  # 0: the signature is of this entry alone (written before batch signatures)
     path: tuple[bytes, ...] = ()
-    chunk: bytes = b""  # the checkpoint chunk that lists it (cachestore.checkpoint.chunk_ref), b"" for none
+    skipped: int = 0  # bytes of an earlier writer's hint (flag bit 3) between the group size and the path
 
     @property
     def stored_bytes(self) -> int:
         """The bytes it takes in the entry's header."""
-        return _WRITER_BYTES + (_PLACE_BYTES + len(self.chunk) + HASH_BYTES * len(self.path) if self.size else 0)
+        return _WRITER_BYTES + (_PLACE_BYTES + self.skipped + HASH_BYTES * len(self.path) if self.size else 0)
 
 
 @dataclass(frozen=True)
@@ -326,15 +302,6 @@ class SignaturePolicy:
     # With a trust policy, every entry must carry a writer signature by a key it trusts (over the cache key
     # the entry is read under); without one, a writer signature is not checked (an unverified entry).
     trust: TrustPolicy | None = None
-    # Where the chunks entries name are fetched from (cachestore.checkpoint.CheckpointReader; None: not used, an
-    # entry is checked by its group's signature).
-    checkpoints: CheckpointSource | None = None
-
-
-class CheckpointSource(Protocol):
-    def load(self, key_id: bytes, ref: bytes) -> None:
-        """Fetch and verify the chunk `ref` of writer `key_id` unless done lately; its pairs go to the trust
-        policy's listings. Never raises."""
 
 
 def decode_entry(
@@ -413,8 +380,7 @@ def open_entry(
     data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
 ) -> OpenedEntry:
     """`decode_entry`'s checks up to the writer's signature: the stored size, the header, the digest and the
-    HMAC. Raises EntryRejected as decode_entry does (both start with `_intact`; tests/test_checkpoints.py holds
-    the two to the same verdicts)."""
+    HMAC. Raises EntryRejected as decode_entry does (both start with `_intact`)."""
     flags, signature, section, payload, digest = _intact(data, max_bytes)
     signed = _check_signature(payload, signature, policy)
     return OpenedEntry(flags, signature, signed, section, digest, payload)
@@ -469,20 +435,10 @@ def decode_entries(
 
 def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> None:
     """The writer check (`_check_writer`) of each opened entry (cache key to entry), in one loop, its verdict in
-    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not. An entry a verified
-    checkpoint chunk of its writer lists costs a lookup; any other is checked by `_check_writer` itself (which
-    loads the chunk it names when due, or verifies the group's signature)."""
-    # As in _check_writer: only trusted writers' chunks are ever loaded, so only their pairs are listed.
-    listings = policy.trust.listings if policy.trust is not None else {}
+    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not."""
     for key, entry in opened.items():
-        section = entry.section
-        if section is not None:
-            listing = listings.get(section.key_id)
-            if listing is not None and listing.get(listing_id(key)) == entry.digest:
-                entry.writer = section.key_id
-                continue
         try:
-            entry.writer = _check_writer(entry.flags, section, entry.digest, policy, key)
+            entry.writer = _check_writer(entry.flags, entry.section, entry.digest, policy, key)
         except EntryRejected as exc:
             entry.writer = _rejection(exc)  # (the original's traceback would tie `opened` and its payloads in a cycle)
 
@@ -514,8 +470,8 @@ def _open(data: bytes) -> tuple[int, bytes | None, WriterSection | None, bytes]:
         raise EntryRejected(f"schema version {schema}, expected {SCHEMA_VERSION}")
     if flags & ~_KNOWN_FLAGS:
         raise EntryRejected(f"unknown header flags {flags:#04x}")
-    if flags & _CHECKPOINTED and not flags & _WRITER_BATCH:
-        raise EntryRejected("entry header names a checkpoint chunk without a batch signature")
+    if flags & _LEGACY_HINT and not flags & _WRITER_BATCH:
+        raise EntryRejected("entry header flag bit 3 without a batch signature")
     start = _SUM_AT + _SUM_BYTES
     signature = section = None
     if flags & _SIGNED:
@@ -541,16 +497,13 @@ def _writer_section_at(data: bytes, start: int, flags: int) -> tuple[WriterSecti
     index, size = int.from_bytes(data[end - 4 : end - 2], "big"), int.from_bytes(data[end - 2 : end], "big")
     if not index < size:  # a size of 0 included; a size up to 65535 is read (a path of 16 hashes at most)
         raise EntryRejected(f"entry writer signature names leaf {index} of a group of {size}")
-    chunk = b""
-    if flags & _CHECKPOINTED:
-        chunk, end = data[end : end + REF_BYTES], end + REF_BYTES
-        if len(chunk) < REF_BYTES:
-            raise EntryRejected("entry checkpoint chunk is truncated")
+    skipped = _LEGACY_HINT_BYTES if flags & _LEGACY_HINT else 0
+    end += skipped
     hashes = path_length(index, size)
     if len(data) < end + HASH_BYTES * hashes:
         raise EntryRejected("entry audit path is truncated")
     path = tuple(data[end + HASH_BYTES * i : end + HASH_BYTES * (i + 1)] for i in range(hashes))
-    return WriterSection(key_id, signature, index, size, path, chunk), end + HASH_BYTES * hashes
+    return WriterSection(key_id, signature, index, size, path, skipped), end + HASH_BYTES * hashes
 
 
 def writer_section(data: bytes) -> WriterSection | None:
@@ -641,16 +594,15 @@ def entry_dictionary() -> zstandard.ZstdCompressionDict:
         return _dictionary[0]
 
 
-def _compressor(level: int = COMPRESSION_LEVEL) -> zstandard.ZstdCompressor:
-    compressors = _local.__dict__.setdefault("compressors", {})
-    if level not in compressors:
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "compressor"):
         # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and the schema byte
         # names the dictionary.
-        compressors[level] = zstandard.ZstdCompressor(
-            level=level, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
+        _local.compressor = zstandard.ZstdCompressor(
+            level=COMPRESSION_LEVEL, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
             write_dict_id=False,
         )  # fmt: skip
-    return compressors[level]
+    return _local.compressor
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -678,9 +630,8 @@ def _check_writer(
     flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
 ) -> bytes | None:
     """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
-    policy when the reader holds one); raises EntryRejected when the policy does not accept it: a verified
-    checkpoint chunk of the writer lists the entry (the chunk it names loaded first when due), or its own
-    (group) signature verifies."""
+    policy when the reader holds one); raises EntryRejected unless its (group) signature verifies with a key the
+    policy trusts."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
             raise EntryRejected("entry is signed by a writer and this reader has no trust policy to verify it")
@@ -691,16 +642,9 @@ def _check_writer(
         raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
     key_id = section.key_id
     trust = policy.trust
-    listed = listing_id(cache_key)
-    if trust.listed(key_id, listed) == digest:  # in a checkpoint chunk of this writer verified already
-        return key_id
     leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest) if section.size else None
-    if leaf is not None and trust.knows(key_id, leaf):  # in a group of this writer verified already: no fetch
+    if leaf is not None and trust.knows(key_id, leaf):  # in a group of this writer verified already
         return key_id
-    if section.chunk and policy.checkpoints is not None:
-        policy.checkpoints.load(key_id, section.chunk)  # then a lookup, when the chunk lists the entry
-        if trust.listed(key_id, listed) == digest:
-            return key_id
     if leaf is not None:
         # The leaf walked up its path to a root the signature must cover: another group's path, another index,
         # another cache key or payload give a root no signature of the writer covers, as a forgery does.

@@ -625,10 +625,6 @@ def collect_garbage(
             partition = reader.in_toolchain(toolchain)
             for chunk in batched(c for c in evicted if c.toolchain == toolchain):
                 partition.delete_entries([(c.key, c.digest) for c in chunk])
-    # A distrusted writer's checkpoints go too: they would only ever speed up entries no longer there.
-    checkpoints = 0
-    if writer is not None and getattr(reader, "keeps_checkpoints", False):
-        checkpoints = reader.delete_checkpoints(writer.lower(), dry_run)
     expired = reader.expired_count() if reader.keeps_expired else (0, 0)
     if not dry_run and expired[0]:
         reader.purge_expired()
@@ -643,7 +639,6 @@ def collect_garbage(
         "kept": len(candidates) - len(evicted),
         "kept_bytes": sum(c.bytes for c in candidates.values() if not c.reason),
         "expired_purged": expired[0],
-        "checkpoints_evicted": checkpoints,
         "keys": sorted(c.key for c in evicted),
         # One item an entry, so that a dry run says which entries would go and why, not only how many.
         "evictions": [

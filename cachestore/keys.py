@@ -7,10 +7,6 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
     NS:vV:tc:TC:digests:B        hash     the dedupe index, bucket B of DIGEST_BUCKETS: field the binary's SHA-256
                                (its first 16 bytes, raw), value the cache key (32 bytes, raw) whose entry holds
                                that binary (TTL, refreshed by every store into the bucket)
-    NS:vV:tc:TC:checkpoint:{KEYID.INSTANCE}:CHUNK  string   chunk CHUNK of the checkpoint a writer process
-                               (its key id, its random instance id) signs of the entries it stored
-                               (cachestore.checkpoint; TTL like entries, rewritten at each flush while current)
-    NS:vV:tc:TC:checkpoint:{KEYID.latest}   string   a copy of the chunk a process of writer KEYID wrote last
     NS:vV:variants:{KERNEL}      hash     the variant index of one kernel name (cachestore.variant_index): what
                                each toolchain stored of it, for the cause of a miss (TTL, refreshed on store)
     NS:vV:metrics-shards       string   S, the number of metrics shards (set once, by the first batch)
@@ -32,9 +28,7 @@ and no glob character. A key that is no SHA-256 hex (tests, hands) is its tag as
 base64url tag holds. Entries an older release stored under the hex key (`entry:{<64 hex>}`) are never read: they
 are misses, expire with their TTL, and `delete_entries` removes them with their new name (gc).
 
-The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), a
-writer process's checkpoint chunks share one (the tag is the writer key and instance: the chunks of the fleet's
-many writers spread over the nodes, and a reader fetches one chunk at a time anyway), and
+The braces are Redis Cluster hash tags: an entry and its lease share a slot (the tag is the cache key), and
 every key of a metrics shard shares that shard's slot, which is what lets the part of a batch that goes to a
 shard apply atomically and exactly once (each shard keeps its own applied-batch marker). The shards spread
 the metrics over a cluster's nodes: with one slot, every pass's batch and every variant's usage sat on one.
@@ -125,20 +119,6 @@ class KeySpace:
 
     def digest_bucket_pattern(self, toolchain: str | None = None) -> str:
         return f"{self.prefix}:tc:{toolchain or '*'}:digests:*"
-
-    def checkpoint(self, toolchain: str, key_id_hex: str, instance_hex: str, chunk: int) -> str:
-        """Inside the partition, so a scope's ACL (`NS:vV:tc:*:scope:*`) covers its writers' checkpoints and an
-        untrusted writer cannot write the trusted scope's."""
-        return f"{self.prefix}:tc:{toolchain}:checkpoint:{{{key_id_hex}.{instance_hex}}}:{chunk}"
-
-    def checkpoint_latest(self, toolchain: str, key_id_hex: str) -> str:
-        """The latest chunk any process of writer key `key_id_hex` wrote in the partition (a copy: a fresh reader
-        reads it with its first entries). Matched by `checkpoint_pattern` as a chunk is ("latest" is no instance)."""
-        return f"{self.prefix}:tc:{toolchain}:checkpoint:{{{key_id_hex}.latest}}"
-
-    def checkpoint_pattern(self, key_id_hex: str | None = None) -> str:
-        """SCAN pattern of one writer key's checkpoints in every toolchain and scope, or of every writer's."""
-        return f"{self.prefix}:tc:*:checkpoint:{{{key_id_hex or '*'}.*"
 
     def variant_index(self, kernel_name: str) -> str:
         """Shared by every toolchain: a miss under one tells `other_toolchain` from `new_variant` by it."""

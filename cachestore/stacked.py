@@ -174,11 +174,10 @@ class StackedTier:
         key_components: Mapping[str, Any],
         compile_seconds: float,
         release_lease: bool = False,
-        awaited: bool = False,
     ) -> None:
         for level in self.levels:
             level.publish_trace(cache_key, result, key_components, compile_seconds,
-                                release_lease=release_lease and level is self.shared, awaited=awaited)  # fmt: skip
+                                release_lease=release_lease and level is self.shared)  # fmt: skip
 
     def record_pass(self, record: PassRecord) -> None:
         """Every level's metrics take the pass (the same id: each applies it once): the shared level's are the

@@ -22,10 +22,6 @@ carries the signature, its leaf index, the group's size and its audit path; a re
 walks the path to the root and verifies the signature once per root (the memo below), so reading N entries of
 one group costs one Ed25519 verify, not N. Each entry is still bound to the writer's signature over exactly
 what a signature of its own would cover: a forger needs the private key as before.
-
-Checkpoints (cachestore.checkpoint): a writer also signs the list of what it stored (cache key, payload SHA-256),
-chunk by chunk; a reader that verified a chunk keeps its pairs (`remember_listing`), so an entry the chunk lists
-costs one lookup and no hash.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ import hashlib
 import json
 import os
 import stat
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,7 +61,6 @@ MAX_GROUP = 64
 # pass after pass, verifies it once (an Ed25519 verify costs 50-120 us, about half a remote hit; bench/RESULTS.md
 # `signature_overhead`).
 VERIFIED_MEMO_SIZE = 65536
-_PAIR = struct.Struct("32s32s")  # a checkpoint's pair: listing id, payload SHA-256
 
 
 class TrustError(NkiCacheError):
@@ -221,9 +215,6 @@ class TrustPolicy:
         # the key id of that writer: an entry whose path reaches one is in that writer's signed group, so the
         # second entry of a group read costs its leaf and a hash or two, and no verify.
         self._nodes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
-        # What verified checkpoint chunks list (cachestore.checkpoint), per trusted writer: listing id to payload
-        # SHA-256. Plain dicts: one lookup a hit (read without the lock, as `listed` does), filled from a chunk in C.
-        self.listings: dict[bytes, dict[bytes, bytes]] = {}
         self.verifies = 0  # Ed25519 verifies this policy ran (the memos answer the others): `nkicache bench`
 
     def adding(self, writer: WriterKey, name: str) -> TrustPolicy:
@@ -287,25 +278,6 @@ class TrustPolicy:
     def knows(self, key_id: bytes, leaf: bytes) -> bool:
         """Whether `leaf` is known to be under a signature of `key_id` (a verified group)."""
         return self._nodes.get(leaf) == key_id
-
-    def listed(self, key_id: bytes, listing_id: bytes) -> bytes | None:
-        """The payload SHA-256 a verified checkpoint chunk of the trusted writer `key_id` lists for the cache key
-        whose listing id (cachestore.checkpoint.listing_id) is `listing_id`; None when none lists it."""
-        listing = self.listings.get(key_id)
-        return None if listing is None else listing.get(listing_id)
-
-    def remember_listing(self, key_id: bytes, pairs: bytes) -> None:
-        """The pairs (listing id, payload SHA-256; 64 bytes each, concatenated) of a verified checkpoint chunk of
-        the trusted writer `key_id`: an entry of that writer stored under a listed key with the listed payload is
-        that writer's, as if its group's signature had been verified. Built in C (struct's iterator into the
-        dict), 256 pairs in ~25 us. Past VERIFIED_MEMO_SIZE pairs over all writers (~150 bytes each) the listings
-        start again: their entries' chunks are loaded again, or their groups' signatures verified."""
-        with self._lock:
-            held = sum(len(listing) for listing in self.listings.values())
-            if held + len(pairs) // _PAIR.size > VERIFIED_MEMO_SIZE:
-                for listing in self.listings.values():
-                    listing.clear()
-            self.listings.setdefault(key_id, {}).update(_PAIR.iter_unpack(pairs))
 
     def _remember(self, nodes: list[bytes], key_id: bytes) -> None:
         with self._lock:

@@ -511,7 +511,7 @@ def test_the_untrusted_user_writes_its_own_scope_only(
     from cachestore.keys import partition
     from cachestore.trust import write_writer_key
 
-    ci = write_writer_key(tmp_path / "ci.key", "ci")
+    write_writer_key(tmp_path / "ci.key", "ci")
     laptop = write_writer_key(tmp_path / "laptop.key", "laptop")
     policy = tmp_path / "trust.toml"
     policy.write_text((tmp_path / "ci.key.pub").read_text())
@@ -545,18 +545,6 @@ def test_the_untrusted_user_writes_its_own_scope_only(
         with pytest.raises(redis.exceptions.NoPermissionError):
             untrusted.delete(key)
         assert untrusted.get(KEYS.entry(toolchain_id(), cache_key))  # it may read the trusted scope
-        # Writers' checkpoints (cachestore.checkpoint) sit inside their scope: ci's may be read by the reader user
-        # and not written by the untrusted one; the laptop's own are in its scope.
-        chunks = list(reader.scan_iter(match=KEYS.checkpoint_pattern(ci.key_id_hex), count=1000))
-        assert KEYS.checkpoint_latest(toolchain_id(), ci.key_id_hex).encode() in chunks and len(chunks) == 2
-        for chunk in chunks:  # the writer process's chunk, and its key's latest (a copy)
-            assert chunk.decode().startswith(f"{KEYS.prefix}:tc:{toolchain_id()}:checkpoint:")
-            assert reader.getrange(chunk, 0, 2) == b"NKK"
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                untrusted.set(chunk, b"planted")
-        laptop_chunks = list(reader.scan_iter(match=KEYS.checkpoint_pattern(laptop.key_id_hex), count=1000))
-        assert laptop_chunks and all(key.decode().startswith(f"{KEYS.prefix}:tc:{scope}:") for key in laptop_chunks)
-
         monkeypatch.setenv("NKICACHE_SCOPE", "trusted")
         other = write_graph(tmp_path, mixed_graph("acl-untrusted-other", rows=96))
         forced = compile_json(str(other), "--out", str(tmp_path / "forced"))

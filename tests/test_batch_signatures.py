@@ -4,11 +4,13 @@ section are rejected; a reader verifies one signature per group it reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_trust import trusting
+from helpers_trust import fresh_tier, trusting
 from test_entry import make_entry, rejected
 
 from cachestore.client import open_tier
@@ -163,6 +165,24 @@ def test_an_entry_signed_alone_before_batch_signatures_still_verifies(ci: Writer
     assert "two kinds" in rejected(both_kinds, trusting(ci), cache_key=KEYS[0])
 
 
+def test_an_entry_of_an_earlier_writer_with_flag_bit_3_verifies_by_its_group_signature(ci: WriterKey) -> None:
+    """Earlier writers set flag bit 3 and put 12 bytes no signature covers after the group size (a hint to
+    their checkpoint chunk): a reader skips them, and the entry verifies by its group signature, forgeries
+    still refused."""
+    items = [unsealed_entry(make_entry(binary=b"bin %d" % n), None, ci, key) for n, key in enumerate(KEYS[:3])]
+    flagged = [dataclasses.replace(item, head=item.head[: len(MAGIC) + 1] + b"\x0c" + item.head[len(MAGIC) + 2 :])
+               for item in items]  # fmt: skip
+    stored = [data[: PLACE_AT + 4] + b"\x07" * 12 + data[PLACE_AT + 4 :] for data in seal(flagged, ci)]
+    policy = trusting(ci)
+    for n, data in enumerate(stored):
+        decoded = decode_entry(data, policy, cache_key=KEYS[n])
+        assert decoded.signed and decoded.writer == ci.key_id_hex and decoded.binary == b"bin %d" % n
+    assert policy.trust.verifies == 1
+    assert "does not verify" in rejected(stored[0], trusting(ci), cache_key=KEYS[1])
+    cleared = stored[0][: len(MAGIC) + 1] + b"\x04" + stored[0][len(MAGIC) + 2 :]  # bit 3 off: read as a path
+    assert rejected(cleared, trusting(ci), cache_key=KEYS[0])
+
+
 def test_seal_refuses_a_group_too_large_or_prepared_for_another_key(ci: WriterKey, laptop: WriterKey) -> None:
     items = [unsealed_entry(make_entry(), None, ci, key) for key in KEYS[: MAX_GROUP + 1]]
     with pytest.raises(ValueError, match="1 to 64"):
@@ -172,11 +192,19 @@ def test_seal_refuses_a_group_too_large_or_prepared_for_another_key(ci: WriterKe
 
 
 # -- the client -----------------------------------------------------------------------------------------------
-def test_a_writers_flush_signs_its_entries_in_groups_of_at_most_max_group(tmp_path: Path, ci: WriterKey) -> None:
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
+    yield from fresh_tier(request, tmp_path)
+
+
+def test_a_writers_flush_signs_its_entries_in_groups_of_at_most_max_group(
+    base: Settings, tmp_path: Path, ci: WriterKey
+) -> None:
+    """On every tier a fresh trusted reader verifies one signature a group, not one an entry."""
     policy = tmp_path / "trust.toml"
     policy.write_text(ci.policy_entry("ci"))
     # A long gathering time: close() ends it, so the entries go out in one send.
-    settings = Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", host="h", flush_interval=30)
+    settings = base.replace(flush_interval=30)
     writer = open_tier(settings.replace(writer_key_file=str(tmp_path / "ci.key"), trust_policy=str(policy)))
     count = MAX_GROUP + 36  # one send: two groups of 50, not 64 and 36
     for n, key in enumerate(KEYS[:count]):

@@ -162,10 +162,10 @@ def test_wrong_schema_version_is_rejected(schema: int) -> None:
 
 def test_unknown_header_flags_are_rejected() -> None:
     data = bytearray(encode_entry(make_entry()))
-    data[4] = 0x10  # bits 0 (HMAC), 1 (writer signature), 2 (batch signature), 3 (checkpoint chunk) are known
+    data[4] = 0x10  # bits 0 (HMAC), 1 (writer signature), 2 (batch signature), 3 (earlier writers' hint) are known
     assert "flags" in rejected(bytes(data))
-    data[4] = 0x08  # a checkpoint chunk without a batch signature
-    assert "checkpoint" in rejected(bytes(data))
+    data[4] = 0x08  # the earlier writers' hint without a batch signature
+    assert "bit 3" in rejected(bytes(data))
 
 
 # -- zstd: bombs and frames that lie --------------------------------------------------------------------

@@ -61,7 +61,7 @@ class DictStore:
         self.rejected[cache_key] = reason
 
     def publish_trace(self, cache_key: str, result: dict, key_components: Mapping[str, Any], compile_seconds: float,
-                      release_lease: bool = False, awaited: bool = False) -> None:  # fmt: skip
+                      release_lease: bool = False) -> None:  # fmt: skip
         self.traces[cache_key] = StoredTrace(dict(result), compile_seconds, dict(key_components), toolchain_id())
 
     def record_pass(self, record: PassRecord) -> None:

@@ -3,18 +3,31 @@ section, and a reader that accepts only trusted writers' entries. Scopes are in 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from helpers_trust import trust_of, trusting
+from helpers_trust import fresh_tier, trust_of, trusting
 from test_entry import make_entry, rejected
 
+import cachestore.entry as entry_module
 from cachestore.client import TierClient, open_tier
-from cachestore.entry import MAGIC, SignaturePolicy, decode_entry, encode_entry, writer_of
+from cachestore.entry import (
+    MAGIC,
+    Entry,
+    SignaturePolicy,
+    decode_entries,
+    decode_entry,
+    encode_entry,
+    seal,
+    unsealed_entry,
+    writer_of,
+)
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.trust import (
     TrustedWriter,
@@ -166,15 +179,20 @@ def tier_settings(tmp_path: Path, **changes: object) -> Settings:
     return Settings(tier=f"local:{tmp_path / 'tier.sqlite'}", host="h", flush_interval=0.05, **changes)
 
 
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
+    yield from fresh_tier(request, tmp_path)
+
+
 def test_a_reader_counts_untrusted_entries_as_rejected_and_accepts_trusted_ones(
-    tmp_path: Path, ci: WriterKey, laptop: WriterKey, policy_file: Path
+    base: Settings, tmp_path: Path, ci: WriterKey, laptop: WriterKey, policy_file: Path
 ) -> None:
     """Both writers write the trusted scope here (scope=trusted set by hand): the policy alone decides."""
     for name in ("ci", "laptop"):
-        writer = open_tier(tier_settings(tmp_path, writer_key_file=str(tmp_path / f"{name}.key"), scope="trusted"))
+        writer = open_tier(base.replace(writer_key_file=str(tmp_path / f"{name}.key"), scope="trusted"))
         writer.publish(KEY if name == "ci" else OTHER, make_entry(binary=name.encode() * 100))
         writer.close(timeout=10)
-    reader = open_tier(tier_settings(tmp_path, trust_policy=str(policy_file), tier_mode="read-only"))
+    reader = open_tier(base.replace(trust_policy=str(policy_file), tier_mode="read-only"))
     try:
         found, held = reader.find_many([KEY, OTHER])
         assert set(found) == {KEY} and held == {KEY, OTHER}
@@ -230,3 +248,82 @@ def test_signatures_verify_through_libsodium_and_a_malformed_one_is_a_reason(ci:
     identity = b"\x01" + bytes(31)
     weak = TrustPolicy([TrustedWriter("weak", b"\x01" * 16, Ed25519PublicKey.from_public_bytes(identity))])
     assert "does not verify" in weak.check(b"\x01" * 16, message, identity + bytes(32))
+
+
+# -- a read of several entries (a pass's prefetch) -------------------------------------------------------------
+KEYS = [hashlib.sha256(b"trust %d" % n).hexdigest() for n in range(100)]
+
+
+def sealed(writer: WriterKey, keys: list[str]) -> dict[str, bytes]:
+    """Entries stored by `writer` under `keys`, signed as one group."""
+    items = [unsealed_entry(make_entry(binary=key.encode()), None, writer, key) for key in keys]
+    return dict(zip(keys, seal(items, writer), strict=True))
+
+
+def verdicts_one_by_one(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
+    """cache key -> "ok" or the reason decode_entry rejected the entry."""
+    result = {}
+    for key, data in entries.items():
+        try:
+            decode_entry(data, policy, cache_key=key)
+            result[key] = "ok"
+        except entry_module.EntryRejected as exc:
+            result[key] = exc.reason
+    return result
+
+
+def verdicts_at_once(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
+    results = decode_entries(entries, policy)
+    assert list(results) == list(entries)
+    return {key: "ok" if isinstance(result, Entry) else result.reason for key, result in results.items()}
+
+
+def scenario(case: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, bytes], list[str]]:
+    """Two honest groups of ci's and, but for "honest", entries a trusted reader must refuse (their keys)."""
+    entries = {**sealed(ci, KEYS[0:4]), **sealed(ci, KEYS[4:6])}
+    section = len(MAGIC) + 2 + 32
+    if case == "forged":  # the laptop's signature under ci's key id
+        forged = sealed(laptop, KEYS[20:21])[KEYS[20]]
+        entries[KEYS[20]] = forged[:section] + ci.key_id + forged[section + 16 :]
+        return entries, [KEYS[20]]
+    if case == "untrusted":
+        entries.update(sealed(laptop, KEYS[30:33]))
+        return entries, KEYS[30:33]
+    if case == "transplanted":  # ci's honest entry of KEYS[0] copied under KEYS[40]
+        entries[KEYS[40]] = entries[KEYS[0]]
+        return entries, [KEYS[40]]
+    if case == "corrupt":
+        entries[KEYS[1]] = entries[KEYS[1]][:-3] + b"bad"  # the digest no longer matches
+        return entries, [KEYS[1]]
+    return entries, []
+
+
+@pytest.mark.parametrize("case", ["honest", "forged", "untrusted", "transplanted", "corrupt"])
+def test_a_reads_entries_checked_together_get_the_verdicts_and_verifies_of_one_by_one(
+    ci: WriterKey, laptop: WriterKey, case: str
+) -> None:
+    """A prefetch's entries are accepted and rejected as lookups of each would be, for the same reasons, with
+    one Ed25519 verify a group either way (and one more for a forgery under a trusted key id, which fails)."""
+    entries, refused = scenario(case, ci, laptop)
+    one_by_one = trusting(ci)
+    expected = verdicts_one_by_one(entries, one_by_one)
+    at_once = trusting(ci)
+    assert verdicts_at_once(entries, at_once) == expected
+    verifies = 3 if case in ("forged", "transplanted") else 2
+    assert at_once.trust.verifies == one_by_one.trust.verifies == verifies
+    assert [key for key, verdict in expected.items() if verdict != "ok"] == refused
+
+
+def test_a_hundred_crafted_entries_of_an_untrusted_key_read_at_once_are_refused_before_any_decompression(
+    ci: WriterKey, laptop: WriterKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crafted: dict[str, bytes] = {}
+    for first in range(0, 100, 10):
+        crafted.update(sealed(laptop, KEYS[first : first + 10]))
+    decompressed: list[bytes] = []
+    inner = entry_module._decompress
+    monkeypatch.setattr(entry_module, "_decompress", lambda *args: decompressed.append(args[0]) or inner(*args))
+    policy = trusting(ci)
+    results = verdicts_at_once(crafted, policy)
+    assert len(results) == 100 and all("does not trust" in reason for reason in results.values())
+    assert decompressed == [] and policy.trust.verifies == 0

@@ -56,8 +56,8 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       signature_overhead     writer-signature checks / remote hits, FIRST hits (a fresh     goal <= 0.05
                              reader): the worse of a pass-by-pass prefetch of the workload
                              and lookups one at a time, each the median of 5 fresh readers;
-                             the check timed whole, writers' checkpoint fetches and verifies
-                             included; verifies and checkpoint fetches per hit beside it
+                             the check timed whole, verifies included; verifies per hit
+                             beside it
                              (signature_overhead_hit_again: entries hit again, reported)
       l1_redis_read_reduction  1 - Redis reads of a second compile with a local level in front
                              / with Redis alone (INFO commandstats, private server)       goal >= 0.9
@@ -124,10 +124,8 @@ def _print_figures(results: dict) -> None:
         if isinstance(control, int | float):  # what two processes got from the machine at that moment
             verdict += f"  (CPU control {control:.2f})"
         verifies = (results.get(f"{name}_detail") or {}).get("verifies_per_hit")
-        fetches = (results.get(f"{name}_detail") or {}).get("checkpoint_fetches_per_hit")
         if isinstance(verifies, int | float):  # signature_overhead: what its ratio is made of
-            verdict += f"  ({verifies:.3f} Ed25519 verifies per hit"
-            verdict += f", {fetches:.3f} checkpoint fetches)" if isinstance(fetches, int | float) else ")"
+            verdict += f"  ({verifies:.3f} Ed25519 verifies per hit)"
         click.echo(f"{name:24} {shown}{verdict}")
     for name, reason in results["skipped"].items():
         click.echo(f"{name:24} skipped: {reason}")

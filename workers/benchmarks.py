@@ -273,15 +273,13 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
 
     `signature_overhead_hit_again`: the same lookups again in the same process (the memos answer).
     `signature_overhead_big_pass`: the prefetch figure when the writer stores, and the reader reads, one large
-    graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit and its
-    checkpoint fetches per hit (cachestore.checkpoint).
+    graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit.
 
     The check time is every writer-signature check on the reading thread (`_checks_timed`): each entry's leaf
-    hash and memo lookup, a group signature's verify, and a writer checkpoint chunk's whole load (its round
-    trip, decode and verify), whether an entry is checked alone or in a read's loop.
+    hash and memo lookup and a group signature's verify, whether an entry is checked alone or in a read's loop.
 
-    A first-hit figure has one large cost in it (a writer checkpoint's fetch and verify, about 0.3 ms, once a
-    process) among ~100 small ones, so one reader's ratio swings with whatever else the machine runs at that
+    A first-hit figure has a few large costs in it (a group signature's verify, 50-120 us, once a group) among
+    many small ones, so one reader's ratio swings with whatever else the machine runs at that
     moment: each first-hit figure is measured with FRESH_READERS fresh readers, one after another, and is the
     median of their ratios; every reader's ratio is kept beside it (`*_runs`), the worst included."""
     from cachestore.trust import write_writer_key
@@ -313,8 +311,6 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     result = {
         "signature_overhead": max(prefetch["overhead"], first_hit["overhead"]),
         "verifies_per_hit": prefetch["verifies_per_hit"] if worst_is_prefetch else first_verifies,
-        "checkpoint_fetches_per_hit": prefetch["checkpoint_fetches_per_hit"] if worst_is_prefetch
-        else lookups["first_fetches"] / max(1, len(full)),
         "signature_overhead_prefetch": prefetch["overhead"],
         "signature_overhead_first_hit": first_hit["overhead"],
         "signature_overhead_hit_again": hit_again["overhead"],
@@ -323,7 +319,6 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
         **{f"prefetch_{name}": value for name, value in prefetch.items() if name not in ("overhead", "runs")},
         **{f"big_pass_{name}": value for name, value in big.items() if name != "overhead"},  # its runs too
         "first_hit_verifies_per_hit": first_verifies,
-        "first_hit_checkpoint_fetches_per_hit": lookups["first_fetches"] / max(1, len(full)),
         "first_hit_us": first_hit["hit_us"], "first_check_us": first_hit["check_us"],
         "hit_us": hit_again["hit_us"], "memo_check_us": hit_again["check_us"],
         "entries": len(full), "references": len(stored) - len(full), "rounds": len(again) + 1,
@@ -366,7 +361,7 @@ def _big_pass(settings: Any, work: Path) -> dict:
 
 def _timed(owner: Any, name: str, spent: list[float]) -> None:
     """Replace `owner.name` by a wrapper that adds the seconds each call takes to spent[0]; a call made within
-    another call timed into the same `spent` (a checkpoint's verify within its load) is counted once, by the
+    another call timed into the same `spent` (check_writers calls _check_writer) is counted once, by the
     outer one (spent[1] says one is running)."""
     inner = getattr(owner, name)
     if len(spent) < 2:
@@ -393,18 +388,12 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
     try:
         reads, checks = [0.0], [0.0]
         _timed(reader, "find_many", reads)
-        first_read = _first_read_keys(reader)
         with _checks_timed(checks):
             compile_all(graphs, reader)
-        latest = _latest_chunk_read_seconds(reader, first_read)
-        checks[0] += latest
         counts = reader.counts()
         hits = max(1, counts["entries_found"])
         return {"overhead": checks[0] / reads[0], "hit_us": reads[0] * 1e6 / hits, "check_us": checks[0] * 1e6 / hits,
-                "verifies_per_hit": reader.policy.trust.verifies / hits,
-                "checkpoint_fetches_per_hit": _checkpoint_fetches(reader) / hits,
-                "checkpoint_loads_per_hit": (reader.checkpoints.loaded if reader.checkpoints else 0) / hits,
-                "latest_chunk_read_us": latest * 1e6, "hits": counts["entries_found"],
+                "verifies_per_hit": reader.policy.trust.verifies / hits, "hits": counts["entries_found"],
                 "rejected": counts["tier_rejected"]}  # fmt: skip
     finally:
         reader.close()
@@ -413,10 +402,8 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
 @contextlib.contextmanager
 def _checks_timed(spent: list[float]) -> Iterator[None]:
     """Time every writer-signature check of an entry into spent[0], whole: cachestore.entry._check_writer (the
-    lookup in the verified checkpoint listings, the leaf hash and group memo, loading a writer's checkpoint chunk
-    (cachestore.checkpoint) when the entry names one not loaded yet, and the group signature's verify) and
-    cachestore.entry.check_writers, which checks a read's entries in one loop (the same work: each entry's
-    lookup, and _check_writer for the rest, counted once)."""
+    leaf hash and group memo, and the group signature's verify) and cachestore.entry.check_writers, which calls
+    it for each entry of a read (counted once)."""
     timed = [(entry_module, "_check_writer"), (entry_module, "check_writers")]
     inner = [getattr(owner, name) for owner, name in timed]
     for owner, name in timed:
@@ -428,49 +415,6 @@ def _checks_timed(spent: list[float]) -> Iterator[None]:
             setattr(owner, name, function)
 
 
-def _first_read_keys(reader: Any) -> list[str]:
-    """The cache keys of `reader`'s first read, once it is made (the one that carries the trusted writers' latest
-    checkpoint chunks: TierClient._fetch)."""
-    keys: list[str] = []
-    inner = reader._fetch
-
-    def fetch(backend: Any, cache_keys: Any) -> Any:
-        if not keys:
-            keys.extend(cache_keys)
-        return inner(backend, cache_keys)
-
-    reader._fetch = fetch
-    return keys
-
-
-def _latest_chunk_read_seconds(reader: Any, cache_keys: list[str], pairs: int = 15) -> float:
-    """What a fresh reader's first read paid for carrying the trusted writers' latest checkpoint chunks
-    (cachestore.checkpoint): they come in its round trip, so the check time timed in the signature checks leaves
-    them out. Measured here on the same backend and keys: the median, over `pairs` alternated pairs, of that read
-    with the chunks less the read without them (0 when the noise makes it negative), counted as check time."""
-    backend = reader._backend
-    if not cache_keys or backend is None or not getattr(backend, "keeps_checkpoints", False):
-        return 0.0
-    writers = [key_id.hex() for key_id in reader.policy.trust.writers]
-    differences = []
-    for n in range(pairs):
-        order = (True, False) if n % 2 else (False, True)
-        took = {}
-        for with_chunks in order:
-            started = time.perf_counter()
-            if with_chunks:
-                backend.fetch_with_latest(cache_keys, None, writers)
-            else:
-                backend.fetch(cache_keys, None)
-            took[with_chunks] = time.perf_counter() - started
-        differences.append(took[True] - took[False])
-    return max(0.0, statistics.median(differences))
-
-
-def _checkpoint_fetches(reader: Any) -> int:
-    return reader.checkpoints.fetches if reader.checkpoints is not None else 0
-
-
 def _lookup_rounds(full: list[str], reader_settings: Any, rounds: int) -> dict:
     """A fresh reader looks every key of `full` up, one at a time, `rounds` times: per round, per lookup,
     (seconds of the hit, seconds in its signature check)."""
@@ -479,7 +423,7 @@ def _lookup_rounds(full: list[str], reader_settings: Any, rounds: int) -> dict:
         spent = [0.0]
         trust = reader.policy.trust
         loop = BirCodeGenLoop(make_target("Trn2"))
-        measured, first_verifies, first_fetches = [], 0, 0
+        measured, first_verifies = [], 0
         with _checks_timed(spent):
             for _ in range(rounds):
                 times = []
@@ -491,11 +435,7 @@ def _lookup_rounds(full: list[str], reader_settings: Any, rounds: int) -> dict:
                     times.append((time.perf_counter() - started, spent[0]))
                 measured.append(times)
                 first_verifies = first_verifies or trust.verifies
-                first_fetches = first_fetches or _checkpoint_fetches(reader)
-        if measured and measured[0]:  # the first lookup carried the writers' latest chunks
-            hit, check = measured[0][0]
-            measured[0][0] = (hit, check + _latest_chunk_read_seconds(reader, full[:1]))
-        return {"rounds": measured, "first_verifies": first_verifies, "first_fetches": first_fetches,
+        return {"rounds": measured, "first_verifies": first_verifies,
                 "rejected": reader.counts()["tier_rejected"]}  # fmt: skip
     finally:
         reader.close()

@@ -657,8 +657,7 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     --dry-run lists each entry it would evict (key, toolchain, bytes, reason), one a line.
 
     --json keys: dry_run, entries, bytes, evicted, evicted_bytes, reasons, kept, kept_bytes,
-    expired_purged, keys, evictions ([{key, toolchain, bytes, reason}]), evicted_by_toolchain,
-    checkpoints_evicted (with --writer on Redis: that writer's checkpoint chunks).
+    expired_purged, keys, evictions ([{key, toolchain, bytes, reason}]), evicted_by_toolchain.
     """
     from bridge.identity import toolchain_id
     from cachestore.inspect import collect_garbage
@@ -684,5 +683,3 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
                        f"{item['reason']}")  # fmt: skip
     if result["expired_purged"]:
         click.echo(f"{'would purge' if dry_run else 'purged'} {plural(result['expired_purged'], 'expired entry')}")
-    if result["checkpoints_evicted"]:
-        click.echo(f"{verb} {plural(result['checkpoints_evicted'], 'checkpoint chunk')} of the writer")

@@ -223,7 +223,7 @@ def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
     for task in tasks:
         # Stored before the answer: the job's process waits for it on the lease, which the write-behind would
         # keep for up to flush_interval after the trace (the job's last variants waited that long for it).
-        outcome = trace_task(task, tier, limits, wait=False, awaited=True)
+        outcome = trace_task(task, tier, limits, wait=False)
         result.error = result.error or outcome.error
         if outcome.traced is not None:
             result.counts["parallel_traces"] += 1

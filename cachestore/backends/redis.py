@@ -26,8 +26,7 @@ import copy
 import heapq
 import json
 import logging
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote
 
@@ -58,7 +57,6 @@ from cachestore.api import (
     stored_number,
 )
 from cachestore.backends.deadline import watchdog
-from cachestore.checkpoint import MAX_CHECKPOINT_BYTES, CheckpointRecord
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
     DEFAULT_METRICS_SHARDS,
@@ -290,7 +288,6 @@ class RedisBackend:
 
     read_only = False
     keeps_expired = False  # Redis expires entries itself
-    keeps_checkpoints = True  # writers' checkpoints (cachestore.checkpoint): `store(checkpoints=)`, `fetch_checkpoint`
     # `entry_pages` and `read_entry_page`: a scan's pages can be read by other processes (cachestore.scan_split).
     splits_scans = True
 
@@ -446,37 +443,14 @@ class RedisBackend:
 
         return self._within_op_timeout(read)
 
-    def fetch_with_latest(
-        self, cache_keys: Sequence[str], ttl: int | None, writers: Sequence[str]
-    ) -> tuple[dict[str, bytes | TooLarge], dict[str, bytes]]:
-        """`fetch`, and in the same round trip the latest checkpoint chunk (cachestore.checkpoint) of each writer
-        key id (hex) of `writers`, as stored (unverified): what a fresh reader is about to need, without a round
-        trip of its own. Only without a TTL refresh (else no chunk is read); a chunk name holding nothing, another
-        type or more than a chunk's bytes is left out."""
-        if ttl is not None or not cache_keys:
-            return self.fetch(cache_keys, ttl), {}
-        names = {writer: self.keys.checkpoint_latest(self.toolchain, writer) for writer in writers}
-        return self._within_op_timeout(lambda: self._fetch_heads_and_chunks(cache_keys, names))
-
     def _fetch_heads(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
         """fetch without a TTL refresh: the first FIRST_READ_BYTES of each value, then the longer ones bounded."""
-        return self._fetch_heads_and_chunks(cache_keys, {})[0]
-
-    def _fetch_heads_and_chunks(
-        self, cache_keys: Sequence[str], chunk_names: Mapping[str, str]
-    ) -> tuple[dict[str, bytes | TooLarge], dict[str, bytes]]:
-        """`_fetch_heads`, and in its first round trip the chunks `chunk_names` names (writer key id hex to its
-        latest chunk's name): those that hold one, by writer."""
         first = min(FIRST_READ_BYTES, self.max_entry_bytes + 1)
         redis_keys = [self._entry(key) for key in cache_keys]
-        heads = self._heads(redis_keys, first, list(chunk_names.values()))
-        chunks = {
-            writer: reply for writer, reply in zip(chunk_names, heads[len(redis_keys) :], strict=True)
-            if isinstance(reply, bytes) and 0 < len(reply) <= MAX_CHECKPOINT_BYTES
-        }  # fmt: skip
+        heads = self._heads(redis_keys, first)
         found: dict[str, bytes | TooLarge] = {}
         longer: list[int] = []
-        for i, head in enumerate(heads[: len(redis_keys)]):
+        for i, head in enumerate(heads):
             if len(head) >= first:
                 longer.append(i)
             elif head:
@@ -484,7 +458,7 @@ class RedisBackend:
         if longer:
             values = self._read_longer(redis_keys, [(None, None)] * len(redis_keys), longer)
             found.update((cache_keys[i], values[i][0]) for i in longer if values[i][0] is not None)
-        return found, chunks
+        return found
 
     def _read_entries(
         self, redis_keys: Sequence[str], refresh_ttl: int | None = None, with_ttl: bool = True
@@ -549,23 +523,8 @@ class RedisBackend:
                 longer.append(i)
         return self._read_longer(redis_keys, found, longer)
 
-    def _heads(self, redis_keys: Sequence[str], first: int, chunk_keys: Sequence[str] = ()) -> list:
-        """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key; then, with
-        `chunk_keys`, up to a checkpoint chunk's bytes of each of those, in the same round trip (a refused one's
-        reply is its ResponseError: a chunk is only a shortcut)."""
-        if chunk_keys:
-
-            def fill(pipe: Any) -> None:
-                for key in redis_keys:
-                    pipe.getrange(key, 0, first - 1)
-                for key in chunk_keys:
-                    pipe.getrange(key, 0, MAX_CHECKPOINT_BYTES)
-
-            replies = self._pipeline(fill, raise_on_error=False)
-            for reply in replies[: len(redis_keys)]:
-                if isinstance(reply, Exception):  # an entry's name holding another type: the read's error
-                    raise reply
-            return replies
+    def _heads(self, redis_keys: Sequence[str], first: int) -> list:
+        """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key."""
         if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
             return [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
         return self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
@@ -593,14 +552,7 @@ class RedisBackend:
                 found[i] = (whole, found[i][1])
         return found
 
-    def store(
-        self,
-        requests: Sequence[StoreRequest],
-        ttl: int,
-        checkpoints: Callable[[], Sequence[CheckpointRecord]] | None = None,
-    ) -> None:
-        """`checkpoints`: the writer's checkpoint chunks to write after the entries, in the same pipeline (called
-        once the entries, references included, are encoded, so the chunks list them all)."""
+    def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         if not requests:
             return
         holders, full_buckets = self._claim_digests(requests, ttl)
@@ -623,8 +575,7 @@ class RedisBackend:
                     pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
                 else:
                     pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
-            records = checkpoints() if checkpoints is not None else ()  # after the references are encoded
-            self._fill_indexes(pipe, requests, written, full_buckets, ttl, records)
+            self._fill_indexes(pipe, requests, written, full_buckets, ttl)
 
         # One round trip for the entries and their indexes (two before 2026-12-01: a round trip costs the compiling
         # process a wake-up and the flusher's Python, and a one-shot compile waits for the last one in close()).
@@ -636,7 +587,7 @@ class RedisBackend:
                 raise refused[0]
         failed = [reply for reply in replies[len(requests) :] if isinstance(reply, Exception)]
         if failed:
-            logger.debug("%s: index or checkpoint not written: %s", self.description, failed)
+            logger.debug("%s: index not written: %s", self.description, failed)
 
     def _claim_digests(self, requests: Sequence[StoreRequest], ttl: int) -> tuple[list[str | None], set[str]]:
         """(the cache key each request's binary is indexed under, after claiming it for the request where no
@@ -665,12 +616,11 @@ class RedisBackend:
         written: Sequence[StoreRequest],
         full: set[str],
         ttl: int,
-        checkpoints: Sequence[CheckpointRecord] = (),
     ) -> None:
-        """Queue on `pipe` the dedupe index fields of the entries written whole, the variant index and the writer's
-        checkpoint chunks. They only save bytes, name a miss's cause or shortcut a reader's check: a key of another
-        type under their names must not fail the entries' writes, which would then be retried, and fail, for ever
-        (the caller runs the pipeline without raising, and only logs their errors)."""
+        """Queue on `pipe` the dedupe index fields of the entries written whole and the variant index. They only
+        save bytes or name a miss's cause: a key of another type under their names must not fail the entries'
+        writes, which would then be retried, and fail, for ever (the caller runs the pipeline without raising, and
+        only logs their errors)."""
         index: dict[str, dict[bytes, bytes]] = {}
         for r in requests:
             index.setdefault(r.kernel_name, {}).update(r.index_fields)
@@ -691,33 +641,6 @@ class RedisBackend:
             if fields:
                 pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
                 pipe.expire(self.keys.variant_index(kernel_name), ttl)
-        chunk_ttl = max([ttl, *(r.ttl for r in requests if r.ttl)])
-        for record in checkpoints:
-            key = self.keys.checkpoint(self.toolchain, record.key_id_hex, record.instance_hex, record.chunk)
-            pipe.set(key, record.data, ex=chunk_ttl)
-        if checkpoints:  # the last is the writer process's current chunk: its key's latest, for fresh readers
-            latest = checkpoints[-1]
-            pipe.set(self.keys.checkpoint_latest(self.toolchain, latest.key_id_hex), latest.data, ex=chunk_ttl)
-
-    def fetch_checkpoint(self, key_id_hex: str, instance_hex: str, chunk: int) -> bytes | None:
-        """The stored chunk of a writer's checkpoint, or None: none there, another type of key under its name, or
-        longer than any chunk (never more than MAX_CHECKPOINT_BYTES + 1 bytes of it are read). GETRANGE only,
-        which the nkicache-reader ACL user may run. On the compile path: bounded like fetch."""
-        key = self.keys.checkpoint(self.toolchain, key_id_hex, instance_hex, chunk)
-
-        def read() -> bytes | Exception:
-            try:
-                return self.client.getrange(key, 0, MAX_CHECKPOINT_BYTES)
-            except rex.ResponseError as exc:  # WRONGTYPE (another type under the name), NOPERM: no chunk to use
-                return exc
-
-        reply = self._within_op_timeout(read)
-        if isinstance(reply, Exception) or not reply or len(reply) > MAX_CHECKPOINT_BYTES:
-            if isinstance(reply, Exception) or reply:
-                why = reply if isinstance(reply, Exception) else f"over {MAX_CHECKPOINT_BYTES} bytes"
-                logger.debug("%s: checkpoint %s not used: %s", self.description, key, why)
-            return None
-        return bytes(reply)
 
     def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         if not queries:
@@ -1083,17 +1006,6 @@ class RedisBackend:
 
         if items:
             self._pipeline(fill)
-
-    def delete_checkpoints(self, key_id_hex: str, dry_run: bool = False) -> int:
-        """How many checkpoint chunks writer `key_id_hex` (32 hex digits; anything else matches none) has, in
-        every toolchain and scope; deleted unless `dry_run` (`inspect gc --writer`)."""
-        if not re.fullmatch("[0-9a-f]{32}", key_id_hex):
-            return 0
-        pattern = self.keys.checkpoint_pattern(key_id_hex)
-        found = list(self._stream(lambda: self.client.scan_iter(match=pattern, count=1000)))
-        for chunk in [] if dry_run else batched(found):
-            self._pipeline(lambda pipe, chunk=chunk: [pipe.delete(key) for key in chunk])
-        return len(found)
 
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         if not items:

@@ -90,7 +90,6 @@ class SnapshotReader:
     read_only = True
     keeps_expired = False  # a snapshot keeps what was live when it was written
     splits_scans = False  # scanned in one process (cachestore.scan_split)
-    keeps_checkpoints = False  # no writer checkpoints: entries verify by their group signatures
 
     def __init__(self, path: str | Path, toolchain: str | None = None):
         self.path = Path(path)

@@ -130,7 +130,6 @@ class SqliteBackend:
     read_only = False
     keeps_expired = True  # nothing deletes an expired row but `purge_expired` (inspect gc)
     splits_scans = False  # scanned in one process (cachestore.scan_split)
-    keeps_checkpoints = False  # no writer checkpoints: entries verify by their group signatures
 
     def __init__(
         self,
