@@ -108,6 +108,7 @@ class FoldedMetrics:
     None for one gone)."""
 
     _records: dict[str, dict | None]  # parsed records by name (None: no record)
+    _folded: tuple[list[str], Fold] | None = None  # the last fold, and the names it folded
 
     def _record_names(self) -> list[str]:
         raise NotImplementedError
@@ -116,12 +117,16 @@ class FoldedMetrics:
         raise NotImplementedError
 
     def _fold(self) -> Fold:
+        """The fold of the records there are now; folded again only when a record was added or removed."""
         names = self._record_names()
+        if self._folded is not None and self._folded[0] == names:
+            return self._folded[1]
         for name in names:
             if name not in self._records:
                 data = self._record_bytes(name)
                 self._records[name] = parse_record(data) if data is not None else None
-        return fold(record for name in names if (record := self._records.get(name)) is not None)
+        self._folded = (names, fold(record for name in names if (record := self._records.get(name)) is not None))
+        return self._folded[1]
 
     def totals(self) -> dict[str, float]:
         return self._fold().totals
