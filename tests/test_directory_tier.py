@@ -139,6 +139,38 @@ def test_a_lease_whose_holder_is_killed_expires_and_another_process_takes_it(tmp
     assert not [p for p in (tmp_path / "d" / "leases").rglob(".*")]  # the stale file moved aside is gone
 
 
+WRITER = """
+import json, sys
+from cachestore.api import MetricsBatch, WriteItem
+from cachestore.backends.directory import DirectoryBackend
+store, me = DirectoryBackend(sys.argv[1], toolchain="tc"), int(sys.argv[2])
+applied = 0
+for i in range(40):
+    store.put_entries([WriteItem("contested", bytes([me]) * 300_000, None, 3600)])
+    applied += store.apply_metrics(MetricsBatch(f"batch-{i}", "h", f"w{me}", {"passes": 1}))
+print(json.dumps(applied))
+"""
+
+
+def test_processes_writing_one_key_and_one_batch_id_at_once(tmp_path: Path) -> None:
+    """Four processes write the same key over and over, and send the same 40 batch ids: a reader meanwhile
+    only ever reads one writer's whole entry, and each batch is applied once."""
+    DirectoryBackend(tmp_path / "d").close()
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "d"), str(n)], stdout=subprocess.PIPE,
+                                text=True) for n in range(1, 5)]  # fmt: skip
+    store, seen = DirectoryBackend(tmp_path / "d", toolchain="tc"), set()
+    while any(writer.poll() is None for writer in writers):
+        data = store.get_entries(["contested"]).get("contested")
+        if data is not None:
+            assert isinstance(data, bytes) and len(data) == 300_000 and data == data[:1] * 300_000
+            seen.add(data[0])
+    applied = [json.loads(writer.communicate(timeout=60)[0]) for writer in writers]
+    assert all(writer.returncode == 0 for writer in writers)
+    assert sum(applied) == 40 and store.totals() == {"passes": 40}
+    assert seen and seen <= {1, 2, 3, 4}
+    assert not list((tmp_path / "d").rglob(".tmp-*"))  # every temp file was renamed or deleted
+
+
 def test_a_partial_temp_file_is_never_read_and_gc_deletes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = f"dir:{tmp_path / 'd'}"
     compile_json(GRAPHS, tier, tmp_path / "out")
