@@ -4,12 +4,12 @@ mount (NFS, FSx, a local disk), as AWS Neuron's compile cache and ccache's file 
 
     nkicache-dir-store                    marker: what tells this directory from any other
     entries/<hex toolchain>/<hex key>     an encoded entry as stored; its mtime is its expiry
-    leases/<hex toolchain>/<hex key>      JSON {"owner", "expires"} of the lease on the key; mtime: its expiry
+    leases/<hex toolchain>/<hex key>/<n>  JSON {"owner", "expires"}: generation n of the key's lease
     index/<sha256 kernel>/<sha256 field>  a field's value in the variant index; mtime: its expiry
     batches/<sha256 batch id>             an applied metrics batch (cachestore.metrics_fold), never rewritten
 
-Every file is written whole, and leases and batches exclusively (cachestore.backends.files): a reader sees a
-whole file or none, and of many processes creating one name, one does. Temp files a killed writer left are
+Every file is written whole, and lease generations and batches exclusively (cachestore.backends.files): a
+reader sees a whole file or none, and of many processes creating one name, one does. Temp files a killed writer left are
 never read, and `purge_expired` (inspect gc) deletes them. Entries are always written whole: this store makes
 no references to another key's binary (content dedupe is optional in the contract).
 """
@@ -61,10 +61,6 @@ def _sha(data: str | bytes) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-def _lease(owner: str, expires: float) -> bytes:
-    return json.dumps({"owner": owner, "expires": expires}).encode()
-
-
 class DirectoryBackend(FoldedMetrics):
     """A tier in a shared directory: the compile path (Backend) and the reader side (Reader)."""
 
@@ -114,8 +110,8 @@ class DirectoryBackend(FoldedMetrics):
             raise api.TierError(f"dir tier {self.path} is opened read-only")
         return files.write_whole(path, data, expires, exclusive=exclusive)
 
-    def _entry(self, cache_key: str, toolchain: str | None = None) -> Path:
-        return self.path / "entries" / _hex(toolchain or self.toolchain) / _hex(cache_key)
+    def _entry(self, cache_key: str) -> Path:
+        return self.path / "entries" / _hex(self.toolchain) / _hex(cache_key)
 
     # -- the compile path -------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
@@ -152,47 +148,65 @@ class DirectoryBackend(FoldedMetrics):
             answers.append([read[0] if read and isinstance(read[0], bytes) else None for read in reads])
         return answers
 
-    # -- leases -----------------------------------------------------------------------------------
-    def _holder(self, cache_key: str) -> tuple[Path, str, float, bytes | None]:
-        """(lease file, owner, expiry, the file's bytes); a foreign file reads as expired, so it is taken over."""
-        path = self.path / "leases" / _hex(self.toolchain) / _hex(cache_key)
-        if (data := files.read_small(path)) is None:
-            return path, "", 0.0, None
-        try:
-            lease = json.loads(data)
-            return path, str(lease["owner"]), float(lease["expires"]), data
-        except (ValueError, TypeError, KeyError):
-            return path, "", 0.0, data
+    # -- leases: generations, each created exclusively -------------------------------------------
+    def _top(self, folder: Path) -> tuple[int, str, float]:
+        """(generation, owner, expiry) of a key's newest lease file; (0, "", 0.0) for none. A foreign or empty
+        file reads as released."""
+        for _ in range(3):  # the newest was replaced by a newer one between listing and reading: listed again
+            generations = sorted(int(name) for name in files.names(folder) if name.isdigit())
+            if not generations:
+                return 0, "", 0.0
+            if (data := files.read_small(folder / str(generations[-1]))) is not None:
+                try:
+                    lease = json.loads(data)
+                    return generations[-1], str(lease["owner"]), float(lease["expires"])
+                except (ValueError, TypeError, KeyError):
+                    break
+        return generations[-1], "", 0.0
+
+    def _claim(self, folder: Path, generation: int, owner: str, expires: float) -> bool:
+        """Create lease `generation` of a key: True when this call made it and it is the newest (a caller that
+        looked before a newer one was made loses), the older ones then deleted. Of all the processes that found
+        generation - 1 the newest, one creates this one: no lease file is ever rewritten."""
+        lease = json.dumps({"owner": owner, "expires": expires}).encode()
+        if not self._write(folder / str(generation), lease, expires, exclusive=True):
+            return False
+        generations = [int(name) for name in files.names(folder) if name.isdigit()]
+        if max(generations, default=generation) > generation:
+            return False
+        for older in (g for g in generations if g < generation):
+            files.unlink(folder / str(older))
+        return True
+
+    def _leases(self, cache_key: str) -> Path:
+        return self.path / "leases" / _hex(self.toolchain) / _hex(cache_key)
 
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        now = time.time()
-        path, _, expires, data = self._holder(cache_key)
-        if data is not None and expires > now:
+        folder, now = self._leases(cache_key), time.time()
+        generation, holder, expires = self._top(folder)
+        if holder and expires > now:
             return False
-        # None there, or an expired one: of all the processes that found this one, the one whose rename wins it.
-        if data is not None and not files.take(path, lambda aside: files.read_small(aside) == data):
-            return False
-        return self._write(path, _lease(owner, now + ttl), now + ttl, exclusive=True)
+        return self._claim(folder, generation + 1, owner, now + ttl)  # none, released, or expired: taken over
 
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        now = time.time()
-        path, holder, expires, data = self._holder(cache_key)
-        if data is None or holder != owner or expires <= now:
-            return False
-        return self._write(path, _lease(owner, now + ttl), now + ttl)
+        folder, now = self._leases(cache_key), time.time()
+        generation, holder, expires = self._top(folder)
+        # A new generation, not a rewrite: a contender that found this one expired and the owner renewing it
+        # cannot both win.
+        return holder == owner and expires > now and self._claim(folder, generation + 1, owner, now + ttl)
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         self.release_leases([(cache_key, owner)])
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         for cache_key, owner in leases:
-            path, holder, _, data = self._holder(cache_key)
-            if data is not None and holder == owner:
-                files.take(path, lambda aside, data=data: files.read_small(aside) == data)
+            generation, holder, _ = self._top(folder := self._leases(cache_key))
+            if holder == owner:
+                self._claim(folder, generation + 1, "", 0.0)  # a released generation: owned by no one
 
     def lease_holder(self, cache_key: str) -> str | None:
-        _, holder, expires, data = self._holder(cache_key)
-        return holder if data is not None and expires > time.time() else None
+        _, holder, expires = self._top(self._leases(cache_key))
+        return holder if holder and expires > time.time() else None
 
     # -- metrics: one file per batch, folded by cachestore.metrics_fold -----------------------------
     def apply_metrics(self, batch: api.MetricsBatch) -> bool:
@@ -256,9 +270,9 @@ class DirectoryBackend(FoldedMetrics):
             files.unlink(self._entry(key))
 
     def _garbage(self) -> Iterator[tuple[Path, int]]:
-        """(path, bytes) of every expired entry, lease and index field, and every temp file a dead writer left."""
+        """(path, bytes) of every expired entry and index field, and every temp file a dead writer left there."""
         now = time.time()
-        for top in ("entries", "leases", "index"):
+        for top in ("entries", "index"):
             for folder in files.names(self.path / top):
                 for name in files.names(self.path / top / folder, hidden=True):
                     if (info := files.stat_of(path := self.path / top / folder / name)) is None:
@@ -269,7 +283,7 @@ class DirectoryBackend(FoldedMetrics):
 
     def expired_count(self) -> tuple[int, int]:
         """(expired entries and index fields and stale temp files, their bytes), of every toolchain."""
-        found = [size for path, size in self._garbage() if path.parent.parent.name != "leases"]
+        found = [size for _, size in self._garbage()]
         return len(found), sum(found)
 
     def purge_expired(self) -> None:
