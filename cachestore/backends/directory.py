@@ -9,9 +9,9 @@ mount (NFS, FSx, a local disk), as AWS Neuron's compile cache and ccache's file 
     batches/<sha256 batch id>             an applied metrics batch (cachestore.metrics_fold), never rewritten
 
 Every file is written whole, and lease generations and batches exclusively (cachestore.backends.files): a
-reader sees a whole file or none, and of many processes creating one name, one does. Temp files a killed writer left are
-never read, and `purge_expired` (inspect gc) deletes them. Entries are always written whole: this store makes
-no references to another key's binary (content dedupe is optional in the contract).
+reader sees a whole file or none, and of many processes creating one name, one does. Temp files a killed
+writer left are never read, and `purge_expired` (inspect gc) deletes them. Entries are always written whole:
+this store makes no references to another key's binary (content dedupe is optional in the contract).
 """
 
 from __future__ import annotations
