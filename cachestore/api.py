@@ -40,6 +40,8 @@ BATCH = 500  # keys per pipeline / page when streaming
 READ_TIMEOUT = 30.0  # seconds for one batch of a report or an inspection: they are not on the compile path
 READ_CONNECT_TIMEOUT = 2.0
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+PATH_SCHEMES = ("local:", "dir:")  # a tier named by a path: local:PATH (an SQLite file), dir:PATH (a shared folder)
+TIER_SCHEMES_TEXT = "off, local:PATH, dir:PATH, redis://, rediss://, unix:// or redis+cluster://"
 
 
 # -- errors ---------------------------------------------------------------------------------------------
@@ -366,17 +368,22 @@ def open_backend(
                              writable=writable, toolchain=toolchain,
                              write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
                              max_entry_bytes=settings.max_entry_bytes, max_size=settings.max_size)  # fmt: skip
+    if url.startswith("dir:"):
+        from cachestore.backends.directory import DirectoryBackend
+
+        return DirectoryBackend(url[len("dir:") :], create=not reading and writable, writable=writable,
+                                toolchain=toolchain, max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 
         return RedisBackend.open(settings, reading=reading, toolchain=toolchain)
-    raise SettingsError(
-        f"unknown tier {redact_url(url)!r}; use off, local:PATH, redis://, rediss://, unix:// or redis+cluster://"
-    )
+    raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
 
 
 # A level of a stacked tier starts after whitespace with a scheme, so a local path may still hold spaces.
-_LEVEL_START = re.compile(r"\s+(?=off(?:\s|$)|local:|redis://|rediss://|unix://|redis\+cluster://|rediss\+cluster://)")
+_LEVEL_START = re.compile(
+    r"\s+(?=off(?:\s|$)|local:|dir:|redis://|rediss://|unix://|redis\+cluster://|rediss\+cluster://)"
+)
 
 
 def tier_levels(tier: str) -> list[str]:
@@ -402,7 +409,7 @@ def redact_url(url: str) -> str:
     if len(levels) > 1:
         return " ".join(map(redact_url, levels))
     if "://" not in url:
-        return url  # off, local:PATH
+        return url  # off, local:PATH, dir:PATH
     try:
         parts = urlsplit(url)
     except ValueError:  # not a URL (redis://[::1): shown to say so, without what could be user-info or a query
@@ -438,14 +445,15 @@ def tier_url_problem(url: str) -> str | None:
     levels = tier_levels(url)
     if len(levels) > 1:
         return _stack_problem(levels)
-    if url == "off" or (url.startswith("local:") and url[len("local:") :].strip()):
+    scheme = next((s for s in PATH_SCHEMES if url.startswith(s)), None)
+    if url == "off" or (scheme and url[len(scheme) :].strip()):
         return None
-    if url.startswith("local:"):
-        return "local: needs a path (local:PATH)"
+    if scheme:
+        return f"{scheme} needs a path ({scheme}PATH)"
     if not url.startswith(REDIS_SCHEMES):
-        return "is not a tier; use off, local:PATH, redis://, rediss://, unix:// or redis+cluster://"
+        return f"is not a tier; use {TIER_SCHEMES_TEXT}"
     if any(character.isspace() for character in url):
-        return "holds a space; each level of a stack starts with off, local:, redis://, rediss://, unix:// or redis+cluster://"
+        return "holds a space; each level of a stack starts with off, local:, dir:, redis://, rediss://, unix:// or redis+cluster://"
     try:
         parts = urlsplit(url)
         return _address_problem(parts) or _query_problem(parts.query)

@@ -38,6 +38,7 @@ from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import VariantFacts, facts_of_stored, merged_facts
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
+    PATH_SCHEMES,
     REDIS_SCHEMES,
     Backend,
     BatchRefused,
@@ -203,8 +204,9 @@ class TierClient:
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
         self._writer_counts: collections.Counter[str] = collections.Counter()
         self._writer_lock = threading.Lock()
-        # Redis keeps an entry by its TTL, which grows with its value; the local tier ranks by value itself.
-        self._value_ttls = settings.tier.startswith(REDIS_SCHEMES)
+        # Redis and a shared directory keep an entry by its TTL, which grows with its value; the local tier ranks by
+        # value itself.
+        self._value_ttls = settings.tier.startswith((*REDIS_SCHEMES, "dir:"))
         self._values = ValueMedian()
         # Entries a read found on Redis, whose TTLs the flusher refreshes (`_collect_touched`): (cache key, compile
         # seconds, stored bytes; None for a reference or a holder, which keep entry_ttl). A deque: appended by
@@ -948,7 +950,7 @@ def open_tier(settings: Settings) -> TierClient | StackedTier | None:
         from cachestore.stacked import StackedTier, level_settings
 
         return StackedTier([open_tier(level_settings(settings, levels, index)) for index in range(len(levels))])
-    if not settings.tier.startswith(("local:", *REDIS_SCHEMES)):
+    if not settings.tier.startswith((*PATH_SCHEMES, *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
     credentials = settings_credentials(settings)
     backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only",

@@ -17,7 +17,7 @@ from typing import Any
 
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
-from cachestore.api import redact_url, tier_levels, tier_url_problem
+from cachestore.api import PATH_SCHEMES, redact_url, tier_levels, tier_url_problem
 from cachestore.entry import MAX_ENTRY_BYTES
 from cachestore.keys import (
     DEFAULT_JOB_SHARDS,
@@ -291,7 +291,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         what = {int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
         raise SettingsError(f"{source}: {name} must be {what}, got {value!r}") from None
-    if isinstance(coerced, str) and not coerced.startswith("local:"):  # a local path may be any bytes
+    if isinstance(coerced, str) and not coerced.startswith(PATH_SCHEMES):  # a path may be any bytes
         try:
             # Bytes that are not UTF-8 reach Python escaped (in the environment and on the command line alike):
             # a host, worker or namespace, or a Redis URL, holding them would fail every write to the tier.

@@ -40,9 +40,10 @@ def tier_options(command: Callable) -> Callable:
         "--tier",
         multiple=True,
         metavar="URL",
-        help="off, local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
-        "redis+cluster://host:port[,host:port]. Repeat it for a stack, nearest first (--tier local:PATH --tier "
-        "redis://HOST): reads go down it and fill the levels above. Passwords belong in $NKICACHE_REDIS_PASSWORD.",
+        help="off, local:PATH (default: local:~/.cache/nkicache/tier.sqlite), dir:PATH (a shared directory), "
+        "redis://, rediss://, unix:// or redis+cluster://host:port[,host:port]. Repeat it for a stack, nearest "
+        "first (--tier local:PATH --tier redis://HOST): reads go down it and fill the levels above. Passwords "
+        "belong in $NKICACHE_REDIS_PASSWORD.",
     )(command)
 
 

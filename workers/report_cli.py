@@ -23,7 +23,7 @@ from workers.cli_common import (
 )
 
 TIER_HELP = (
-    "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), redis://, rediss://, unix:// or "
+    "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), dir:PATH, redis://, rediss://, unix:// or "
     "redis+cluster://host:port[,host:port]; the key namespace comes from $NKICACHE_NAMESPACE or the config file."
 )
 

@@ -980,9 +980,11 @@ class RedisBackend:
         return found
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
-        """Cache keys starting with `prefix` (hex digits: inspect checks it), at most `limit`."""
-        prefix = "".join(c for c in prefix.lower() if c in "0123456789abcdef")
-        pattern = self.keys.entry_prefix_pattern(self.toolchain, prefix)
+        """Cache keys starting with `prefix` (hex digits in either case narrow the scan; any other prefix is
+        matched on every key of the partition), at most `limit`."""
+        is_hex = all(c in "0123456789abcdef" for c in prefix.lower())
+        prefix = prefix.lower() if is_hex else prefix
+        pattern = self.keys.entry_prefix_pattern(self.toolchain, prefix if is_hex else "")
         found: list[str] = []
         for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000)):
             cache_key = self.keys.parse_entry(text(redis_key) or "")[1]

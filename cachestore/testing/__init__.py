@@ -1,0 +1,1 @@
+"""Test support shipped with cachestore: the contract every store passes (cachestore.testing.contract)."""

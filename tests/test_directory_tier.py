@@ -1,0 +1,265 @@
+"""The shared-directory tier (`--tier dir:PATH`, cachestore.backends.directory) end to end: cold and warm
+compiles, two compiles of different workloads at once into one directory, inspection and reports on it, a lease
+holder killed, files a killed writer left, hostile names and bad paths. The store contract runs on it in
+tests/test_store_contract.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cachestore.api import StoreRequest, WriteItem, open_backend, redact_url, tier_levels, tier_url_problem
+from cachestore.backends import directory
+from cachestore.backends.directory import DirectoryBackend
+from cachestore.settings import Settings
+from workers.cli import main
+from workers.workload import generate_workload
+
+GRAPHS = Path(__file__).parent / "data" / "graphs"
+NKICACHE = str(Path(sys.executable).with_name("nkicache"))
+TTL = 3600
+
+
+def cli(*args: str, expect: int = 0) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == expect, result.output
+    return result.stdout
+
+
+def compile_json(graphs: Path, tier: str, out: Path) -> dict:
+    return json.loads(cli("compile", str(graphs), "--json", "--tier", tier, "--out", str(out)))
+
+
+def artifacts(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def listed_keys(tier: str) -> set[str]:
+    return {item["key"] for item in json.loads(cli("inspect", "ls", "--tier", tier, "--json"))}
+
+
+def test_the_module_is_at_most_300_lines() -> None:
+    assert len(Path(directory.__file__).read_text().splitlines()) <= 300
+
+
+# -- done when ------------------------------------------------------------------------------------------
+def test_a_cold_then_a_warm_compile_into_a_directory_match_a_compile_without_a_tier(tmp_path: Path) -> None:
+    tier = f"dir:{tmp_path / 'shared' / 'cache'}"  # not there yet: the compile makes it
+    off = compile_json(GRAPHS, "off", tmp_path / "off")
+    cold = compile_json(GRAPHS, tier, tmp_path / "cold")
+    warm = compile_json(GRAPHS, tier, tmp_path / "warm")
+    assert cold["traces"] == off["traces"] > 0 and cold["tier_errors"] == 0
+    assert warm["traces"] == 0 and warm["remote_hits"] == warm["tier_lookups"] == cold["traces"]
+    assert (warm["tier_errors"], warm["tier_rejected"], warm["tier_dropped"]) == (0, 0, 0)
+    assert artifacts(tmp_path / "cold") == artifacts(tmp_path / "off") == artifacts(tmp_path / "warm")
+    assert len(listed_keys(tier)) == cold["traces"]
+    report = json.loads(cli("report", "--tier", tier, "--json"))
+    assert report["totals"]["passes"] == cold["passes"] + warm["passes"]
+    assert report["totals"]["traces"] == cold["traces"]
+
+
+def compile_process(graphs: Path, tier: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [NKICACHE, "compile", str(graphs), "--workers", "2", "--tier", tier, "--out", str(out), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_compiles_of_different_workloads_at_once_share_one_directory(tmp_path: Path) -> None:
+    workloads = [tmp_path / "workload-a", tmp_path / "workload-b"]
+    generate_workload(workloads[0], 3, 0)
+    generate_workload(workloads[1], 3, 1)
+    shared = f"dir:{tmp_path / 'shared'}"
+    processes = [compile_process(graphs, shared, tmp_path / f"out-{graphs.name}") for graphs in workloads]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        results.append(json.loads(out))
+    for result in results:
+        assert (result["tier_errors"], result["tier_timeouts"], result["tier_rejected"]) == (0, 0, 0), result
+    # What each workload alone stores, compiled one after the other into a local tier: the directory holds it all.
+    local = f"local:{tmp_path / 'alone.sqlite'}"
+    for graphs in workloads:
+        compile_json(graphs, local, tmp_path / f"alone-{graphs.name}")
+    assert listed_keys(shared) == listed_keys(local) and listed_keys(shared)
+    assert "0 problems" in cli("inspect", "verify", "--tier", shared)
+    report = json.loads(cli("report", "--tier", shared, "--json"))
+    assert report["totals"]["passes"] == sum(result["passes"] for result in results)
+    for graphs, result in zip(workloads, results, strict=True):  # warm now, both of them
+        again = compile_json(graphs, shared, tmp_path / f"again-{graphs.name}")
+        assert again["traces"] == 0 and again["passes"] == result["passes"]
+        assert artifacts(tmp_path / f"again-{graphs.name}") == artifacts(tmp_path / f"out-{graphs.name}")
+
+
+# -- dying holders and writers ----------------------------------------------------------------------------
+HOLDER = """
+import sys, time
+from cachestore.backends.directory import DirectoryBackend
+store = DirectoryBackend(sys.argv[1], toolchain="tc")
+assert store.acquire_lease("the-key", "doomed", float(sys.argv[2]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+TAKER = """
+import sys
+from cachestore.backends.directory import DirectoryBackend
+print(DirectoryBackend(sys.argv[1], toolchain="tc").acquire_lease("the-key", "next", 30))
+"""
+
+
+def test_a_lease_whose_holder_is_killed_expires_and_another_process_takes_it(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "d"), "1.5"], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+    store = DirectoryBackend(tmp_path / "d", toolchain="tc")
+    assert store.lease_holder("the-key") == "doomed"
+    assert store.acquire_lease("the-key", "next", 30) is False  # not expired yet
+    deadline = time.monotonic() + 10
+    while store.lease_holder("the-key") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    taker = subprocess.run([sys.executable, "-c", TAKER, str(tmp_path / "d")], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert taker.stdout.strip() == "True", taker.stderr
+    assert store.lease_holder("the-key") == "next"
+    assert not [p for p in (tmp_path / "d" / "leases").rglob(".*")]  # the stale file moved aside is gone
+
+
+WRITER = """
+import json, sys
+from cachestore.api import MetricsBatch, WriteItem
+from cachestore.backends.directory import DirectoryBackend
+store, me = DirectoryBackend(sys.argv[1], toolchain="tc"), int(sys.argv[2])
+applied = 0
+for i in range(40):
+    store.put_entries([WriteItem("contested", bytes([me]) * 300_000, None, 3600)])
+    applied += store.apply_metrics(MetricsBatch(f"batch-{i}", "h", f"w{me}", {"passes": 1}))
+print(json.dumps(applied))
+"""
+
+
+def test_processes_writing_one_key_and_one_batch_id_at_once(tmp_path: Path) -> None:
+    """Four processes write the same key over and over, and send the same 40 batch ids: a reader meanwhile
+    only ever reads one writer's whole entry, and each batch is applied once."""
+    DirectoryBackend(tmp_path / "d").close()
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "d"), str(n)], stdout=subprocess.PIPE,
+                                text=True) for n in range(1, 5)]  # fmt: skip
+    store, seen = DirectoryBackend(tmp_path / "d", toolchain="tc"), set()
+    while any(writer.poll() is None for writer in writers):
+        data = store.get_entries(["contested"]).get("contested")
+        if data is not None:
+            assert isinstance(data, bytes) and len(data) == 300_000 and data == data[:1] * 300_000
+            seen.add(data[0])
+    applied = [json.loads(writer.communicate(timeout=60)[0]) for writer in writers]
+    assert all(writer.returncode == 0 for writer in writers)
+    assert sum(applied) == 40 and store.totals() == {"passes": 40}
+    assert seen and seen <= {1, 2, 3, 4}
+    assert not list((tmp_path / "d").rglob(".tmp-*"))  # every temp file was renamed or deleted
+
+
+def test_a_partial_temp_file_is_never_read_and_gc_deletes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = f"dir:{tmp_path / 'd'}"
+    compile_json(GRAPHS, tier, tmp_path / "out")
+    store = DirectoryBackend(tmp_path / "d")
+    folder = next((tmp_path / "d" / "entries").iterdir())
+    partial = folder / ".tmp-0123456789abcdef"
+    partial.write_bytes(b"NKIC half an entry")  # a writer killed before its rename
+    keys = [raw.cache_key for raw in store.scan_entries()]
+    assert len(keys) == len(listed_keys(tier)) and all(not key.startswith(".") for key in keys)
+    assert "0 problems" in cli("inspect", "verify", "--tier", tier)
+    assert store.expired_count() == (0, 0)  # a temp file this young may be a write in progress
+    monkeypatch.setattr(directory, "STALE_TEMP_SECONDS", 0.0)
+    assert store.expired_count() == (1, partial.stat().st_size)
+    done = json.loads(cli("inspect", "gc", "--tier", tier, "--json"))
+    assert done["expired_purged"] == 1 and done["evicted"] == 0
+    assert not partial.exists() and sorted(raw.cache_key for raw in store.scan_entries()) == sorted(keys)
+
+
+def test_a_truncated_entry_is_rejected_and_counted_not_served(tmp_path: Path) -> None:
+    tier = f"dir:{tmp_path / 'd'}"
+    cold = compile_json(GRAPHS, tier, tmp_path / "cold")
+    victim = sorted(next((tmp_path / "d" / "entries").iterdir()).iterdir())[0]
+    expires = victim.stat().st_mtime
+    victim.write_bytes(victim.read_bytes()[:40])
+    os.utime(victim, (time.time(), expires))  # still live: only its bytes are cut
+    assert "1 problem\n" in cli("inspect", "verify", "--tier", tier, expect=1)
+    again = compile_json(GRAPHS, tier, tmp_path / "again")
+    assert again["tier_rejected"] >= 1 and again["traces"] == 1 and again["remote_hits"] == cold["traces"] - 1
+    assert artifacts(tmp_path / "again") == artifacts(tmp_path / "cold")
+    assert "0 problems" in cli("inspect", "verify", "--tier", tier)  # the trace stored it whole again
+
+
+# -- names and paths ---------------------------------------------------------------------------------------
+def test_hostile_keys_and_kernel_names_stay_inside_the_directory(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    store = DirectoryBackend(root, toolchain="../../toolchain")
+    hostile = ["../../../outside", "/etc/passwd", "..", ".", "a\x00b", "\\..\\x"]
+    store.store([StoreRequest(key, "d", key.encode(), lambda h: b"", "../../kernel", index_fields={b"../f": b"v"})
+                 for key in hostile], TTL)  # fmt: skip
+    store.put_entries([WriteItem(key + "-put", b"p", None, TTL) for key in hostile])
+    assert store.acquire_lease("../../lease", "me", 30)
+    assert sorted(tmp_path.iterdir()) == [root]
+    assert store.get_entries(hostile) == {key: key.encode() for key in hostile}
+    assert store.read_variant_index([("../../kernel", [b"../f"])]) == [[b"v"]]
+    assert store.entry_toolchains() == ["../../toolchain"]
+    with pytest.raises(Exception, match="bytes"):  # a key too long for a file name is refused, not cut
+        store.put_entries([WriteItem("k" * 200, b"p", None, TTL)])
+    assert store.fetch(["k" * 200], TTL) == {}
+
+
+def test_a_path_that_is_a_file_a_missing_one_and_a_foreign_directory_are_clear_errors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    done = compile_json(GRAPHS, f"dir:{tmp_path / 'file'}", tmp_path / "out")  # compiled all the same, tier off
+    assert done["tier_errors"] >= 1 and done["traces"] > 0
+    assert f"dir tier {tmp_path / 'file'} is a file, not a directory" in caplog.text
+    missing = tmp_path / "missing"
+    result = CliRunner().invoke(main, ["inspect", "ls", "--tier", f"dir:{missing}"])
+    assert result.exit_code != 0 and f"no dir tier at {missing}" in result.output and not missing.exists()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / directory.MARKER).write_text("someone else's")
+    with pytest.raises(Exception, match="no nkicache dir tier"):
+        DirectoryBackend(tmp_path / "foreign")
+    (tmp_path / "clash").mkdir()
+    (tmp_path / "clash" / "entries").write_text("a file where a folder goes")
+    with pytest.raises(Exception, match="entries"):
+        DirectoryBackend(tmp_path / "clash")
+    reader = open_backend(Settings(tier=f"dir:{missing}"), writable=False)  # a read-only client: empty, not made
+    assert reader.fetch(["k"], None) == {} and not missing.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any directory")
+def test_a_directory_that_is_not_writable_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir()
+    DirectoryBackend(tmp_path / "ro").close()
+    (tmp_path / "ro" / "entries").chmod(0o555)
+    try:
+        with pytest.raises(Exception, match="not writable"):
+            DirectoryBackend(tmp_path / "ro")
+    finally:
+        (tmp_path / "ro" / "entries").chmod(0o755)
+
+
+def test_dir_urls_are_accepted_wherever_a_tier_url_is() -> None:
+    assert tier_url_problem("dir:/shared/cache") is None
+    assert tier_url_problem("dir:") == "dir: needs a path (dir:PATH)"
+    assert tier_url_problem("local:/tmp/l.sqlite dir:/mnt/fsx/nkicache") is None
+    assert tier_levels("local:/tmp/a b.sqlite dir:/mnt/my cache") == ["local:/tmp/a b.sqlite", "dir:/mnt/my cache"]
+    assert tier_levels("dir:/mnt/a redis://h:6379") == ["dir:/mnt/a", "redis://h:6379"]
+    assert redact_url("dir:/mnt/user:secret@x") == "dir:/mnt/user:secret@x"  # a path, nothing hidden or mangled
+    assert "dir:PATH" in (tier_url_problem("s3://bucket") or "")
