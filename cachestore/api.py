@@ -62,6 +62,11 @@ class TierTimeout(TierError):
     """The tier did not answer within the operation timeout."""
 
 
+class ConnectionsDropped(TierError):
+    """A call failed because another call's operation timeout closed the connections it was using: not a fault
+    of its own (that call counts the timeout), so it is retried like any write, without counting."""
+
+
 class TierBusy(TierTimeout):
     """Another process held the store's lock for the whole wait (the embedded tier): contention between the
     processes of one machine, not an outage, so it never turns the tier off."""

@@ -42,6 +42,7 @@ from cachestore.api import (
     REDIS_SCHEMES,
     Backend,
     BatchRefused,
+    ConnectionsDropped,
     KeyUsage,
     MetricsBatch,
     StoreRequest,
@@ -276,6 +277,8 @@ class TierClient:
         except TierTimeout as exc:
             self.stats.add("tier_timeouts")
             self._trip(what, exc)
+        except ConnectionsDropped:
+            pass  # another call timed out and counted it: what this call sent stays queued
         except BatchRefused as exc:
             # The tier answered: it is up, and this one item is bad. Done with (ok), so the outbox moves on to
             # what follows it instead of retrying it forever behind an open breaker.

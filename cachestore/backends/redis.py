@@ -43,6 +43,7 @@ from cachestore.api import (
     READ_CONNECT_TIMEOUT,
     READ_TIMEOUT,
     BatchRefused,
+    ConnectionsDropped,
     KeyRecord,
     MetricsBatch,
     RawEntry,
@@ -315,6 +316,7 @@ class RedisBackend:
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
         self._shards: int | None = None
         self.cluster = isinstance(client, RedisCluster)
+        self._drops = 0  # how often the watchdog closed the client's connections (_drop_connections)
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
@@ -364,9 +366,12 @@ class RedisBackend:
         return self.keys.digest_bucket(self.toolchain, digest)
 
     def _call(self, operation: Callable[[], T]) -> T:
+        drops = self._drops
         try:  # not `with redis_errors`: a generator-based context manager costs a remote hit a few µs
             return operation()
         except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            if self._drops != drops:  # its connection was closed under it, for another call's timeout
+                raise ConnectionsDropped(f"{self.description}: connections closed by an operation timeout") from None
             with redis_errors(self.description):
                 raise exc from None
 
@@ -389,8 +394,9 @@ class RedisBackend:
 
     def _drop_connections(self) -> None:
         """Close every connection of the client, those in use by other threads included (redis-py supports it):
-        a read blocked on one of them fails at once. A background write on one fails too and is retried, as
-        after any failure; by then the tier is counted as timed out and its breaker is open anyway."""
+        a read blocked on one of them fails at once. A background write on one fails too, with
+        ConnectionsDropped: the timed-out call counts the one timeout, and the write stays queued."""
+        self._drops += 1
         if isinstance(self.client, RedisCluster):
             self.client.disconnect_connection_pools()
         else:
