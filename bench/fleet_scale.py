@@ -3,7 +3,7 @@
 record its output.
 
 M simulated workers (processes) each run passes against a private Redis through the real tier client
-(`cachestore.client.open_tier`, the same calls the codegen loop makes through the KernelStore port): one
+(`cachestore.stores.open_tier`, the same calls the codegen loop makes through the KernelStore port): one
 `find_traces` of the pass's distinct keys, a lease and a `publish_trace` (the real entry format, a synthetic
 binary sized like the workload's: 4-170 KiB, about as compressible) for each miss, then `record_pass` and
 `flush` (the fleet metrics batch). Each pass uses `--ops` kernel calls drawn from `--variants` variants with
@@ -67,8 +67,8 @@ def run_worker(
     import redis.connection
 
     from bridge.port import PASS_COUNTERS, PassRecord, VariantUse
-    from cachestore.client import open_tier
     from cachestore.settings import Settings
+    from cachestore.stores import open_tier
 
     sent = [0]
     send = redis.connection.AbstractConnection.send_packed_command

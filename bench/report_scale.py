@@ -122,12 +122,12 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
 def measure(url: str, what: str, traced: bool, processes: int | None = None) -> dict:
     import tracemalloc
 
-    from cachestore.api import open_backend
     from cachestore.entry import SignaturePolicy
     from cachestore.inspect import disk_usage
     from cachestore.report import build_report
     from cachestore.report_render import render_json
     from cachestore.settings import Settings
+    from cachestore.stores import open_backend
     from workers.verify import verify_entries
 
     settings = Settings(tier=url, namespace=NAMESPACE)

@@ -26,8 +26,8 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from bridge.targets import make_target
 from cachestore import entry as entry_format
-from cachestore.client import open_tier
 from cachestore.settings import load_settings
+from cachestore.stores import open_tier
 from workers import workload
 
 # Held out from the workload's pools (workers.workload.MOE_CONFIGS / UNET_CONFIGS): no shape in common.

@@ -22,26 +22,21 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from bridge.errors import NkiCacheError
 from bridge.port import PASS_COUNTERS
 from cachestore.entry import TooLarge
 
 if TYPE_CHECKING:
-    from cachestore.settings import Settings
+    pass
 
 TOTAL_COUNTERS = PASS_COUNTERS  # what the fleet metrics sum, per fleet and per worker
 BATCH = 500  # keys per pipeline / page when streaming
 READ_TIMEOUT = 30.0  # seconds for one batch of a report or an inspection: they are not on the compile path
 READ_CONNECT_TIMEOUT = 2.0
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-PATH_SCHEMES = ("local:", "dir:")  # a tier named by a path: local:PATH (an SQLite file), dir:PATH (a shared folder)
-TIER_SCHEMES_TEXT = "off, local:PATH, dir:PATH, redis://, rediss://, unix:// or redis+cluster://"
 
 
 # -- errors ---------------------------------------------------------------------------------------------
@@ -348,166 +343,6 @@ class Reader(Protocol):
     def purge_expired(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-# -- opening one ------------------------------------------------------------------------------------------
-def open_backend(
-    settings: Settings, *, reading: bool = False, toolchain: str | None = None, writable: bool = True
-) -> Backend | Reader:
-    """The backend the settings' tier URL names, in `toolchain`'s partition (default: this compiler's).
-    `reading` opens it for reports and inspection: longer timeouts, and an embedded tier that does not exist
-    yet is an error instead of a new file. `writable=False` (a read-only client's compile path): an embedded
-    tier is opened read-only, neither created nor upgraded, and one that does not exist reads as empty; a
-    Redis tier is only sent reads by such a client anyway."""
-    from cachestore.settings import SettingsError
-
-    url = shared_level(settings.tier)  # a stack of levels: the shared one holds the fleet's entries and metrics
-    if url != settings.tier:
-        settings = settings.replace(tier=url)
-    if url.startswith("local:"):
-        from cachestore.backends.sqlite import SqliteBackend
-
-        timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
-        # Background writes may wait for the lock as long as a closing client waits for them to land.
-        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading and writable,
-                             writable=writable, toolchain=toolchain,
-                             write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
-                             max_entry_bytes=settings.max_entry_bytes, max_size=settings.max_size)  # fmt: skip
-    if url.startswith("dir:"):
-        from cachestore.backends.directory import DirectoryBackend
-
-        return DirectoryBackend(url[len("dir:") :], create=not reading and writable, writable=writable,
-                                toolchain=toolchain, max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
-    if url.startswith(REDIS_SCHEMES):
-        from cachestore.backends.redis import RedisBackend
-
-        return RedisBackend.open(settings, reading=reading, toolchain=toolchain)
-    raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
-
-
-# A level of a stacked tier starts after whitespace with a scheme, so a local path may still hold spaces.
-_LEVEL_START = re.compile(
-    r"\s+(?=off(?:\s|$)|local:|dir:|redis://|rediss://|unix://|redis\+cluster://|rediss\+cluster://)"
-)
-
-
-def tier_levels(tier: str) -> list[str]:
-    """The levels of a tier setting, nearest first: `local:PATH redis://HOST` is a local level in front of
-    Redis (`--tier` repeated, a list in the config file, a space-separated NKICACHE_TIER)."""
-    return [level for level in _LEVEL_START.split(tier.strip()) if level] or [tier]
-
-
-def shared_level(tier: str) -> str:
-    """The farthest level of a tier setting: the one machines share, holding the leases and the fleet metrics.
-    Commands that read or administer one store (report, inspect, warm, the fleet queue) use it."""
-    return tier_levels(tier)[-1]
-
-
-SECRET_QUERY_PARAMETERS = ("password", "ssl_password")  # redis-py takes both from a URL's query
-
-
-def redact_url(url: str) -> str:
-    """The URL without its secrets, for every output (logs, errors, JSON, reports): the password of the
-    user-info part (`redis://user:SECRET@host`) and secret query parameters (`?password=SECRET`), read as
-    redis-py reads a URL (urlsplit), so what it would send is what is hidden."""
-    levels = tier_levels(url)
-    if len(levels) > 1:
-        return " ".join(map(redact_url, levels))
-    if "://" not in url:
-        return url  # off, local:PATH, dir:PATH
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # not a URL (redis://[::1): shown to say so, without what could be user-info or a query
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://{rest.partition('?')[0].rpartition('@')[2]}"
-    netloc = parts.netloc
-    if "@" in netloc:
-        user_info, _, hosts = netloc.rpartition("@")
-        user = user_info.partition(":")[0]
-        netloc = f"{user}@{hosts}" if user else hosts
-    query = "&".join(item for item in parts.query.split("&") if item and not _is_secret(item))
-    return f"{parts.scheme}://{netloc}{parts.path}{'?' + query if query else ''}"
-
-
-def _is_secret(query_item: str) -> bool:
-    return unquote(query_item.partition("=")[0]).lower() in SECRET_QUERY_PARAMETERS
-
-
-# Query parameters a tier URL may carry: what redis-py parses (it passes unknown ones on to the client, which
-# then fails every connection), minus what would override nkicache's own timeouts and retries.
-URL_TEXT_PARAMETERS = ("username", "password", "client_name", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile",
-                       "ssl_keyfile", "ssl_password", "ssl_cert_reqs")  # fmt: skip
-URL_SETTINGS_PARAMETERS = {  # set by nkicache's settings instead
-    "socket_timeout": "op_timeout", "timeout": "op_timeout", "socket_connect_timeout": "connect_timeout",
-    "retry_on_timeout": "op_timeout", "retry_on_error": "op_timeout",
-}  # fmt: skip
-SSL_CERT_REQS = ("none", "optional", "required")
-
-
-def tier_url_problem(url: str) -> str | None:
-    """What is wrong with a tier URL (or a stack of them), or None: checked when settings are read, so that a
-    bad URL is one error before anything runs instead of a failure in every compile."""
-    levels = tier_levels(url)
-    if len(levels) > 1:
-        return _stack_problem(levels)
-    scheme = next((s for s in PATH_SCHEMES if url.startswith(s)), None)
-    if url == "off" or (scheme and url[len(scheme) :].strip()):
-        return None
-    if scheme:
-        return f"{scheme} needs a path ({scheme}PATH)"
-    if not url.startswith(REDIS_SCHEMES):
-        return f"is not a tier; use {TIER_SCHEMES_TEXT}"
-    if any(character.isspace() for character in url):
-        return "holds a space; each level of a stack starts with off, local:, dir:, redis://, rediss://, unix:// or redis+cluster://"
-    try:
-        parts = urlsplit(url)
-        return _address_problem(parts) or _query_problem(parts.query)
-    except ValueError as exc:
-        return f"is not a valid URL: {exc}"
-
-
-def _stack_problem(levels: list[str]) -> str | None:
-    if "off" in levels:
-        return "off cannot be a level of a stack; leave the other levels out instead"
-    if len(set(levels)) < len(levels):
-        return "names one level twice"
-    for level in levels:
-        problem = tier_url_problem(level)
-        if problem:
-            return f"level {redact_url(level)!r} {problem}"
-    return None
-
-
-def _address_problem(parts: SplitResult) -> str | None:
-    if parts.scheme == "unix":
-        return None if parts.path else "unix:// needs the socket's path (unix:///path/to/redis.sock)"
-    if parts.scheme.endswith("+cluster"):
-        hosts = parts.netloc.rpartition("@")[2].split(",")
-        bad = [h for h in hosts if not h.rpartition(":")[0] or not h.rpartition(":")[2].isdigit()]
-        return f"cluster node {bad[0]!r} is not host:port" if bad else None
-    if not parts.hostname:
-        return f"{parts.scheme}:// needs a host ({parts.scheme}://HOST:PORT)"
-    parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
-    return None
-
-
-def _query_problem(query: str) -> str | None:
-    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
-
-    for name, values in parse_qs(query, keep_blank_values=True).items():
-        if name in URL_SETTINGS_PARAMETERS:
-            return f"query parameter {name!r} is set by nkicache; use the {URL_SETTINGS_PARAMETERS[name]} setting"
-        parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
-        if parser is None and name not in URL_TEXT_PARAMETERS:
-            return f"unknown query parameter {name!r}"
-        try:
-            if parser is not None:
-                parser(values[0])
-        except (TypeError, ValueError):
-            return f"query parameter {name!r} has an invalid value"
-        if name == "ssl_cert_reqs" and values[0].lower() not in SSL_CERT_REQS:
-            return f"ssl_cert_reqs must be one of {', '.join(SSL_CERT_REQS)}"
-    return None
 
 
 def batched(items: Iterable, size: int = BATCH) -> Iterator[list]:

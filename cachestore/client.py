@@ -31,15 +31,13 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import VariantFacts, facts_of_stored, merged_facts
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
-    PATH_SCHEMES,
-    REDIS_SCHEMES,
     Backend,
     BatchRefused,
     ConnectionsDropped,
@@ -50,9 +48,6 @@ from cachestore.api import (
     TierError,
     TierTimeout,
     batch_problem,
-    open_backend,
-    redact_url,
-    tier_levels,
 )
 from cachestore.entry import (
     Entry,
@@ -72,12 +67,10 @@ from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings, SettingsError
+from cachestore.tier_urls import REDIS_SCHEMES
 from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
-
-if TYPE_CHECKING:
-    from cachestore.stacked import StackedTier
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -941,24 +934,6 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
         log_record["kernel_misses"] = record.kernel_misses
     return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record,
                         toolchain)  # fmt: skip
-
-
-def open_tier(settings: Settings) -> TierClient | StackedTier | None:
-    """The tier client for these settings, or None for `off`; a StackedTier for a stack of levels (nearest
-    first). Nothing connects until first used, so an unreachable tier costs a compile only counted errors."""
-    if settings.tier == "off" or settings.tier_mode == "off":
-        return None
-    levels = tier_levels(settings.tier)
-    if len(levels) > 1:
-        from cachestore.stacked import StackedTier, level_settings
-
-        return StackedTier([open_tier(level_settings(settings, levels, index)) for index in range(len(levels))])
-    if not settings.tier.startswith((*PATH_SCHEMES, *REDIS_SCHEMES)):
-        open_backend(settings)  # raises the clear error for an unknown scheme
-    credentials = settings_credentials(settings)
-    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only",
-                      toolchain=partition(toolchain_id(), credentials.scope))  # fmt: skip
-    return TierClient(backend, settings, redact_url(settings.tier), credentials)
 
 
 def settings_credentials(settings: Settings) -> Credentials:

@@ -17,7 +17,6 @@ from typing import Any
 
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
-from cachestore.api import PATH_SCHEMES, redact_url, tier_levels, tier_url_problem
 from cachestore.entry import MAX_ENTRY_BYTES
 from cachestore.keys import (
     DEFAULT_JOB_SHARDS,
@@ -26,6 +25,7 @@ from cachestore.keys import (
     MAX_METRICS_SHARDS,
     QUARANTINE_SCOPE,
 )
+from cachestore.tier_urls import PATH_SCHEMES, redact_url, tier_levels, tier_url_problem
 
 # read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
 # never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
@@ -303,7 +303,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 
 def _tier_stack(levels: list | tuple, source: str) -> str:
     """A stack of tier levels (a list in the config file, --tier repeated), nearest first, as the one string
-    the setting holds: the levels separated by spaces, as NKICACHE_TIER takes them (cachestore.api.tier_levels)."""
+    the setting holds: the levels separated by spaces, as NKICACHE_TIER takes them (tier_urls.tier_levels)."""
     if not levels or not all(isinstance(level, str) and level.strip() for level in levels):
         raise SettingsError(f"{source}: tier must be a URL or a list of URLs (nearest first), got {levels!r}")
     for level in levels:  # each one, so that an unknown scheme is not read as part of a local path before it

@@ -414,8 +414,8 @@ def peak_rss_kib() -> int:
 def main(argv: list[str]) -> None:
     from bridge.codegen import BirCodeGenLoop
     from bridge.graph import load_graph
-    from cachestore.client import open_tier
     from cachestore.settings import Settings
+    from cachestore.stores import open_tier
 
     graph = load_graph(argv[0])
     fields = json.loads(Path(argv[1]).read_text())

@@ -17,9 +17,9 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 
 # Three passes of the mixed graph (8 kernel ops, 6 distinct keys, 2 local hits per pass), one at a time:
 #   hostA/w1 rows=64: all 6 keys traced;  hostB/w2 rows=64: all 6 from the tier;

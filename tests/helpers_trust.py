@@ -11,9 +11,10 @@ from helpers_graphs import delete_namespace, unique_namespace
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.entry import SignaturePolicy
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from cachestore.trust import TrustPolicy, WriterKey, write_writer_key
 
 

@@ -13,7 +13,6 @@ import pytest
 from helpers_trust import fresh_tier, trusting
 from test_entry import make_entry, rejected
 
-from cachestore.client import open_tier
 from cachestore.entry import (
     MAGIC,
     SCHEMA_VERSION,
@@ -25,6 +24,7 @@ from cachestore.entry import (
 )
 from cachestore.merkle import inclusion_paths, leaf_hash, path_length, root_from_path, tree_root
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from cachestore.trust import MAX_GROUP, WriterKey, signed_message
 
 KEYS = [hashlib.sha256(b"%d" % n).hexdigest() for n in range(MAX_GROUP + 40)]

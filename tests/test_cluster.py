@@ -43,9 +43,9 @@ from bridge.graph import load_graph
 from bridge.identity import toolchain_id
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.backends.redis import RedisBackend, connect
-from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from workers.cli import main as nkicache
 from workers.fleet import results_of
 

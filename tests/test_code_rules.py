@@ -61,3 +61,83 @@ def test_the_loop_and_the_fingerprints_hash_the_same_text() -> None:
     )
     without_attrs = {name: value for name, value in components.items() if name != "attrs"}
     assert variant_fingerprints(components).shapes == key_digest(without_attrs)[:16]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(tree: ast.Module, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The product modules `tree` imports, at module level or inside functions alike (not those imported only
+    for type checking, under `if TYPE_CHECKING:`, which never run)."""
+    type_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            # `from P import N`: the submodule P.N when there is one, else a name of P's __init__.
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return (found & known) - {module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(path): path for path in product_modules()}
+    known = set(paths)
+    return {
+        name: imported_modules(ast.parse(path.read_text()), name, path.name == "__init__.py", known)
+        for name, path in paths.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            component.append(node)
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_among_product_modules() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_an_import_inside_a_function() -> None:
+    tree = ast.parse("def f():\n    from cachestore import api\n")
+    graph = {"a": imported_modules(tree, "a", False, {"a", "cachestore.api", "cachestore"}), "cachestore.api": {"a"}}
+    assert cycles({**graph, "cachestore": set()}) == [["a", "cachestore.api"]]

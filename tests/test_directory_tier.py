@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cachestore.api import StoreRequest, WriteItem, open_backend, redact_url, tier_levels, tier_url_problem
+from cachestore.api import StoreRequest, WriteItem
 from cachestore.backends import directory
 from cachestore.backends.directory import DirectoryBackend
 from cachestore.settings import Settings
+from cachestore.stores import open_backend
+from cachestore.tier_urls import redact_url, tier_levels, tier_url_problem
 from workers.cli import main
 from workers.workload import generate_workload
 

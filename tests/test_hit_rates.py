@@ -105,8 +105,8 @@ def test_a_rate_with_nothing_asked_is_n_a_in_report_text_never_0(tmp_path: Path)
     """Issue 34: a worker that compiled no kernel (`nkicache warm` names its toolchain with a batch of no pass)
     had an in-pass hit rate of 0%, which reads as a cache that never hits: no kernels, no rate."""
     from cachestore.api import MetricsBatch
-    from cachestore.client import open_tier
     from cachestore.settings import Settings
+    from cachestore.stores import open_tier
 
     tier = f"local:{tmp_path / 'tier.sqlite'}"
     client = open_tier(Settings(tier=tier))

@@ -44,10 +44,11 @@ from bridge.graph import load_graph
 from cachestore import entry as entry_module
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry, encode_entry
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 
 MiB = 1024 * 1024
 LIMIT = Settings().max_entry_bytes  # 8 MiB, the default

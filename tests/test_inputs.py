@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from helpers_graphs import mixed_graph, write_graph
 
 from bridge.identity import toolchain_id
-from cachestore.api import WriteItem, open_backend
+from cachestore.api import WriteItem
 from cachestore.settings import Settings
+from cachestore.stores import open_backend
 from workers.cli import main
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))

@@ -25,11 +25,11 @@ from helpers_report import (
 
 from bridge.codegen import cache_key_of_stored as cache_key_of
 from bridge.identity import toolchain_id
-from cachestore.api import WriteItem, open_backend
+from cachestore.api import WriteItem
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import open_tier
 from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
 from cachestore.inspect import collect_garbage
+from cachestore.stores import open_backend, open_tier
 from workers.verify import rebuild_op
 
 KEY = b"fleet-signing-key-for-tests-0001"

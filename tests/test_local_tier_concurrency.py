@@ -23,8 +23,8 @@ from helpers_graphs import (
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import open_tier
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 
 PROCESSES = 4
 

@@ -246,8 +246,8 @@ def test_a_client_whose_metrics_meet_another_type_keeps_the_tier_on_and_its_entr
     from helpers_graphs import delete_namespace, unique_namespace
     from test_entry import make_entry
 
-    from cachestore.client import open_tier
     from cachestore.settings import Settings
+    from cachestore.stores import open_tier
 
     namespace = unique_namespace()
     client = open_tier(Settings(tier=redis_url, namespace=namespace, host="host", flush_interval=0.05))

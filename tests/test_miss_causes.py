@@ -28,9 +28,10 @@ from bridge.miss_causes import (
 from bridge.port import PASS_COUNTERS
 from bridge.targets import make_target
 from cachestore.backends.redis import RedisBackend
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 
 OTHER_TOOLCHAIN = "0123456789abcdef"
 

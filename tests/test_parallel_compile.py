@@ -105,7 +105,7 @@ def test_a_single_graph_is_traced_by_every_worker(default_workload: Path, tmp_pa
 def test_the_plan_follows_what_a_sequential_compile_traces(default_workload: Path, tmp_path: Path) -> None:
     """Tier off: one task per variant of each graph (no pass reads another's traces). A tier that reads: one
     per variant of the whole compile, for the first graph that uses it, and none for what the tier holds."""
-    from cachestore.client import open_tier
+    from cachestore.stores import open_tier
 
     paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
     alone = plan_variants(paths, tier=None, target_name=None, limits=Limits())
@@ -313,8 +313,8 @@ def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
     from bridge.identity import toolchain_id
     from bridge.parallel import task_document
     from cachestore import entry as entries
-    from cachestore.client import open_tier
     from cachestore.keys import KeySpace
+    from cachestore.stores import open_tier
     from workers.trace_tasks import run_task
 
     namespace = unique_namespace()

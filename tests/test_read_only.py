@@ -22,9 +22,10 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings, SettingsError, load_settings
+from cachestore.stores import open_tier
 from workers.cli import main as nkicache
 
 WRITE_METHODS = ("store", "apply_metrics", "acquire_lease", "release_lease", "renew_lease")

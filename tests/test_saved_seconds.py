@@ -9,10 +9,10 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from cachestore.api import MetricsBatch, open_backend
-from cachestore.client import open_tier
+from cachestore.api import MetricsBatch
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.settings import Settings
+from cachestore.stores import open_backend, open_tier
 from workers.cli import main
 
 GRAPH = Path(__file__).parent / "data" / "graphs" / "attention_tiles.json"  # 5 kernels: 2 in-pass hits

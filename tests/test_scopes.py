@@ -19,11 +19,12 @@ from helpers_trust import client_of, compile_with, fresh_tier, writer_keys
 from test_entry import make_entry
 
 from bridge.identity import toolchain_id
-from cachestore.api import WriteItem, open_backend
+from cachestore.api import WriteItem
 from cachestore.entry import MAGIC, encode_entry
 from cachestore.keys import partition
 from cachestore.report import build_report, toolchain_coverage
 from cachestore.settings import Settings
+from cachestore.stores import open_backend
 from cachestore.trust import WriterKey
 from workers.cli import main as nkicache
 from workers.warm import WarmError, default_source

@@ -16,7 +16,7 @@ import redis
 from click.testing import CliRunner
 from helpers_graphs import mixed_graph, unique_namespace, write_graph
 
-from cachestore.api import redact_url
+from cachestore.tier_urls import redact_url
 from workers.cli import main
 
 SECRET = "s3cret-Pa55word-7d41"

@@ -16,13 +16,14 @@ from helpers_trust import client_of, compile_with, fresh_tier, writer_keys
 
 from bridge.graph import load_graph
 from bridge.identity import toolchain_id
-from cachestore.api import WriteItem, open_backend
+from cachestore.api import WriteItem
 from cachestore.entry import SignaturePolicy, encode_entry
 from cachestore.inspect import decode_or_reason
 from cachestore.keys import QUARANTINE_SCOPE, partition
 from cachestore.report import build_report
 from cachestore.report_render import render_prometheus, render_text
 from cachestore.settings import Settings, SettingsError, load_settings
+from cachestore.stores import open_backend
 from workers.cli import main as nkicache
 from workers.sentinel import run_sentinel
 from workers.workload import generate_workload

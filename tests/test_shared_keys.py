@@ -13,11 +13,11 @@ import redis
 from click.testing import CliRunner
 from helpers_graphs import delete_namespace, unique_namespace
 
-from cachestore.api import open_backend
 from cachestore.keys import DEFAULT_JOB_SHARDS, KeySpace
 from cachestore.report import build_report
 from cachestore.report_render import prometheus_registry
 from cachestore.settings import Settings
+from cachestore.stores import open_backend
 from workers.cli import main
 from workers.fleet import fix_job_shards, job_shards
 

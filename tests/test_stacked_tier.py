@@ -15,10 +15,12 @@ from test_read_only import WRITE_METHODS, RecordingBackend
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
-from cachestore.api import TierUnavailable, redact_url, shared_level, tier_levels
-from cachestore.client import TierClient, open_tier
+from cachestore.api import TierUnavailable
+from cachestore.client import TierClient
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.stacked import StackedTier, level_settings
+from cachestore.stores import open_tier
+from cachestore.tier_urls import redact_url, shared_level, tier_levels
 from workers.cli import main as nkicache
 from workers.passes import compile_graph
 
@@ -281,8 +283,8 @@ def test_a_stack_answers_every_call_a_tier_client_does() -> None:
 
 def test_commands_on_one_store_use_the_shared_level(tmp_path: Path) -> None:
     """report, inspect, warm and the fleet's queue open the farthest level of a configured stack."""
-    from cachestore.api import open_backend
     from cachestore.backends.sqlite import SqliteBackend
+    from cachestore.stores import open_backend
 
     near, far = tmp_path / "near.sqlite", tmp_path / "far.sqlite"
     SqliteBackend(far).close()  # the shared level exists; the near one does not, and must not be made

@@ -34,9 +34,10 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.entry import SignaturePolicy, decode_entry, encode_entry
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 
 HOST = "test-host"
 KEY = b"fleet-signing-key-for-tests-0001"

@@ -30,9 +30,10 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.api import TOTAL_COUNTERS, TierError, WriteItem
 from cachestore.backends.redis import RedisBackend
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from workers.dev_redis import pings
 
 HOST = "fault-host"

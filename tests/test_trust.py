@@ -16,7 +16,7 @@ from helpers_trust import fresh_tier, trust_of, trusting
 from test_entry import make_entry, rejected
 
 import cachestore.entry as entry_module
-from cachestore.client import TierClient, open_tier
+from cachestore.client import TierClient
 from cachestore.entry import (
     MAGIC,
     Entry,
@@ -29,6 +29,7 @@ from cachestore.entry import (
     writer_of,
 )
 from cachestore.settings import Settings, SettingsError, load_settings
+from cachestore.stores import open_tier
 from cachestore.trust import (
     TrustedWriter,
     TrustError,

@@ -234,6 +234,6 @@ def test_value_ttls_on_a_cluster(redis_cluster: str) -> None:
 
 
 def _cluster_backend(settings: Settings) -> Any:
-    from cachestore.api import open_backend
+    from cachestore.stores import open_backend
 
     return open_backend(settings)

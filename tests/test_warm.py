@@ -124,8 +124,8 @@ def test_a_dry_run_lists_each_variant_it_would_trace(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("top", [1, 3])
 def test_top_picks_the_most_used_variants(tmp_path: Path, top: int) -> None:
-    from cachestore.api import open_backend
     from cachestore.settings import Settings
+    from cachestore.stores import open_backend
     from workers.warm import pick_variants
 
     tier = f"local:{tmp_path / 'tier.sqlite'}"
@@ -141,8 +141,8 @@ def test_top_picks_the_most_used_variants(tmp_path: Path, top: int) -> None:
 
 
 def test_a_variant_that_cannot_be_rebuilt_is_skipped_with_its_reason(tmp_path: Path) -> None:
-    from cachestore.client import open_tier
     from cachestore.settings import Settings
+    from cachestore.stores import open_tier
     from workers.warm import Variant, warm
 
     components = {"kernel_name": "a_kernel_no_longer_in_the_library", "operands": {"shapes": [[8, 8]],

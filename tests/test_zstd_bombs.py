@@ -22,7 +22,6 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore import entry as entry_module
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import open_tier
 from cachestore.entry import (
     MAX_COMPRESSION_RATIO,
     MAX_ENTRY_BYTES,
@@ -35,6 +34,7 @@ from cachestore.entry import (
     open_stored,
 )
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from cachestore.trust import WriterKey
 
 MiB = 1024 * 1024

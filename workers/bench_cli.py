@@ -73,7 +73,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     the command exits 1 (the others still run). Each scaling figure is printed beside its CPU control.
     """
     from bridge.errors import NkiCacheError
-    from cachestore.api import redact_url, tier_url_problem
+    from cachestore.tier_urls import redact_url, tier_url_problem
     from workers.benchmarks import BenchConfig, run_benchmarks
     from workers.dev_redis import answers_ping, start_private_server
 

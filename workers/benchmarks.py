@@ -25,9 +25,9 @@ from bridge.ir import BasicBlock, InternalNkiKernel
 from bridge.key_rule import canonical_text
 from bridge.targets import make_target
 from cachestore import entry as entry_module
-from cachestore.client import open_tier
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
+from cachestore.stores import open_tier
 from workers.miss_cause_bench import miss_cause_coverage
 
 GOALS = {
@@ -652,7 +652,7 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
     old = nkicache("compile", str(graphs), "--out", str(work / "upgrade-old"), "--tier", tier, new=False)
     # The variants seen: the old compiler's entries (its trace count can be lower: with 2 pool processes a
     # variant one traced is a remote hit for the other).
-    from cachestore.api import open_backend
+    from cachestore.stores import open_backend
 
     reader = open_backend(load_settings({"tier": tier}), reading=True)
     try:

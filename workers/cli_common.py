@@ -185,7 +185,7 @@ def compile_and_summarize(
     """Compile with the pool, print per-pass progress and the summary; returns (summary, any failed).
     `print_json=False`: with `as_json`, print nothing (the caller prints one document holding the summary)."""
     from bridge.port import hit_rates
-    from cachestore.api import redact_url
+    from cachestore.tier_urls import redact_url
     from workers.passes import add_counts, add_level_hits
     from workers.pool import compile_run
 

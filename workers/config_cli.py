@@ -14,7 +14,7 @@ MASK = "********"
 
 def _shown(name: str, value: Any, secret: bool) -> Any:
     """A setting's value as `config` prints it: secrets masked, passwords taken out of URLs."""
-    from cachestore.api import redact_url
+    from cachestore.tier_urls import redact_url
 
     if secret:
         return None if value is None else MASK

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.errors import NkiCacheError
-from cachestore.api import REDIS_SCHEMES, redact_url, shared_level
 from cachestore.backends.redis import connect
 from cachestore.settings import Settings
+from cachestore.tier_urls import REDIS_SCHEMES, redact_url, shared_level
 
 BLOCK_MS = 1000  # how long an idle worker's read of the job streams blocks
 

@@ -170,7 +170,7 @@ def _settings_from_json(values: dict[str, Any]) -> Settings:
 def _child() -> None:
     import resource
 
-    from cachestore.client import open_tier
+    from cachestore.stores import open_tier
     from workers.cli_common import configure_logging
 
     # The protocol owns the real stdout; anything the compiler prints goes to stderr, not into a message.

@@ -19,9 +19,10 @@ from bridge.graph import Graph, load_graph
 from bridge.ir import InternalNkiKernel
 from bridge.miss_causes import MISS_CAUSES
 from bridge.targets import make_target
-from cachestore.api import WriteItem, open_backend
-from cachestore.client import TierClient, open_tier
+from cachestore.api import WriteItem
+from cachestore.client import TierClient
 from cachestore.settings import load_settings
+from cachestore.stores import open_backend, open_tier
 
 NAMESPACE = "nkibench-misses"
 OTHER_TOOLCHAIN = "bench0ther0tc000"  # 16 characters, as a toolchain id

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cachestore.client import open_tier
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from workers.compile_run import CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
 

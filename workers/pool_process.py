@@ -9,8 +9,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from cachestore.client import open_tier
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 
 if TYPE_CHECKING:
     import multiprocessing.context

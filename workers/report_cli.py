@@ -143,8 +143,8 @@ def report_command(
 def _zero(settings: Any, as_json: bool) -> None:
     """`report --zero`: the fleet counters start again from 0; the pass log keeps a record of it (and of the
     counters it zeroed), so the report's history shows when the counts were reset and by whom."""
-    from cachestore.api import open_backend
     from cachestore.report import counters, zero_record
+    from cachestore.stores import open_backend
 
     reader = open_backend(settings, reading=True)
     try:
@@ -168,8 +168,9 @@ def _report_reader(settings: Any) -> Iterator[Any]:
     one is made in a temporary folder and read instead."""
     import tempfile
 
-    from cachestore.api import open_backend, shared_level
     from cachestore.backends.sqlite import SqliteBackend
+    from cachestore.stores import open_backend
+    from cachestore.tier_urls import shared_level
 
     url = shared_level(settings.tier)  # what open_backend opens
     path = Path(url[len("local:") :]).expanduser() if url.startswith("local:") else None
@@ -219,9 +220,10 @@ def serve_metrics_command(tier: str | None, port: int, host: str) -> None:
     from prometheus_client import start_http_server
 
     from bridge.errors import NkiCacheError
-    from cachestore.api import open_backend, redact_url
     from cachestore.report import build_report
     from cachestore.report_render import prometheus_registry
+    from cachestore.stores import open_backend
+    from cachestore.tier_urls import redact_url
 
     settings = _settings(tier)
 
@@ -265,8 +267,8 @@ def _source(
 ) -> Iterator[Any]:
     """The reader for a command: its own --tier/--snapshot, else the group's, else the configured tier.
     `create`: a local tier that does not exist yet is made (import into a new file), not an error."""
-    from cachestore.api import open_backend
     from cachestore.backends.snapshot import SnapshotReader
+    from cachestore.stores import open_backend
 
     group = ctx.find_object(dict) or {}
     tier = tier or group.get("tier")

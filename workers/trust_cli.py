@@ -112,10 +112,10 @@ def sentinel_command(
     import random
 
     from bridge.identity import toolchain_id
-    from cachestore.api import open_backend
     from cachestore.client import settings_credentials
     from cachestore.entry import SignaturePolicy
     from cachestore.report import parse_duration
+    from cachestore.stores import open_backend
     from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
     from workers.sentinel import run_sentinel
 

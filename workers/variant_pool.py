@@ -28,8 +28,8 @@ from typing import Any
 
 from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task
 from bridge.port import TracedVariant
-from cachestore.client import open_tier
 from cachestore.settings import Settings
+from cachestore.stores import open_tier
 from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
 from workers.pool_process import init_process, pool_context, trace_in_process

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from cachestore.api import REDIS_SCHEMES, shared_level
+from cachestore.tier_urls import REDIS_SCHEMES, shared_level
 from workers.cli_common import EXIT_CHECK_FAILED, PROCESS_COUNT, Progress, load_cli_settings, plural, refuse_read_only
 
 
@@ -69,8 +69,7 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     (with --dry-run: why there is nothing to warm from, else null).
     """
     from bridge.identity import toolchain_id
-    from cachestore.api import open_backend
-    from cachestore.client import open_tier
+    from cachestore.stores import open_backend, open_tier
     from workers.warm import WarmError, WarmReport, default_source, pick_variants, warm
 
     settings = load_cli_settings(tier=tier)

@@ -54,7 +54,6 @@ from cachestore.api import (
     batch_problem,
     batched,
     pass_time,
-    redact_url,
     stored_number,
 )
 from cachestore.backends.deadline import watchdog
@@ -72,6 +71,7 @@ from cachestore.keys import (
     pass_shard,
     shard_count_or,
 )
+from cachestore.tier_urls import redact_url
 
 if TYPE_CHECKING:
     from cachestore.settings import Settings

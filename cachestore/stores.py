@@ -1,0 +1,62 @@
+"""The one place a tier URL becomes a store: `open_backend` opens the store a URL names (its backend module is
+imported only then), `open_tier` the client the compile path uses (a stack of them for a stack of levels)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from bridge.identity import toolchain_id
+from cachestore.api import READ_TIMEOUT, Backend, Reader
+from cachestore.client import TierClient, settings_credentials
+from cachestore.keys import partition
+from cachestore.settings import Settings, SettingsError
+from cachestore.stacked import StackedTier, level_settings
+from cachestore.tier_urls import PATH_SCHEMES, REDIS_SCHEMES, TIER_SCHEMES_TEXT, redact_url, shared_level, tier_levels
+
+
+def open_backend(
+    settings: Settings, *, reading: bool = False, toolchain: str | None = None, writable: bool = True
+) -> Backend | Reader:
+    """The backend the settings' tier URL names, in `toolchain`'s partition (default: this compiler's).
+    `reading` opens it for reports and inspection: longer timeouts, and an embedded tier that does not exist
+    yet is an error instead of a new file. `writable=False` (a read-only client's compile path): an embedded
+    tier is opened read-only, neither created nor upgraded, and one that does not exist reads as empty; a
+    Redis tier is only sent reads by such a client anyway."""
+    url = shared_level(settings.tier)  # a stack of levels: the shared one holds the fleet's entries and metrics
+    if url != settings.tier:
+        settings = settings.replace(tier=url)
+    if url.startswith("local:"):
+        from cachestore.backends.sqlite import SqliteBackend
+
+        timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
+        # Background writes may wait for the lock as long as a closing client waits for them to land.
+        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading and writable,
+                             writable=writable, toolchain=toolchain,
+                             write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
+                             max_entry_bytes=settings.max_entry_bytes, max_size=settings.max_size)  # fmt: skip
+    if url.startswith("dir:"):
+        from cachestore.backends.directory import DirectoryBackend
+
+        return DirectoryBackend(url[len("dir:") :], create=not reading and writable, writable=writable,
+                                toolchain=toolchain, max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
+    if url.startswith(REDIS_SCHEMES):
+        from cachestore.backends.redis import RedisBackend
+
+        return RedisBackend.open(settings, reading=reading, toolchain=toolchain)
+    raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
+
+
+def open_tier(settings: Settings) -> TierClient | StackedTier | None:
+    """The tier client for these settings, or None for `off`; a StackedTier for a stack of levels (nearest
+    first). Nothing connects until first used, so an unreachable tier costs a compile only counted errors."""
+    if settings.tier == "off" or settings.tier_mode == "off":
+        return None
+    levels = tier_levels(settings.tier)
+    if len(levels) > 1:
+        return StackedTier([open_tier(level_settings(settings, levels, index)) for index in range(len(levels))])
+    if not settings.tier.startswith((*PATH_SCHEMES, *REDIS_SCHEMES)):
+        open_backend(settings)  # raises the clear error for an unknown scheme
+    credentials = settings_credentials(settings)
+    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only",
+                      toolchain=partition(toolchain_id(), credentials.scope))  # fmt: skip
+    return TierClient(backend, settings, redact_url(settings.tier), credentials)
