@@ -146,6 +146,7 @@ class KernelStore(Protocol):
     raises when the store is down or slow: a store never makes a compile fail."""
 
     reads: bool  # False: mirror only (publish, never look up)
+    writes: bool  # False: read-only (nothing is published, no lease taken)
     available: bool  # False while the store is known to be down (its lookups all miss)
     single_flight: bool  # take a lease before tracing, so a variant is traced once across processes
 
@@ -187,3 +188,7 @@ class KernelStore(Protocol):
 
     def counts(self) -> dict[str, int]:
         """This process's TIER_COUNTERS so far (the loop reports the difference over its pass)."""
+
+    def level_hits(self) -> dict[str, int]:
+        """{level: verified entries it answered so far}, nearest level first (one item for a store of one level):
+        a pass's `level_hits`, the difference over the pass."""

@@ -337,6 +337,11 @@ class Reader(Protocol):
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
         """Delete (cache key, digest) entries; the digest index entry goes too when it points at the key."""
 
+    def capacity(self) -> dict[str, int | None] | None:
+        """What the store holds against its size cap ({"file_bytes", "max_size"}), or None for a store with no
+        size of its own to tell (Redis reports its memory itself)."""
+        return None
+
     def expired_count(self) -> tuple[int, int]:
         """(entries past their expiry still stored, their bytes); (0, 0) unless `keeps_expired`."""
 

@@ -306,7 +306,7 @@ def disk_usage(reader: Reader, processes: int | None = None) -> dict:
     referenced digest. The entries are read by up to `processes` processes (cachestore.scan_split; None: one
     a CPU), each counting its share (`_Usage`); the shares are summed here."""
     shares = scan_split(reader, lambda _: _Usage(), processes=processes, every_toolchain=True)
-    return _usage_report(shares, reader.capacity() if hasattr(reader, "capacity") else None)
+    return _usage_report(shares, reader.capacity())
 
 
 class _Usage:

@@ -75,7 +75,7 @@ def scan_split(
     """The results of `make_task`'s tasks over every entry of the reader's partition (of every partition:
     `every_toolchain`), one result per process that ran one (`processes`: default_processes() when None)."""
     wanted = default_processes() if processes is None else processes
-    if not getattr(reader, "splits_scans", False):
+    if not reader.splits_scans:
         return [_scan_here(make_task(0), _batches_here(reader, every_toolchain, with_ttl))]
     # One SCAN, of every partition at once when asked (not one a partition), whether split or not.
     pages = reader.entry_pages(every_toolchain, PAGE)

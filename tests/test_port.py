@@ -32,6 +32,7 @@ class DictStore:
     """A KernelStore in a dict: what a store must do for the loop, and nothing of cachestore."""
 
     reads = True
+    writes = True
     single_flight = False
     available = True
 

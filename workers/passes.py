@@ -118,9 +118,8 @@ def compile_graph(
 
 
 def _level_hits(tier: KernelStore | None) -> dict[str, int]:
-    """The tier client's hits per level so far; a store of another kind (the port takes any) reports none."""
-    level_hits = getattr(tier, "level_hits", None)
-    return level_hits() if level_hits is not None else {}
+    """The tier's hits per level so far (none without a tier)."""
+    return tier.level_hits() if tier is not None else {}
 
 
 def add_level_hits(results: list[PassResult]) -> dict[str, int]:

@@ -211,7 +211,7 @@ def ahead_of(plan: VariantPlan, tier: Any) -> list[int]:
     if tier is None or not tier.reads:
         return [task.task_id for task in plan.tasks]
     facts = tier.variant_facts({task.cache_key: task.key_components for task in plan.tasks})
-    shared = facts is not None and getattr(tier, "writes", True)  # an index that cannot be read: a tier down
+    shared = facts is not None and tier.writes  # an index that cannot be read: a tier down
     seen: set[str] = set()
     left = []
     for task in plan.tasks:

@@ -61,7 +61,7 @@ def _sha(data: str | bytes) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-class DirectoryBackend(FoldedMetrics):
+class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     """A tier in a shared directory: the compile path (Backend) and the reader side (Reader)."""
 
     keeps_expired = True  # expired files stay until purge_expired (inspect gc)

@@ -42,11 +42,13 @@ from cachestore.api import (
     MAX_BATCH_NUMBER,
     READ_CONNECT_TIMEOUT,
     READ_TIMEOUT,
+    Backend,
     BatchRefused,
     ConnectionsDropped,
     KeyRecord,
     MetricsBatch,
     RawEntry,
+    Reader,
     StoreRequest,
     TierTimeout,
     TierUnavailable,
@@ -283,7 +285,7 @@ def _cluster_node(part: str, url: str) -> ClusterNode:
     return ClusterNode(host, int(port))
 
 
-class RedisBackend:
+class RedisBackend(Backend, Reader):
     """A tier over a redis-py client (Redis, RedisCluster, or fakeredis in unit tests): the compile path
     and the reader side."""
 

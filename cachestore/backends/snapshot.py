@@ -82,7 +82,7 @@ class SnapshotWriter:
         self._partial.unlink(missing_ok=True)
 
 
-class SnapshotReader:
+class SnapshotReader(Reader):
     """A snapshot file as a read-only `Reader`: entries and per-key usage; it holds no fleet totals,
     workers, kernel counts or pass log, so those read as empty. Entries are read in one toolchain's
     partition, as from a tier."""

@@ -27,11 +27,13 @@ from pathlib import Path
 from bridge.identity import toolchain_id
 from cachestore.api import (
     BATCH,
+    Backend,
     BatchRefused,
     KeyRecord,
     KeyUsage,
     MetricsBatch,
     RawEntry,
+    Reader,
     StoreRequest,
     TierBusy,
     TierUnavailable,
@@ -124,7 +126,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_dev, stat.st_ino
 
 
-class SqliteBackend:
+class SqliteBackend(Backend, Reader):
     """A tier in one SQLite file: the compile path and the reader side."""
 
     read_only = False
