@@ -154,10 +154,12 @@ def _miss_causes(kept: Sequence[TraceTask], stored: set[str], tier: KernelStore)
     one read of the tier's variant index, as a pass's prefetch finds them; a pass counts its miss under it."""
     down, facts = facts_of_absent(tier, {task.cache_key: task.key_components for task in kept}, stored)
     return {
-        task.cache_key: classify_miss(MissObservation(down, rejected=task.cache_key in stored),
-                                      None if facts is None else facts.get(task.cache_key))
+        task.cache_key: classify_miss(
+            MissObservation(down, rejected=task.cache_key in stored),
+            None if facts is None else facts.get(task.cache_key),
+        )
         for task in kept
-    }  # fmt: skip
+    }
 
 
 def with_causes(handed: Mapping[str, TracedVariant], plan: VariantPlan) -> dict[str, TracedVariant]:
@@ -219,9 +221,14 @@ def task_document(task: TraceTask) -> dict[str, Any]:
     them), which `task_from_document` reads back through the graph loader's checks."""
     op = task.op
     tensors = {tensor.name: _tensor_document(tensor) for tensor in (*op.operands, *op.results)}
-    kernel = {"type": "InternalNkiKernel", "func_name": op.func_name, "kernel_name": op.kernel_name,
-              "operands": [t.name for t in op.operands], "results": [t.name for t in op.results],
-              "attrs": op.get_attrs_dict()}  # fmt: skip
+    kernel = {
+        "type": "InternalNkiKernel",
+        "func_name": op.func_name,
+        "kernel_name": op.kernel_name,
+        "operands": [t.name for t in op.operands],
+        "results": [t.name for t in op.results],
+        "attrs": op.get_attrs_dict(),
+    }
     graph = {"name": "trace-task", "target": task.target, "tensors": tensors, "ops": [kernel]}
     return {"cache_key": task.cache_key, "target": task.target, "graph": graph}
 

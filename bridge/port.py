@@ -26,10 +26,25 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # compile seconds stored with the entries the shared tier answered (its remote hits), `in_pass_saved_seconds`
 # what tracing the variants the pass's own cache answered cost (its cache hits), which a pass saves with no tier.
 PASS_COUNTERS = (
-    "passes", "kernels", "cache_hits", "cache_misses", "remote_hits", "traces", "parallel_traces", "compile_seconds",
-    "tier_saved_seconds", "in_pass_saved_seconds", "tier_errors", "tier_timeouts", "tier_rejected", "tier_unverified",
-    "lease_waits", "tier_dropped", "tier_lookups", *MISS_COUNTERS,
-)  # fmt: skip
+    "passes",
+    "kernels",
+    "cache_hits",
+    "cache_misses",
+    "remote_hits",
+    "traces",
+    "parallel_traces",
+    "compile_seconds",
+    "tier_saved_seconds",
+    "in_pass_saved_seconds",
+    "tier_errors",
+    "tier_timeouts",
+    "tier_rejected",
+    "tier_unverified",
+    "lease_waits",
+    "tier_dropped",
+    "tier_lookups",
+    *MISS_COUNTERS,
+)
 # The counters that are seconds (sums kept as floats); every other counter is a whole count.
 SECONDS_COUNTERS = ("compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")
 # tier_lookups - remote_hits = the tier misses, each counted once under its cause (bridge.miss_causes).

@@ -89,8 +89,10 @@ class InternalKernelConfig:
 def _parameters(func: Callable) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(tensor parameters, attr parameters): tensors are the parameters without defaults."""
     params = inspect.signature(func).parameters.values()
-    return (tuple(p.name for p in params if p.default is p.empty),
-            tuple(p.name for p in params if p.default is not p.empty))  # fmt: skip
+    return (
+        tuple(p.name for p in params if p.default is p.empty),
+        tuple(p.name for p in params if p.default is not p.empty),
+    )
 
 
 def _spec(tensor: TensorLike, func_name: str, role: str, index: int) -> TensorSpec:

@@ -134,8 +134,11 @@ def batch_problem(batch: MetricsBatch) -> str | None:
     for key, usage in batch.keys.items():
         if not isinstance(usage, KeyUsage) or not isinstance(usage.kernel_name, str):
             return f"keys[{key!r}] is {usage!r}, not a KeyUsage naming its kernel"
-        for part, value, whole in (("usage", usage.usage, True), ("first_use", usage.first_use, False),
-                                    ("last_use", usage.last_use, False)):  # fmt: skip
+        for part, value, whole in (
+            ("usage", usage.usage, True),
+            ("first_use", usage.first_use, False),
+            ("last_use", usage.last_use, False),
+        ):
             if problem := number_problem(value, whole=whole):
                 return f"keys[{key!r}].{part} is {value!r}: {problem}"
     if batch.pass_record is not None:

@@ -166,8 +166,9 @@ class TierClient:
         self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
         self.credentials = credentials or settings_credentials(settings)
         self.writer = self.credentials.writer
-        self.policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable,
-                                      self.credentials.trust)  # fmt: skip
+        self.policy = SignaturePolicy(
+            settings.hmac_key, settings.require_signed, settings.reject_unverifiable, self.credentials.trust
+        )
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._open_until = 0.0
@@ -457,11 +458,15 @@ class TierClient:
                 self._backend = self._backend_factory()
             answers = self._backend.read_variant_index(list(queries.values()))
         except TierError as exc:
-            logger.debug("tier %s: variant index not read (%s); misses of this pass are of unknown cause",
-                         self.description, exc)  # fmt: skip
+            logger.debug(
+                "tier %s: variant index not read (%s); misses of this pass are of unknown cause", self.description, exc
+            )
             return None
-        found = {key: facts(values, self._partition)
-                 for key, values in zip(queries, answers, strict=True) if values is not None}  # fmt: skip
+        found = {
+            key: facts(values, self._partition)
+            for key, values in zip(queries, answers, strict=True)
+            if values is not None
+        }
         return self._with_own_unsent(misses, found)
 
     def _with_own_unsent(
@@ -508,17 +513,22 @@ class TierClient:
                 # The holder finished without publishing (failed) or died: look once more, then trace.
                 entry = self.lookup(cache_key)
                 if entry is None:
-                    logger.info("lease on %s... lapsed without a trace (its holder failed or died); taken over",
-                                cache_key[:16])  # fmt: skip
+                    logger.info(
+                        "lease on %s... lapsed without a trace (its holder failed or died); taken over", cache_key[:16]
+                    )
                 return entry
             if ok and holder in self._silent_holders:
                 return None  # it already let a wait run out: it is gone, do not wait on its leases again
             time.sleep(LEASE_POLL_SECONDS)
         if holder is not None:
             self._silent_holders.add(holder)
-            logger.warning("lease holder %s of %s... did not trace within lease_wait (%g s); taken over, and "
-                           "its other leases are not waited on", holder, cache_key[:16],
-                           self.settings.lease_wait)  # fmt: skip
+            logger.warning(
+                "lease holder %s of %s... did not trace within lease_wait (%g s); taken over, and "
+                "its other leases are not waited on",
+                holder,
+                cache_key[:16],
+                self.settings.lease_wait,
+            )
         return None
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
@@ -541,9 +551,16 @@ class TierClient:
         stored = entry.stored
         pending = PendingStore(cache_key, lambda: entry)
         index = stored_fields(cache_key, entry.key_components, self._partition)
-        pending.request = StoreRequest(cache_key, entry.digest, stored, lambda _holder: stored,
-                                       str(entry.key_components.get("kernel_name", "")), entry.compile_seconds,
-                                       None, index)  # fmt: skip
+        pending.request = StoreRequest(
+            cache_key,
+            entry.digest,
+            stored,
+            lambda _holder: stored,
+            str(entry.key_components.get("kernel_name", "")),
+            entry.compile_seconds,
+            None,
+            index,
+        )
         pending.prepared = True
         self._enqueue(pending)
 
@@ -581,8 +598,9 @@ class TierClient:
                 ttl = None
                 if self._value_ttls:
                     ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, size))
-                pending.request = StoreRequest(pending.cache_key, entry.digest, full, reference, kernel_name,
-                                               entry.compile_seconds, ttl, index)  # fmt: skip
+                pending.request = StoreRequest(
+                    pending.cache_key, entry.digest, full, reference, kernel_name, entry.compile_seconds, ttl, index
+                )
                 pending.unsealed = unsealed
             pending.prepared = True
         return pending.request
@@ -890,8 +908,9 @@ class TierClient:
         if not running:
             self._close_backend()
         else:
-            logger.warning("tier %s: the flusher was still sending when closed; it closes the backend when done",
-                           self.description)  # fmt: skip
+            logger.warning(
+                "tier %s: the flusher was still sending when closed; it closes the backend when done", self.description
+            )
 
     def _close_backend(self) -> None:
         if self._backend is not None:
@@ -927,19 +946,26 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
         keys[cache_key] = KeyUsage(use.kernel_name, use.usage, use.first_use, use.last_use)
     pass_id = record.pass_id or uuid.uuid4().hex
     toolchain = toolchain_id()  # the compiler that ran the pass: reports break the fleet down by it
-    log_record = {"pass_id": pass_id, "graph": record.graph_name, "host": host, "worker": worker,
-                  "toolchain": toolchain, "started": record.started, "finished": record.finished,
-                  **record.counts}  # fmt: skip
+    log_record = {
+        "pass_id": pass_id,
+        "graph": record.graph_name,
+        "host": host,
+        "worker": worker,
+        "toolchain": toolchain,
+        "started": record.started,
+        "finished": record.finished,
+        **record.counts,
+    }
     if record.kernel_misses:  # the report's misses by cause per kernel, over time
         log_record["kernel_misses"] = record.kernel_misses
-    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record,
-                        toolchain)  # fmt: skip
+    return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record, toolchain)
 
 
 def settings_credentials(settings: Settings) -> Credentials:
     """The writer key, trust policy and scope the settings name; a bad file is a SettingsError naming it."""
     try:
-        return load_credentials(settings.writer_key_file, settings.trust_policy, settings.scope,
-                                settings.tier_mode != "read-only")  # fmt: skip
+        return load_credentials(
+            settings.writer_key_file, settings.trust_policy, settings.scope, settings.tier_mode != "read-only"
+        )
     except TrustError as exc:
         raise SettingsError(str(exc)) from None

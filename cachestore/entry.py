@@ -110,9 +110,20 @@ MAX_BODY_DEPTH = 32
 MAX_STR_BYTES = 1 << 20  # a name or a key component
 MAX_MAP_LEN = 1024
 _BODY_FIELDS = (
-    "binary", "input_names", "output_names", "format", "version_identifier", "key_components",
-    "producer_host", "producer_worker", "created", "compile_seconds", "digest", "ref", "toolchain",
-)  # fmt: skip
+    "binary",
+    "input_names",
+    "output_names",
+    "format",
+    "version_identifier",
+    "key_components",
+    "producer_host",
+    "producer_worker",
+    "created",
+    "compile_seconds",
+    "digest",
+    "ref",
+    "toolchain",
+)
 
 
 @dataclass(frozen=True)
@@ -266,10 +277,13 @@ def seal(group: Sequence[Unsealed], writer: WriterKey) -> list[bytes]:
     leaves = [item.leaf for item in group]
     size = len(group)
     signature = writer.sign(batch_message(writer.key_id, size, tree_root(leaves)))
-    place = [(index.to_bytes(2, "big") + size.to_bytes(2, "big"), path) for index, path in
-             enumerate(inclusion_paths(leaves))]  # fmt: skip
-    return [b"".join((item.head, writer.key_id, signature, at, *path, item.payload))
-            for item, (at, path) in zip(group, place, strict=True)]  # fmt: skip
+    place = [
+        (index.to_bytes(2, "big") + size.to_bytes(2, "big"), path) for index, path in enumerate(inclusion_paths(leaves))
+    ]
+    return [
+        b"".join((item.head, writer.key_id, signature, at, *path, item.payload))
+        for item, (at, path) in zip(group, place, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -390,9 +404,14 @@ def _body(payload: bytes, max_bytes: int) -> Entry:
     """The entry `payload` holds, its declared size bounded before it is decompressed, its shape before msgpack
     builds it, then its fields checked."""
     fields = _unpack(
-        _decompress(payload, max_bytes), "body", max_objects=MAX_BODY_OBJECTS, max_depth=MAX_BODY_DEPTH,
-        max_str_len=MAX_STR_BYTES, max_array_len=MAX_BODY_OBJECTS, max_map_len=MAX_MAP_LEN,
-    )  # fmt: skip
+        _decompress(payload, max_bytes),
+        "body",
+        max_objects=MAX_BODY_OBJECTS,
+        max_depth=MAX_BODY_DEPTH,
+        max_str_len=MAX_STR_BYTES,
+        max_array_len=MAX_BODY_OBJECTS,
+        max_map_len=MAX_MAP_LEN,
+    )
     return _entry_from_fields(fields)
 
 
@@ -550,8 +569,10 @@ def _declared_size(payload: bytes, max_bytes: int) -> int:
     if size > max_bytes:
         raise EntryRejected(f"payload declares {size} bytes decompressed, over the {max_bytes}-byte limit")
     if size > MAX_COMPRESSION_RATIO * len(payload):
-        raise EntryRejected(f"payload of {len(payload)} bytes declares {size} decompressed, more than "
-                            f"{MAX_COMPRESSION_RATIO} times its size (no real entry compresses so well)")  # fmt: skip
+        raise EntryRejected(
+            f"payload of {len(payload)} bytes declares {size} decompressed, more than "
+            f"{MAX_COMPRESSION_RATIO} times its size (no real entry compresses so well)"
+        )
     return size
 
 
@@ -599,9 +620,12 @@ def _compressor() -> zstandard.ZstdCompressor:
         # No zstd checksum and no dictionary id: the header's SHA-256 covers the payload, and the schema byte
         # names the dictionary.
         _local.compressor = zstandard.ZstdCompressor(
-            level=COMPRESSION_LEVEL, dict_data=entry_dictionary(), write_checksum=False, write_content_size=True,
+            level=COMPRESSION_LEVEL,
+            dict_data=entry_dictionary(),
+            write_checksum=False,
+            write_content_size=True,
             write_dict_id=False,
-        )  # fmt: skip
+        )
     return _local.compressor
 
 
@@ -661,9 +685,15 @@ def _check_writer(
 
 
 def _unpack(
-    data: bytes, what: str, *, max_objects: int, max_depth: int, max_str_len: int, max_array_len: int,
+    data: bytes,
+    what: str,
+    *,
+    max_objects: int,
+    max_depth: int,
+    max_str_len: int,
+    max_array_len: int,
     max_map_len: int,
-) -> object:  # fmt: skip
+) -> object:
     """One msgpack object of at most `max_objects` objects nested at most `max_depth` deep. The shape of data
     longer than `max_objects` bytes is checked on the headers alone first: msgpack's own limits bound each
     container and string, not how many there are, and a few megabytes of one-byte empty lists unpack to
@@ -677,9 +707,15 @@ def _unpack(
     size = len(data)
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_str_len=min(max_str_len, size), max_bin_len=size,
-            max_array_len=min(max_array_len, size), max_map_len=min(max_map_len, size // 2), max_ext_len=0,
-        )  # fmt: skip
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=min(max_str_len, size),
+            max_bin_len=size,
+            max_array_len=min(max_array_len, size),
+            max_map_len=min(max_map_len, size // 2),
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise EntryRejected(f"{what} cannot be decoded: {type(exc).__name__}") from None
 
@@ -700,8 +736,18 @@ def _first_byte(byte: int) -> tuple[int, int, int]:
         return _ARRAY, 1, byte & 0x0F
     if byte <= 0xBF:
         return _RAW, 1, byte & 0x1F
-    sized = {0xC4: (_RAW, 2), 0xC5: (_RAW, 3), 0xC6: (_RAW, 5), 0xD9: (_RAW, 2), 0xDA: (_RAW, 3), 0xDB: (_RAW, 5),
-             0xDC: (_ARRAY, 3), 0xDD: (_ARRAY, 5), 0xDE: (_MAP, 3), 0xDF: (_MAP, 5)}  # fmt: skip
+    sized = {
+        0xC4: (_RAW, 2),
+        0xC5: (_RAW, 3),
+        0xC6: (_RAW, 5),
+        0xD9: (_RAW, 2),
+        0xDA: (_RAW, 3),
+        0xDB: (_RAW, 5),
+        0xDC: (_ARRAY, 3),
+        0xDD: (_ARRAY, 5),
+        0xDE: (_MAP, 3),
+        0xDF: (_MAP, 5),
+    }
     if byte in sized:
         return (*sized[byte], 0)
     numbers = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
@@ -756,11 +802,20 @@ def _shape_problem(data: bytes, max_objects: int, max_depth: int) -> str | None:
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "binary": (bytes,), "input_names": (list,), "output_names": (list,), "format": (str,),
-    "version_identifier": (str,), "key_components": (dict,), "producer_host": (str,), "producer_worker": (str,),
-    "created": (float, int), "compile_seconds": (float, int), "digest": (str,), "ref": (str, type(None)),
+    "binary": (bytes,),
+    "input_names": (list,),
+    "output_names": (list,),
+    "format": (str,),
+    "version_identifier": (str,),
+    "key_components": (dict,),
+    "producer_host": (str,),
+    "producer_worker": (str,),
+    "created": (float, int),
+    "compile_seconds": (float, int),
+    "digest": (str,),
+    "ref": (str, type(None)),
     "toolchain": (str,),
-}  # fmt: skip
+}
 
 
 _KINDS = tuple(_FIELD_TYPES[name] for name in _BODY_FIELDS)  # in body order: one pass over the list, no dict
@@ -792,8 +847,10 @@ def _entry_from_fields(values: object) -> Entry:
     # enters (a pass's saved seconds past what a metrics batch may carry drop the pass from the fleet's report),
     # and a later `created` would make the entry look in use. A NaN fails every comparison.
     if not 0 <= compile_seconds <= MAX_COMPILE_SECONDS:
-        raise EntryRejected(f"body field 'compile_seconds' is {compile_seconds!r}, not a number of seconds from 0 to "
-                            f"{MAX_COMPILE_SECONDS:g} (no trace takes a day)")  # fmt: skip
+        raise EntryRejected(
+            f"body field 'compile_seconds' is {compile_seconds!r}, not a number of seconds from 0 to "
+            f"{MAX_COMPILE_SECONDS:g} (no trace takes a day)"
+        )
     if not 0 <= created <= time.time() + MAX_CLOCK_AHEAD:
         raise EntryRejected(f"body field 'created' is {created!r}, not a time from 0 (1970) to a day from now")
     if form not in ("bir", "klir"):

@@ -128,9 +128,11 @@ def describe_components(components: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def decode_or_reason(
-    data: bytes | TooLarge, policy: SignaturePolicy = LOOKING, max_bytes: int = MAX_ENTRY_BYTES,
+    data: bytes | TooLarge,
+    policy: SignaturePolicy = LOOKING,
+    max_bytes: int = MAX_ENTRY_BYTES,
     cache_key: str | None = None,
-) -> Entry | str:  # fmt: skip
+) -> Entry | str:
     """The entry, or the reason it cannot be read (a store's TooLarge: its size). `cache_key`, the key it is
     stored under, lets a policy with a trust policy check its writer's signature."""
     try:
@@ -181,16 +183,28 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
             entry = decode_or_reason(raw.data)
             if isinstance(entry, str):
                 if kernel is None and target is None:
-                    yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
-                           "bytes": len(raw.data), "writer": writer_of(raw.data), "error": entry}  # fmt: skip
+                    yield {
+                        "key": raw.cache_key,
+                        "toolchain": raw.toolchain,
+                        "kernel_name": None,
+                        "bytes": len(raw.data),
+                        "writer": writer_of(raw.data),
+                        "error": entry,
+                    }
                 continue
             try:
                 info = describe_components(entry.key_components)
             except InspectError as exc:
                 # Listed with its error like an entry that cannot be decoded; the listing goes on.
                 if kernel is None and target is None:
-                    yield {"key": raw.cache_key, "toolchain": raw.toolchain, "kernel_name": None,
-                           "bytes": len(raw.data), "writer": writer_of(raw.data), "error": str(exc)}  # fmt: skip
+                    yield {
+                        "key": raw.cache_key,
+                        "toolchain": raw.toolchain,
+                        "kernel_name": None,
+                        "bytes": len(raw.data),
+                        "writer": writer_of(raw.data),
+                        "error": str(exc),
+                    }
                 continue
             if kernel not in (None, info["kernel_name"]) or target not in (None, info["target"]):
                 continue
@@ -476,15 +490,21 @@ def import_snapshot(
     Returns {imported, rejected: [{key, reason}]}."""
     result: dict = {"imported": 0, "rejected": []}
     for partition in partitions(snapshot):
-        _import_partition(partition, tier.in_toolchain(partition.toolchain), policy, key_of, default_ttl, max_bytes,
-                          result)  # fmt: skip
+        _import_partition(
+            partition, tier.in_toolchain(partition.toolchain), policy, key_of, default_ttl, max_bytes, result
+        )
     return result
 
 
 def _import_partition(
-    snapshot: Reader, tier: Reader, policy: SignaturePolicy, key_of: KeyOf, default_ttl: float, max_bytes: int,
+    snapshot: Reader,
+    tier: Reader,
+    policy: SignaturePolicy,
+    key_of: KeyOf,
+    default_ttl: float,
+    max_bytes: int,
     result: dict,
-) -> None:  # fmt: skip
+) -> None:
     rejected: list[dict] = result["rejected"]
 
     def ttl_of(raw: RawEntry) -> float:
@@ -658,14 +678,22 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
             record = usage.get(raw.cache_key)
             writer = writer_of(raw.data)
             if isinstance(entry, str):
-                yield _Candidate(raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0, "unreadable", raw.toolchain,
-                                 writer)  # fmt: skip
+                yield _Candidate(
+                    raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0, "unreadable", raw.toolchain, writer
+                )
                 continue
             last = max(record.last_use if record else 0.0, entry.created)
             yield _Candidate(
-                raw.cache_key, len(raw.data), None if entry.is_reference else entry.digest, entry.ref,
-                record.usage if record else 0, entry.compile_seconds, last, toolchain=raw.toolchain, writer=writer,
-            )  # fmt: skip
+                raw.cache_key,
+                len(raw.data),
+                None if entry.is_reference else entry.digest,
+                entry.ref,
+                record.usage if record else 0,
+                entry.compile_seconds,
+                last,
+                toolchain=raw.toolchain,
+                writer=writer,
+            )
 
 
 def _evict_over_budget(

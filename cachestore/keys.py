@@ -413,8 +413,14 @@ def shard_count_or(stored: bytes | str, maximum: int, configured: int, name: str
     shown = stored.decode(errors="backslashreplace") if isinstance(stored, bytes) else stored
     if (name, shown) not in _REPORTED:
         _REPORTED.add((name, shown))
-        logger.warning("%s holds %r, not a shard count from 1 to %d; using the setting, %d (set the key to the "
-                       "fleet's count to silence this)", name, shown[:40], maximum, configured)  # fmt: skip
+        logger.warning(
+            "%s holds %r, not a shard count from 1 to %d; using the setting, %d (set the key to the "
+            "fleet's count to silence this)",
+            name,
+            shown[:40],
+            maximum,
+            configured,
+        )
     return configured
 
 

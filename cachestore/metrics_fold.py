@@ -20,11 +20,20 @@ def batch_record(batch: MetricsBatch, applied: float) -> bytes:
     """The record of `batch` applied at `applied` (checked by batch_problem before: its numbers are JSON's)."""
     keys = {key: [u.kernel_name, u.usage, u.first_use, u.last_use] for key, u in batch.keys.items()}
     return json.dumps(
-        {"batch_id": batch.batch_id, "host": batch.host, "worker": batch.worker, "toolchain": batch.toolchain,
-         "totals": batch.totals, "kernel_calls": batch.kernel_calls, "keys": keys,
-         "pass_record": batch.pass_record, "applied": applied},
-        sort_keys=True, allow_nan=False,
-    ).encode()  # fmt: skip
+        {
+            "batch_id": batch.batch_id,
+            "host": batch.host,
+            "worker": batch.worker,
+            "toolchain": batch.toolchain,
+            "totals": batch.totals,
+            "kernel_calls": batch.kernel_calls,
+            "keys": keys,
+            "pass_record": batch.pass_record,
+            "applied": applied,
+        },
+        sort_keys=True,
+        allow_nan=False,
+    ).encode()
 
 
 def zero_record(record: dict, applied: float) -> bytes:

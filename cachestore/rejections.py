@@ -40,8 +40,11 @@ class RejectionLog:
             self.counts[cause] += 1
             first = self.counts[cause] == 1
         if first:
-            logger.warning("rejected tier entry %s...: %s (more refused for this cause are counted, shown at debug "
-                           "level)", cache_key[:16], reason)  # fmt: skip
+            logger.warning(
+                "rejected tier entry %s...: %s (more refused for this cause are counted, shown at debug level)",
+                cache_key[:16],
+                reason,
+            )
         else:
             logger.debug("rejected tier entry %s...: %s", cache_key[:16], reason)
 

@@ -49,9 +49,14 @@ class ReplayResult:
     evictions: int = 0
 
     def as_json(self) -> dict:
-        return {"policy": self.policy, "saved_seconds": round(self.saved_seconds, 6),
-                "traced_seconds": round(self.traced_seconds, 6), "hits": self.hits, "misses": self.misses,
-                "evictions": self.evictions}  # fmt: skip
+        return {
+            "policy": self.policy,
+            "saved_seconds": round(self.saved_seconds, 6),
+            "traced_seconds": round(self.traced_seconds, 6),
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
 
 
 class ReplayError(ValueError):

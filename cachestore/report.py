@@ -66,8 +66,13 @@ class Bucket:
     misses: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))  # tier misses by cause
 
     def as_json(self) -> dict:
-        return {"start": self.start, "end": self.end, **self.counts, **hit_rates(self.counts),
-                "misses": {cause: round(count) for cause, count in self.misses.items()}}  # fmt: skip
+        return {
+            "start": self.start,
+            "end": self.end,
+            **self.counts,
+            **hit_rates(self.counts),
+            "misses": {cause: round(count) for cause, count in self.misses.items()},
+        }
 
 
 @dataclass
@@ -183,8 +188,11 @@ def trust_summary(totals: dict[str, float], toolchains: dict[str, dict[str, floa
         if kind in WRITER_COUNTERS and writer:
             row = writers.setdefault(writer, dict.fromkeys(WRITER_COUNTERS.values(), 0))
             row[WRITER_COUNTERS[kind]] += round(_number(value))
-    by_toolchain = {tc: round(_number(values["quarantined"])) for tc, values in sorted(toolchains.items())
-                    if values.get("quarantined")}  # fmt: skip
+    by_toolchain = {
+        tc: round(_number(values["quarantined"]))
+        for tc, values in sorted(toolchains.items())
+        if values.get("quarantined")
+    }
     return {
         "writers": dict(sorted(writers.items())),
         "sentinel_checked": round(_number(totals.get("sentinel_checked", 0))),
@@ -219,8 +227,14 @@ def top_variants(reader: Reader, top: int) -> list[Variant]:
     variants = []
     for key, usage in best:
         record = records.get(key)
-        variant = Variant(key, record.kernel_name if record else "", usage, record.first_use if record else None,
-                          record.last_use if record else None, hosts.get(key, []))  # fmt: skip
+        variant = Variant(
+            key,
+            record.kernel_name if record else "",
+            usage,
+            record.first_use if record else None,
+            record.last_use if record else None,
+            hosts.get(key, []),
+        )
         entry = decode_or_reason(entries[key], LOOKING) if key in entries else None
         # An entry that cannot be read, or whose components are malformed, shows as one that is not stored.
         if entry is not None and not isinstance(entry, str) and components_problem(entry.key_components) is None:
@@ -271,8 +285,13 @@ ZEROED_EVENT = "zeroed"  # the pass-log record `report --zero` leaves: {"event":
 
 def zero_record(host: str, worker: str, previous: dict[str, Any], now: float | None = None) -> dict[str, Any]:
     """What the pass log keeps of a `report --zero`: when, by whom, and the counters it zeroed."""
-    return {"event": ZEROED_EVENT, "finished": time.time() if now is None else now, "host": host, "worker": worker,
-            "previous": previous}  # fmt: skip
+    return {
+        "event": ZEROED_EVENT,
+        "finished": time.time() if now is None else now,
+        "host": host,
+        "worker": worker,
+        "previous": previous,
+    }
 
 
 def pass_timeline(
@@ -342,8 +361,22 @@ def _number(value: Any) -> float:
 
 # -- times and sizes on the command line --------------------------------------------------------------
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_SIZES = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}  # fmt: skip
+_SIZES = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 
 def parse_duration(text: str) -> float:

@@ -33,8 +33,19 @@ from cachestore.report import FleetReport
 
 logger = logging.getLogger(__name__)
 RATES = (SHARED_HIT_RATE, IN_PASS_HIT_RATE)
-TOTALS_SHOWN_FIRST = (*RATES, "passes", "kernels", "cache_hits", "cache_misses", "tier_lookups", "remote_hits",
-                      "traces", "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")  # fmt: skip
+TOTALS_SHOWN_FIRST = (
+    *RATES,
+    "passes",
+    "kernels",
+    "cache_hits",
+    "cache_misses",
+    "tier_lookups",
+    "remote_hits",
+    "traces",
+    "compile_seconds",
+    "tier_saved_seconds",
+    "in_pass_saved_seconds",
+)
 # One word for each count, in every table, plot and metric help: "in-pass" is the pass's own cache (the
 # specification's), "remote" the shared tier; a trace is a miss that neither answered.
 TOTAL_LABELS = {
@@ -186,8 +197,11 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
 
     if report.trust.get("writers") or report.trust.get("sentinel_checked"):
         trust = report.trust
-        yield Text(f"Per writer (signing key id); sentinel: {plural(trust['sentinel_checked'], 'entry')} traced again, "
-                   f"{trust['quarantined']:,} quarantined", style="bold")  # fmt: skip
+        yield Text(
+            f"Per writer (signing key id); sentinel: {plural(trust['sentinel_checked'], 'entry')} traced again, "
+            f"{trust['quarantined']:,} quarantined",
+            style="bold",
+        )
         writers = Table()
         writers.add_column("writer", no_wrap=True)
         for column in ("stored", "served", "quarantined"):
@@ -197,8 +211,9 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
         yield writers
 
     if report.coverage:
-        yield Text("Coverage (of another toolchain's stored variants, weighted by fleet usage: how warm each is)",
-                   style="bold")  # fmt: skip
+        yield Text(
+            "Coverage (of another toolchain's stored variants, weighted by fleet usage: how warm each is)", style="bold"
+        )
         coverage = Table()
         for column in COVERAGE_HEADERS:
             coverage.add_column(column, no_wrap=column != "share", justify="right" if column == "share" else "left")
@@ -219,13 +234,21 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
     if report.top_variants:
         yield Text(f"Top {plural(len(report.top_variants), 'variant')} by usage", style="bold")
         top = Table()
-        for column in ("#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts",
-                       "last use"):  # fmt: skip
+        for column in ("#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts", "last use"):
             top.add_column(column, justify="right" if column in ("#", "usage") else "left")
         for rank, v in enumerate(report.top_variants, 1):
             dtypes = ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))) or "-"
-            top.add_row(str(rank), v.kernel_name, f"{v.usage:,}", shapes(v.operand_shapes), shapes(v.result_shapes),
-                        dtypes, v.key[:16], ",".join(v.hosts) or "-", when(v.last_use))  # fmt: skip
+            top.add_row(
+                str(rank),
+                v.kernel_name,
+                f"{v.usage:,}",
+                shapes(v.operand_shapes),
+                shapes(v.result_shapes),
+                dtypes,
+                v.key[:16],
+                ",".join(v.hosts) or "-",
+                when(v.last_use),
+            )
         yield top
 
     if report.timeline:
@@ -250,27 +273,52 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             yield Text("Tier misses by cause per kernel (passes in these buckets)", style="bold")
             headers, rows = _kernel_miss_rows(report)
             yield _misses_table(headers, rows)
-        yield (f"In these buckets: {plural(window['passes'], 'pass')}, {plural(window['kernels'], 'kernel')}, "
-               f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
-               f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}")  # fmt: skip
+        yield (
+            f"In these buckets: {plural(window['passes'], 'pass')}, {plural(window['kernels'], 'kernel')}, "
+            f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
+            f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}"
+        )
     else:
         yield "No passes in the pass log" + (" since then." if report.since is not None else ".")
 
 
-WORKER_COUNTERS = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces", *RATES,
-                   "compile_seconds", "tier_saved_seconds", "in_pass_saved_seconds")  # fmt: skip
+WORKER_COUNTERS = (
+    "passes",
+    "kernels",
+    "cache_hits",
+    "tier_lookups",
+    "remote_hits",
+    "traces",
+    *RATES,
+    "compile_seconds",
+    "tier_saved_seconds",
+    "in_pass_saved_seconds",
+)
 # Two-line headers (the same words as the totals, broken where a narrow column would cut them).
 RATE_HEADERS = [HIT_RATE_WORDS[name].replace(" hit rate", "\nhit rate") for name in RATES]
-WORKER_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS,
-                  "compile s", "tier\nsaved s", "in-pass\nsaved s", "tier err/\ntmo/rej"]  # fmt: skip
+WORKER_HEADERS = [
+    "passes",
+    "kernels",
+    "in-pass\nhits",
+    "tier\nlookups",
+    "remote\nhits",
+    "traces",
+    *RATE_HEADERS,
+    "compile s",
+    "tier\nsaved s",
+    "in-pass\nsaved s",
+    "tier err/\ntmo/rej",
+]
 TIMELINE_COUNTERS_SHOWN = ("passes", "kernels", "cache_hits", "tier_lookups", "remote_hits", "traces")
 TIMELINE_HEADERS = ["passes", "kernels", "in-pass\nhits", "tier\nlookups", "remote\nhits", "traces", *RATE_HEADERS]
 
 
 def _timeline_cells(counts: dict) -> list[str]:
     rates = hit_rates(counts)
-    return [*(f"{int(counts.get(name, 0)):,}" for name in TIMELINE_COUNTERS_SHOWN),
-            *(_value(name, rates[name]) if counts["kernels"] else "-" for name in RATES)]  # fmt: skip
+    return [
+        *(f"{int(counts.get(name, 0)):,}" for name in TIMELINE_COUNTERS_SHOWN),
+        *(_value(name, rates[name]) if counts["kernels"] else "-" for name in RATES),
+    ]
 
 
 def _misses_table(headers: list[str], rows: list[list[str]]) -> Any:
@@ -296,8 +344,7 @@ def _causes_seen(counts: Iterable[dict[str, float]]) -> list[str]:
 
 def _misses_over_time(report: FleetReport) -> tuple[list[str], list[list[str]]]:
     causes = _causes_seen(bucket.misses for bucket in report.timeline)
-    rows = [[when(bucket.start), *(f"{int(bucket.misses[cause]):,}" for cause in causes)]
-            for bucket in report.timeline]  # fmt: skip
+    rows = [[when(bucket.start), *(f"{int(bucket.misses[cause]):,}" for cause in causes)] for bucket in report.timeline]
     return ["from", *causes], rows
 
 
@@ -318,11 +365,16 @@ COVERAGE_HEADERS = ("toolchain", "covers", "variants held", "usage held", "share
 
 def _coverage_rows(report: FleetReport) -> list[list[str]]:
     return [
-        [_toolchain_label(toolchain), other, f"{c.covered_variants:,} of {c.variants:,}",
-         f"{c.covered_usage:,} of {c.usage:,}", f"{c.share:.1%}"]
+        [
+            _toolchain_label(toolchain),
+            other,
+            f"{c.covered_variants:,} of {c.variants:,}",
+            f"{c.covered_usage:,} of {c.usage:,}",
+            f"{c.share:.1%}",
+        ]
         for toolchain, of in report.coverage.items()
         for other, c in of.items()
-    ]  # fmt: skip
+    ]
 
 
 def _toolchain_label(toolchain: str) -> str:
@@ -343,34 +395,40 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     for name in COUNTERS_BY_NAME:
-        yield CounterMetricFamily(f"nkicache_{name}", f"Fleet total of {label(name)}.",
-                                  value=report.totals[name])  # fmt: skip
-    misses = CounterMetricFamily("nkicache_tier_misses", "Fleet tier misses (lookups the tier did not answer) by "
-                                 "cause (docs/tiers.md).", labels=["cause"])  # fmt: skip
+        yield CounterMetricFamily(f"nkicache_{name}", f"Fleet total of {label(name)}.", value=report.totals[name])
+    misses = CounterMetricFamily(
+        "nkicache_tier_misses",
+        "Fleet tier misses (lookups the tier did not answer) by cause (docs/tiers.md).",
+        labels=["cause"],
+    )
     for cause, count in report.misses.items():
         misses.add_metric([cause], count)
     yield misses
     yield from _rate_families("nkicache_", "Fleet", [], [((), report.totals)])
     yield GaugeMetricFamily("nkicache_variants", "Distinct cache keys the fleet used.", value=report.variants)
     for name in COUNTERS_BY_NAME:
-        family = CounterMetricFamily(f"nkicache_worker_{name}", f"Per worker: {label(name)}.",
-                                     labels=["host", "worker"])  # fmt: skip
+        family = CounterMetricFamily(
+            f"nkicache_worker_{name}", f"Per worker: {label(name)}.", labels=["host", "worker"]
+        )
         for host, info in report.per_host.items():
             for worker, values in info["workers"].items():
                 family.add_metric([host, worker], values[name])
         yield family
-    calls = CounterMetricFamily("nkicache_kernel_calls", "Per kernel name: summed usage (call_count), fleet-wide.",
-                                labels=["kernel"])  # fmt: skip
-    variants = GaugeMetricFamily("nkicache_kernel_variants", "Per kernel name: distinct cache keys (variants).",
-                                 labels=["kernel"])  # fmt: skip
+    calls = CounterMetricFamily(
+        "nkicache_kernel_calls", "Per kernel name: summed usage (call_count), fleet-wide.", labels=["kernel"]
+    )
+    variants = GaugeMetricFamily(
+        "nkicache_kernel_variants", "Per kernel name: distinct cache keys (variants).", labels=["kernel"]
+    )
     for kernel, stats in report.per_kernel.items():
         calls.add_metric([kernel], stats["call_count"])
         variants.add_metric([kernel], stats["variants"])
     yield calls
     yield variants
     for name in COUNTERS_BY_NAME:
-        family = CounterMetricFamily(f"nkicache_toolchain_{name}", f"Per toolchain (compiler id): {label(name)}.",
-                                     labels=["toolchain"])  # fmt: skip
+        family = CounterMetricFamily(
+            f"nkicache_toolchain_{name}", f"Per toolchain (compiler id): {label(name)}.", labels=["toolchain"]
+        )
         for toolchain, values in report.per_toolchain.items():
             family.add_metric([toolchain], values[name])
         yield family
@@ -392,18 +450,22 @@ def _trust_families(report: FleetReport) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily
 
     trust = report.trust or {"writers": {}, "sentinel_checked": 0, "quarantined": 0, "quarantined_by_toolchain": {}}
-    yield CounterMetricFamily("nkicache_sentinel_checked", "Entries the sentinel traced again and compared.",
-                              value=trust["sentinel_checked"])  # fmt: skip
-    yield CounterMetricFamily("nkicache_quarantined", "Entries the sentinel quarantined (binary differs).",
-                              value=trust["quarantined"])  # fmt: skip
-    by_toolchain = CounterMetricFamily("nkicache_toolchain_quarantined", "Per toolchain: entries quarantined.",
-                                       labels=["toolchain"])  # fmt: skip
+    yield CounterMetricFamily(
+        "nkicache_sentinel_checked", "Entries the sentinel traced again and compared.", value=trust["sentinel_checked"]
+    )
+    yield CounterMetricFamily(
+        "nkicache_quarantined", "Entries the sentinel quarantined (binary differs).", value=trust["quarantined"]
+    )
+    by_toolchain = CounterMetricFamily(
+        "nkicache_toolchain_quarantined", "Per toolchain: entries quarantined.", labels=["toolchain"]
+    )
     for toolchain, count in trust["quarantined_by_toolchain"].items():
         by_toolchain.add_metric([toolchain], count)
     yield by_toolchain
     for field_name in ("stored", "served", "quarantined"):
-        family = CounterMetricFamily(f"nkicache_writer_{field_name}", f"Per writer key id: entries {field_name}.",
-                                     labels=["writer"])  # fmt: skip
+        family = CounterMetricFamily(
+            f"nkicache_writer_{field_name}", f"Per writer key id: entries {field_name}.", labels=["writer"]
+        )
         for writer, row in trust["writers"].items():
             family.add_metric([writer], row[field_name])
         yield family
@@ -415,9 +477,11 @@ def _rate_families(prefix: str, scope: str, labels: list[str], rows: list[tuple[
     from prometheus_client.core import GaugeMetricFamily
 
     for name in RATES:
-        family = GaugeMetricFamily(f"{prefix}{name.removesuffix('_rate')}_ratio",
-                                   f"{scope}: {HIT_RATE_WORDS[name]}, {HIT_RATE_FORMULAS[name]}, from summed counts.",
-                                   labels=labels)  # fmt: skip
+        family = GaugeMetricFamily(
+            f"{prefix}{name.removesuffix('_rate')}_ratio",
+            f"{scope}: {HIT_RATE_WORDS[name]}, {HIT_RATE_FORMULAS[name]}, from summed counts.",
+            labels=labels,
+        )
         for label_values, values in rows:
             if values[name] is not None:
                 family.add_metric(list(label_values), values[name])
@@ -448,8 +512,11 @@ class FleetCollector:
             return
         yield GaugeMetricFamily("nkicache_tier_up", "1 when the tier could be read for this scrape.", value=1)
         yield from families
-        yield GaugeMetricFamily("nkicache_report_seconds", "Seconds it took to read the tier for this scrape.",
-                                value=time.perf_counter() - started)  # fmt: skip
+        yield GaugeMetricFamily(
+            "nkicache_report_seconds",
+            "Seconds it took to read the tier for this scrape.",
+            value=time.perf_counter() - started,
+        )
 
 
 def prometheus_registry(build: Callable[[], FleetReport]) -> Any:
@@ -495,8 +562,10 @@ def require_matplotlib() -> None:
         importlib.import_module("matplotlib")
     except ImportError as exc:
         reason = " ".join(str(exc).split())
-        raise NkiCacheError(f"the HTML report draws its plots with matplotlib, which cannot be imported ({reason}); "
-                            f"install the html extra: {HTML_EXTRA}") from None  # fmt: skip
+        raise NkiCacheError(
+            f"the HTML report draws its plots with matplotlib, which cannot be imported ({reason}); "
+            f"install the html extra: {HTML_EXTRA}"
+        ) from None
 
 
 def _svg(figure: Any) -> str:
@@ -525,17 +594,29 @@ def plot_hit_rate(report: FleetReport) -> str | None:
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     # One colour per cache: the shared tier's rate and its remote hits blue, the in-pass rate and hits green.
     for name, color, style in ((SHARED_HIT_RATE, "#0550ae", "-"), (IN_PASS_HIT_RATE, "#1a7f37", ":")):
-        rated = [(c, rate * 100) for c, b in zip(centers, report.timeline, strict=True)
-                 if b.counts["kernels"] and (rate := hit_rates(b.counts)[name]) is not None]  # fmt: skip
+        rated = [
+            (c, rate * 100)
+            for c, b in zip(centers, report.timeline, strict=True)
+            if b.counts["kernels"] and (rate := hit_rates(b.counts)[name]) is not None
+        ]
         overall = format_rate(report.window.get(name))
         legend = f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]}), over the period: {overall}"
-        top.plot([c for c, _ in rated], [r for _, r in rated], marker="o", color=color, linestyle=style, linewidth=2,
-                 label=legend)  # fmt: skip
+        top.plot(
+            [c for c, _ in rated],
+            [r for _, r in rated],
+            marker="o",
+            color=color,
+            linestyle=style,
+            linewidth=2,
+            label=legend,
+        )
     top.legend(loc="lower right", fontsize="small")
     top.set_ylim(0, 105)
     top.set_ylabel("hit rate (%)")
-    top.set_title(f"Fleet hit rates over time: {HIT_RATE_WORDS[SHARED_HIT_RATE]} and "
-                  f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]}", loc="left")  # fmt: skip
+    top.set_title(
+        f"Fleet hit rates over time: {HIT_RATE_WORDS[SHARED_HIT_RATE]} and {HIT_RATE_WORDS[IN_PASS_HIT_RATE]}",
+        loc="left",
+    )
     top.grid(alpha=0.3)
     bottom.bar(starts, local, width=width_days, align="edge", label="in-pass hits", color="#1a7f37")
     bottom.bar(starts, remote, width=width_days, align="edge", bottom=local, label="remote hits", color="#54aeff")
@@ -604,13 +685,16 @@ def render_html(report: FleetReport) -> str:
     """One self-contained page: summary, the two plots as inline SVG, and the report's tables."""
     require_matplotlib()  # even with nothing to plot, so `--html` needs the extra on every tier, not only on a busy one
     t = report.totals
-    cards = [(HIT_RATE_WORDS[SHARED_HIT_RATE], _value(SHARED_HIT_RATE, t[SHARED_HIT_RATE])),
-             (HIT_RATE_WORDS[IN_PASS_HIT_RATE], _value(IN_PASS_HIT_RATE, t[IN_PASS_HIT_RATE])),
-             ("kernels", _value("kernels", t["kernels"])),
-             ("passes", _value("passes", t["passes"])), ("traces", _value("traces", t["traces"])),
-             ("compile s the shared tier saved", _value("tier_saved_seconds", t["tier_saved_seconds"])),
-             ("compile s the in-pass cache saved", _value("in_pass_saved_seconds", t["in_pass_saved_seconds"])),
-             ("variants", f"{report.variants:,}")]  # fmt: skip
+    cards = [
+        (HIT_RATE_WORDS[SHARED_HIT_RATE], _value(SHARED_HIT_RATE, t[SHARED_HIT_RATE])),
+        (HIT_RATE_WORDS[IN_PASS_HIT_RATE], _value(IN_PASS_HIT_RATE, t[IN_PASS_HIT_RATE])),
+        ("kernels", _value("kernels", t["kernels"])),
+        ("passes", _value("passes", t["passes"])),
+        ("traces", _value("traces", t["traces"])),
+        ("compile s the shared tier saved", _value("tier_saved_seconds", t["tier_saved_seconds"])),
+        ("compile s the in-pass cache saved", _value("in_pass_saved_seconds", t["in_pass_saved_seconds"])),
+        ("variants", f"{report.variants:,}"),
+    ]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -621,16 +705,20 @@ def render_html(report: FleetReport) -> str:
         + (f", passes since {html.escape(when(report.since))}" if report.since is not None else "")
         + "</p>",
         '<div class="cards">'
-        + "".join(f'<div class="card"><div class="v">{html.escape(v)}</div><div class="k">{html.escape(k)}</div></div>'
-                  for k, v in cards)
+        + "".join(
+            f'<div class="card"><div class="v">{html.escape(v)}</div><div class="k">{html.escape(k)}</div></div>'
+            for k, v in cards
+        )
         + "</div>",
-    ]  # fmt: skip
+    ]
     hit_plot, usage_plot = _plain_text_plots(report)
     parts.append("<h2>Hit rates over time</h2>")
     if hit_plot:
-        parts.append(f'<figure id="plot-hit-rate">{hit_plot}<figcaption>{_width(report.bucket_seconds)} buckets by '
-                     "when each pass finished; in-pass hits are answered by the pass's own cache, remote hits by the "
-                     "shared tier, traces by neither.</figcaption></figure>")  # fmt: skip
+        parts.append(
+            f'<figure id="plot-hit-rate">{hit_plot}<figcaption>{_width(report.bucket_seconds)} buckets by '
+            "when each pass finished; in-pass hits are answered by the pass's own cache, remote hits by the "
+            "shared tier, traces by neither.</figcaption></figure>"
+        )
     else:
         parts.append("<p>No passes in the pass log.</p>")
     parts.append("<h2>Usage per kernel</h2>")
@@ -649,13 +737,17 @@ def render_html(report: FleetReport) -> str:
         parts.append('<h2 id="kernel-misses">Tier misses by cause per kernel</h2>')
         parts.append(_table(headers, rows, set(range(1, len(headers)))))
     parts.append("<h2>Per host and worker</h2>")
-    rows = [[host, worker, *_worker_cells(values)] for host, info in report.per_host.items()
-            for worker, values in info["workers"].items()]  # fmt: skip
+    rows = [
+        [host, worker, *_worker_cells(values)]
+        for host, info in report.per_host.items()
+        for worker, values in info["workers"].items()
+    ]
     parts.append(_table(["host", "worker", *WORKER_HEADERS], rows, set(range(2, 2 + len(WORKER_HEADERS)))))
     parts.append('<h2 id="per-toolchain">Per toolchain</h2>')
     if report.per_toolchain:
-        rows = [[_toolchain_label(toolchain), *_worker_cells(values)]
-                for toolchain, values in report.per_toolchain.items()]  # fmt: skip
+        rows = [
+            [_toolchain_label(toolchain), *_worker_cells(values)] for toolchain, values in report.per_toolchain.items()
+        ]
         parts.append(_table(["toolchain", *WORKER_HEADERS], rows, set(range(1, 1 + len(WORKER_HEADERS)))))
     else:
         parts.append("<p>No pass named its toolchain.</p>")
@@ -663,15 +755,35 @@ def render_html(report: FleetReport) -> str:
         parts.append('<h2 id="coverage">Coverage of other toolchains</h2>')
         parts.append(_table(list(COVERAGE_HEADERS), _coverage_rows(report), {4}))
     parts.append("<h2>Per kernel</h2>")
-    parts.append(_table(["kernel", "call_count", "variants"],
-                        [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],
-                        {1, 2}))  # fmt: skip
+    parts.append(
+        _table(
+            ["kernel", "call_count", "variants"],
+            [[n, f"{s['call_count']:,}", f"{s['variants']:,}"] for n, s in report.per_kernel.items()],
+            {1, 2},
+        )
+    )
     if report.top_variants:
         parts.append(f"<h2>Top {plural(len(report.top_variants), 'variant')}</h2>")
-        rows = [[i, v.kernel_name, f"{v.usage:,}", shapes(v.operand_shapes), shapes(v.result_shapes),
-                 ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))), v.key[:16],
-                 ",".join(v.hosts), when(v.last_use)] for i, v in enumerate(report.top_variants, 1)]  # fmt: skip
-        parts.append(_table(["#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts",
-                             "last use"], rows, {0, 2}))  # fmt: skip
+        rows = [
+            [
+                i,
+                v.kernel_name,
+                f"{v.usage:,}",
+                shapes(v.operand_shapes),
+                shapes(v.result_shapes),
+                ",".join(sorted(set((v.operand_dtypes or []) + (v.result_dtypes or [])))),
+                v.key[:16],
+                ",".join(v.hosts),
+                when(v.last_use),
+            ]
+            for i, v in enumerate(report.top_variants, 1)
+        ]
+        parts.append(
+            _table(
+                ["#", "kernel", "usage", "operand shapes", "result shapes", "dtypes", "key", "hosts", "last use"],
+                rows,
+                {0, 2},
+            )
+        )
     parts.append("</body></html>")
     return "\n".join(parts)

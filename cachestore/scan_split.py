@@ -34,8 +34,7 @@ MAX_PROCESSES = 4  # past a few, the one Redis server's own thread is what a sca
 SPLIT_AFTER_PAGES = 4  # a tier of fewer pages is scanned here: forking costs more than the pages take
 PAGE = BATCH  # entry names a page
 _ASK = b""  # a child's request for its next page; the parent's answer when no page is left
-_ERRORS: dict[str, type[TierError]] = {cls.__name__: cls for cls in (TierError, TierUnavailable, TierTimeout,
-                                                                     TierBusy)}  # fmt: skip
+_ERRORS: dict[str, type[TierError]] = {cls.__name__: cls for cls in (TierError, TierUnavailable, TierTimeout, TierBusy)}
 
 
 class ScanFailed(NkiCacheError):
@@ -90,8 +89,11 @@ def scan_split(
 def _batches_here(reader: Reader, every_toolchain: bool, with_ttl: bool) -> Iterator[list[RawEntry]]:
     if not every_toolchain:
         return batched(reader.scan_entries(with_ttl=with_ttl))
-    every = (raw for toolchain in reader.entry_toolchains()
-             for raw in reader.in_toolchain(toolchain).scan_entries(with_ttl=with_ttl))  # fmt: skip
+    every = (
+        raw
+        for toolchain in reader.entry_toolchains()
+        for raw in reader.in_toolchain(toolchain).scan_entries(with_ttl=with_ttl)
+    )
     return batched(every)
 
 
@@ -143,8 +145,10 @@ def _deal(children: dict[Any, Any], pages: Iterator[list[str]], wait: Callable) 
                     conn.send_bytes(_ASK if page is None else msgpack.packb(page))
             except (EOFError, OSError):  # its end of the pipe closed: it died (killed, out of memory)
                 child.join(timeout=5)
-                raise ScanFailed(f"scan process {child.pid} ended (exit code {child.exitcode}) before sending its "
-                                 "result: its entries were not all read") from None  # fmt: skip
+                raise ScanFailed(
+                    f"scan process {child.pid} ended (exit code {child.exitcode}) before sending its "
+                    "result: its entries were not all read"
+                ) from None
     return [results[conn] for conn in children]
 
 

@@ -34,9 +34,20 @@ DAY = 24 * 3600
 SCOPE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_SECONDS = 10 * 365 * DAY
 SECONDS_SETTINGS = (
-    "connect_timeout", "op_timeout", "entry_ttl", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
-    "final_flush_timeout", "job_claim_idle", "heartbeat_interval", "job_timeout", "job_ttl", "wait_timeout",
-)  # fmt: skip
+    "connect_timeout",
+    "op_timeout",
+    "entry_ttl",
+    "lease_ttl",
+    "lease_wait",
+    "breaker_cooldown",
+    "flush_interval",
+    "final_flush_timeout",
+    "job_claim_idle",
+    "heartbeat_interval",
+    "job_timeout",
+    "job_ttl",
+    "wait_timeout",
+)
 
 
 class SettingsError(NkiCacheError):
@@ -327,13 +338,29 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     if settings.tier_mode not in TIER_MODES:
         fail("tier_mode", f"must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
     for name in (
-        "connect_timeout", "op_timeout", "lease_ttl", "lease_wait", "breaker_cooldown", "flush_interval",
-        "job_claim_idle", "job_max_attempts", "dead_letter_limit", "heartbeat_interval", "entry_ttl",
-        "max_entry_bytes", "outbox_limit",
-        "max_graph_bytes", "max_tensor_elements", "max_graph_elements", "max_kernel_instructions", "job_timeout",
-        "job_memory", "job_ttl", "wait_timeout",
+        "connect_timeout",
+        "op_timeout",
+        "lease_ttl",
+        "lease_wait",
+        "breaker_cooldown",
+        "flush_interval",
+        "job_claim_idle",
+        "job_max_attempts",
+        "dead_letter_limit",
+        "heartbeat_interval",
+        "entry_ttl",
+        "max_entry_bytes",
+        "outbox_limit",
+        "max_graph_bytes",
+        "max_tensor_elements",
+        "max_graph_elements",
+        "max_kernel_instructions",
+        "job_timeout",
+        "job_memory",
+        "job_ttl",
+        "wait_timeout",
         "max_size",
-    ):  # fmt: skip
+    ):
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")
     for name in SECONDS_SETTINGS:

@@ -176,8 +176,9 @@ class StackedTier:
         release_lease: bool = False,
     ) -> None:
         for level in self.levels:
-            level.publish_trace(cache_key, result, key_components, compile_seconds,
-                                release_lease=release_lease and level is self.shared)  # fmt: skip
+            level.publish_trace(
+                cache_key, result, key_components, compile_seconds, release_lease=release_lease and level is self.shared
+            )
 
     def record_pass(self, record: PassRecord) -> None:
         """Every level's metrics take the pass (the same id: each applies it once): the shared level's are the

@@ -30,15 +30,26 @@ def open_backend(
 
         timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
         # Background writes may wait for the lock as long as a closing client waits for them to land.
-        return SqliteBackend(url[len("local:") :], timeout=timeout, create=not reading and writable,
-                             writable=writable, toolchain=toolchain,
-                             write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
-                             max_entry_bytes=settings.max_entry_bytes, max_size=settings.max_size)  # fmt: skip
+        return SqliteBackend(
+            url[len("local:") :],
+            timeout=timeout,
+            create=not reading and writable,
+            writable=writable,
+            toolchain=toolchain,
+            write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
+            max_entry_bytes=settings.max_entry_bytes,
+            max_size=settings.max_size,
+        )
     if url.startswith("dir:"):
         from cachestore.backends.directory import DirectoryBackend
 
-        return DirectoryBackend(url[len("dir:") :], create=not reading and writable, writable=writable,
-                                toolchain=toolchain, max_entry_bytes=settings.max_entry_bytes)  # fmt: skip
+        return DirectoryBackend(
+            url[len("dir:") :],
+            create=not reading and writable,
+            writable=writable,
+            toolchain=toolchain,
+            max_entry_bytes=settings.max_entry_bytes,
+        )
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 
@@ -57,6 +68,10 @@ def open_tier(settings: Settings) -> TierClient | StackedTier | None:
     if not settings.tier.startswith((*PATH_SCHEMES, *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
     credentials = settings_credentials(settings)
-    backend = partial(open_backend, settings, writable=settings.tier_mode != "read-only",
-                      toolchain=partition(toolchain_id(), credentials.scope))  # fmt: skip
+    backend = partial(
+        open_backend,
+        settings,
+        writable=settings.tier_mode != "read-only",
+        toolchain=partition(toolchain_id(), credentials.scope),
+    )
     return TierClient(backend, settings, redact_url(settings.tier), credentials)

@@ -61,12 +61,24 @@ def _is_secret(query_item: str) -> bool:
 
 # Query parameters a tier URL may carry: what redis-py parses (it passes unknown ones on to the client, which
 # then fails every connection), minus what would override nkicache's own timeouts and retries.
-URL_TEXT_PARAMETERS = ("username", "password", "client_name", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile",
-                       "ssl_keyfile", "ssl_password", "ssl_cert_reqs")  # fmt: skip
+URL_TEXT_PARAMETERS = (
+    "username",
+    "password",
+    "client_name",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+)
 URL_SETTINGS_PARAMETERS = {  # set by nkicache's settings instead
-    "socket_timeout": "op_timeout", "timeout": "op_timeout", "socket_connect_timeout": "connect_timeout",
-    "retry_on_timeout": "op_timeout", "retry_on_error": "op_timeout",
-}  # fmt: skip
+    "socket_timeout": "op_timeout",
+    "timeout": "op_timeout",
+    "socket_connect_timeout": "connect_timeout",
+    "retry_on_timeout": "op_timeout",
+    "retry_on_error": "op_timeout",
+}
 SSL_CERT_REQS = ("none", "optional", "required")
 
 

@@ -13,8 +13,12 @@ from workers.cli_common import EXIT_CHECK_FAILED, echo_json
 @click.command("bench")
 @click.option("--quick", is_flag=True, help="A smaller workload and fewer repetitions (under 5 minutes).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
-@click.option("--redis-url", default=None, metavar="URL",
-              help="Measure against this Redis instead of a private redis-server on a free loopback port.")  # fmt: skip
+@click.option(
+    "--redis-url",
+    default=None,
+    metavar="URL",
+    help="Measure against this Redis instead of a private redis-server on a free loopback port.",
+)
 def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     """Measure nkicache against its goals, each figure a median of several runs and each goal a ratio of
     two things measured side by side in this run (a noisy machine moves both).

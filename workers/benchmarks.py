@@ -156,9 +156,14 @@ def mirror_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str) ->
         runs.append(_time_in_tier_calls(graphs, settings))
     spent = statistics.median(runs)
     off_median = statistics.median(off)
-    return {"mirror_overhead": statistics.median(mirror) / off_median, "off_seconds": off_median,
-            "mirror_seconds": statistics.median(mirror), "tier_seconds_in_compile_thread": spent,
-            "tier_seconds_in_compile_thread_runs": runs, "mirror_overhead_direct": 1 + spent / off_median}  # fmt: skip
+    return {
+        "mirror_overhead": statistics.median(mirror) / off_median,
+        "off_seconds": off_median,
+        "mirror_seconds": statistics.median(mirror),
+        "tier_seconds_in_compile_thread": spent,
+        "tier_seconds_in_compile_thread_runs": runs,
+        "mirror_overhead_direct": 1 + spent / off_median,
+    }
 
 
 def _time_in_tier_calls(graphs: list[Graph], settings: Any) -> float:
@@ -238,9 +243,14 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
         count = rounds * len(full)
         hit_times, get_times, getrange_times = interleaved()
         hit, get, getrange = (statistics.median(times) for times in (hit_times, get_times, getrange_times))
-        result = {"remote_hit_vs_raw_get": hit / get, "remote_hit_us": hit * 1e6, "raw_get_us": get * 1e6,
-                  "raw_getrange_us": getrange * 1e6, "remote_hit_vs_raw_getrange": hit / getrange,
-                  "entries": len(full)}  # fmt: skip
+        result = {
+            "remote_hit_vs_raw_get": hit / get,
+            "remote_hit_us": hit * 1e6,
+            "raw_get_us": get * 1e6,
+            "raw_getrange_us": getrange * 1e6,
+            "remote_hit_vs_raw_getrange": hit / getrange,
+            "entries": len(full),
+        }
         many = median_seconds(batched, config.repeats) / count
         raw_many = median_seconds(raw_batched, config.repeats) / count
         result.update(batched_hit_us=many * 1e6, batched_vs_raw_mget=many / raw_many)
@@ -314,16 +324,21 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
         "signature_overhead_prefetch": prefetch["overhead"],
         "signature_overhead_first_hit": first_hit["overhead"],
         "signature_overhead_hit_again": hit_again["overhead"],
-        "signature_overhead_prefetch_runs": prefetch["runs"], "signature_overhead_first_hit_runs": first_hit["runs"],
+        "signature_overhead_prefetch_runs": prefetch["runs"],
+        "signature_overhead_first_hit_runs": first_hit["runs"],
         "signature_overhead_big_pass": big.get("overhead"),
         **{f"prefetch_{name}": value for name, value in prefetch.items() if name not in ("overhead", "runs")},
         **{f"big_pass_{name}": value for name, value in big.items() if name != "overhead"},  # its runs too
         "first_hit_verifies_per_hit": first_verifies,
-        "first_hit_us": first_hit["hit_us"], "first_check_us": first_hit["check_us"],
-        "hit_us": hit_again["hit_us"], "memo_check_us": hit_again["check_us"],
-        "entries": len(full), "references": len(stored) - len(full), "rounds": len(again) + 1,
+        "first_hit_us": first_hit["hit_us"],
+        "first_check_us": first_hit["check_us"],
+        "hit_us": hit_again["hit_us"],
+        "memo_check_us": hit_again["check_us"],
+        "entries": len(full),
+        "references": len(stored) - len(full),
+        "rounds": len(again) + 1,
         "rejected": prefetch["rejected"] + lookups["rejected"],
-    }  # fmt: skip
+    }
     return {**result, **_group_shape(stored.values())}
 
 
@@ -392,9 +407,14 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
             compile_all(graphs, reader)
         counts = reader.counts()
         hits = max(1, counts["entries_found"])
-        return {"overhead": checks[0] / reads[0], "hit_us": reads[0] * 1e6 / hits, "check_us": checks[0] * 1e6 / hits,
-                "verifies_per_hit": reader.policy.trust.verifies / hits, "hits": counts["entries_found"],
-                "rejected": counts["tier_rejected"]}  # fmt: skip
+        return {
+            "overhead": checks[0] / reads[0],
+            "hit_us": reads[0] * 1e6 / hits,
+            "check_us": checks[0] * 1e6 / hits,
+            "verifies_per_hit": reader.policy.trust.verifies / hits,
+            "hits": counts["entries_found"],
+            "rejected": counts["tier_rejected"],
+        }
     finally:
         reader.close()
 
@@ -435,8 +455,7 @@ def _lookup_rounds(full: list[str], reader_settings: Any, rounds: int) -> dict:
                     times.append((time.perf_counter() - started, spent[0]))
                 measured.append(times)
                 first_verifies = first_verifies or trust.verifies
-        return {"rounds": measured, "first_verifies": first_verifies,
-                "rejected": reader.counts()["tier_rejected"]}  # fmt: skip
+        return {"rounds": measured, "first_verifies": first_verifies, "rejected": reader.counts()["tier_rejected"]}
     finally:
         reader.close()
 
@@ -455,10 +474,13 @@ def _group_shape(stored: Any) -> dict:
     stored = list(stored)
     sections = [section for data in stored if (section := writer_section(data)) is not None]
     groups = {(s.key_id, s.signature) for s in sections}
-    return {"groups": len(groups), "mean_group_size": len(sections) / max(1, len(groups)),
-            "largest_group": max((s.size for s in sections), default=0),
-            "writer_section_bytes": statistics.mean(s.stored_bytes for s in sections) if sections else 0,
-            "entry_bytes": statistics.mean(len(data) for data in stored) if stored else 0}  # fmt: skip
+    return {
+        "groups": len(groups),
+        "mean_group_size": len(sections) / max(1, len(groups)),
+        "largest_group": max((s.size for s in sections), default=0),
+        "writer_section_bytes": statistics.mean(s.stored_bytes for s in sections) if sections else 0,
+        "entry_bytes": statistics.mean(len(data) for data in stored) if stored else 0,
+    }
 
 
 # -- 4. local_hit_us and 5. key_throughput_ratio ---------------------------------------------------
@@ -508,8 +530,11 @@ def key_throughput(graphs: list[Graph], config: BenchConfig) -> dict:
     n = rounds * len(components)
     with_loop = n / median_seconds(via_loop, config.repeats)
     with_hashlib = n / median_seconds(bare, config.repeats)
-    return {"key_throughput_ratio": with_loop / with_hashlib, "keys_per_second": with_loop,
-            "hashlib_per_second": with_hashlib}  # fmt: skip
+    return {
+        "key_throughput_ratio": with_loop / with_hashlib,
+        "keys_per_second": with_loop,
+        "hashlib_per_second": with_hashlib,
+    }
 
 
 # -- 8. storage_ratio -----------------------------------------------------------------------------
@@ -593,8 +618,17 @@ def pool_scaling(config: BenchConfig) -> dict:
     """pool_scaling on the first workload given (12 models, the default; 6 with --quick), and with it
     single_graph_scaling (one cold graph of over 90 variants), each beside its CPU control."""
     models = [str(config.models)] if config.quick else [str(config.models), "40"]
-    return bench_script("pool_scaling", "--models", *models, "--repeats", "1" if config.quick else "5",
-                        "--single-graph-repeats", "3" if config.quick else "5", "--seed", str(config.seed))  # fmt: skip
+    return bench_script(
+        "pool_scaling",
+        "--models",
+        *models,
+        "--repeats",
+        "1" if config.quick else "5",
+        "--single-graph-repeats",
+        "3" if config.quick else "5",
+        "--seed",
+        str(config.seed),
+    )
 
 
 def _from_pool(results: dict) -> dict:
@@ -602,8 +636,11 @@ def _from_pool(results: dict) -> dict:
     detail = results.get("pool_scaling_detail")
     if detail is None:
         raise MeasurementSkipped("measured with pool_scaling, which was not")
-    return {"single_graph_scaling": detail["single_graph_scaling"], "cpu_control": detail["single_graph_cpu_control"],
-            **detail["single_graph"]}  # fmt: skip
+    return {
+        "single_graph_scaling": detail["single_graph_scaling"],
+        "cpu_control": detail["single_graph_cpu_control"],
+        **detail["single_graph"],
+    }
 
 
 def fleet_single_graph_scaling(config: BenchConfig) -> dict:
@@ -643,8 +680,14 @@ def upgrade(config: BenchConfig, work: Path) -> dict:
 
     def nkicache(*args: str, new: bool) -> dict:
         environment = {**env, "PYTHONPATH": os.pathsep.join([str(copy), env.get("PYTHONPATH", "")])} if new else env
-        done = subprocess.run([sys.executable, "-c", "from workers.cli import main; main()", *args, "--json"],
-                              cwd=work, env=environment, capture_output=True, text=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", "from workers.cli import main; main()", *args, "--json"],
+            cwd=work,
+            env=environment,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
             raise NkiCacheError(f"nkicache {args[0]} failed in the upgrade measurement: {done.stderr.strip()}")
         return json.loads(done.stdout)
@@ -790,13 +833,24 @@ def _logged_entries(tier: Any) -> dict:
 
     raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
     decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
-    return {key: LoggedEntry(entry.compile_seconds, len(raw[entry.ref] if entry.is_reference else raw[key]))
-            for key, entry in decoded.items()}  # fmt: skip
+    return {
+        key: LoggedEntry(entry.compile_seconds, len(raw[entry.ref] if entry.is_reference else raw[key]))
+        for key, entry in decoded.items()
+    }
 
 
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.
-REDIS_NAMESPACES = ("nkibench", "nkibench-warm", "nkibench-mirror", "nkibench-mirror2", "nkibench-hit",
-                    "nkibench-storage", "nkibench-upgrade", "nkibench-misses", *SIGNATURE_NAMESPACES)  # fmt: skip
+REDIS_NAMESPACES = (
+    "nkibench",
+    "nkibench-warm",
+    "nkibench-mirror",
+    "nkibench-mirror2",
+    "nkibench-hit",
+    "nkibench-storage",
+    "nkibench-upgrade",
+    "nkibench-misses",
+    *SIGNATURE_NAMESPACES,
+)
 
 
 def drop_namespaces(redis_url: str, namespaces: Sequence[str] = REDIS_NAMESPACES) -> int:
@@ -821,10 +875,21 @@ def drop_namespaces(redis_url: str, namespaces: Sequence[str] = REDIS_NAMESPACES
 
 # The whole-process figures reported beside warm_compile_local_vs_floor, each from the same run of commands.
 PROCESS_FIGURES = (
-    "warm_compile_redis_vs_floor", "version_vs_goal", "version_ms", "help_ms", "python_ms", "floor_local_ms",
-    "floor_redis_ms", "warm_compile_local_ms", "cold_compile_local_ms", "warm_compile_redis_ms",
-    "cold_compile_redis_ms", "warm_compile_local_workers2_ms", "report_local_ms", "toolchain_id_ms",
-)  # fmt: skip
+    "warm_compile_redis_vs_floor",
+    "version_vs_goal",
+    "version_ms",
+    "help_ms",
+    "python_ms",
+    "floor_local_ms",
+    "floor_redis_ms",
+    "warm_compile_local_ms",
+    "cold_compile_local_ms",
+    "warm_compile_redis_ms",
+    "cold_compile_redis_ms",
+    "warm_compile_local_workers2_ms",
+    "report_local_ms",
+    "toolchain_id_ms",
+)
 
 
 def whole_process(work: Path, redis_url: str, rounds: int) -> dict:

@@ -105,26 +105,38 @@ def environment_help() -> str:
     settings = [f.name for f in dataclasses.fields(Settings) if f.name not in SECRET_SETTINGS]
     names = ", ".join(f"NKICACHE_{name.upper()}" for name in settings)
     secrets = sorted(f"NKICACHE_{name.upper()}" for name in SECRET_SETTINGS)
-    return "\n".join([
-        "\b",
-        "Settings (`nkicache config` shows each one's value and source), later winning:",
-        "  defaults < a TOML config file < NKICACHE_* environment variables < flags.",
-        "  Config file: $NKICACHE_CONFIG, else ./nkicache.toml, else ~/.config/nkicache/config.toml.",
-        "\b",
-        "Environment variables (NKICACHE_ + the setting's name in capitals):",
-        *textwrap.wrap(names + ".", 100, initial_indent="  ", subsequent_indent="  "),
-        f"  Secrets, only from the environment: {', '.join(secrets)}",
-        f"  (or {', '.join(name + '_FILE' for name in secrets)} naming a file).",
-        "  NKICACHE_TARGET: the compile target (Trn1, Trn2) of a graph that names none.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "\b",
+            "Settings (`nkicache config` shows each one's value and source), later winning:",
+            "  defaults < a TOML config file < NKICACHE_* environment variables < flags.",
+            "  Config file: $NKICACHE_CONFIG, else ./nkicache.toml, else ~/.config/nkicache/config.toml.",
+            "\b",
+            "Environment variables (NKICACHE_ + the setting's name in capitals):",
+            *textwrap.wrap(names + ".", 100, initial_indent="  ", subsequent_indent="  "),
+            f"  Secrets, only from the environment: {', '.join(secrets)}",
+            f"  (or {', '.join(name + '_FILE' for name in secrets)} naming a file).",
+            "  NKICACHE_TARGET: the compile target (Trn1, Trn2) of a graph that names none.",
+        ]
+    )
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
-              help="Show the version and the toolchain id (the tier keeps binaries apart by it).")  # fmt: skip
-@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), envvar="NKICACHE_LOG_LEVEL",
-              default=None, help="Log at this level on stderr ($NKICACHE_LOG_LEVEL). Default: INFO for `worker`, "
-              "else only warnings.")  # fmt: skip
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version and the toolchain id (the tier keeps binaries apart by it).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    envvar="NKICACHE_LOG_LEVEL",
+    default=None,
+    help="Log at this level on stderr ($NKICACHE_LOG_LEVEL). Default: INFO for `worker`, else only warnings.",
+)
 @click.pass_context
 def main(ctx: click.Context, log_level: str | None) -> None:
     """nkicache: a distributed build cache for a kernel compiler's NKI-frontend bridge."""

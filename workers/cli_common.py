@@ -129,8 +129,13 @@ class Progress:
         if not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-            self._bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=True)  # fmt: skip
+            self._bar = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
             self._task = self._bar.add_task(label, total=total)
             self._bar.start()
 
@@ -193,9 +198,13 @@ def compile_and_summarize(
     progress = Progress(len(files), "compiling", quiet=as_json)
     try:
         run = compile_run(
-            files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
+            files,
+            settings=settings,
+            workers=workers,
+            out_dir=out_dir,
+            target_name=target_name,
             on_result=lambda r: progress.advance(_pass_line(r)),
-        )  # fmt: skip
+        )
     finally:
         progress.close()
     results, interrupted = run.results, run.interrupted
@@ -230,8 +239,10 @@ def compile_and_summarize(
     else:
         click.echo(summary_line(len(results), len(failed), totals, seconds))
         if interrupted:
-            click.echo(f"interrupted: {len(results)} of {plural(len(files), 'graph')} compiled; their artifacts are in "
-                       f"{out_dir}")  # fmt: skip
+            click.echo(
+                f"interrupted: {len(results)} of {plural(len(files), 'graph')} compiled; their artifacts are in "
+                f"{out_dir}"
+            )
     return summary, bool(failed) or interrupted
 
 

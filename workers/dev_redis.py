@@ -68,8 +68,20 @@ class RedisServer:
     def start(self) -> RedisServer:
         if self.running:
             return self
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                   "--appendonly", "no", "--dir", self.dir, *self.extra_args]  # fmt: skip
+        command = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            *self.extra_args,
+        ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while time.monotonic() < deadline:

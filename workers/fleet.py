@@ -241,8 +241,14 @@ def submit_texts(
     submission = Submission(uuid.uuid4().hex[:12], toolchain)
     for path, graph in graphs:
         job_id = f"{submission.batch_id}-{len(submission.job_ids):05d}"  # batch_of(job_id) is the batch id
-        job = {"id": job_id, "batch": submission.batch_id, "file": path, "graph": graph, "attempt": 1,
-               "toolchain": toolchain}  # fmt: skip
+        job = {
+            "id": job_id,
+            "batch": submission.batch_id,
+            "file": path,
+            "graph": graph,
+            "attempt": 1,
+            "toolchain": toolchain,
+        }
         client.xadd(keys.job_shard(job_shard(job_id, count)).stream(toolchain), {"job": json.dumps(job)})
         submission.job_ids.append(job_id)
         submission.names[job_id] = path
@@ -282,8 +288,10 @@ def job_result(job_id: str, value: bytes | str) -> dict[str, Any]:
     except (TypeError, ValueError):  # UnicodeDecodeError is a ValueError
         result = None
     if not isinstance(result, dict) or result.get("status") not in RESULT_STATUSES:
-        return {"status": "unreadable", "error": f"the result stored for job {job_id} is not one a worker writes "
-                "(corrupt, or another tool's)"}  # fmt: skip
+        return {
+            "status": "unreadable",
+            "error": f"the result stored for job {job_id} is not one a worker writes (corrupt, or another tool's)",
+        }
     return result
 
 
@@ -297,8 +305,14 @@ T = TypeVar("T")
 # restart or a cluster failover (a replica takes over within cluster-node-timeout, 15 s by default).
 RECONNECT_SECONDS = 30.0
 # What a restart or a failover raises while it lasts (BusyLoadingError is a ConnectionError).
-TRANSIENT_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError, rex.TryAgainError,
-                    rex.ReadOnlyError, rex.MasterDownError)  # fmt: skip
+TRANSIENT_ERRORS = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.ClusterDownError,
+    rex.TryAgainError,
+    rex.ReadOnlyError,
+    rex.MasterDownError,
+)
 
 
 def retrying(call: Callable[[], T]) -> T:
@@ -433,9 +447,11 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
     for toolchain in sorted(known):
         streams = [shard.stream(toolchain) for shard in shards]
         groups = [_group_of(client, stream) for stream in streams]
-        row = {"pending": sum(_waiting(client, stream, group) for stream, group in zip(streams, groups, strict=True)),
-               "in_flight": sum(int(group.get("pending", 0)) for group in groups),
-               "live_workers": sum(1 for w in workers if w["toolchain"] == toolchain)}  # fmt: skip
+        row = {
+            "pending": sum(_waiting(client, stream, group) for stream, group in zip(streams, groups, strict=True)),
+            "in_flight": sum(int(group.get("pending", 0)) for group in groups),
+            "live_workers": sum(1 for w in workers if w["toolchain"] == toolchain),
+        }
         # Idle streams of toolchains long gone stay registered; listing them would bury the ones that matter.
         if any(row.values()):
             toolchains[toolchain] = row
@@ -549,8 +565,12 @@ class Worker:
             self.compiler.close()
             with contextlib.suppress(rex.RedisError):
                 self._leave()
-        logger.info("worker %s: stopped after %s (%s)", self.name, plural(self.done, "job"),
-                    plural(self.failed, "failed attempt"))  # fmt: skip
+        logger.info(
+            "worker %s: stopped after %s (%s)",
+            self.name,
+            plural(self.done, "job"),
+            plural(self.failed, "failed attempt"),
+        )
         return self.done
 
     def _stream(self, shard: JobKeys) -> str:
@@ -599,8 +619,12 @@ class Worker:
         )
         for message_id, fields in claimed[1] if claimed else []:
             if fields:  # a deleted entry comes back without fields
-                logger.warning("worker %s: reclaimed job message %s, idle for %.0f s", self.name,
-                               text(message_id), self.settings.job_claim_idle)  # fmt: skip
+                logger.warning(
+                    "worker %s: reclaimed job message %s, idle for %.0f s",
+                    self.name,
+                    text(message_id),
+                    self.settings.job_claim_idle,
+                )
                 return shard, text(message_id), fields
         return None
 
@@ -635,12 +659,16 @@ class Worker:
             beat = beats.get(owner)
             silent = now - beat["time"] if beat is not None else math.inf
             if owner == self.name or silent > self.dead_after:
-                for message_id, fields in self.client.xclaim(stream, GROUP, self.name, idle_ms,
-                                                             [entry["message_id"]]):  # fmt: skip
+                for message_id, fields in self.client.xclaim(stream, GROUP, self.name, idle_ms, [entry["message_id"]]):
                     if fields:
                         self.taken_over += 1
-                        logger.warning("worker %s: took over job message %s of worker %s (no heartbeat for %.1f s)",
-                                       self.name, text(message_id), owner, silent)  # fmt: skip
+                        logger.warning(
+                            "worker %s: took over job message %s of worker %s (no heartbeat for %.1f s)",
+                            self.name,
+                            text(message_id),
+                            owner,
+                            silent,
+                        )
                         return shard, text(message_id), fields
         return None
 
@@ -680,8 +708,9 @@ class Worker:
         self.current, self._current_message = f"trace-{message_id}", (shard, message_id)
         try:
             self._heartbeat()
-            result, _ = self.compiler.compile({"id": f"trace-{message_id}", "file": "trace task", "graph": "",
-                                               "trace": text(raw)})  # fmt: skip
+            result, _ = self.compiler.compile(
+                {"id": f"trace-{message_id}", "file": "trace task", "graph": "", "trace": text(raw)}
+            )
         finally:
             self.current, self._current_message = None, None
         job_id = _trace_task_job(raw)
@@ -697,8 +726,12 @@ class Worker:
             pipe.xdel(self._stream(shard), message_id)
             pipe.execute()
         self.traced_tasks += 1
-        logger.info("worker %s: %s: %s", self.name, result.file,
-                    result.error or ("traced" if result.counts["parallel_traces"] else "traced elsewhere"))  # fmt: skip
+        logger.info(
+            "worker %s: %s: %s",
+            self.name,
+            result.file,
+            result.error or ("traced" if result.counts["parallel_traces"] else "traced elsewhere"),
+        )
 
     def _compile_and_record(self, job: dict, shard: JobKeys, message_id: str) -> None:
         # The streams its trace tasks go on: this toolchain's, read by its workers.
@@ -707,29 +740,63 @@ class Worker:
         result, artifact = self._compile(job)
         ttl = self.settings.job_ttl
         if result.error is None and artifact is not None:
-            record = {"status": "completed", "worker": self.name, "host": self.settings.host,
-                      "file": job["file"], "graph": result.graph, **result.as_json()}  # fmt: skip
+            record = {
+                "status": "completed",
+                "worker": self.name,
+                "host": self.settings.host,
+                "file": job["file"],
+                "graph": result.graph,
+                **result.as_json(),
+            }
             # NX: a reclaimed job finished twice keeps one artifact (both finishers ran this compiler on its graph).
             self.client.set(self.keys.job_artifact(job["id"]), artifact, nx=True, ex=ttl)
             keys = [shard.result(job["id"]), shard.counts, self._stream(shard), shard.failures]
             self._complete(keys=keys, args=[job["id"], json.dumps(record), ttl, message_id])
             c = result.counts
-            logger.info("worker %s: job %s (%s) finished in %.2f s: %s, %s, %s, %s, %s, %s", self.name, job["id"],
-                        job["file"], result.seconds, plural(c["kernels"], "kernel"), plural(c["cache_hits"], "hit"),
-                        plural(c["cache_misses"], "miss"), plural(c["remote_hits"], "remote hit"),
-                        plural(c["traces"], "trace"), plural(c["parallel_traces"], "parallel trace"))  # fmt: skip
+            logger.info(
+                "worker %s: job %s (%s) finished in %.2f s: %s, %s, %s, %s, %s, %s",
+                self.name,
+                job["id"],
+                job["file"],
+                result.seconds,
+                plural(c["kernels"], "kernel"),
+                plural(c["cache_hits"], "hit"),
+                plural(c["cache_misses"], "miss"),
+                plural(c["remote_hits"], "remote hit"),
+                plural(c["traces"], "trace"),
+                plural(c["parallel_traces"], "parallel trace"),
+            )
         else:
             # A retry goes back onto the stream the job was read from.
             error = result.error or "no artifact"
             keys = [shard.result(job["id"]), shard.counts, shard.failures, self._stream(shard), shard.dead_letters]
             retry = {**job, "attempt": job.get("attempt", 1) + 1}
-            attempts = self._fail(keys=keys, args=[job["id"], message_id, error, self.settings.job_max_attempts,
-                                                   json.dumps(retry), self.name, ttl, job["file"],
-                                                   self.settings.dead_letter_limit])  # fmt: skip
+            attempts = self._fail(
+                keys=keys,
+                args=[
+                    job["id"],
+                    message_id,
+                    error,
+                    self.settings.job_max_attempts,
+                    json.dumps(retry),
+                    self.name,
+                    ttl,
+                    job["file"],
+                    self.settings.dead_letter_limit,
+                ],
+            )
             self.failed += 1
             verdict = "dead-lettered" if attempts >= self.settings.job_max_attempts else "to be retried"
-            logger.warning("worker %s: job %s failed (attempt %s of %d, %s) after %.2f s: %s", self.name, job["id"],
-                           attempts, self.settings.job_max_attempts, verdict, result.seconds, error)  # fmt: skip
+            logger.warning(
+                "worker %s: job %s failed (attempt %s of %d, %s) after %.2f s: %s",
+                self.name,
+                job["id"],
+                attempts,
+                self.settings.job_max_attempts,
+                verdict,
+                result.seconds,
+                error,
+            )
 
     def _compile(self, job: dict) -> tuple[PassResult, bytes | None]:
         mismatch = self._toolchain_problem(job)
@@ -737,8 +804,13 @@ class Worker:
             # Never compiled: this compiler's binary need not be the one the submitter's compiler produces.
             return PassResult(job["file"], error=mismatch), None
         if len(job["graph"].encode("utf-8", "surrogatepass")) > self.settings.max_graph_bytes:
-            return PassResult(job["file"], error=(f"{job['file']}: graph of more than {self.settings.max_graph_bytes} "
-                                                  "bytes, the limit max_graph_bytes")), None  # fmt: skip
+            return PassResult(
+                job["file"],
+                error=(
+                    f"{job['file']}: graph of more than {self.settings.max_graph_bytes} "
+                    "bytes, the limit max_graph_bytes"
+                ),
+            ), None
         # In the child: parsed there as a JSON object (never anything compile_graph would take for a path on
         # this machine), bounded in depth, size and work, and limited in time and memory.
         started = time.perf_counter()
@@ -773,8 +845,15 @@ class Worker:
                 logger.exception("worker %s: heartbeat failed", self.name)
 
     def _heartbeat(self) -> None:
-        beat = {"time": time.time(), "host": self.settings.host, "pid": os.getpid(), "job": self.current,
-                "done": self.done, "toolchain": self.toolchain, "compiler_pid": self.compiler.pid}  # fmt: skip
+        beat = {
+            "time": time.time(),
+            "host": self.settings.host,
+            "pid": os.getpid(),
+            "job": self.current,
+            "done": self.done,
+            "toolchain": self.toolchain,
+            "compiler_pid": self.compiler.pid,
+        }
         self.client.hset(self.keys.worker_heartbeats, self.name, json.dumps(beat))
 
     def _leave(self) -> None:

@@ -54,8 +54,13 @@ def _redis_errors(function):
     default=None,
     help="With --wait: give up after this many seconds (default: the wait_timeout setting, 1 hour).",
 )
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="With --wait: download the completed jobs' artifacts into this folder.")  # fmt: skip
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --wait: download the completed jobs' artifacts into this folder.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_redis_errors
 def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> None:
@@ -92,12 +97,15 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         "batch": submission.batch_id,
         "toolchain": submission.toolchain,
         "submitted": len(submission.job_ids),
-        "jobs": {job: {"file": submission.names[job], "status": "submitted", "error": None}
-                 for job in submission.job_ids},
-    }  # fmt: skip
+        "jobs": {
+            job: {"file": submission.names[job], "status": "submitted", "error": None} for job in submission.job_ids
+        },
+    }
     if not as_json:
-        click.echo(f"batch {submission.batch_id}: {plural(report['submitted'], 'job')} submitted for toolchain "
-                   f"{submission.toolchain}")  # fmt: skip
+        click.echo(
+            f"batch {submission.batch_id}: {plural(report['submitted'], 'job')} submitted for toolchain "
+            f"{submission.toolchain}"
+        )
         for job in submission.job_ids:
             click.echo(f"  {job} {shown_path(submission.names[job])}")
     timeout = settings.wait_timeout if timeout is None else timeout
@@ -119,8 +127,11 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
             if not fleet.retrying(lambda: fleet.serves(client, keys, toolchain, interval)):
                 warned = True
                 after_progress = "\n" if tty else ""  # off the progress line
-                click.echo(f"{after_progress}warning: no live worker has toolchain {submission.toolchain} (this "
-                           "compiler's); the jobs wait until one starts", err=True)  # fmt: skip
+                click.echo(
+                    f"{after_progress}warning: no live worker has toolchain {submission.toolchain} (this "
+                    "compiler's); the jobs wait until one starts",
+                    err=True,
+                )
 
         try:
             # The jobs are queued: from here on a failure still reports the batch id (with --json, in the
@@ -144,20 +155,29 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
             failed=sum(_attempts(r) for r in results.values() if r.get("status") == "dead_letter"),
             lost=len(waited.lost),
             unfinished=len(submission.job_ids) - len(results) - len(waited.lost),
-            jobs={job: {"file": submission.names[job], "error": results.get(job, {}).get("error"),
-                        "status": "lost" if job in waited.lost else results.get(job, {}).get("status", "unfinished")}
-                  for job in submission.job_ids},
-        )  # fmt: skip
+            jobs={
+                job: {
+                    "file": submission.names[job],
+                    "error": results.get(job, {}).get("error"),
+                    "status": "lost" if job in waited.lost else results.get(job, {}).get("status", "unfinished"),
+                }
+                for job in submission.job_ids
+            },
+        )
         if waited.lost:
-            report["error"] = (f"{report['lost']} of {report['submitted']} jobs are gone from the fleet's Redis "
-                               f"(it restarted empty or failed over; batch {submission.batch_id} no longer exists): "
-                               "submit them again")  # fmt: skip
+            report["error"] = (
+                f"{report['lost']} of {report['submitted']} jobs are gone from the fleet's Redis "
+                f"(it restarted empty or failed over; batch {submission.batch_id} no longer exists): "
+                "submit them again"
+            )
     if as_json:
         echo_json(report)
     else:
         if wait:
-            click.echo(f"{report['completed']} completed, {report['dead_letter']} dead-lettered, "
-                       f"{report['unfinished']} unfinished, {report['lost']} lost")  # fmt: skip
+            click.echo(
+                f"{report['completed']} completed, {report['dead_letter']} dead-lettered, "
+                f"{report['unfinished']} unfinished, {report['lost']} lost"
+            )
             for job, info in report["jobs"].items():
                 if info["status"] != "completed":
                     click.echo(f"  {job} {shown_path(info['file'])}: {info['status']} {info['error'] or ''}".rstrip())
@@ -165,9 +185,12 @@ def submit_command(graphs, tier, tier_mode, wait, timeout, out_dir, as_json) -> 
         click.echo(f"nkicache: error: {report['error']}", err=True)
         sys.exit(EXIT_PROJECT_ERROR)
     if wait and report["unfinished"]:
-        click.echo(f"nkicache: error: {report['unfinished']} of {plural(report['submitted'], 'job')} unfinished after "
-                   f"{timeout:g} s (--timeout, default wait_timeout); they stay queued: nkicache batch show "
-                   f"{submission.batch_id}", err=True)  # fmt: skip
+        click.echo(
+            f"nkicache: error: {report['unfinished']} of {plural(report['submitted'], 'job')} unfinished after "
+            f"{timeout:g} s (--timeout, default wait_timeout); they stay queued: nkicache batch show "
+            f"{submission.batch_id}",
+            err=True,
+        )
     if wait and report["completed"] < report["submitted"]:  # dead-lettered, unfinished or unreadable
         sys.exit(EXIT_CHECK_FAILED)
 
@@ -181,13 +204,24 @@ def _attempts(result: dict) -> int:
 @click.command("worker")
 @tier_options
 @click.option("--name", default=None, help="This worker's consumer name. Default: HOST-PID.")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Worker processes on this machine, each its own consumer.")  # fmt: skip
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes on this machine, each its own consumer.",
+)
 @click.option("--max-jobs", type=click.IntRange(min=1), default=None, help="Exit after this many jobs.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Also write each artifact into this folder (artifacts always go to Redis).")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True,
-              help="When the workers exit, print {jobs, workers: [{name, jobs}]} on stdout.")  # fmt: skip
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also write each artifact into this folder (artifacts always go to Redis).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="When the workers exit, print {jobs, workers: [{name, jobs}]} on stdout."
+)
 @click.pass_context
 @_redis_errors
 def worker_command(ctx, tier, tier_mode, name, concurrency, max_jobs, out_dir, as_json) -> None:
@@ -212,8 +246,11 @@ def worker_command(ctx, tier, tier_mode, name, concurrency, max_jobs, out_dir, a
         base.encode("utf-8")  # bytes that are not UTF-8 arrive escaped; Redis could not be sent them
     except UnicodeEncodeError:
         raise click.BadParameter("the worker's name is not UTF-8 text", param_hint="--name") from None
-    refuse_read_only(load_cli_settings(tier=tier, tier_mode=tier_mode), "worker", "acknowledges jobs and stores "
-                     "their results and entries")  # fmt: skip
+    refuse_read_only(
+        load_cli_settings(tier=tier, tier_mode=tier_mode),
+        "worker",
+        "acknowledges jobs and stores their results and entries",
+    )
     if concurrency == 1:
         _print_done([(base, _run_worker(tier, tier_mode, base, max_jobs, out_dir, log_level))], as_json)
         return
@@ -223,9 +260,12 @@ def worker_command(ctx, tier, tier_mode, name, concurrency, max_jobs, out_dir, a
     client.close()
     context = multiprocessing.get_context("spawn")
     done = context.SimpleQueue()  # (name, jobs) from each process that exits cleanly
-    processes = [context.Process(target=_worker_process,
-                                 args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir, log_level, done))
-                 for i in range(concurrency)]  # fmt: skip
+    processes = [
+        context.Process(
+            target=_worker_process, args=(tier, tier_mode, f"{base}-{i}", max_jobs, out_dir, log_level, done)
+        )
+        for i in range(concurrency)
+    ]
 
     def forward(signum: int, frame: object) -> None:
         # A supervisor signals this process only (Kubernetes, `kill PID`): pass it on, so each worker
@@ -250,8 +290,12 @@ def worker_command(ctx, tier, tier_mode, name, concurrency, max_jobs, out_dir, a
 
 def _print_done(finished: list[tuple[str, int]], as_json: bool) -> None:
     if as_json:
-        echo_json({"jobs": sum(jobs for _, jobs in finished),
-                   "workers": [{"name": name, "jobs": jobs} for name, jobs in finished]})  # fmt: skip
+        echo_json(
+            {
+                "jobs": sum(jobs for _, jobs in finished),
+                "workers": [{"name": name, "jobs": jobs} for name, jobs in finished],
+            }
+        )
 
 
 def _run_worker(tier, tier_mode, name, max_jobs, out_dir, log_level: str | None = None) -> int:
@@ -286,8 +330,11 @@ def _worker_process(tier, tier_mode, name, max_jobs, out_dir, log_level, done) -
 @tier_options
 @click.option("--dead-letters", is_flag=True, help="Also list the dead-lettered jobs with their errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--live-check", is_flag=True,
-              help="Exit 0 if worker NAME (or NAME-i) has a fresh heartbeat, else 1: a liveness probe.")  # fmt: skip
+@click.option(
+    "--live-check",
+    is_flag=True,
+    help="Exit 0 if worker NAME (or NAME-i) has a fresh heartbeat, else 1: a liveness probe.",
+)
 @click.option("--name", default=None, help="With --live-check. Default: $NKICACHE_WORKER, else the host name.")
 @_redis_errors
 def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> None:
@@ -320,22 +367,30 @@ def queue_command(tier, tier_mode, dead_letters, as_json, live_check, name) -> N
     if as_json:
         echo_json(status)
         return
-    click.echo(f"pending {status['pending']}, in flight {status['in_flight']}, completed {status['completed']}, "
-               f"failed attempts {status['failed']}, dead-lettered {status['dead_letter']}")  # fmt: skip
+    click.echo(
+        f"pending {status['pending']}, in flight {status['in_flight']}, completed {status['completed']}, "
+        f"failed attempts {status['failed']}, dead-lettered {status['dead_letter']}"
+    )
     mine = toolchain_id()
     for toolchain, row in status["toolchains"].items():
-        click.echo(f"toolchain {toolchain}{' (this compiler)' if toolchain == mine else ''}: pending "
-                   f"{row['pending']}, in flight {row['in_flight']}, "
-                   f"{plural(row['live_workers'], 'live worker')}")  # fmt: skip
+        click.echo(
+            f"toolchain {toolchain}{' (this compiler)' if toolchain == mine else ''}: pending "
+            f"{row['pending']}, in flight {row['in_flight']}, "
+            f"{plural(row['live_workers'], 'live worker')}"
+        )
     for toolchain, waiting in status["unserved"].items():
-        click.echo(f"warning: {plural(waiting, 'job')} {'waits' if waiting == 1 else 'wait'} for toolchain "
-                   f"{toolchain}, which no live worker has")  # fmt: skip
+        click.echo(
+            f"warning: {plural(waiting, 'job')} {'waits' if waiting == 1 else 'wait'} for toolchain "
+            f"{toolchain}, which no live worker has"
+        )
     click.echo(plural(len(status["workers"]), "live worker"))
     for w in status["workers"]:
         age = time.time() - w["time"]
-        click.echo(f"  {w['name']} on {w['host']} (pid {w['pid']}, toolchain {w['toolchain'] or 'unknown'}): "
-                   f"{plural(w['done'], 'job')}, {'on ' + w['job'] if w['job'] else 'idle'}, "
-                   f"seen {age:.1f} s ago")  # fmt: skip
+        click.echo(
+            f"  {w['name']} on {w['host']} (pid {w['pid']}, toolchain {w['toolchain'] or 'unknown'}): "
+            f"{plural(w['done'], 'job')}, {'on ' + w['job'] if w['job'] else 'idle'}, "
+            f"seen {age:.1f} s ago"
+        )
     for d in status.get("dead_letters", []):
         click.echo(f"  dead: {d['job']}: {d['error']}")
 
@@ -372,8 +427,10 @@ def job_show_command(job_id, tier, tier_mode, as_json) -> None:
         if info.get("worker"):
             line += f", worker {info['worker']}"
         if info["status"] == "completed":
-            line += (f", {plural(info.get('kernels', 0), 'kernel')}, {plural(info.get('traces', 0), 'trace')}, "
-                     f"{info['seconds']:.2f} s")  # fmt: skip
+            line += (
+                f", {plural(info.get('kernels', 0), 'kernel')}, {plural(info.get('traces', 0), 'trace')}, "
+                f"{info['seconds']:.2f} s"
+            )
         if info["failed_attempts"]:
             line += f", {plural(info['failed_attempts'], 'failed attempt')}"
         click.echo(line)
@@ -408,9 +465,11 @@ def batch_show_command(batch_id, tier, tier_mode, as_json) -> None:
     if as_json:
         echo_json(info)
     else:
-        click.echo(f"batch {batch_id}: {plural(info['submitted'], 'job')}, {info['completed']} completed, "
-                   f"{info['dead_letter']} dead-lettered, {info['unfinished']} unfinished"
-                   + (f", {info['unreadable']} unreadable" if info["unreadable"] else ""))  # fmt: skip
+        click.echo(
+            f"batch {batch_id}: {plural(info['submitted'], 'job')}, {info['completed']} completed, "
+            f"{info['dead_letter']} dead-lettered, {info['unfinished']} unfinished"
+            + (f", {info['unreadable']} unreadable" if info["unreadable"] else "")
+        )
         for job, row in info["jobs"].items():
             click.echo(f"  {job} {row['status']} {row['file'] or ''} {row['error'] or ''}".rstrip())
     if info["completed"] < info["submitted"]:  # dead-lettered, unfinished or unreadable

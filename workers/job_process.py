@@ -93,8 +93,13 @@ class CompileProcess:
             return
         self._reap()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # each reserves address space
-        self._process = subprocess.Popen([sys.executable, "-m", "workers.job_process"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, env=env, close_fds=True)  # fmt: skip
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "workers.job_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
         self._send = Connection(os.dup(self._process.stdin.fileno()), readable=False)
         self._receive = Connection(os.dup(self._process.stdout.fileno()), writable=False)
         self._process.stdin.close()
@@ -245,8 +250,9 @@ def answer_job(
         except GraphError as exc:
             result, artifact = PassResult(job["file"], error=str(exc)), None
         else:
-            result, artifact = compile_job(graph, job, tier=tier, limits=limits, out_dir=out_dir,
-                                           enqueue=queue_for(job))  # fmt: skip
+            result, artifact = compile_job(
+                graph, job, tier=tier, limits=limits, out_dir=out_dir, enqueue=queue_for(job)
+            )
     if tier is not None:
         tier.flush()
     return result, artifact

@@ -98,10 +98,19 @@ def _miss_cause_coverage(graphs: list[Graph], redis_url: str) -> dict[str, Any]:
 
 def _rmsnorm_graph(name: str, rows: int, eps: float, cols: int = 64) -> Graph:
     """One RMSNorm op: the variants the workload's models may not have (a kernel with attrs, odd row counts)."""
-    tensors = {"x": {"shape": [rows, cols], "dtype": "float32"}, "g": {"shape": [cols], "dtype": "float32"},
-               "y": {"shape": [rows, cols], "dtype": "float32"}}  # fmt: skip
-    op = {"type": "InternalNkiKernel", "func_name": "RMSNorm", "kernel_name": "rmsnorm", "operands": ["x", "g"],
-          "results": ["y"], "attrs": {"eps": eps}}  # fmt: skip
+    tensors = {
+        "x": {"shape": [rows, cols], "dtype": "float32"},
+        "g": {"shape": [cols], "dtype": "float32"},
+        "y": {"shape": [rows, cols], "dtype": "float32"},
+    }
+    op = {
+        "type": "InternalNkiKernel",
+        "func_name": "RMSNorm",
+        "kernel_name": "rmsnorm",
+        "operands": ["x", "g"],
+        "results": ["y"],
+        "attrs": {"eps": eps},
+    }
     return load_graph({"name": f"miss-{name}", "tensors": tensors, "ops": [op]})
 
 

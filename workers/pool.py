@@ -60,8 +60,14 @@ def compile_run(
     except OSError as exc:  # before any pass: every artifact would fail the same way
         raise ArtifactError(f"{out_dir}: cannot create the output folder: {exc.strerror or exc}") from None
     refused = duplicate_names(paths, settings.max_graph_bytes)
-    run = _compile_all([p for p in paths if p not in refused], settings=settings, workers=workers,
-                       out_dir=out_dir, target_name=target_name, on_result=on_result)  # fmt: skip
+    run = _compile_all(
+        [p for p in paths if p not in refused],
+        settings=settings,
+        workers=workers,
+        out_dir=out_dir,
+        target_name=target_name,
+        on_result=on_result,
+    )
     by_path = {result.file: result for result in run.results}
     results = []
     for path in paths:
@@ -87,8 +93,9 @@ def _compile_all(
         return _compile_serially(paths, settings, out_dir, target_name, on_result)
     from workers.variant_pool import compile_in_parallel
 
-    return compile_in_parallel(paths, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name,
-                               on_result=on_result)  # fmt: skip
+    return compile_in_parallel(
+        paths, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name, on_result=on_result
+    )
 
 
 def _compile_serially(
@@ -105,8 +112,9 @@ def _compile_serially(
             for path in paths:
                 if ctrl_c.pressed:
                     break
-                result, _ = compile_graph(path, tier=tier, target_name=target_name, out_dir=out_dir,
-                                          limits=settings.limits())  # fmt: skip
+                result, _ = compile_graph(
+                    path, tier=tier, target_name=target_name, out_dir=out_dir, limits=settings.limits()
+                )
                 results.append(result)
                 on_result(result)
     finally:

@@ -118,10 +118,14 @@ def process_figures(graph: Path, redis_url: str, namespace: str, work: Path, rou
     commands.add("warm_compile_local_ms", compile_line(warm_local, "warm"))
     commands.add("warm_compile_local_workers2_ms", compile_line(warm_local, "warm2", "--workers", "2"))
     commands.add("report_local_ms", lambda _: [*nkicache, "report", "--tier", warm_local])
-    commands.add("cold_compile_redis_ms", compile_line(redis_url, "cold-redis"),
-                 lambda n: {"NKICACHE_NAMESPACE": f"{namespace}-cold-{n}"})  # fmt: skip
-    commands.add("warm_compile_redis_ms", compile_line(redis_url, "warm-redis"),
-                 lambda _: {"NKICACHE_NAMESPACE": namespace})  # fmt: skip
+    commands.add(
+        "cold_compile_redis_ms",
+        compile_line(redis_url, "cold-redis"),
+        lambda n: {"NKICACHE_NAMESPACE": f"{namespace}-cold-{n}"},
+    )
+    commands.add(
+        "warm_compile_redis_ms", compile_line(redis_url, "warm-redis"), lambda _: {"NKICACHE_NAMESPACE": namespace}
+    )
     figures: dict[str, Any] = commands.measure(rounds)
     # The probe prints the call's own milliseconds (the process around it is toolchain_id_process).
     figures["toolchain_id_ms"] = round(float(commands.outputs["toolchain_id_process_ms"].strip()), 2)

@@ -40,13 +40,20 @@ def workload_command(out_dir: str, models: int, seed: int, as_json: bool) -> Non
 
 
 @click.command("quickstart")
-@click.option("--dir", "work_dir", type=click.Path(file_okay=False), default="nkicache-quickstart",
-              show_default=True, help="Folder for the graphs, the artifacts and the tier file.")  # fmt: skip
+@click.option(
+    "--dir",
+    "work_dir",
+    type=click.Path(file_okay=False),
+    default="nkicache-quickstart",
+    show_default=True,
+    help="Folder for the graphs, the artifacts and the tier file.",
+)
 @click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graphs to generate.")
 @click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True, help="Pool processes.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Workload and input seed.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object: cold, warm, check, warm_speedup and paths.")  # fmt: skip
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object: cold, warm, check, warm_speedup and paths."
+)
 def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_json: bool) -> None:
     """The main job on the embedded tier, end to end: generate a workload, compile it cold with a pool
     (a fresh tier file in DIR), compile it again warm (every variant comes from the tier, nothing is
@@ -66,12 +73,18 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
     failed = False
     for run in ("cold", "warm"):
         if not as_json:
-            click.echo(f"== {run} compile: {plural(len(files), 'graph')}, {plural(workers, 'worker')}, "
-                       f"tier local:{tier_path}")  # fmt: skip
+            click.echo(
+                f"== {run} compile: {plural(len(files), 'graph')}, {plural(workers, 'worker')}, tier local:{tier_path}"
+            )
         summary, run_failed = compile_and_summarize(
-            files, settings=settings, workers=workers, out_dir=str(out), target_name=None, as_json=as_json,
+            files,
+            settings=settings,
+            workers=workers,
+            out_dir=str(out),
+            target_name=None,
+            as_json=as_json,
             print_json=False,
-        )  # fmt: skip
+        )
         if summary["interrupted"]:  # Ctrl-C: stop here, not go on to the next run
             sys.exit(EXIT_INTERRUPTED)
         report[run] = {k: v for k, v in summary.items() if k not in ("graphs", "artifacts")}
@@ -89,14 +102,20 @@ def quickstart_command(work_dir: str, models: int, workers: int, seed: int, as_j
         echo_json(report)
     else:
         warm_rates = rates_text(report["warm"])
-        click.echo(f"== cold compile took {report['cold']['seconds']:.2f} s, warm {report['warm']['seconds']:.2f} s "
-                   "(wall times of the two compiles inside this process; a separate `nkicache compile` also "
-                   f"starts Python, `nkicache bench` times whole commands); traces {_traced(report['cold'])} -> "
-                   f"{_traced(report['warm'])}; warm {warm_rates}")  # fmt: skip
-        click.echo(f"== check: {len(checks)} compiled graphs run, {kernels} kernel outputs compared with numpy "
-                   f"references: {'all OK' if not bad else f'{len(bad)} FAILED'}")  # fmt: skip
-        click.echo(f"== everything is in {root}/: graphs in {graphs}, compiled artifacts in {out} (nkicache run "
-                   f"{out} --check), the tier in {tier_path} (nkicache report --tier local:{tier_path})")  # fmt: skip
+        click.echo(
+            f"== cold compile took {report['cold']['seconds']:.2f} s, warm {report['warm']['seconds']:.2f} s "
+            "(wall times of the two compiles inside this process; a separate `nkicache compile` also "
+            f"starts Python, `nkicache bench` times whole commands); traces {_traced(report['cold'])} -> "
+            f"{_traced(report['warm'])}; warm {warm_rates}"
+        )
+        click.echo(
+            f"== check: {len(checks)} compiled graphs run, {kernels} kernel outputs compared with numpy "
+            f"references: {'all OK' if not bad else f'{len(bad)} FAILED'}"
+        )
+        click.echo(
+            f"== everything is in {root}/: graphs in {graphs}, compiled artifacts in {out} (nkicache run "
+            f"{out} --check), the tier in {tier_path} (nkicache report --tier local:{tier_path})"
+        )
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
 

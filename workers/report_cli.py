@@ -68,23 +68,47 @@ def _size(value: str) -> int:
 # -- report ---------------------------------------------------------------------------------------
 @click.command("report")
 @click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
-@click.option("--since", default=None, metavar="T", callback=_parsed(_since, "--since"),
-              help="Only passes since T in the timeline: 2h / 7d (ago), Unix seconds or 2024-05-01T12:00.")  # fmt: skip
+@click.option(
+    "--since",
+    default=None,
+    metavar="T",
+    callback=_parsed(_since, "--since"),
+    help="Only passes since T in the timeline: 2h / 7d (ago), Unix seconds or 2024-05-01T12:00.",
+)
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Top variants listed.")
-@click.option("--bucket", default=None, metavar="D", callback=_parsed(_duration, "--bucket"),
-              help="Timeline bucket width (5m, 1h, 1d). Default: chosen to give at most 48 buckets.")  # fmt: skip
+@click.option(
+    "--bucket",
+    default=None,
+    metavar="D",
+    callback=_parsed(_duration, "--bucket"),
+    help="Timeline bucket width (5m, 1h, 1d). Default: chosen to give at most 48 buckets.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--prometheus", is_flag=True, help="Print the Prometheus text exposition format (textfile collector).")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="Write a self-contained HTML page with plots to FILE (needs the html extra: "
-                   "pip install 'nkicache[html]').")  # fmt: skip
-@click.option("--zero", is_flag=True,
-              help="Zero the fleet counters (as sccache -z / ccache -z) instead of reporting; the pass log records "
-                   "when and by whom. Entries, key usage and per-kernel counts are kept.")  # fmt: skip
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Write a self-contained HTML page with plots to FILE (needs the html extra: pip install 'nkicache[html]').",
+)
+@click.option(
+    "--zero",
+    is_flag=True,
+    help="Zero the fleet counters (as sccache -z / ccache -z) instead of reporting; the pass log records "
+    "when and by whom. Entries, key usage and per-kernel counts are kept.",
+)
 def report_command(
-    tier: str | None, since: float | None, top: int, bucket: float | None, as_json: bool, prometheus: bool,
-    html_file: str | None, zero: bool,
-) -> None:  # fmt: skip
+    tier: str | None,
+    since: float | None,
+    top: int,
+    bucket: float | None,
+    as_json: bool,
+    prometheus: bool,
+    html_file: str | None,
+    zero: bool,
+) -> None:
     """Fleet-wide hit rates and compile time from the tier's metrics: totals, per host and worker, per
     toolchain, per kernel (call_count and variants, as the specification's _export_new_nki_fe_metrics), the most used
     variants with their shapes, and the hit rates over time from the pass log.
@@ -126,8 +150,9 @@ def report_command(
     if html_file:
         require_matplotlib()  # before reading the tier, which can take a while, only to fail at the end
     with _report_reader(_settings(tier)) as reader:
-        report = build_report(reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None,
-                              timeline=not prometheus)  # fmt: skip
+        report = build_report(
+            reader, since=since, top=top, bucket_seconds=int(bucket) if bucket else None, timeline=not prometheus
+        )
     if html_file:
         _write_atomically(Path(html_file), render_html(report))
     if as_json:
@@ -156,9 +181,11 @@ def _zero(settings: Any, as_json: bool) -> None:
     if as_json:
         echo_json({"zeroed": True, "tier": reader.description, "when": record["finished"], "previous": previous})
     else:
-        click.echo(f"zeroed the fleet counters of {reader.description} (they held "
-                   f"{plural(previous['passes'], 'pass')}, {plural(previous['kernels'], 'kernel')}); the pass log "
-                   "records it")  # fmt: skip
+        click.echo(
+            f"zeroed the fleet counters of {reader.description} (they held "
+            f"{plural(previous['passes'], 'pass')}, {plural(previous['kernels'], 'kernel')}); the pass log "
+            "records it"
+        )
 
 
 @contextlib.contextmanager
@@ -256,8 +283,13 @@ def _wait_for_signal() -> None:
 
 # -- inspect --------------------------------------------------------------------------------------
 def source_options(command: Callable) -> Callable:
-    command = click.option("--snapshot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-                           help="Read a snapshot file (from `inspect export`) instead of a tier.")(command)  # fmt: skip
+    command = click.option(
+        "--snapshot",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="FILE",
+        help="Read a snapshot file (from `inspect export`) instead of a tier.",
+    )(command)
     return click.option("--tier", default=None, metavar="URL", help=TIER_HELP)(command)
 
 
@@ -301,9 +333,13 @@ def _policy(tier: str | None = None, trusting: bool = False) -> Any:
 
 @click.group("inspect")
 @source_options
-@click.option("--toolchain", default=None, metavar="ID",
-              help="The toolchain whose entries show, verify and explain look at (default: this compiler's, "
-                   "see nkicache --version). ls, du, export, import and gc cover every toolchain.")  # fmt: skip
+@click.option(
+    "--toolchain",
+    default=None,
+    metavar="ID",
+    help="The toolchain whose entries show, verify and explain look at (default: this compiler's, "
+    "see nkicache --version). ls, du, export, import and gc cover every toolchain.",
+)
 @click.pass_context
 def inspect_group(ctx: click.Context, tier: str | None, snapshot: str | None, toolchain: str | None) -> None:
     """Look inside a tier, or a snapshot of one: list, show, disk usage, verify, explain a miss, export,
@@ -332,8 +368,9 @@ def _when(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of entries.")
 @source_options
 @click.pass_context
-def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_json: bool, tier: str | None,
-               snapshot: str | None) -> None:  # fmt: skip
+def ls_command(
+    ctx: click.Context, kernel: str | None, target: str | None, as_json: bool, tier: str | None, snapshot: str | None
+) -> None:
     """List entries: key, kernel, target, operand and result shapes, stored bytes, usage, last use.
 
     --json: [{key, toolchain, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
@@ -361,10 +398,12 @@ def ls_command(ctx: click.Context, kernel: str | None, target: str | None, as_js
                 continue
             dtypes = ",".join(sorted(set(row["operand_dtypes"] + row["result_dtypes"])))
             kind = f"ref {row['ref'][:8]}" if row["ref"] else f"{row['binary_bytes']} B binary"
-            click.echo(f"{row['key'][:16]}  {row['toolchain'][:8]}  {row['kernel_name']:<32} {row['target']:<5} "
-                       f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
-                       f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}  "
-                       f"writer {row['writer'][:8] or '-'}")  # fmt: skip
+            click.echo(
+                f"{row['key'][:16]}  {row['toolchain'][:8]}  {row['kernel_name']:<32} {row['target']:<5} "
+                f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
+                f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}  "
+                f"writer {row['writer'][:8] or '-'}"
+            )
         click.echo(plural(count, "entry"), err=True)
 
 
@@ -407,8 +446,13 @@ def _as_read(value: Any) -> str:
 
 
 # verify and du read the entries of a Redis tier in this many processes (cachestore.scan_split)
-PROCESSES = click.option("--processes", type=PROCESS_COUNT, default=None, metavar="N",
-                         help="Processes reading a Redis tier's entries. Default: one a CPU, at most 4.")  # fmt: skip
+PROCESSES = click.option(
+    "--processes",
+    type=PROCESS_COUNT,
+    default=None,
+    metavar="N",
+    help="Processes reading a Redis tier's entries. Default: one a CPU, at most 4.",
+)
 
 
 @inspect_group.command("du")
@@ -416,8 +460,9 @@ PROCESSES = click.option("--processes", type=PROCESS_COUNT, default=None, metava
 @PROCESSES
 @source_options
 @click.pass_context
-def du_command(ctx: click.Context, as_json: bool, processes: int | None, tier: str | None,
-               snapshot: str | None) -> None:  # fmt: skip
+def du_command(
+    ctx: click.Context, as_json: bool, processes: int | None, tier: str | None, snapshot: str | None
+) -> None:
     """Storage by kernel: entries (holding a binary / references), bytes stored, binary bytes, and what
     deduplication saves.
 
@@ -457,9 +502,11 @@ def du_command(ctx: click.Context, as_json: bool, processes: int | None, tier: s
         console.print(f"toolchain {toolchain}{mine}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
     for writer, row in usage["writers"].items():
         console.print(f"writer {writer or '(none)'}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
-    console.print(f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
-                  f"references; {usage['unreadable']['entries']:,} unreadable entries "
-                  f"({usage['unreadable']['bytes']:,} bytes)")  # fmt: skip
+    console.print(
+        f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
+        f"references; {usage['unreadable']['entries']:,} unreadable entries "
+        f"({usage['unreadable']['bytes']:,} bytes)"
+    )
     capacity = usage["capacity"]
     if capacity is not None and capacity["max_size"]:
         share = capacity["file_bytes"] / capacity["max_size"]
@@ -469,17 +516,35 @@ def du_command(ctx: click.Context, as_json: bool, processes: int | None, tier: s
 
 
 @inspect_group.command("verify")
-@click.option("--recompile", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also re-trace N sampled entries from their key components and compare the bytes.")  # fmt: skip
-@click.option("--execute", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also run N sampled entries on random inputs against the numpy references.")  # fmt: skip
+@click.option(
+    "--recompile",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Also re-trace N sampled entries from their key components and compare the bytes.",
+)
+@click.option(
+    "--execute",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Also run N sampled entries on random inputs against the numpy references.",
+)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sample and of the inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print {checked, ok, bad: [{key, reason}], ...}.")
 @PROCESSES
 @source_options
 @click.pass_context
-def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, as_json: bool,
-                   processes: int | None, tier: str | None, snapshot: str | None) -> None:  # fmt: skip
+def verify_command(
+    ctx: click.Context,
+    recompile: int,
+    execute: int,
+    seed: int,
+    as_json: bool,
+    processes: int | None,
+    tier: str | None,
+    snapshot: str | None,
+) -> None:
     """Check every entry: it decodes with the configured signature policy (schema, digest of the binary,
     HMAC when a key is set, a trusted writer's signature when trust_policy is set), its key components hash
     to its key, and a reference names an entry holding the same binary. Exit 1 when any entry is bad.
@@ -490,15 +555,24 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
 
     policy, settings = _policy(tier, trusting=True)
     with _source(ctx, tier, snapshot) as reader:
-        report = verify_entries(reader, policy, max_bytes=settings.max_entry_bytes, recompile=recompile,
-                                execute=execute, seed=seed, processes=processes)  # fmt: skip
+        report = verify_entries(
+            reader,
+            policy,
+            max_bytes=settings.max_entry_bytes,
+            recompile=recompile,
+            execute=execute,
+            seed=seed,
+            processes=processes,
+        )
     if as_json:
         echo_json(report.as_json())
     else:
-        extra = "".join(f", {n} {what}" for n, what in ((report.recompiled, "recompiled"),
-                                                        (report.executed, "executed")) if n)  # fmt: skip
-        click.echo(f"checked {plural(report.checked, 'entry')}{extra}: {report.ok} ok, "
-                   f"{plural(len(report.bad), 'problem')}")  # fmt: skip
+        extra = "".join(
+            f", {n} {what}" for n, what in ((report.recompiled, "recompiled"), (report.executed, "executed")) if n
+        )
+        click.echo(
+            f"checked {plural(report.checked, 'entry')}{extra}: {report.ok} ok, {plural(len(report.bad), 'problem')}"
+        )
         for item in report.bad:
             click.echo(f"  {item['key']}: {item['reason']}")
     if report.bad:
@@ -507,18 +581,37 @@ def verify_command(ctx: click.Context, recompile: int, execute: int, seed: int, 
 
 @inspect_group.command("explain")
 @click.argument("components", required=False, metavar="[COMPONENTS]")
-@click.option("--graph", "graph_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="Take the key components of an op of this graph file.")  # fmt: skip
+@click.option(
+    "--graph",
+    "graph_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Take the key components of an op of this graph file.",
+)
 @click.option("--op", "op_index", type=click.IntRange(min=0), default=None, metavar="N", help="With --graph.")
-@click.option("--target", "target_name", type=click.Choice(["Trn1", "Trn2"]), default=None,
-              help="Target to key for. Default: the graph's, the components', else $NKICACHE_TARGET/Trn2.")  # fmt: skip
+@click.option(
+    "--target",
+    "target_name",
+    type=click.Choice(["Trn1", "Trn2"]),
+    default=None,
+    help="Target to key for. Default: the graph's, the components', else $NKICACHE_TARGET/Trn2.",
+)
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Nearest variants shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @source_options
 @click.pass_context
-def explain_command(ctx: click.Context, components: str | None, graph_file: str | None, op_index: int | None,
-                    target_name: str | None, top: int, as_json: bool, tier: str | None,
-                    snapshot: str | None) -> None:  # fmt: skip
+def explain_command(
+    ctx: click.Context,
+    components: str | None,
+    graph_file: str | None,
+    op_index: int | None,
+    target_name: str | None,
+    top: int,
+    as_json: bool,
+    tier: str | None,
+    snapshot: str | None,
+) -> None:
     """Why did a kernel miss? Given key components (JSON text, a JSON file, or - for stdin), or an op of a
     graph file (--graph FILE --op N), say whether the tier holds that variant and list the nearest
     variants it does hold, with the components that differ.
@@ -556,8 +649,9 @@ def explain_command(ctx: click.Context, components: str | None, graph_file: str 
             continue
         click.echo(f"  {near['key'][:16]} (usage {near['usage']}, distance {near['distance']}) differs in:")
         for diff in near["differs"]:
-            click.echo(f"    {diff['component']}: wanted {json.dumps(diff['wanted'])}, "
-                       f"stored {json.dumps(diff['existing'])}")  # fmt: skip
+            click.echo(
+                f"    {diff['component']}: wanted {json.dumps(diff['wanted'])}, stored {json.dumps(diff['existing'])}"
+            )
 
 
 def _load_components(text: str) -> dict:
@@ -614,8 +708,14 @@ def import_command(ctx: click.Context, file: str, as_json: bool, tier: str | Non
     refuse_read_only(settings, "inspect import", "writes entries")
     snapshot = SnapshotReader(file)
     with _source(ctx, tier, None, writable=True, create=True) as target:
-        result = import_snapshot(snapshot, target, policy, cache_key_of_stored, default_ttl=settings.entry_ttl,
-                                 max_bytes=settings.max_entry_bytes)  # fmt: skip
+        result = import_snapshot(
+            snapshot,
+            target,
+            policy,
+            cache_key_of_stored,
+            default_ttl=settings.entry_ttl,
+            max_bytes=settings.max_entry_bytes,
+        )
     if as_json:
         echo_json(result)
     else:
@@ -637,19 +737,44 @@ def _writer_id(value: str | None) -> str | None:
 
 @inspect_group.command("gc")
 @click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
-@click.option("--max-bytes", default=None, metavar="B", callback=_parsed(_size, "--max-bytes"),
-              help="Evict the least valuable entries until the rest take at most B bytes (500M, 2GiB).")  # fmt: skip
-@click.option("--unused-for", default=None, metavar="D", callback=_parsed(_duration, "--unused-for"),
-              help="Evict entries not used for D (12h, 30d).")  # fmt: skip
-@click.option("--other-toolchains", is_flag=True,
-              help="Evict every entry of a toolchain other than this compiler's (after an upgrade).")  # fmt: skip
-@click.option("--writer", default=None, metavar="KEYID",
-              help="Evict every entry signed by this writer key id, in every toolchain and scope.")  # fmt: skip
+@click.option(
+    "--max-bytes",
+    default=None,
+    metavar="B",
+    callback=_parsed(_size, "--max-bytes"),
+    help="Evict the least valuable entries until the rest take at most B bytes (500M, 2GiB).",
+)
+@click.option(
+    "--unused-for",
+    default=None,
+    metavar="D",
+    callback=_parsed(_duration, "--unused-for"),
+    help="Evict entries not used for D (12h, 30d).",
+)
+@click.option(
+    "--other-toolchains",
+    is_flag=True,
+    help="Evict every entry of a toolchain other than this compiler's (after an upgrade).",
+)
+@click.option(
+    "--writer",
+    default=None,
+    metavar="KEYID",
+    help="Evict every entry signed by this writer key id, in every toolchain and scope.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--tier", default=None, metavar="URL", help=TIER_HELP)
 @click.pass_context
-def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_for: float | None,
-               other_toolchains: bool, writer: str | None, as_json: bool, tier: str | None) -> None:  # fmt: skip
+def gc_command(
+    ctx: click.Context,
+    dry_run: bool,
+    max_bytes: int | None,
+    unused_for: float | None,
+    other_toolchains: bool,
+    writer: str | None,
+    as_json: bool,
+    tier: str | None,
+) -> None:
     """Evict entries of every toolchain, never metrics: always the unreadable ones and references to
     nothing; with --other-toolchains, every toolchain's but this compiler's; with --writer KEYID, everything
     that writer signed (in every scope: `nkicache trust distrust` first); with --unused-for, those not
@@ -668,20 +793,30 @@ def gc_command(ctx: click.Context, dry_run: bool, max_bytes: int | None, unused_
     if not dry_run:
         refuse_read_only(settings, "inspect gc", "deletes entries (--dry-run only looks)")
     with _source(ctx, tier, None, writable=True) as reader:
-        result = collect_garbage(reader, policy, max_bytes=max_bytes, unused_for=unused_for, dry_run=dry_run,
-                                 only_toolchain=toolchain_id() if other_toolchains else None,
-                                 writer=_writer_id(writer))  # fmt: skip
+        result = collect_garbage(
+            reader,
+            policy,
+            max_bytes=max_bytes,
+            unused_for=unused_for,
+            dry_run=dry_run,
+            only_toolchain=toolchain_id() if other_toolchains else None,
+            writer=_writer_id(writer),
+        )
     if as_json:
         echo_json(result)
         return
     verb = "would evict" if dry_run else "evicted"
     reasons = ", ".join(f"{n} {reason}" for reason, n in result["reasons"].items()) or "nothing to evict"
-    click.echo(f"{plural(result['entries'], 'entry')} ({plural(result['bytes'], 'byte')}): {verb} {result['evicted']} "
-               f"({result['evicted_bytes']:,} bytes: {reasons}); {result['kept']} kept "
-               f"({result['kept_bytes']:,} bytes)")  # fmt: skip
+    click.echo(
+        f"{plural(result['entries'], 'entry')} ({plural(result['bytes'], 'byte')}): {verb} {result['evicted']} "
+        f"({result['evicted_bytes']:,} bytes: {reasons}); {result['kept']} kept "
+        f"({result['kept_bytes']:,} bytes)"
+    )
     if dry_run:
         for item in result["evictions"]:
-            click.echo(f"  would evict {item['key'][:16]} {item['toolchain'][:8]} {plural(item['bytes'], 'byte')}: "
-                       f"{item['reason']}")  # fmt: skip
+            click.echo(
+                f"  would evict {item['key'][:16]} {item['toolchain'][:8]} {plural(item['bytes'], 'byte')}: "
+                f"{item['reason']}"
+            )
     if result["expired_purged"]:
         click.echo(f"{'would purge' if dry_run else 'purged'} {plural(result['expired_purged'], 'expired entry')}")

@@ -87,8 +87,7 @@ def run_sentinel(
     return report
 
 
-def _check(reader: Reader, key: str, data: bytes, entry: Entry, report: SentinelReport, host: str,
-           ttl: float) -> None:  # fmt: skip
+def _check(reader: Reader, key: str, data: bytes, entry: Entry, report: SentinelReport, host: str, ttl: float) -> None:
     problem = _recompile_problem(reader, key, entry)
     if problem is None:
         report.matched += 1

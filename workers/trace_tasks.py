@@ -132,8 +132,15 @@ def compile_job(
                 for cache_key in found - traced_for_job:
                     traced.pop(cache_key, None)
             handed = with_causes(traced, plan)
-    result, artifact = compile_graph(graph, tier=tier, label=job["file"], out_dir=out_dir,
-                                     pass_id=f"job-{job['id']}", limits=limits, traced_elsewhere=handed)  # fmt: skip
+    result, artifact = compile_graph(
+        graph,
+        tier=tier,
+        label=job["file"],
+        out_dir=out_dir,
+        pass_id=f"job-{job['id']}",
+        limits=limits,
+        traced_elsewhere=handed,
+    )
     result.seconds = time.perf_counter() - started
     return result, artifact
 

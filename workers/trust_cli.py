@@ -21,8 +21,13 @@ def keygen_command(path: Path, name: str | None, as_json: bool) -> None:
 
     name = name or path.stem
     key = write_writer_key(path, name)
-    shown = {"key_id": key.key_id_hex, "public_key": key.public_base64(), "name": name,
-             "private_key_file": str(path), "policy_file": f"{path}.pub"}  # fmt: skip
+    shown = {
+        "key_id": key.key_id_hex,
+        "public_key": key.public_base64(),
+        "name": name,
+        "private_key_file": str(path),
+        "policy_file": f"{path}.pub",
+    }
     if as_json:
         echo_json(shown)
         return
@@ -48,9 +53,12 @@ def _policy_file(policy: Path | None) -> Path:
 
 
 POLICY_OPTION = click.option(
-    "--policy", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+    "--policy",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE",
     help="The trust policy file (default: the trust_policy setting).",
-)  # fmt: skip
+)
 
 
 @trust_group.command("show")
@@ -60,8 +68,9 @@ def trust_show(policy: Path | None, as_json: bool) -> None:
     """The writers the trust policy trusts."""
     from cachestore.trust import load_trust_policy
 
-    writers = [{"key_id": w.key_id.hex(), "name": w.name}
-               for w in load_trust_policy(_policy_file(policy)).writers.values()]  # fmt: skip
+    writers = [
+        {"key_id": w.key_id.hex(), "name": w.name} for w in load_trust_policy(_policy_file(policy)).writers.values()
+    ]
     if as_json:
         echo_json(writers)
         return
@@ -87,13 +96,25 @@ def trust_distrust(key_id: str, policy: Path | None) -> None:
 
 @click.command("sentinel")
 @click.option("--tier", default=None, metavar="URL", help="The tier to check (default: the configured one).")
-@click.option("--rate", type=float, default=None, metavar="R",
-              help="Share of the entries in use to trace again, 0 to 1 (default: setting sentinel_rate).")  # fmt: skip
-@click.option("--since", default=None, metavar="D",
-              help="Only entries the fleet used within D (1h, 2d); default: every trusted entry.")  # fmt: skip
-@click.option("--tier-mode", type=click.Choice(["read-through", "mirror", "read-only", "off"]), default=None,
-              help="read-only: send no write (report what it would quarantine, count nothing); default: the "
-              "tier_mode setting.")  # fmt: skip
+@click.option(
+    "--rate",
+    type=float,
+    default=None,
+    metavar="R",
+    help="Share of the entries in use to trace again, 0 to 1 (default: setting sentinel_rate).",
+)
+@click.option(
+    "--since",
+    default=None,
+    metavar="D",
+    help="Only entries the fleet used within D (1h, 2d); default: every trusted entry.",
+)
+@click.option(
+    "--tier-mode",
+    type=click.Choice(["read-through", "mirror", "read-only", "off"]),
+    default=None,
+    help="read-only: send no write (report what it would quarantine, count nothing); default: the tier_mode setting.",
+)
 @click.option("--seed", type=int, default=None, help="Seed of the sampling (default: random).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def sentinel_command(
@@ -133,20 +154,29 @@ def sentinel_command(
     policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust)
     reader = open_backend(settings, reading=True, toolchain=toolchain_id())
     try:
-        report = run_sentinel(reader, policy, rate=rate, since=window,
-                              host=settings.host, quarantine_ttl=settings.entry_ttl,
-                              rng=random.Random(seed), read_only=settings.tier_mode == "read-only")  # fmt: skip
+        report = run_sentinel(
+            reader,
+            policy,
+            rate=rate,
+            since=window,
+            host=settings.host,
+            quarantine_ttl=settings.entry_ttl,
+            rng=random.Random(seed),
+            read_only=settings.tier_mode == "read-only",
+        )
     finally:
         reader.close()
     if as_json:
         echo_json(report.as_json())
     else:
-        click.echo(f"sentinel over toolchain {report.toolchain}: {plural(report.entries, 'entry')}, "
-                   f"{report.sampled} traced "
-                   f"again at rate {rate:g}: {report.matched} matched, {len(report.quarantined)} "
-                   f"{'to quarantine (read-only: none moved)' if report.read_only else 'quarantined'}, "
-                   f"{len(report.failed)} could not be traced, {report.rejected} rejected by the policy "
-                   f"({report.seconds:.1f} s)")  # fmt: skip
+        click.echo(
+            f"sentinel over toolchain {report.toolchain}: {plural(report.entries, 'entry')}, "
+            f"{report.sampled} traced "
+            f"again at rate {rate:g}: {report.matched} matched, {len(report.quarantined)} "
+            f"{'to quarantine (read-only: none moved)' if report.read_only else 'quarantined'}, "
+            f"{len(report.failed)} could not be traced, {report.rejected} rejected by the policy "
+            f"({report.seconds:.1f} s)"
+        )
         verb = "would quarantine (read-only)" if report.read_only else "quarantined"
         for item in report.quarantined:
             click.echo(f"{verb} {item['key'][:16]} (writer {item['writer'] or 'none'}): {item['reason']}")

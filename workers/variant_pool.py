@@ -86,8 +86,15 @@ class Claims:
             lock.release()
 
 
-def _helper(who: int, tasks: list[TraceTask], claims: Claims, connection: Connection, others: list[Connection],
-            settings: Settings, dropped_outside_passes: Any) -> None:  # fmt: skip
+def _helper(
+    who: int,
+    tasks: list[TraceTask],
+    claims: Claims,
+    connection: Connection,
+    others: list[Connection],
+    settings: Settings,
+    dropped_outside_passes: Any,
+) -> None:
     """A helper process: take tasks until none is left, sending back each outcome (the list of tasks left to
     trace comes first, once this compile's parent has asked the tier)."""
     for other in others:  # the other pipes' ends: a pipe whose process dies must read as closed
@@ -106,8 +113,15 @@ def _helper(who: int, tasks: list[TraceTask], claims: Claims, connection: Connec
 class Helpers:
     """The N - 1 helper processes, each with a pipe this process reads their outcomes from."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext, tasks: list[TraceTask], claims: Claims,
-                 count: int, settings: Settings, dropped_outside_passes: Any):  # fmt: skip
+    def __init__(
+        self,
+        context: multiprocessing.context.BaseContext,
+        tasks: list[TraceTask],
+        claims: Claims,
+        count: int,
+        settings: Settings,
+        dropped_outside_passes: Any,
+    ):
         pipes = [context.Pipe() for _ in range(count)]
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self.pipes: dict[int, Connection] = {}
@@ -239,8 +253,14 @@ class Scheduler:
         self.broken = False  # the counter's lock is lost: every task not answered is traced here
         helpers.hand_out(self.left)
 
-    def run(self, paths: Sequence[str], out_dir: str, target_name: str | None,
-            on_result: Callable[[PassResult], None], ctrl_c: CtrlC) -> list[PassResult]:  # fmt: skip
+    def run(
+        self,
+        paths: Sequence[str],
+        out_dir: str,
+        target_name: str | None,
+        on_result: Callable[[PassResult], None],
+        ctrl_c: CtrlC,
+    ) -> list[PassResult]:
         results: list[PassResult] = []
         while len(results) < len(paths) and not ctrl_c.pressed:
             self._receive(0)
@@ -295,7 +315,8 @@ class Scheduler:
                 ahead[key] = self.spare.pop(key)
             if outcome is not None:  # answered, the binary handed to its one pass and not kept
                 self.outcomes[task_id] = TraceOutcome(task_id, key)
-        result, _ = compile_graph(path, tier=self.tier, target_name=target_name, out_dir=out_dir, limits=self.limits,
-                                  traced_ahead=ahead)  # fmt: skip
+        result, _ = compile_graph(
+            path, tier=self.tier, target_name=target_name, out_dir=out_dir, limits=self.limits, traced_ahead=ahead
+        )
         self.spare.update(ahead)  # what the pass did not take
         return result

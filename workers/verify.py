@@ -48,8 +48,13 @@ class VerifyReport:
         return self.checked - len({item["key"] for item in self.bad})
 
     def as_json(self) -> dict:
-        return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "recompiled": self.recompiled,
-                "executed": self.executed}  # fmt: skip
+        return {
+            "checked": self.checked,
+            "ok": self.ok,
+            "bad": self.bad,
+            "recompiled": self.recompiled,
+            "executed": self.executed,
+        }
 
 
 class _HolderCache:
@@ -83,8 +88,10 @@ def verify_entries(
     by up to `processes` processes (cachestore.scan_split; None: one a CPU), each keeping a bounded cache of
     reference targets and a sample of the keys it found good; the samples are merged into one."""
     if recompile and reader.toolchain != toolchain_id():
-        raise InspectError(f"--recompile re-traces with this compiler (toolchain {toolchain_id()}); the entries "
-                           f"of toolchain {reader.toolchain} were traced by another")  # fmt: skip
+        raise InspectError(
+            f"--recompile re-traces with this compiler (toolchain {toolchain_id()}); the entries "
+            f"of toolchain {reader.toolchain} were traced by another"
+        )
     wanted = max(recompile, execute)
 
     def task(index: int) -> _Check:
@@ -268,8 +275,9 @@ def rebuild_op(components: Mapping[str, Any]) -> RebuiltOp:
         except NkiCacheError:
             continue
         if call.kernel_name == kernel_name:
-            return RebuiltOp(func_name, InternalNkiKernel(func_name, kernel_name, operands, results, attrs), target,
-                             attrs)  # fmt: skip
+            return RebuiltOp(
+                func_name, InternalNkiKernel(func_name, kernel_name, operands, results, attrs), target, attrs
+            )
     raise InspectError(f"no registered kernel compiles {kernel_name!r} for these shapes and attrs")
 
 
@@ -283,8 +291,7 @@ def _recompile_problem(reader: Reader, key: str, entry: Entry) -> str | None:
     except NkiCacheError as exc:
         return f"recompile failed: {' '.join(str(exc).split())}"
     if result["binary"] != entry.binary:
-        return (f"recompiled binary differs: {len(entry.binary)} bytes stored, {len(result['binary'])} bytes "
-                "recompiled")  # fmt: skip
+        return f"recompiled binary differs: {len(entry.binary)} bytes stored, {len(result['binary'])} bytes recompiled"
     if list(result["input_names"]) != entry.input_names or list(result["output_names"]) != entry.output_names:
         return "recompiled binary names other inputs or outputs"
     return None

@@ -166,8 +166,11 @@ def warm(
         # Names this compiler in the fleet metrics (with no pass), so that `report` compares the toolchains'
         # coverage, which it only looks for when the metrics know more than one toolchain.
         settings = tier.settings
-        tier.record(MetricsBatch(f"warm-{uuid.uuid4().hex}", settings.host, settings.worker, {"passes": 0},
-                                 toolchain=report.toolchain))  # fmt: skip
+        tier.record(
+            MetricsBatch(
+                f"warm-{uuid.uuid4().hex}", settings.host, settings.worker, {"passes": 0}, toolchain=report.toolchain
+            )
+        )
     report.seconds = time.perf_counter() - started
     return report
 
@@ -195,9 +198,16 @@ def _graph(name: str, target: str, calls: list[dict]) -> dict:
             names[role] = [f"v{i}_{role}{j}" for j in range(len(tensors_of_call))]
             for tensor_name, tensor in zip(names[role], tensors_of_call, strict=True):
                 tensors[tensor_name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype)}
-        ops.append({"type": "InternalNkiKernel", "func_name": call["func_name"],
-                    "kernel_name": call["components"]["kernel_name"], "operands": names["in"],
-                    "results": names["out"], "attrs": call["attrs"]})  # fmt: skip
+        ops.append(
+            {
+                "type": "InternalNkiKernel",
+                "func_name": call["func_name"],
+                "kernel_name": call["components"]["kernel_name"],
+                "operands": names["in"],
+                "results": names["out"],
+                "attrs": call["attrs"],
+            }
+        )
     return {"name": name, "target": target, "tensors": tensors, "ops": ops}
 
 
@@ -205,8 +215,10 @@ def _planned(variant: Variant) -> dict:
     """What a dry run shows of a variant it would trace: its key, kernel and shapes (its call was rebuilt, so
     its components are well formed)."""
     info = describe_components(variant.components)
-    return {"key": variant.cache_key, **{name: info[name] for name in ("kernel_name", "target", "operand_shapes",
-                                                                         "result_shapes")}}  # fmt: skip
+    return {
+        "key": variant.cache_key,
+        **{name: info[name] for name in ("kernel_name", "target", "operand_shapes", "result_shapes")},
+    }
 
 
 def _rebuilt_call(variant: Variant) -> tuple[dict | None, str | None]:
@@ -217,8 +229,14 @@ def _rebuilt_call(variant: Variant) -> tuple[dict | None, str | None]:
         return None, f"cannot be rebuilt into a kernel call: {' '.join(str(exc).split())}"
     if key != variant.cache_key:
         return None, f"its components hash to {key[:16]}... with this compiler, not to its key"
-    call = {"func_name": op.func_name, "operands": op.inst.operands, "results": op.inst.results,
-            "attrs": op.attrs, "target": type(op.target).__name__, "components": components}  # fmt: skip
+    call = {
+        "func_name": op.func_name,
+        "operands": op.inst.operands,
+        "results": op.inst.results,
+        "attrs": op.attrs,
+        "target": type(op.target).__name__,
+        "components": components,
+    }
     return call, None
 
 
@@ -227,8 +245,9 @@ def _over_limits(variant: Variant, call: dict, limits: Limits) -> str | None:
     max_graph_elements), or None: the very check a compile makes (bridge.limits.check_graph), on the graph of
     this one call that `--fleet` would submit."""
     try:
-        graph = load_graph(_graph(f"warm-{variant.cache_key[:16]}", call["target"], [call]),
-                           source=f"variant {variant.cache_key[:16]}")  # fmt: skip
+        graph = load_graph(
+            _graph(f"warm-{variant.cache_key[:16]}", call["target"], [call]), source=f"variant {variant.cache_key[:16]}"
+        )
         check_graph(graph, limits)
     except NkiCacheError as exc:
         return " ".join(str(exc).split())
@@ -257,8 +276,9 @@ def _trace(call: dict, max_instructions: int) -> tuple[dict, float] | str:
     started = time.perf_counter()
     try:
         with kernel_instruction_limit(max_instructions):  # as a compile's pass traces (workers.passes)
-            result = compile_kernel(call["func_name"], call["operands"], call["results"], call["attrs"],
-                                    target=make_target(call["target"]))  # fmt: skip
+            result = compile_kernel(
+                call["func_name"], call["operands"], call["results"], call["attrs"], target=make_target(call["target"])
+            )
     except NkiCacheError as exc:
         return " ".join(str(exc).split())
     return result, time.perf_counter() - started

@@ -26,26 +26,53 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
 
 @click.command("warm")
 @click.option("--tier", default=None, metavar="URL", help="The tier to warm (default: the configured one).")
-@click.option("--from", "source", default=None, metavar="TOOLCHAIN",
-              help="Warm from this toolchain's entries (default: the other toolchain used most recently).")  # fmt: skip
+@click.option(
+    "--from",
+    "source",
+    default=None,
+    metavar="TOOLCHAIN",
+    help="Warm from this toolchain's entries (default: the other toolchain used most recently).",
+)
 @click.option("--top", type=click.IntRange(min=1), default=None, metavar="N", help="Only the N most used variants.")
-@click.option("--min-usage", type=click.IntRange(min=0), default=0, metavar="U",
-              help="Only variants used at least U times.")  # fmt: skip
-@click.option("--since", default=None, metavar="D", callback=_since,
-              help="Only variants used since D ago (7d, 12h) or since a date.")  # fmt: skip
-@click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True,
-              help="Processes tracing at once.")  # fmt: skip
-@click.option("--fleet", is_flag=True,
-              help="Have the fleet's workers of this compiler trace them (Redis jobs), and wait.")  # fmt: skip
-@click.option("--per-job", type=click.IntRange(min=1), default=8, show_default=True,
-              help="With --fleet: kernel calls per job.")  # fmt: skip
-@click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="S",
-              help="With --fleet: stop waiting after S seconds (default: the wait_timeout setting).")  # fmt: skip
+@click.option(
+    "--min-usage", type=click.IntRange(min=0), default=0, metavar="U", help="Only variants used at least U times."
+)
+@click.option(
+    "--since",
+    default=None,
+    metavar="D",
+    callback=_since,
+    help="Only variants used since D ago (7d, 12h) or since a date.",
+)
+@click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True, help="Processes tracing at once.")
+@click.option(
+    "--fleet", is_flag=True, help="Have the fleet's workers of this compiler trace them (Redis jobs), and wait."
+)
+@click.option(
+    "--per-job", type=click.IntRange(min=1), default=8, show_default=True, help="With --fleet: kernel calls per job."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="With --fleet: stop waiting after S seconds (default: the wait_timeout setting).",
+)
 @click.option("--dry-run", is_flag=True, help="Say what would be traced; trace nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def warm_command(tier: str | None, source: str | None, top: int | None, min_usage: int, since: float | None,
-                 workers: int, fleet: bool, per_job: int, timeout: float | None, dry_run: bool,
-                 as_json: bool) -> None:  # fmt: skip
+def warm_command(
+    tier: str | None,
+    source: str | None,
+    top: int | None,
+    min_usage: int,
+    since: float | None,
+    workers: int,
+    fleet: bool,
+    per_job: int,
+    timeout: float | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Trace the most used variants of another toolchain (an older compiler) with this one, and store them
     under this compiler's toolchain, so that it starts warm after an upgrade.
 
@@ -96,8 +123,17 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
     progress = Progress(len(variants), f"warming from {source[:8]}", quiet=as_json)
     try:
         submit = _fleet_submitter(settings) if fleet else None
-        report = warm(client, variants, source, workers=workers, dry_run=dry_run, fleet=submit, per_job=per_job,
-                      limits=settings.limits(), on_progress=lambda: progress.advance("variant"))  # fmt: skip
+        report = warm(
+            client,
+            variants,
+            source,
+            workers=workers,
+            dry_run=dry_run,
+            fleet=submit,
+            per_job=per_job,
+            limits=settings.limits(),
+            on_progress=lambda: progress.advance("variant"),
+        )
     finally:
         progress.close()
         client.close()
@@ -109,12 +145,16 @@ def warm_command(tier: str | None, source: str | None, top: int | None, min_usag
         verb, traced = (
             ("would warm", f"would trace {report.to_trace}") if dry_run else ("warmed", f"traced {report.traced}")
         )
-        click.echo(f"{verb} {report.toolchain} from {report.source}: {plural(report.considered, 'variant')}, {traced}, "
-                   f"{report.present} already present, {len(report.skipped)} skipped, {len(report.failed)} failed "
-                   f"({report.seconds:.1f} s)")  # fmt: skip
+        click.echo(
+            f"{verb} {report.toolchain} from {report.source}: {plural(report.considered, 'variant')}, {traced}, "
+            f"{report.present} already present, {len(report.skipped)} skipped, {len(report.failed)} failed "
+            f"({report.seconds:.1f} s)"
+        )
         for item in report.would_trace:
-            click.echo(f"  would trace {item['key'][:16]} {item['kernel_name']} {item['target']} "
-                       f"{_shapes(item['operand_shapes'])} -> {_shapes(item['result_shapes'])}")  # fmt: skip
+            click.echo(
+                f"  would trace {item['key'][:16]} {item['kernel_name']} {item['target']} "
+                f"{_shapes(item['operand_shapes'])} -> {_shapes(item['result_shapes'])}"
+            )
         for item in report.skipped + report.failed:
             click.echo(f"  {item.get('key', '')[:16] or item.get('job')}: {item['reason']}", err=True)
     if report.failed:

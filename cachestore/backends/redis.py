@@ -226,8 +226,10 @@ def connect(url: str, *, connect_timeout: float, op_timeout: float, password: st
     # No retries: a failed operation is counted and trips the breaker at once, instead of multiplying the
     # operation timeout by redis-py's default retry count.
     options: dict[str, Any] = {
-        "socket_connect_timeout": connect_timeout, "socket_timeout": op_timeout, "retry": Retry(NoBackoff(), 0),
-    }  # fmt: skip
+        "socket_connect_timeout": connect_timeout,
+        "socket_timeout": op_timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
     if password is not None:
         options["password"] = password
     if url.startswith(("redis+cluster://", "rediss+cluster://")):
@@ -241,9 +243,14 @@ def connect(url: str, *, connect_timeout: float, op_timeout: float, password: st
             options["username"] = unquote(user) or None
         options.update(_opened(lambda: _query_options(query)))  # ?ssl_ca_certs=/path/ca.pem, as redis:// takes it
         # A cluster client connects to its startup nodes as it is built.
-        return _opened(lambda: RedisCluster(
-            startup_nodes=nodes, ssl=scheme.startswith("rediss"), require_full_coverage=False, **options,
-        ))  # fmt: skip
+        return _opened(
+            lambda: RedisCluster(
+                startup_nodes=nodes,
+                ssl=scheme.startswith("rediss"),
+                require_full_coverage=False,
+                **options,
+            )
+        )
     return _opened(lambda: redis.Redis.from_url(url, **options))
 
 
@@ -330,11 +337,18 @@ class RedisBackend(Backend, Reader):
         connect_timeout, op_timeout = settings.connect_timeout, settings.op_timeout
         if reading:
             connect_timeout, op_timeout = max(connect_timeout, READ_CONNECT_TIMEOUT), max(op_timeout, READ_TIMEOUT)
-        client = connect(settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout,
-                         password=settings.redis_password)  # fmt: skip
-        return cls(client, KeySpace(settings.namespace), redact_url(settings.tier), toolchain,
-                   max_entry_bytes=settings.max_entry_bytes, op_timeout=None if reading else op_timeout,
-                   metrics_shards=settings.metrics_shards)  # fmt: skip
+        client = connect(
+            settings.tier, connect_timeout=connect_timeout, op_timeout=op_timeout, password=settings.redis_password
+        )
+        return cls(
+            client,
+            KeySpace(settings.namespace),
+            redact_url(settings.tier),
+            toolchain,
+            max_entry_bytes=settings.max_entry_bytes,
+            op_timeout=None if reading else op_timeout,
+            metrics_shards=settings.metrics_shards,
+        )
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.description}, toolchain {self.toolchain})"
@@ -753,10 +767,21 @@ class RedisBackend(Backend, Reader):
         for shard, ordered in by_shard.items():
             k = self.keys.metrics_shard(shard)
             keys = [
-                k.applied_batch(batch.batch_id), k.totals, k.workers, k.worker_metrics(batch.host, batch.worker),
-                k.kernel_calls, k.kernel_variants, k.key_usage, k.key_first, k.key_last, k.key_kernel, k.pass_log,
-                k.toolchains, k.toolchain_metrics(batch.toolchain), *(k.key_hosts(key) for key, _ in ordered),
-            ]  # fmt: skip
+                k.applied_batch(batch.batch_id),
+                k.totals,
+                k.workers,
+                k.worker_metrics(batch.host, batch.worker),
+                k.kernel_calls,
+                k.kernel_variants,
+                k.key_usage,
+                k.key_first,
+                k.key_last,
+                k.key_kernel,
+                k.pass_log,
+                k.toolchains,
+                k.toolchain_metrics(batch.toolchain),
+                *(k.key_hosts(key) for key, _ in ordered),
+            ]
             payload = {
                 "totals": batch.totals if shard == home else {},
                 "kernel_calls": batch.kernel_calls if shard == home else {},
@@ -844,8 +869,10 @@ class RedisBackend(Backend, Reader):
 
     def toolchains(self) -> dict[str, dict[str, float]]:
         shards = self._metric_shards()
-        return {toolchain: self._summed_hashes([shard.toolchain_metrics(toolchain) for shard in shards])
-                for toolchain in self._members(lambda shard: shard.toolchains)}  # fmt: skip
+        return {
+            toolchain: self._summed_hashes([shard.toolchain_metrics(toolchain) for shard in shards])
+            for toolchain in self._members(lambda shard: shard.toolchains)
+        }
 
     def kernels(self) -> dict[str, dict[str, int]]:
         shards = self._metric_shards()
@@ -864,8 +891,9 @@ class RedisBackend(Backend, Reader):
                 yield text(key), int(stored_number(usage))
 
     def key_count(self) -> int:
-        lengths = self._pipeline(lambda pipe: [pipe.hlen(shard.key_usage) for shard in self._metric_shards()],
-                                 raise_on_error=False)  # fmt: skip
+        lengths = self._pipeline(
+            lambda pipe: [pipe.hlen(shard.key_usage) for shard in self._metric_shards()], raise_on_error=False
+        )
         return int(sum(self._of_metric(length, 0) for length in lengths))
 
     def _by_key_shard(self, cache_keys: Sequence[str]) -> Iterator[tuple[MetricsKeys, list[str]]]:
@@ -888,15 +916,21 @@ class RedisBackend(Backend, Reader):
             usage, kernel, first, last = (self._of_metric(reply, [None] * len(chunk)) for reply in replies)
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
-                    found[key] = KeyRecord(key, text(kernel[i]) or "", int(stored_number(usage[i])),
-                                           stored_number(first[i]), stored_number(last[i]))  # fmt: skip
+                    found[key] = KeyRecord(
+                        key,
+                        text(kernel[i]) or "",
+                        int(stored_number(usage[i])),
+                        stored_number(first[i]),
+                        stored_number(last[i]),
+                    )
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
         for k, chunk in self._by_key_shard(cache_keys):
-            members = self._pipeline(lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c],
-                                     raise_on_error=False)  # fmt: skip
+            members = self._pipeline(
+                lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c], raise_on_error=False
+            )
             for key, hosts in zip(chunk, members, strict=True):
                 if self._of_metric(hosts, None):
                     found[key] = sorted(text(h) for h in hosts)

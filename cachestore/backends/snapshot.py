@@ -62,11 +62,21 @@ class SnapshotWriter:
             raise SnapshotError(f"{self.path}: cannot write: {exc.strerror or exc}") from None
 
     def add(self, entry: RawEntry, usage: KeyRecord | None, hosts: Sequence[str] = ()) -> None:
-        record: dict[str, Any] = {"toolchain": entry.toolchain, "key": entry.cache_key, "data": entry.data,
-                                  "ttl": entry.ttl, "usage": None}  # fmt: skip
+        record: dict[str, Any] = {
+            "toolchain": entry.toolchain,
+            "key": entry.cache_key,
+            "data": entry.data,
+            "ttl": entry.ttl,
+            "usage": None,
+        }
         if usage is not None:
-            record["usage"] = {"kernel_name": usage.kernel_name, "usage": usage.usage, "first_use": usage.first_use,
-                               "last_use": usage.last_use, "hosts": list(hosts)}  # fmt: skip
+            record["usage"] = {
+                "kernel_name": usage.kernel_name,
+                "usage": usage.usage,
+                "first_use": usage.first_use,
+                "last_use": usage.last_use,
+                "hosts": list(hosts),
+            }
         self._put(record)
         self.count += 1
 
@@ -113,8 +123,10 @@ class SnapshotReader(Reader):
     def _header(self, unpacker: msgpack.Unpacker) -> dict:
         header = self._next(unpacker)
         if isinstance(header, dict) and header.get(HEADER_KEY) == 1:
-            raise SnapshotError(f"{self.path}: a version 1 snapshot, whose entries no toolchain takes; "
-                                "export the tier again with this build")  # fmt: skip
+            raise SnapshotError(
+                f"{self.path}: a version 1 snapshot, whose entries no toolchain takes; "
+                "export the tier again with this build"
+            )
         if not isinstance(header, dict) or header.get(HEADER_KEY) != SNAPSHOT_VERSION:
             raise SnapshotError(f"{self.path}: not an nkicache snapshot (version {SNAPSHOT_VERSION})")
         return header
@@ -226,8 +238,13 @@ class SnapshotReader(Reader):
             usage = self._usage(key)
             if usage:
                 # Read as a tier's metrics are read: a number that is not one counts 0 (the file is not trusted).
-                found[key] = KeyRecord(key, str(usage["kernel_name"]), int(stored_number(usage["usage"])),
-                                       stored_number(usage["first_use"]), stored_number(usage["last_use"]))  # fmt: skip
+                found[key] = KeyRecord(
+                    key,
+                    str(usage["kernel_name"]),
+                    int(stored_number(usage["usage"])),
+                    stored_number(usage["first_use"]),
+                    stored_number(usage["last_use"]),
+                )
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:

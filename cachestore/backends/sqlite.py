@@ -229,8 +229,10 @@ class SqliteBackend(Backend, Reader):
         rows = self._read("SELECT value FROM meta WHERE name = 'schema'")
         if not rows or rows[0][0] != str(SCHEMA_VERSION):
             found = f"schema v{rows[0][0]}" if rows else "no schema"
-            raise TierUnavailable(f"local tier {self.path} has {found}; this build uses v{SCHEMA_VERSION} "
-                                  "(a compile with this build upgrades it)")  # fmt: skip
+            raise TierUnavailable(
+                f"local tier {self.path} has {found}; this build uses v{SCHEMA_VERSION} "
+                "(a compile with this build upgrades it)"
+            )
 
     def __repr__(self) -> str:
         return f"SqliteBackend({str(self.path)!r}, toolchain {self.toolchain})"
@@ -243,14 +245,21 @@ class SqliteBackend(Backend, Reader):
         return partition
 
     def entry_toolchains(self) -> list[str]:
-        return [tc for (tc,) in self._read("SELECT DISTINCT toolchain FROM entries WHERE expires > ? ORDER BY 1",
-                                           (time.time(),))]  # fmt: skip
+        return [
+            tc
+            for (tc,) in self._read(
+                "SELECT DISTINCT toolchain FROM entries WHERE expires > ? ORDER BY 1", (time.time(),)
+            )
+        ]
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
         now, last = time.time(), ("", "")
         while True:  # in pages, so that no read holds the file for the whole scan
-            rows = self._read("SELECT toolchain, cache_key FROM entries WHERE (toolchain, cache_key) > (?, ?) "
-                              "AND expires > ? ORDER BY 1, 2 LIMIT ?", (*last, now, BATCH))  # fmt: skip
+            rows = self._read(
+                "SELECT toolchain, cache_key FROM entries WHERE (toolchain, cache_key) > (?, ?) "
+                "AND expires > ? ORDER BY 1, 2 LIMIT ?",
+                (*last, now, BATCH),
+            )
             yield from rows
             if len(rows) < BATCH:
                 return
@@ -271,8 +280,9 @@ class SqliteBackend(Backend, Reader):
                 if self.writable:
                     # Set up waiting as long as a write may: processes that open a new file at once queue on its
                     # lock here, and the switch to WAL is only needed (and only taken) by the first of them.
-                    db = sqlite3.connect(self.path, timeout=self.write_timeout, isolation_level=None,
-                                         check_same_thread=False)  # fmt: skip
+                    db = sqlite3.connect(
+                        self.path, timeout=self.write_timeout, isolation_level=None, check_same_thread=False
+                    )
                     db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
                     if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                         db.execute("PRAGMA journal_mode=WAL")
@@ -281,8 +291,13 @@ class SqliteBackend(Backend, Reader):
                         self._bound_wal(db, self.max_size)
                     db.execute(f"PRAGMA busy_timeout = {int(1000 * self.timeout)}")
                 else:  # mode=ro: SQLite itself refuses every write, whatever a caller asks
-                    db = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=ro", timeout=self.timeout,
-                                         isolation_level=None, check_same_thread=False, uri=True)  # fmt: skip
+                    db = sqlite3.connect(
+                        f"{self.path.absolute().as_uri()}?mode=ro",
+                        timeout=self.timeout,
+                        isolation_level=None,
+                        check_same_thread=False,
+                        uri=True,
+                    )
             except sqlite3.Error as exc:
                 if db is not None:
                     db.close()
@@ -342,8 +357,10 @@ class SqliteBackend(Backend, Reader):
                     if self._local.identity is not None and _identity(self.path) == self._local.identity:
                         self._move_aside(reason)
             except OSError as exc:
-                raise TierUnavailable(f"local tier {self.path} is no usable tier ({reason}) and could not be "
-                                      f"moved aside: {exc.strerror}: {exc.filename}") from None  # fmt: skip
+                raise TierUnavailable(
+                    f"local tier {self.path} is no usable tier ({reason}) and could not be "
+                    f"moved aside: {exc.strerror}: {exc.filename}"
+                ) from None
             self._file.generation += 1
         self._drop_connection()
         self._local.replacing = True
@@ -363,8 +380,9 @@ class SqliteBackend(Backend, Reader):
         for suffix in ("", "-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
-        logger.warning("local tier %s is no usable tier (%s): moved it to %s and started a fresh tier",
-                       self.path, reason, aside)  # fmt: skip
+        logger.warning(
+            "local tier %s is no usable tier (%s): moved it to %s and started a fresh tier", self.path, reason, aside
+        )
 
     @contextlib.contextmanager
     def _write(self, wait: float | None = None) -> Iterator[sqlite3.Connection]:
@@ -436,8 +454,10 @@ class SqliteBackend(Backend, Reader):
             # TTL: reads by several processes stay reads. It waits no longer than a read, and when another
             # process holds the lock it is left to a later read: the entries were read all the same.
             with contextlib.suppress(TierBusy), self._write(self.timeout) as db:
-                db.executemany("UPDATE entries SET expires = ?, used = ? WHERE toolchain = ? AND cache_key = ?",
-                               [(now + ttl, now, self.toolchain, k) for k in stale])  # fmt: skip
+                db.executemany(
+                    "UPDATE entries SET expires = ?, used = ? WHERE toolchain = ? AND cache_key = ?",
+                    [(now + ttl, now, self.toolchain, k) for k in stale],
+                )
         return found
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
@@ -460,8 +480,10 @@ class SqliteBackend(Backend, Reader):
                 data = request.reference(row[0])
             else:
                 data = request.full
-                db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
-                           (self.toolchain, request.digest, request.cache_key))  # fmt: skip
+                db.execute(
+                    "INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
+                    (self.toolchain, request.digest, request.cache_key),
+                )
             db.execute(
                 f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}",
                 (
@@ -474,9 +496,10 @@ class SqliteBackend(Backend, Reader):
                     request.compile_seconds,
                 ),
             )
-            db.executemany("INSERT OR REPLACE INTO variant_index VALUES (?, ?, ?, ?)",
-                           [(request.kernel_name, name, value, now + ttl)
-                            for name, value in request.index_fields.items()])  # fmt: skip
+            db.executemany(
+                "INSERT OR REPLACE INTO variant_index VALUES (?, ?, ?, ?)",
+                [(request.kernel_name, name, value, now + ttl) for name, value in request.index_fields.items()],
+            )
 
     def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         if not self.writable and not self.path.is_file():
@@ -485,8 +508,10 @@ class SqliteBackend(Backend, Reader):
         answers = []
         for kernel_name, fields in queries:
             marks = ", ".join("?" * len(fields))
-            rows = self._read(f"SELECT field, value FROM variant_index WHERE kernel_name = ? AND field IN ({marks}) "
-                              "AND expires > ?", (kernel_name, *fields, now))  # fmt: skip
+            rows = self._read(
+                f"SELECT field, value FROM variant_index WHERE kernel_name = ? AND field IN ({marks}) AND expires > ?",
+                (kernel_name, *fields, now),
+            )
             values = dict(rows)
             answers.append([values.get(name) for name in fields])
         return answers
@@ -495,10 +520,13 @@ class SqliteBackend(Backend, Reader):
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         now = time.time()
         with self._write(self.timeout) as db:  # on the compiling thread: it waits no longer than a read
-            db.execute("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND expires <= ?",
-                       (self.toolchain, cache_key, now))  # fmt: skip
-            cursor = db.execute("INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)",
-                                (self.toolchain, cache_key, owner, now + ttl))  # fmt: skip
+            db.execute(
+                "DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND expires <= ?",
+                (self.toolchain, cache_key, now),
+            )
+            cursor = db.execute(
+                "INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)", (self.toolchain, cache_key, owner, now + ttl)
+            )
             return cursor.rowcount == 1
 
     def release_lease(self, cache_key: str, owner: str) -> None:
@@ -507,13 +535,17 @@ class SqliteBackend(Backend, Reader):
     def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
         now = time.time()
         with self._write() as db:
-            db.executemany("UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
-                           [(now + ttl, self.toolchain, key) for key, ttl in items])  # fmt: skip
+            db.executemany(
+                "UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
+                [(now + ttl, self.toolchain, key) for key, ttl in items],
+            )
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         with self._write() as db:
-            db.executemany("DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
-                           [(self.toolchain, cache_key, owner) for cache_key, owner in leases])  # fmt: skip
+            db.executemany(
+                "DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
+                [(self.toolchain, cache_key, owner) for cache_key, owner in leases],
+            )
 
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         now = time.time()
@@ -525,8 +557,10 @@ class SqliteBackend(Backend, Reader):
             return cursor.rowcount == 1
 
     def lease_holder(self, cache_key: str) -> str | None:
-        rows = self._read("SELECT owner FROM leases WHERE toolchain = ? AND cache_key = ? AND expires > ?",
-                          (self.toolchain, cache_key, time.time()))  # fmt: skip
+        rows = self._read(
+            "SELECT owner FROM leases WHERE toolchain = ? AND cache_key = ? AND expires > ?",
+            (self.toolchain, cache_key, time.time()),
+        )
         return rows[0][0] if rows else None
 
     # -- metrics ----------------------------------------------------------------------------------
@@ -626,8 +660,10 @@ class SqliteBackend(Backend, Reader):
 
     def kernels(self) -> dict[str, dict[str, int]]:
         rows = self._read("SELECT kernel_name, call_count, variants FROM kernels ORDER BY kernel_name")
-        return {name: {"call_count": int(stored_number(calls)), "variants": int(stored_number(variants))}
-                for name, calls, variants in rows}  # fmt: skip
+        return {
+            name: {"call_count": int(stored_number(calls)), "variants": int(stored_number(variants))}
+            for name, calls, variants in rows
+        }
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         last = ""
@@ -652,8 +688,13 @@ class SqliteBackend(Backend, Reader):
                 f"WHERE cache_key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            found.update((row[0], KeyRecord(row[0], row[1], int(stored_number(row[2])), stored_number(row[3]),
-                                            stored_number(row[4]))) for row in rows)  # fmt: skip
+            found.update(
+                (
+                    row[0],
+                    KeyRecord(row[0], row[1], int(stored_number(row[2])), stored_number(row[3]), stored_number(row[4])),
+                )
+                for row in rows
+            )
         return found
 
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
@@ -743,16 +784,20 @@ class SqliteBackend(Backend, Reader):
     def expired_count(self) -> tuple[int, int]:
         """(entries past their expiry that are still stored, their bytes), of every toolchain: the local tier
         never purges them by itself."""
-        (row,) = self._read("SELECT count(*), coalesce(sum(length(data)), 0) FROM entries WHERE expires <= ?",
-                            (time.time(),))  # fmt: skip
+        (row,) = self._read(
+            "SELECT count(*), coalesce(sum(length(data)), 0) FROM entries WHERE expires <= ?", (time.time(),)
+        )
         return int(row[0]), int(row[1])
 
     def purge_expired(self) -> None:
         """Delete every toolchain's expired entries and the digest index rows naming them."""
         now = time.time()
         with self._write() as db:
-            db.execute("DELETE FROM digests WHERE (toolchain, cache_key) IN "
-                       "(SELECT toolchain, cache_key FROM entries WHERE expires <= ?)", (now,))  # fmt: skip
+            db.execute(
+                "DELETE FROM digests WHERE (toolchain, cache_key) IN "
+                "(SELECT toolchain, cache_key FROM entries WHERE expires <= ?)",
+                (now,),
+            )
             db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
             db.execute("DELETE FROM variant_index WHERE expires <= ?", (now,))
         self._give_back_space()
@@ -774,8 +819,9 @@ class SqliteBackend(Backend, Reader):
                 )
                 db.execute(f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}", row)
                 if item.digest:
-                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
-                               (self.toolchain, item.digest, item.cache_key))  # fmt: skip
+                    db.execute(
+                        "INSERT OR REPLACE INTO digests VALUES (?, ?, ?)", (self.toolchain, item.digest, item.cache_key)
+                    )
             trimmed = self._trim(db)
         if trimmed:
             self._give_back_space()
@@ -787,8 +833,10 @@ class SqliteBackend(Backend, Reader):
             for key, digest in items:
                 db.execute("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
                 if digest:
-                    db.execute("DELETE FROM digests WHERE toolchain = ? AND digest = ? AND cache_key = ?",
-                               (self.toolchain, digest, key))  # fmt: skip
+                    db.execute(
+                        "DELETE FROM digests WHERE toolchain = ? AND digest = ? AND cache_key = ?",
+                        (self.toolchain, digest, key),
+                    )
                 else:  # an unreadable entry: its digest is unknown (a scan, but such entries are rare)
                     db.execute("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
         self._give_back_space()
@@ -849,8 +897,9 @@ class SqliteBackend(Backend, Reader):
 
     def capacity(self) -> dict[str, int | None]:
         """The file's size on disk (its write-ahead log included) against max_size."""
-        size = sum(path.stat().st_size for path in (self.path, self.path.with_name(self.path.name + "-wal"))
-                   if path.is_file())  # fmt: skip
+        size = sum(
+            path.stat().st_size for path in (self.path, self.path.with_name(self.path.name + "-wal")) if path.is_file()
+        )
         return {"file_bytes": size, "max_size": self.max_size}
 
     def close(self) -> None:

@@ -41,8 +41,9 @@ ODD_KEYS = ["../../escape", "a/b\\c", ".hidden", "with space", "ключ-✓", "
 
 def request(cache_key: str, data: bytes, kernel: str = "softmax", **options: Any) -> StoreRequest:
     """A store of `data` under `cache_key`, with a digest of its own (so no store makes it a reference)."""
-    return StoreRequest(cache_key, f"digest-{cache_key}", data, lambda holder: b"ref:" + holder.encode(), kernel,
-                        **options)  # fmt: skip
+    return StoreRequest(
+        cache_key, f"digest-{cache_key}", data, lambda holder: b"ref:" + holder.encode(), kernel, **options
+    )
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -124,8 +125,12 @@ class StoreContract:
         store = open_store(toolchain=TOOLCHAIN, max_entry_bytes=1000)
         sizes = {"small": 10, "exact": 1000, "over": 1001, "far-over": 5000}
         store.put_entries([WriteItem(key, b"e" * size, None, TTL) for key, size in sizes.items()])
-        expected = {"small": b"e" * 10, "exact": b"e" * 1000, "over": TooLarge(1001, 1000),
-                    "far-over": TooLarge(5000, 1000)}  # fmt: skip
+        expected = {
+            "small": b"e" * 10,
+            "exact": b"e" * 1000,
+            "over": TooLarge(1001, 1000),
+            "far-over": TooLarge(5000, 1000),
+        }
         assert store.fetch([*sizes, "missing"], TTL) == expected
         assert store.fetch(list(sizes), None) == expected
         assert store.get_entries(list(sizes)) == expected
@@ -209,8 +214,9 @@ class StoreContract:
     def test_the_variant_index_keeps_what_each_store_set(self, store: Any) -> None:
         store.store([request("k1", b"v", "softmax", index_fields={b"k tag": b"1", b"h \x00\xff": b"tag"})], TTL)
         store.store([request("k2", b"v", "matmul", index_fields={b"k tag": b"2"})], TTL)
-        answers = store.read_variant_index([("softmax", [b"k tag", b"h \x00\xff", b"unset"]), ("matmul", [b"k tag"]),
-                                            ("never-stored", [b"k tag"])])  # fmt: skip
+        answers = store.read_variant_index(
+            [("softmax", [b"k tag", b"h \x00\xff", b"unset"]), ("matmul", [b"k tag"]), ("never-stored", [b"k tag"])]
+        )
         assert answers == [[b"1", b"tag", None], [b"2"], [None]]
         store.store([request("k3", b"v", "softmax", index_fields={b"k tag": b"3"})], TTL)
         assert store.read_variant_index([("softmax", [b"k tag"])]) == [[b"3"]]
@@ -255,8 +261,9 @@ class StoreContract:
     def test_metrics_apply_once_by_batch_id_and_fold(self, store: Any, open_store: Any) -> None:
         usage = {"k1": KeyUsage("softmax", 3, 100.0, 110.0), "k2": KeyUsage("matmul", 1, 101.0, 101.0)}
         first = usage_batch("pass-1", "host-a", "w1", usage, passes=1, traces=2, compile_seconds=0.25)
-        second = usage_batch("pass-22", "host-b", "w7", {"k1": KeyUsage("softmax", 2, 90.0, 105.0)}, passes=1,
-                             traces=1, cache_hits=4)  # fmt: skip
+        second = usage_batch(
+            "pass-22", "host-b", "w7", {"k1": KeyUsage("softmax", 2, 90.0, 105.0)}, passes=1, traces=1, cache_hits=4
+        )
         second.toolchain = ""  # names no toolchain: counted in the fleet's and the worker's totals only
         assert store.apply_metrics(first) is True
         assert store.apply_metrics(first) is False
@@ -266,13 +273,19 @@ class StoreContract:
         workers = {(host, worker): totals for host, worker, totals in store.workers()}
         assert workers == {("host-a", "w1"): first.totals, ("host-b", "w7"): second.totals}
         assert store.toolchains() == {TOOLCHAIN: first.totals}
-        assert store.kernels() == {"softmax": {"call_count": 5, "variants": 1},
-                                   "matmul": {"call_count": 1, "variants": 1}}  # fmt: skip
+        assert store.kernels() == {
+            "softmax": {"call_count": 5, "variants": 1},
+            "matmul": {"call_count": 1, "variants": 1},
+        }
         assert dict(store.key_usage()) == {"k1": 5, "k2": 1} and store.key_count() == 2
         records = store.key_records(["k1", "k2", "never"])
         assert set(records) == {"k1", "k2"}
         assert (records["k1"].kernel_name, records["k1"].usage, records["k1"].first_use, records["k1"].last_use) == (
-            "softmax", 5, 90.0, 110.0)  # fmt: skip
+            "softmax",
+            5,
+            90.0,
+            110.0,
+        )
         assert store.key_hosts(["k1", "k2", "never"]) == {"k1": ["host-a", "host-b"], "k2": ["host-a"]}
         log = list(store.pass_log(None))
         assert [record for _, record in log] == [first.pass_record, second.pass_record]
