@@ -749,7 +749,12 @@ class TierClient:
                 self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)
                 self._flusher_stopped = False
                 self._flusher_pid = os.getpid()
-            self._flusher.start()
+            try:
+                self._flusher.start()
+            except RuntimeError:  # no room for a thread (a job's memory limit): the pass reports it; close() joins none
+                with self._outbox_lock:
+                    self._flusher = None
+                raise
 
     def _flush_loop(self) -> None:
         try:

@@ -29,8 +29,9 @@ class LeaseKeeper:
         with self._lock:
             self._held.add(cache_key)
             if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._run, name="nkicache-lease-keeper", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="nkicache-lease-keeper", daemon=True)
+                thread.start()  # kept only once started: stop() never joins a thread that could not start
+                self._thread = thread
 
     def drop(self, cache_key: str) -> None:
         with self._lock:

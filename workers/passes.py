@@ -98,14 +98,13 @@ def compile_graph(
     except NkiCacheError as exc:
         result.error = " ".join(str(exc).split())
         encoded = None
-    except MemoryError:
-        # Under a job's memory limit (RLIMIT_AS) this is the graph's doing, not a bug: say so in one line.
-        result.error = f"{result.file}: out of memory compiling the graph (a job's limit is the job_memory setting)"
-        encoded = None
     except Exception as exc:  # a bug in one pass must not cost the other graphs their compile
-        result.error = " ".join(
-            f"{result.file}: internal error (a bug, please report): {type(exc).__name__}: {exc}".split()
-        )
+        if out_of_memory(exc):
+            # Under a job's memory limit (RLIMIT_AS) this is the graph's doing, not a bug: say so in one line.
+            result.error = f"{result.file}: out of memory compiling the graph (a job's limit is the job_memory setting)"
+        else:
+            error = f"{result.file}: internal error (a bug, please report): {type(exc).__name__}: {exc}"
+            result.error = " ".join(error.split())
         encoded = None
     finally:
         if loop is not None:
@@ -140,3 +139,9 @@ def add_counts(results: list[PassResult]) -> dict[str, float]:
     for key in SECONDS_COUNTERS:
         totals[key] = round(totals[key], 6)
     return totals
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A MemoryError, or a thread that could not start (what CPython raises when the memory limit leaves no room
+    for a thread's stack: the tier client starts its writer thread in the first pass that writes)."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and str(exc) == "can't start new thread")
