@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,10 +186,10 @@ def write_artifact(artifact: Artifact, out_dir: str | Path) -> Path:
     path = directory / artifact_filename(artifact.graph)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        temporary = directory / f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+        # Created exclusively, with the mode (after the umask) any output file gets.
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            # mkstemp makes the file 0600, for its own secrecy; an artifact is an output like any other file.
-            os.fchmod(fd, 0o666 & ~_umask())
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
@@ -202,19 +201,6 @@ def write_artifact(artifact: Artifact, out_dir: str | Path) -> Path:
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot write the artifact: {exc.strerror or exc}") from None
     return path
-
-
-def _umask() -> int:
-    """The process's umask. Reading it means setting it and setting it back, a moment in which another
-    thread's new file would get another mode: done once per process, not once per artifact."""
-    global _UMASK
-    if _UMASK is None:
-        _UMASK = os.umask(0o022)
-        os.umask(_UMASK)
-    return _UMASK
-
-
-_UMASK: int | None = None
 
 
 # -- loading --------------------------------------------------------------------------------------
