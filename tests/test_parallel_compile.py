@@ -406,3 +406,7 @@ def test_every_counter_is_the_same_with_1_2_and_4_workers(tmp_path: Path, state:
         assert runs[1]["tier_rejected"] > 0
     if state in ("cold", "down"):  # (which process traced what varies: only `parallel_traces` says so)
         assert runs[4]["parallel_traces"] > 0
+    if state == "cold":  # and a sequential compile's miss causes are the same from run to run
+        again = compile_json(graphs, tmp_path / "again", 1, f"local:{tmp_path / 'again.sqlite'}", expect=1)
+        causes = [name for name in runs[1] if name.startswith("misses_")]
+        assert causes and {name: again[name] for name in causes} == {name: runs[1][name] for name in causes}
