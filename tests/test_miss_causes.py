@@ -131,9 +131,10 @@ def test_a_key_another_toolchain_stored_is_told_from_a_new_one(tier: Tier, monke
     import cachestore.backends.redis as redis_module
     import cachestore.backends.sqlite as sqlite_module
     import cachestore.client as client_module
+    import cachestore.stores as stores_module
 
     graph = graph_of(SOFTMAX_64)
-    for module in (client_module, redis_module, sqlite_module):
+    for module in (client_module, redis_module, sqlite_module, stores_module):
         monkeypatch.setattr(module, "toolchain_id", lambda: OTHER_TOOLCHAIN)
     other = tier.client()
     compile_with(other, graph)
