@@ -112,7 +112,10 @@ def test_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path, grap
     """Jobs with variants in common, compiled at once on a cold tier: each variant is traced once fleet-wide,
     and a job that only waited for another job's trace (its own process, or a worker tracing the other's task)
     reads it as a remote hit, so the jobs' traces add up to the distinct variants (docs/reports.md)."""
-    f = fleet()
+    # A tier timeout (the tier is off for breaker_cooldown) or a lease that lapses (its holder too starved to
+    # renew it) lets a second process trace a variant, and that second trace is counted, rightly. Neither is
+    # what this test is about: under a suite run beside two busy loops both happened, so both are out of reach.
+    f = fleet(op_timeout=10, lease_ttl=60)
     paths = graphs(tmp_path / "graphs")
     for name in ("w1", "w2", "w3"):
         f.start_worker(name)
@@ -126,6 +129,7 @@ def test_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path, grap
                            capture_output=True, text=True, timeout=WAIT)  # fmt: skip
     assert alone.returncode == 0, alone.stderr
     distinct = json.loads(alone.stdout)["traces"]
+    assert not any(r["tier_timeouts"] or r["tier_errors"] for r in results), results
     assert sum(r["traces"] for r in results) == distinct > 5
 
     # The fleet report sums the jobs' passes: its traces are the distinct variants too (once both batches landed).
