@@ -204,11 +204,9 @@ class TierClient:
         self._value_ttls = settings.tier.startswith((*REDIS_SCHEMES, "dir:"))
         self._values = ValueMedian()
         # Entries a read found on Redis, whose TTLs the flusher refreshes (`_collect_touched`): (cache key, compile
-        # seconds, stored bytes; None for a reference or a holder, which keep entry_ttl). A deque: appended by
-        # the compiling thread without a lock or a wake-up, taken by the flusher.
-        self._touched: collections.deque[tuple[str, float, int | None]] = collections.deque(
-            maxlen=settings.outbox_limit
-        )
+        # seconds, stored bytes). A deque: appended by the compiling thread without a lock or a wake-up, taken by
+        # the flusher.
+        self._touched: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=settings.outbox_limit)
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -317,7 +315,7 @@ class TierClient:
 
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
         """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
-        (two when some entries are references). The tier being unavailable looks like all misses. An entry
+        The tier being unavailable looks like all misses. An entry
         over max_entry_bytes is not downloaded: the backend says its size, and it is rejected and counted."""
         if not cache_keys:
             return {}, set()
@@ -341,15 +339,14 @@ class TierClient:
         return entries, set(found) | set(own)
 
     def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
-        """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
+        """The verified entry the tier holds under `cache_key`, or None (rejected)."""
         return self._followed(cache_key, self._decode(cache_key, data), data)
 
     def _followed(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge) -> Entry | None:
-        """`entry`, decoded from `data`, touched and its reference followed; None when it was rejected."""
-        if entry is None:
-            return None
-        self._touch(cache_key, entry, data)
-        return self._follow_reference(cache_key, entry) if entry.is_reference else entry
+        """`entry`, decoded from `data`, touched; None when it was rejected."""
+        if entry is not None:
+            self._touch(cache_key, entry, data)
+        return entry
 
     def _count_found(self, entries: Collection[Entry]) -> None:
         """Entries handed to the loop: counted, and per writer that signed them."""
@@ -372,15 +369,13 @@ class TierClient:
         with self._writer_lock:
             self._writer_counts.update(names)
 
-    def _touch(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge | None) -> None:
+    def _touch(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
         """A read found this entry on Redis: its TTL is refreshed in the background (a writer's client only: a
-        read-only one refreshes nothing), to entry_ttl or, for one worth more than the usual entry, longer. A
-        reference keeps entry_ttl, as the holder it names does: it must not outlive the binary it points to.
-        Only an append here: the flusher computes the TTLs and sends them together (`_collect_touched`)."""
+        read-only one refreshes nothing), to entry_ttl or, for one worth more than the usual entry, longer. Only
+        an append here: the flusher computes the TTLs and sends them together (`_collect_touched`)."""
         if not (self._value_ttls and self.writes):
             return
-        plain = entry is not None and not entry.is_reference and isinstance(data, bytes)
-        self._touched.append((cache_key, entry.compile_seconds, len(data)) if plain else (cache_key, 0.0, None))  # type: ignore[union-attr,arg-type]
+        self._touched.append((cache_key, entry.compile_seconds, len(data)))
         if not self._flusher_running():
             self._ensure_flusher()
 
@@ -400,26 +395,13 @@ class TierClient:
                 key, seconds, size = self._touched.popleft()
             except IndexError:
                 break
-            ttl = base if size is None else self._values.ttl(base, entry_value(seconds, 1, size))
+            ttl = self._values.ttl(base, entry_value(seconds, 1, size))
             ttls[key] = max(ttl, ttls.get(key, 0))
         if ttls:
             with self._outbox_lock:
                 for key, ttl in ttls.items():
                     self._append(TtlRefresh(key, ttl))
                 self._outbox_lock.notify_all()
-
-    def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
-        ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
-        if not ok or entry.ref not in found:
-            return None
-        holder = self._decode(entry.ref, found[entry.ref])
-        if holder is not None:
-            self._touch(entry.ref, None, None)  # the holder keeps entry_ttl, as its reference does
-        if holder is None or holder.is_reference or holder.digest != entry.digest:
-            if holder is not None:
-                self.reject(cache_key, "referenced entry holds another binary")
-            return None
-        return entry.with_binary(holder.binary)
 
     def _decode_many(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
         """`_decode` of each entry a read of several found, for a reader with a trust policy: their writers'
@@ -555,7 +537,6 @@ class TierClient:
             cache_key,
             entry.digest,
             stored,
-            lambda _holder: stored,
             str(entry.key_components.get("kernel_name", "")),
             entry.compile_seconds,
             None,
@@ -593,13 +574,12 @@ class TierClient:
                 logger.warning("entry %s... not mirrored, readers would refuse it: %s", pending.cache_key[:16], problem)
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
-                reference = self._reference_encoder(entry, pending.cache_key)
                 index = stored_fields(pending.cache_key, entry.key_components, self._partition)
                 ttl = None
                 if self._value_ttls:
                     ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, size))
                 pending.request = StoreRequest(
-                    pending.cache_key, entry.digest, full, reference, kernel_name, entry.compile_seconds, ttl, index
+                    pending.cache_key, entry.digest, full, kernel_name, entry.compile_seconds, ttl, index
                 )
                 pending.unsealed = unsealed
             pending.prepared = True
@@ -649,11 +629,6 @@ class TierClient:
             toolchain=self.toolchain,  # the compiler that traced it: this one
         )
         self._publish(PendingStore(cache_key, build), release_lease)
-
-    def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
-        """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
-        key, writer = self.settings.hmac_key, self.writer
-        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)

@@ -32,9 +32,10 @@ schema, and entries written with another one are misses, never mis-decoded.
 
 `toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
 toolchain's entries apart, and the codegen loop takes only its own toolchain's. `digest` is the SHA-256 of
-the binary, computed by the writer: it names the binary for content dedupe. An entry whose binary is already
-stored under another cache key is written as a reference (`binary` empty, `ref` naming that key), so
-identical binaries are stored once. Nothing here ever unpickles: key_components hold tuples, which msgpack
+the binary, computed by the writer (`inspect verify` checks the binary against it). Every entry holds its
+binary: `ref` is always nil. An entry whose `ref` names another cache key (a reference to that key's binary,
+which older builds wrote) is rejected, never followed: a miss, traced and rewritten whole. Nothing here ever
+unpickles: key_components hold tuples, which msgpack
 brings back as lists, and `key_components` is informational (reports, explain): the cache key itself is
 never recomputed from it.
 
@@ -124,6 +125,8 @@ _BODY_FIELDS = (
     "ref",
     "toolchain",
 )
+_REF_AT = _BODY_FIELDS.index("ref")  # nil in every entry this build writes (see the module's docstring)
+_ENTRY_FIELDS = tuple(name for name in _BODY_FIELDS if name != "ref")
 
 
 @dataclass(frozen=True)
@@ -160,32 +163,17 @@ class Entry:
     created: float = 0.0
     compile_seconds: float = 0.0
     digest: str = ""
-    ref: str | None = None  # the cache key whose entry holds this binary, for deduplicated entries
     toolchain: str = ""  # the id of the compiler that traced the binary
     signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
     unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
     writer: str = field(default="", compare=False)  # the key id (hex) of the writer that signed it, if any
-    # The bytes it was decoded from, as stored (None for an entry built here, or a followed reference): a
+    # The bytes it was decoded from, as stored (None for an entry built here): a
     # stack's nearer level keeps a copy of them, with its writer's signature, instead of encoding it anew.
     stored: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.digest:
             self.digest = binary_digest(self.binary)
-
-    @property
-    def is_reference(self) -> bool:
-        return self.ref is not None
-
-    def as_reference_to(self, cache_key: str) -> Entry:
-        """This entry, its binary replaced by a pointer to `cache_key`'s entry."""
-        return Entry(**{**self._fields(), "binary": b"", "ref": cache_key})
-
-    def with_binary(self, binary: bytes) -> Entry:
-        """This entry holding `binary` (a followed reference): what its own header said (signed, writer) stays."""
-        entry = Entry(**{**self._fields(), "binary": binary, "ref": None})
-        entry.signed, entry.unverified, entry.writer = self.signed, self.unverified, self.writer
-        return entry
 
     def trace_result(self) -> dict:
         """The specification's trace-result dict, as the bridge would have returned it."""
@@ -197,7 +185,7 @@ class Entry:
         }
 
     def _fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _BODY_FIELDS}
+        return {name: getattr(self, name) for name in _ENTRY_FIELDS}
 
 
 def binary_digest(binary: bytes) -> str:
@@ -223,7 +211,9 @@ def encode_entry(
 
 
 def _payload(entry: Entry) -> bytes:
-    body = msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True)
+    values = [getattr(entry, name) for name in _ENTRY_FIELDS]
+    values.insert(_REF_AT, None)
+    body = msgpack.packb(values, use_bin_type=True)
     return _compressor().compress(body)
 
 
@@ -842,7 +832,9 @@ def _entry_from_fields(values: object) -> Entry:
     if not isinstance(values, list) or len(values) != len(_BODY_FIELDS):
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
     _check_shape(values)
-    _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
+    _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, ref, _ = values
+    if ref is not None:
+        raise EntryRejected("entry is a reference to another key's binary (an older build's dedupe): not followed")
     # Each number within what this compiler can produce: a NaN, an infinity or a 1e300 would poison every sum it
     # enters (a pass's saved seconds past what a metrics batch may carry drop the pass from the fleet's report),
     # and a later `created` would make the entry look in use. A NaN fails every comparison.
@@ -860,4 +852,5 @@ def _entry_from_fields(values: object) -> Entry:
         "".join(outputs)
     except TypeError:
         raise EntryRejected("input/output names must be strings") from None
+    del values[_REF_AT]
     return Entry(*values)

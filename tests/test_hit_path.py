@@ -161,7 +161,7 @@ def test_a_body_shape_checked_once_still_refuses_a_bool_or_a_wrong_type_later() 
         hostile = Entry(**{name: fields[name] for name in ("binary", "input_names", "output_names", "format",
                                                            "version_identifier", "key_components", "producer_host",
                                                            "producer_worker", "created", "compile_seconds",
-                                                           "digest", "ref", "toolchain")})  # fmt: skip
+                                                           "digest", "toolchain")})  # fmt: skip
         with pytest.raises(EntryRejected, match="wrong type"):
             decode_entry(encode_entry(hostile), policy)
         with pytest.raises(EntryRejected, match="wrong type"):  # and again: a refused shape is not remembered
