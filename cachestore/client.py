@@ -56,7 +56,6 @@ from cachestore.entry import (
     TooLarge,
     Unsealed,
     decode_entries,
-    decode_entry,
     encode_entry,
     open_stored,
     payload_problem,
@@ -294,19 +293,9 @@ class TierClient:
 
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, cache_key: str) -> Entry | None:
-        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many` of
-        one key, without its lists, sets and dicts when this process has no entry of its own queued (a remote hit
-        spends its Python after the reply's wait, caches cold)."""
-        if self._unsent:
-            return self.find_many([cache_key])[0].get(cache_key)
-        ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
-        data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
-        entry = None if data is None else self._accepted(cache_key, data)
-        if entry is not None:  # (_count_found of one entry, without its list)
-            if entry.writer:
-                self._count_writers((f"writer_served:{entry.writer}",))
-            self.stats.add("entries_found")
-        return entry
+        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many`
+        of one key."""
+        return self.find_many([cache_key])[0].get(cache_key)
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         """The port's read: `find_many`, each entry as the trace the loop takes from it."""
@@ -314,9 +303,10 @@ class TierClient:
         return {key: _stored_trace(entry) for key, entry in entries.items()}, held
 
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
-        """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
-        The tier being unavailable looks like all misses. An entry
-        over max_entry_bytes is not downloaded: the backend says its size, and it is rejected and counted."""
+        """(verified entries, the keys the tier held anything under, rejected or not), in one round trip. The tier
+        being unavailable looks like all misses. An entry over max_entry_bytes is not downloaded: the backend says
+        its size, and it is rejected and counted. Their writers' signatures, for a reader with a trust policy, are
+        checked in one loop (cachestore.entry.decode_entries)."""
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
@@ -330,23 +320,14 @@ class TierClient:
         if not ok:
             return own, set(own)
         entries = own
-        many = self._decode_many(found) if self.policy.trust is not None and len(found) > 1 else None
+        decoded = decode_entries(found, self.policy, self.settings.max_entry_bytes)
         for key, data in found.items():
-            entry = self._followed(key, many[key], data) if many is not None else self._accepted(key, data)
+            entry = self._decoded(key, data, decoded[key])
             if entry is not None:
+                self._touch(key, entry, data)
                 entries[key] = entry
         self._count_found(entries.values())
         return entries, set(found) | set(own)
-
-    def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
-        """The verified entry the tier holds under `cache_key`, or None (rejected)."""
-        return self._followed(cache_key, self._decode(cache_key, data), data)
-
-    def _followed(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge) -> Entry | None:
-        """`entry`, decoded from `data`, touched; None when it was rejected."""
-        if entry is not None:
-            self._touch(cache_key, entry, data)
-        return entry
 
     def _count_found(self, entries: Collection[Entry]) -> None:
         """Entries handed to the loop: counted, and per writer that signed them."""
@@ -402,19 +383,6 @@ class TierClient:
                 for key, ttl in ttls.items():
                     self._append(TtlRefresh(key, ttl))
                 self._outbox_lock.notify_all()
-
-    def _decode_many(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
-        """`_decode` of each entry a read of several found, for a reader with a trust policy: their writers'
-        signatures are checked in one loop (cachestore.entry.decode_entries)."""
-        results = decode_entries(found, self.policy, self.settings.max_entry_bytes)
-        return {key: self._decoded(key, data, results[key]) for key, data in found.items()}
-
-    def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
-        try:
-            entry: Entry | EntryRejected = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
-        except EntryRejected as exc:
-            entry = exc
-        return self._decoded(cache_key, data, entry)
 
     def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
         """A decoded entry (or the EntryRejected that stands for it) handed on: a rejection counted and logged, an

@@ -445,10 +445,9 @@ class RedisBackend(Backend, Reader):
     # -- entries ----------------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
         """With `ttl` None only reading commands are sent (GETRANGE, STRLEN), which the nkicache-reader ACL user
-        may run: one GETRANGE a key, sent alone (no pipeline object) for a single key, the remote hit's one
-        command (TierClient refreshes TTLs in the background, batched). Otherwise each entry found has its TTL
-        refreshed (EXPIRE) in the same round trip. An empty value reads as no value: GETRANGE does not tell them
-        apart, and an empty entry is no entry anyway."""
+        may run: one GETRANGE a key, in one pipeline (TierClient refreshes TTLs in the background, batched).
+        Otherwise each entry found has its TTL refreshed (EXPIRE) in the same round trip. An empty value reads as
+        no value: GETRANGE does not tell them apart, and an empty entry is no entry anyway."""
         if ttl is None:
             return self._within_op_timeout(lambda: self._fetch_heads(cache_keys))
 
@@ -540,8 +539,6 @@ class RedisBackend(Backend, Reader):
 
     def _heads(self, redis_keys: Sequence[str], first: int) -> list:
         """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key."""
-        if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
-            return [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
         return self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
 
     def _read_longer(
