@@ -14,8 +14,8 @@ Two protocols, implemented by one class per backend (`cachestore/backends/`):
 - `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
   reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
 
-Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `splits_scans`), never
-probed.
+Optional abilities are declared as class attributes (`value_ttls`, `read_only`, `keeps_expired`,
+`splits_scans`), never probed.
 """
 
 from __future__ import annotations
@@ -230,6 +230,10 @@ class Backend(Protocol):
 
     description: str
     toolchain: str
+    # True: the store keeps an entry for its TTL alone (Redis, a shared directory), so the client gives each entry
+    # a TTL that grows with its value (cachestore.value) and refreshes a read entry's in the background. False:
+    # the store ranks what it keeps itself (the local tier), and a read refreshes its entries to entry_ttl.
+    value_ttls: bool = False
 
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
         """Encoded entries for the keys that have one (refreshing their TTL to `ttl`; None: reading only, as a

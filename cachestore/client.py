@@ -66,7 +66,6 @@ from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings, SettingsError
-from cachestore.tier_urls import REDIS_SCHEMES
 from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
@@ -117,6 +116,8 @@ class PendingStore:
     # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
     unsealed: Unsealed | None = None
     entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
+    # Its value (cachestore.value), from preparing it until its first send gives `request` its TTL (`_send`).
+    value: float | None = None
 
     def built(self) -> Entry:
         if self.entry is None:
@@ -198,9 +199,6 @@ class TierClient:
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
         self._writer_counts: collections.Counter[str] = collections.Counter()
         self._writer_lock = threading.Lock()
-        # Redis and a shared directory keep an entry by its TTL, which grows with its value; the local tier ranks by
-        # value itself.
-        self._value_ttls = settings.tier.startswith((*REDIS_SCHEMES, "dir:"))
         self._values = ValueMedian()
         # Entries a read found on Redis, whose TTLs the flusher refreshes (`_collect_touched`): (cache key, compile
         # seconds, stored bytes). A deque: appended by the compiling thread without a lock or a wake-up, taken by
@@ -221,6 +219,12 @@ class TierClient:
     @property
     def single_flight(self) -> bool:
         return self.settings.single_flight and self.writes  # a lease is a write
+
+    @property
+    def _value_ttls(self) -> bool:
+        """The store's `value_ttls` (cachestore.api.Backend), asked of it once open: what depends on it runs on the
+        open backend (a read's lambda, `_touch` after a read, a send, which opens it first: `_send`)."""
+        return self._backend is not None and self._backend.value_ttls
 
     @property
     def _refresh_ttl(self) -> int | None:
@@ -543,12 +547,10 @@ class TierClient:
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
                 index = stored_fields(pending.cache_key, entry.key_components, self._partition)
-                ttl = None
-                if self._value_ttls:
-                    ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, size))
                 pending.request = StoreRequest(
-                    pending.cache_key, entry.digest, full, kernel_name, entry.compile_seconds, ttl, index
+                    pending.cache_key, entry.digest, full, kernel_name, entry.compile_seconds, None, index
                 )
+                pending.value = entry_value(entry.compile_seconds, 1, size)
                 pending.unsealed = unsealed
             pending.prepared = True
         return pending.request
@@ -770,8 +772,17 @@ class TierClient:
         if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
+            if stores and self._backend is None:  # opened first: its `value_ttls` decides the entries' TTLs
+                ok, _ = self._guarded(lambda b: None, "store")
+                if not ok:
+                    return False
             for pending in stores:
                 self._prepare(pending)
+                if pending.value is not None and pending.request is not None:
+                    if self._value_ttls:  # a TTL that grows with its value (cachestore.value); else the call's
+                        ttl = self._values.ttl(self.settings.entry_ttl, pending.value)
+                        pending.request = replace(pending.request, ttl=ttl)
+                    pending.value = None
             self._seal(stores)
             requests = [pending.request for pending in stores if pending.request is not None]
             ok = True

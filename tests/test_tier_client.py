@@ -41,6 +41,7 @@ class FlakyBackend:
 
     def __init__(self, inner: SqliteBackend | RedisBackend):
         self.inner = inner
+        self.value_ttls = inner.value_ttls  # the store's declared ability, as its own
         self.down = False
         self.error: type[Exception] = TierUnavailable
         self.fail: collections.Counter = collections.Counter()
@@ -89,6 +90,10 @@ class FlakyBackend:
     def lease_holder(self, cache_key):
         self._gate("lease_holder")
         return self.inner.lease_holder(cache_key)
+
+    def refresh_ttls(self, items):
+        self._gate("refresh_ttls")
+        self.inner.refresh_ttls(items)
 
     def scan_entries(self):
         self._gate("scan_entries")
@@ -201,11 +206,14 @@ def test_bad_entries_are_rejected_and_counted(backend, corruption: str) -> None:
     good = encode_entry(make_entry(), KEY)
     TierView.of(backend).put_raw("bad-key", CORRUPTIONS[corruption](good, True))
     assert client.lookup("bad-key") is None
-    assert counts(client)["tier_rejected"] == 1
+    # A writer's hit on Redis reads one GETRANGE, which tells an empty value from no key no more than Redis does:
+    # an empty value there is a plain miss (tests/test_hit_path.py), elsewhere a rejected entry.
+    empty_is_a_miss = corruption == "empty" and isinstance(backend, RedisBackend)
+    assert counts(client)["tier_rejected"] == (0 if empty_is_a_miss else 1)
     assert counts(client)["tier_errors"] == 0 and counts(client)["tier_timeouts"] == 0
     TierView.of(backend).put_raw("bad-key", good)
     assert client.lookup("bad-key") == make_entry()  # the same key, intact, is read again
-    assert counts(client)["tier_rejected"] == 1
+    assert counts(client)["tier_rejected"] == (0 if empty_is_a_miss else 1)
 
 
 def test_an_older_builds_reference_entry_is_rejected_and_never_followed(backend) -> None:

@@ -63,6 +63,7 @@ def _sha(data: str | bytes) -> str:
 class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     """A tier in a shared directory: the compile path (Backend) and the reader side (Reader)."""
 
+    value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = True  # expired files stay until purge_expired (inspect gc)
     splits_scans = False  # scanned in one process (cachestore.scan_split)
 

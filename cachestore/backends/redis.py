@@ -293,6 +293,7 @@ class RedisBackend(Backend, Reader):
     and the reader side."""
 
     read_only = False
+    value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = False  # Redis expires entries itself
     # `entry_pages` and `read_entry_page`: a scan's pages can be read by other processes (cachestore.scan_split).
     splits_scans = True
