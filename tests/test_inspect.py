@@ -75,7 +75,8 @@ def raw_values(tier: Tier) -> dict[str, bytes]:
 def key_of(tier: Tier, kernel: str, operand_shapes: list) -> str:
     for key, entry in entries(tier).items():
         kc = entry.key_components
-        if kc["kernel_name"] == kernel and kc["operands"]["shapes"] == operand_shapes:
+        duplicate = "alias" in (kc.get("attrs") or {})  # add_duplicate's, of the same kernel and shapes
+        if kc["kernel_name"] == kernel and kc["operands"]["shapes"] == operand_shapes and not duplicate:
             return key
     raise AssertionError(f"no {kernel} {operand_shapes}")
 
