@@ -3,12 +3,12 @@
 A benchmark, not a test. It starts a private redis-server (no persistence, a free loopback port, its own
 temp dir; never the machine's 6379), fills it with N synthetic but valid entries (random binaries of 1-6
 KiB, their SHA-256 digests, key components of the seven library kernels whose sorted-items SHA-256 is the
-cache key, 10% of them deduplicated references) and the fleet metrics of passes that used them (applied
+cache key) and the fleet metrics of passes that used them (applied
 with the tier's own Lua script, 200 keys per pass), then times, each in a fresh process:
 
     report   build_report (totals, per worker, per kernel, top 10 variants, timeline) + JSON rendering
-    verify   verify_entries: every entry decoded, digest checked, key recomputed, references resolved
-    du       disk_usage (storage by kernel, dedupe saving)
+    verify   verify_entries: every entry decoded, digest checked, key recomputed
+    du       disk_usage (storage by kernel)
 
 (verify and du read the entries in one process a CPU, cachestore.scan_split.)
 
@@ -41,7 +41,6 @@ KERNELS = (
     ("resize_nearest_fixed_dma_kernel", 1), ("tiled_dve_transpose_10", 1),
 )  # fmt: skip
 KEYS_PER_PASS = 200
-REFERENCE_SHARE = 0.10
 
 
 # -- synthetic entries and metrics --------------------------------------------------------------------
@@ -53,7 +52,7 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
     from cachestore.api import KeyUsage, MetricsBatch
     from cachestore.backends.redis import RedisBackend
     from cachestore.entry import Entry, encode_entry
-    from cachestore.keys import KeySpace, digest_field, holder_value
+    from cachestore.keys import KeySpace
 
     rng = np.random.default_rng(seed)
     client = redis.Redis.from_url(url)
@@ -62,7 +61,6 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
     tier = RedisBackend(client, keys)
     toolchain = tier.toolchain  # this compiler's, whose entries the report and verify read
     started = time.perf_counter()
-    holders: list[tuple[str, Entry]] = []
     pipe = client.pipeline(transaction=False)
     batch_keys: dict[str, KeyUsage] = {}
     kernel_calls: dict[str, int] = {}
@@ -76,23 +74,11 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
                       "results": {"shapes": [shapes[0]], "dtypes": ["float32"]}, "attrs": {"variant": i},
                       "target": "Trn2", "num_neuroncores": 2}  # fmt: skip
         key = cache_key_of(components)
-        if holders and rng.random() < REFERENCE_SHARE:
-            holder_key, holder = holders[int(rng.integers(len(holders)))]
-            entry = holder.as_reference_to(holder_key)
-            entry.key_components = components
-            data = encode_entry(entry)
-            pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
-        else:
-            binary = rng.bytes(int(rng.integers(1024, 6 * 1024)))
-            entry = Entry(binary, ["x"], ["out"], "bir", "bir-1", components, "bench-host", "w0", now,
-                          float(rng.uniform(0.005, 0.07)), toolchain=toolchain)  # fmt: skip
-            data = encode_entry(entry)
-            pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
-            bucket = keys.digest_bucket(toolchain, entry.digest)
-            pipe.hset(bucket, digest_field(entry.digest), holder_value(key))
-            pipe.expire(bucket, 30 * 86400)
-            if len(holders) < 5000:
-                holders.append((key, entry))
+        binary = rng.bytes(int(rng.integers(1024, 6 * 1024)))
+        entry = Entry(binary, ["x"], ["out"], "bir", "bir-1", components, "bench-host", "w0", now,
+                      float(rng.uniform(0.005, 0.07)), toolchain=toolchain)  # fmt: skip
+        data = encode_entry(entry)
+        pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
         stored_bytes += len(data)
         usage = int(rng.integers(1, 20))
         batch_keys[key] = KeyUsage(kernel, usage, now - 3600, now)

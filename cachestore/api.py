@@ -14,15 +14,15 @@ Two protocols, implemented by one class per backend (`cachestore/backends/`):
 - `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
   reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
 
-Optional abilities are declared as class attributes (`read_only`, `keeps_expired`, `splits_scans`), never
-probed.
+Optional abilities are declared as class attributes (`value_ttls`, `read_only`, `keeps_expired`,
+`splits_scans`), never probed.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -72,10 +72,7 @@ class TierBusy(TierTimeout):
 class StoreRequest:
     cache_key: str
     digest: str
-    full: bytes  # the encoded entry holding the binary
-    # The same entry encoded as a reference to the cache key (the argument) whose entry already holds this
-    # digest: only the backend learns which key that is, and only the client can sign the encoding.
-    reference: Callable[[str], bytes]
+    full: bytes  # the encoded entry
     kernel_name: str
     compile_seconds: float = 0.0  # what tracing it cost: the local tier ranks what it keeps by it
     ttl: int | None = None  # its own TTL (cachestore.value: grows with its value); None: the call's
@@ -221,27 +218,31 @@ class WriteItem:
 
     cache_key: str
     data: bytes
-    digest: str | None  # set for an entry holding its binary: the digest index points at it
+    digest: str | None  # the binary's SHA-256 (None where unknown)
     ttl: float
     compile_seconds: float = 0.0  # from the entry: the local tier ranks what it keeps by it
 
 
 # -- the protocols ----------------------------------------------------------------------------------------
 class Backend(Protocol):
-    """The compile path, in one toolchain's partition (`toolchain`): entries, leases and the digest index of
-    another compiler are never read, replaced or deduplicated against."""
+    """The compile path, in one toolchain's partition (`toolchain`): entries and leases of another compiler are
+    never read or replaced."""
 
     description: str
     toolchain: str
+    # True: the store keeps an entry for its TTL alone (Redis, a shared directory), so the client gives each entry
+    # a TTL that grows with its value (cachestore.value) and refreshes a read entry's in the background. False:
+    # the store ranks what it keeps itself (the local tier), and a read refreshes its entries to entry_ttl.
+    value_ttls: bool = False
 
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
         """Encoded entries for the keys that have one (refreshing their TTL to `ttl`; None: reading only, as a
-        read-only client does, which may not write); references are not followed. An
+        read-only client does, which may not write). An
         entry over the backend's max_entry_bytes is not read: its TooLarge stands for it. On the compile path,
         so the call as a whole returns or raises TierTimeout within the operation timeout."""
 
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
-        """Write entries; a binary already stored under another key is written as a reference to it."""
+        """Write entries, each whole."""
 
     def apply_metrics(self, batch: MetricsBatch) -> bool:
         """Apply a batch unless one with its id was applied already; True when applied now."""
@@ -338,7 +339,7 @@ class Reader(Protocol):
     def put_entries(self, items: Sequence[WriteItem]) -> None: ...
 
     def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
-        """Delete (cache key, digest) entries; the digest index entry goes too when it points at the key."""
+        """Delete (cache key, digest) entries (the digest may be None; the key alone names the entry)."""
 
     def capacity(self) -> dict[str, int | None] | None:
         """What the store holds against its size cap ({"file_bytes", "max_size"}), or None for a store with no

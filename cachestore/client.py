@@ -56,7 +56,6 @@ from cachestore.entry import (
     TooLarge,
     Unsealed,
     decode_entries,
-    decode_entry,
     encode_entry,
     open_stored,
     payload_problem,
@@ -67,7 +66,6 @@ from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings, SettingsError
-from cachestore.tier_urls import REDIS_SCHEMES
 from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
@@ -118,6 +116,8 @@ class PendingStore:
     # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
     unsealed: Unsealed | None = None
     entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
+    # Its value (cachestore.value), from preparing it until its first send gives `request` its TTL (`_send`).
+    value: float | None = None
 
     def built(self) -> Entry:
         if self.entry is None:
@@ -199,16 +199,11 @@ class TierClient:
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
         self._writer_counts: collections.Counter[str] = collections.Counter()
         self._writer_lock = threading.Lock()
-        # Redis and a shared directory keep an entry by its TTL, which grows with its value; the local tier ranks by
-        # value itself.
-        self._value_ttls = settings.tier.startswith((*REDIS_SCHEMES, "dir:"))
         self._values = ValueMedian()
         # Entries a read found on Redis, whose TTLs the flusher refreshes (`_collect_touched`): (cache key, compile
-        # seconds, stored bytes; None for a reference or a holder, which keep entry_ttl). A deque: appended by
-        # the compiling thread without a lock or a wake-up, taken by the flusher.
-        self._touched: collections.deque[tuple[str, float, int | None]] = collections.deque(
-            maxlen=settings.outbox_limit
-        )
+        # seconds, stored bytes). A deque: appended by the compiling thread without a lock or a wake-up, taken by
+        # the flusher.
+        self._touched: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=settings.outbox_limit)
 
     def __repr__(self) -> str:
         return f"TierClient({self.description}, mode={self.mode})"
@@ -224,6 +219,12 @@ class TierClient:
     @property
     def single_flight(self) -> bool:
         return self.settings.single_flight and self.writes  # a lease is a write
+
+    @property
+    def _value_ttls(self) -> bool:
+        """The store's `value_ttls` (cachestore.api.Backend), asked of it once open: what depends on it runs on the
+        open backend (a read's lambda, `_touch` after a read, a send, which opens it first: `_send`)."""
+        return self._backend is not None and self._backend.value_ttls
 
     @property
     def _refresh_ttl(self) -> int | None:
@@ -296,19 +297,9 @@ class TierClient:
 
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, cache_key: str) -> Entry | None:
-        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many` of
-        one key, without its lists, sets and dicts when this process has no entry of its own queued (a remote hit
-        spends its Python after the reply's wait, caches cold)."""
-        if self._unsent:
-            return self.find_many([cache_key])[0].get(cache_key)
-        ok, found = self._guarded(lambda b: b.fetch([cache_key], self._refresh_ttl), "lookup")
-        data = found.get(cache_key) if ok else None  # type: ignore[union-attr]
-        entry = None if data is None else self._accepted(cache_key, data)
-        if entry is not None:  # (_count_found of one entry, without its list)
-            if entry.writer:
-                self._count_writers((f"writer_served:{entry.writer}",))
-            self.stats.add("entries_found")
-        return entry
+        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many`
+        of one key."""
+        return self.find_many([cache_key])[0].get(cache_key)
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         """The port's read: `find_many`, each entry as the trace the loop takes from it."""
@@ -316,9 +307,10 @@ class TierClient:
         return {key: _stored_trace(entry) for key, entry in entries.items()}, held
 
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
-        """(verified entries, the keys the tier held anything under, rejected or not), in one round trip
-        (two when some entries are references). The tier being unavailable looks like all misses. An entry
-        over max_entry_bytes is not downloaded: the backend says its size, and it is rejected and counted."""
+        """(verified entries, the keys the tier held anything under, rejected or not), in one round trip. The tier
+        being unavailable looks like all misses. An entry over max_entry_bytes is not downloaded: the backend says
+        its size, and it is rejected and counted. Their writers' signatures, for a reader with a trust policy, are
+        checked in one loop (cachestore.entry.decode_entries)."""
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
@@ -332,24 +324,14 @@ class TierClient:
         if not ok:
             return own, set(own)
         entries = own
-        many = self._decode_many(found) if self.policy.trust is not None and len(found) > 1 else None
+        decoded = decode_entries(found, self.policy, self.settings.max_entry_bytes)
         for key, data in found.items():
-            entry = self._followed(key, many[key], data) if many is not None else self._accepted(key, data)
+            entry = self._decoded(key, data, decoded[key])
             if entry is not None:
+                self._touch(key, entry, data)
                 entries[key] = entry
         self._count_found(entries.values())
         return entries, set(found) | set(own)
-
-    def _accepted(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
-        """The verified entry the tier holds under `cache_key` (its reference followed), or None (rejected)."""
-        return self._followed(cache_key, self._decode(cache_key, data), data)
-
-    def _followed(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge) -> Entry | None:
-        """`entry`, decoded from `data`, touched and its reference followed; None when it was rejected."""
-        if entry is None:
-            return None
-        self._touch(cache_key, entry, data)
-        return self._follow_reference(cache_key, entry) if entry.is_reference else entry
 
     def _count_found(self, entries: Collection[Entry]) -> None:
         """Entries handed to the loop: counted, and per writer that signed them."""
@@ -372,15 +354,13 @@ class TierClient:
         with self._writer_lock:
             self._writer_counts.update(names)
 
-    def _touch(self, cache_key: str, entry: Entry | None, data: bytes | TooLarge | None) -> None:
+    def _touch(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
         """A read found this entry on Redis: its TTL is refreshed in the background (a writer's client only: a
-        read-only one refreshes nothing), to entry_ttl or, for one worth more than the usual entry, longer. A
-        reference keeps entry_ttl, as the holder it names does: it must not outlive the binary it points to.
-        Only an append here: the flusher computes the TTLs and sends them together (`_collect_touched`)."""
+        read-only one refreshes nothing), to entry_ttl or, for one worth more than the usual entry, longer. Only
+        an append here: the flusher computes the TTLs and sends them together (`_collect_touched`)."""
         if not (self._value_ttls and self.writes):
             return
-        plain = entry is not None and not entry.is_reference and isinstance(data, bytes)
-        self._touched.append((cache_key, entry.compile_seconds, len(data)) if plain else (cache_key, 0.0, None))  # type: ignore[union-attr,arg-type]
+        self._touched.append((cache_key, entry.compile_seconds, len(data)))
         if not self._flusher_running():
             self._ensure_flusher()
 
@@ -400,39 +380,13 @@ class TierClient:
                 key, seconds, size = self._touched.popleft()
             except IndexError:
                 break
-            ttl = base if size is None else self._values.ttl(base, entry_value(seconds, 1, size))
+            ttl = self._values.ttl(base, entry_value(seconds, 1, size))
             ttls[key] = max(ttl, ttls.get(key, 0))
         if ttls:
             with self._outbox_lock:
                 for key, ttl in ttls.items():
                     self._append(TtlRefresh(key, ttl))
                 self._outbox_lock.notify_all()
-
-    def _follow_reference(self, cache_key: str, entry: Entry) -> Entry | None:
-        ok, found = self._guarded(lambda b: b.fetch([entry.ref], self._refresh_ttl), "lookup")
-        if not ok or entry.ref not in found:
-            return None
-        holder = self._decode(entry.ref, found[entry.ref])
-        if holder is not None:
-            self._touch(entry.ref, None, None)  # the holder keeps entry_ttl, as its reference does
-        if holder is None or holder.is_reference or holder.digest != entry.digest:
-            if holder is not None:
-                self.reject(cache_key, "referenced entry holds another binary")
-            return None
-        return entry.with_binary(holder.binary)
-
-    def _decode_many(self, found: Mapping[str, bytes | TooLarge]) -> dict[str, Entry | None]:
-        """`_decode` of each entry a read of several found, for a reader with a trust policy: their writers'
-        signatures are checked in one loop (cachestore.entry.decode_entries)."""
-        results = decode_entries(found, self.policy, self.settings.max_entry_bytes)
-        return {key: self._decoded(key, data, results[key]) for key, data in found.items()}
-
-    def _decode(self, cache_key: str, data: bytes | TooLarge) -> Entry | None:
-        try:
-            entry: Entry | EntryRejected = decode_entry(data, self.policy, self.settings.max_entry_bytes, cache_key)
-        except EntryRejected as exc:
-            entry = exc
-        return self._decoded(cache_key, data, entry)
 
     def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
         """A decoded entry (or the EntryRejected that stands for it) handed on: a rejection counted and logged, an
@@ -555,7 +509,6 @@ class TierClient:
             cache_key,
             entry.digest,
             stored,
-            lambda _holder: stored,
             str(entry.key_components.get("kernel_name", "")),
             entry.compile_seconds,
             None,
@@ -593,14 +546,11 @@ class TierClient:
                 logger.warning("entry %s... not mirrored, readers would refuse it: %s", pending.cache_key[:16], problem)
             else:
                 kernel_name = str(entry.key_components.get("kernel_name", ""))
-                reference = self._reference_encoder(entry, pending.cache_key)
                 index = stored_fields(pending.cache_key, entry.key_components, self._partition)
-                ttl = None
-                if self._value_ttls:
-                    ttl = self._values.ttl(self.settings.entry_ttl, entry_value(entry.compile_seconds, 1, size))
                 pending.request = StoreRequest(
-                    pending.cache_key, entry.digest, full, reference, kernel_name, entry.compile_seconds, ttl, index
+                    pending.cache_key, entry.digest, full, kernel_name, entry.compile_seconds, None, index
                 )
+                pending.value = entry_value(entry.compile_seconds, 1, size)
                 pending.unsealed = unsealed
             pending.prepared = True
         return pending.request
@@ -649,11 +599,6 @@ class TierClient:
             toolchain=self.toolchain,  # the compiler that traced it: this one
         )
         self._publish(PendingStore(cache_key, build), release_lease)
-
-    def _reference_encoder(self, entry: Entry, cache_key: str) -> Callable[[str], bytes]:
-        """Encodes `entry`, stored under `cache_key`, as a reference to the holder of its binary."""
-        key, writer = self.settings.hmac_key, self.writer
-        return lambda holder: encode_entry(entry.as_reference_to(holder), key, writer, cache_key)
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
@@ -832,8 +777,17 @@ class TierClient:
         if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
+            if stores and self._backend is None:  # opened first: its `value_ttls` decides the entries' TTLs
+                ok, _ = self._guarded(lambda b: None, "store")
+                if not ok:
+                    return False
             for pending in stores:
                 self._prepare(pending)
+                if pending.value is not None and pending.request is not None:
+                    if self._value_ttls:  # a TTL that grows with its value (cachestore.value); else the call's
+                        ttl = self._values.ttl(self.settings.entry_ttl, pending.value)
+                        pending.request = replace(pending.request, ttl=ttl)
+                    pending.value = None
             self._seal(stores)
             requests = [pending.request for pending in stores if pending.request is not None]
             ok = True

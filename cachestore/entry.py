@@ -32,9 +32,10 @@ schema, and entries written with another one are misses, never mis-decoded.
 
 `toolchain` is the id of the compiler that traced the binary (`bridge.identity`); a tier keeps each
 toolchain's entries apart, and the codegen loop takes only its own toolchain's. `digest` is the SHA-256 of
-the binary, computed by the writer: it names the binary for content dedupe. An entry whose binary is already
-stored under another cache key is written as a reference (`binary` empty, `ref` naming that key), so
-identical binaries are stored once. Nothing here ever unpickles: key_components hold tuples, which msgpack
+the binary, computed by the writer (`inspect verify` checks the binary against it). Every entry holds its
+binary: `ref` is always nil. An entry whose `ref` names another cache key (a reference to that key's binary,
+which older builds wrote) is rejected, never followed: a miss, traced and rewritten whole. Nothing here ever
+unpickles: key_components hold tuples, which msgpack
 brings back as lists, and `key_components` is informational (reports, explain): the cache key itself is
 never recomputed from it.
 
@@ -52,7 +53,7 @@ import hashlib
 import hmac
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,8 @@ _BODY_FIELDS = (
     "ref",
     "toolchain",
 )
+_REF_AT = _BODY_FIELDS.index("ref")  # nil in every entry this build writes (see the module's docstring)
+_ENTRY_FIELDS = tuple(name for name in _BODY_FIELDS if name != "ref")
 
 
 @dataclass(frozen=True)
@@ -160,32 +163,17 @@ class Entry:
     created: float = 0.0
     compile_seconds: float = 0.0
     digest: str = ""
-    ref: str | None = None  # the cache key whose entry holds this binary, for deduplicated entries
     toolchain: str = ""  # the id of the compiler that traced the binary
     signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
     unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
     writer: str = field(default="", compare=False)  # the key id (hex) of the writer that signed it, if any
-    # The bytes it was decoded from, as stored (None for an entry built here, or a followed reference): a
+    # The bytes it was decoded from, as stored (None for an entry built here): a
     # stack's nearer level keeps a copy of them, with its writer's signature, instead of encoding it anew.
     stored: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.digest:
             self.digest = binary_digest(self.binary)
-
-    @property
-    def is_reference(self) -> bool:
-        return self.ref is not None
-
-    def as_reference_to(self, cache_key: str) -> Entry:
-        """This entry, its binary replaced by a pointer to `cache_key`'s entry."""
-        return Entry(**{**self._fields(), "binary": b"", "ref": cache_key})
-
-    def with_binary(self, binary: bytes) -> Entry:
-        """This entry holding `binary` (a followed reference): what its own header said (signed, writer) stays."""
-        entry = Entry(**{**self._fields(), "binary": binary, "ref": None})
-        entry.signed, entry.unverified, entry.writer = self.signed, self.unverified, self.writer
-        return entry
 
     def trace_result(self) -> dict:
         """The specification's trace-result dict, as the bridge would have returned it."""
@@ -197,7 +185,7 @@ class Entry:
         }
 
     def _fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _BODY_FIELDS}
+        return {name: getattr(self, name) for name in _ENTRY_FIELDS}
 
 
 def binary_digest(binary: bytes) -> str:
@@ -223,7 +211,9 @@ def encode_entry(
 
 
 def _payload(entry: Entry) -> bytes:
-    body = msgpack.packb([getattr(entry, name) for name in _BODY_FIELDS], use_bin_type=True)
+    values = [getattr(entry, name) for name in _ENTRY_FIELDS]
+    values.insert(_REF_AT, None)
+    body = msgpack.packb(values, use_bin_type=True)
     return _compressor().compress(body)
 
 
@@ -328,12 +318,11 @@ def decode_entry(
     stored (compressed) bytes, then the payload's declared size before it is decompressed, and only then the
     body, whose shape is bounded before msgpack builds it. A policy with a trust policy needs `cache_key`, the
     key the entry was read under, which the writer's signature covers. The EntryRejected raised holds its
-    reason alone (`_rejection`)."""
-    try:
-        return _decoded_entry(data, policy, max_bytes, cache_key)
-    except EntryRejected as exc:
-        rejection = _rejection(exc)
-    raise rejection  # out of the handler: with no context either
+    reason alone (`_rejection`). `decode_entries` of one entry."""
+    (result,) = _decode_all([(cache_key, data)], policy, max_bytes)
+    if isinstance(result, EntryRejected):
+        raise result
+    return result
 
 
 def _rejection(exc: EntryRejected) -> EntryRejected:
@@ -341,17 +330,6 @@ def _rejection(exc: EntryRejected) -> EntryRejected:
     then has no traceback or context through the frames of its checks, which held the payload and the
     decompressed body, so no rejected body outlives its check."""
     return EntryRejected(exc.reason)
-
-
-def _decoded_entry(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, cache_key: str | None) -> Entry:
-    flags, signature, section, payload, digest = _intact(data, max_bytes)
-    signed = _check_signature(payload, signature, policy)
-    writer = _check_writer(flags, section, digest, policy, cache_key)
-    entry = _body(payload, max_bytes)
-    entry.signed = signed or (writer is not None and policy.trust is not None)
-    entry.unverified = (signature is not None and not signed) or (writer is not None and policy.trust is None)
-    entry.writer = writer.hex() if writer is not None else ""
-    return entry
 
 
 def _intact(data: bytes | TooLarge, max_bytes: int) -> tuple[int, bytes | None, WriterSection | None, bytes, bytes]:
@@ -390,11 +368,9 @@ class OpenedEntry:
     writer: object = None  # `check_writers`'s verdict: the writer's key id, None, or an EntryRejected
 
 
-def open_entry(
-    data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES, cache_key: str | None = None
-) -> OpenedEntry:
-    """`decode_entry`'s checks up to the writer's signature: the stored size, the header, the digest and the
-    HMAC. Raises EntryRejected as decode_entry does (both start with `_intact`)."""
+def open_entry(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES) -> OpenedEntry:
+    """A decode's checks up to the writer's signature: the stored size, the header, the digest and the HMAC.
+    Raises EntryRejected naming the first problem."""
     flags, signature, section, payload, digest = _intact(data, max_bytes)
     signed = _check_signature(payload, signature, policy)
     return OpenedEntry(flags, signature, signed, section, digest, payload)
@@ -426,47 +402,50 @@ def _accepted(entry: Entry, opened: OpenedEntry, writer: bytes | None, policy: S
 def decode_entries(
     found: Mapping[str, bytes | TooLarge], policy: SignaturePolicy, max_bytes: int = MAX_ENTRY_BYTES
 ) -> dict[str, Entry | EntryRejected]:
-    """`decode_entry` of each (cache key, stored bytes): the same entries accepted, the others rejected for the
-    same reasons (the EntryRejected stands for the entry). For a reader with a trust policy, a read of several
-    entries (a pass's prefetch) has their writers' signatures checked in one loop (`check_writers`: one call a
-    read, not one an entry, on the compile path), each entry still checked before its body is decompressed."""
-    if policy.trust is None or len(found) < 2:
-        return {key: _decoded(data, policy, max_bytes, key) for key, data in found.items()}
-    results: dict[str, Entry | EntryRejected] = {}
-    opened: dict[str, OpenedEntry] = {}
-    for key, data in found.items():
+    """`decode_entry` of each (cache key, stored bytes), in the order found: the EntryRejected stands for an
+    entry refused."""
+    return dict(zip(found, _decode_all(found.items(), policy, max_bytes), strict=True))
+
+
+def _decode_all(
+    items: Iterable[tuple[str | None, bytes | TooLarge]], policy: SignaturePolicy, max_bytes: int
+) -> list[Entry | EntryRejected]:
+    """The decode of every read: each entry opened (size, header, digest, HMAC), then the writers' signatures
+    checked in one loop (`check_writers`: one call a read, not one an entry, on the compile path), then each
+    body decompressed and checked, in that order."""
+    results: list[OpenedEntry | EntryRejected] = []
+    opened: list[tuple[str | None, OpenedEntry]] = []
+    for key, data in items:
         try:
-            opened[key] = open_entry(data, policy, max_bytes, key)
+            entry = open_entry(data, policy, max_bytes)
         except EntryRejected as exc:
-            results[key] = _rejection(exc)
-    check_writers(opened, policy)
-    for key, entry in opened.items():
-        writer = entry.writer
-        if isinstance(writer, EntryRejected):
-            results[key] = writer
+            results.append(_rejection(exc))
             continue
-        try:
-            results[key] = _accepted(_body(entry.payload, max_bytes), entry, writer, policy)  # type: ignore[arg-type]
-        except EntryRejected as exc:
-            results[key] = _rejection(exc)
-    return {key: results[key] for key in found}  # in the order found (the caller's order of its keys)
+        results.append(entry)
+        opened.append((key, entry))
+    check_writers(opened, policy)
+    return [_checked_body(entry, policy, max_bytes) if isinstance(entry, OpenedEntry) else entry for entry in results]
 
 
-def check_writers(opened: Mapping[str, OpenedEntry], policy: SignaturePolicy) -> None:
-    """The writer check (`_check_writer`) of each opened entry (cache key to entry), in one loop, its verdict in
-    `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why not."""
-    for key, entry in opened.items():
+def _checked_body(opened: OpenedEntry, policy: SignaturePolicy, max_bytes: int) -> Entry | EntryRejected:
+    writer = opened.writer
+    if isinstance(writer, EntryRejected):
+        return writer
+    try:
+        return _accepted(_body(opened.payload, max_bytes), opened, writer, policy)  # type: ignore[arg-type]
+    except EntryRejected as exc:
+        return _rejection(exc)
+
+
+def check_writers(opened: Sequence[tuple[str | None, OpenedEntry]], policy: SignaturePolicy) -> None:
+    """The writer check (`_check_writer`) of each opened entry (with the cache key it was read under), in one
+    loop, its verdict in `entry.writer`: the writer's key id (None for none) or the EntryRejected saying why
+    not."""
+    for key, entry in opened:
         try:
             entry.writer = _check_writer(entry.flags, entry.section, entry.digest, policy, key)
         except EntryRejected as exc:
             entry.writer = _rejection(exc)  # (the original's traceback would tie `opened` and its payloads in a cycle)
-
-
-def _decoded(data: bytes | TooLarge, policy: SignaturePolicy, max_bytes: int, key: str) -> Entry | EntryRejected:
-    try:
-        return decode_entry(data, policy, max_bytes, key)
-    except EntryRejected as exc:
-        return exc
 
 
 def open_stored(data: bytes) -> tuple[bytes | None, bytes]:
@@ -842,7 +821,9 @@ def _entry_from_fields(values: object) -> Entry:
     if not isinstance(values, list) or len(values) != len(_BODY_FIELDS):
         raise EntryRejected(f"body is not a list of the schema's {len(_BODY_FIELDS)} fields")
     _check_shape(values)
-    _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, _, _ = values
+    _, inputs, outputs, form, _, _, _, _, created, compile_seconds, _, ref, _ = values
+    if ref is not None:
+        raise EntryRejected("entry is a reference to another key's binary (an older build's dedupe): not followed")
     # Each number within what this compiler can produce: a NaN, an infinity or a 1e300 would poison every sum it
     # enters (a pass's saved seconds past what a metrics batch may carry drop the pass from the fleet's report),
     # and a later `created` would make the entry look in use. A NaN fails every comparison.
@@ -860,4 +841,5 @@ def _entry_from_fields(values: object) -> Entry:
         "".join(outputs)
     except TypeError:
         raise EntryRejected("input/output names must be strings") from None
+    del values[_REF_AT]
     return Entry(*values)

@@ -155,9 +155,9 @@ def toolchain_problem(raw: RawEntry, entry: Entry) -> str | None:
 
 
 def binary_problem(entry: Entry) -> str | None:
-    """Why the binary of a full entry is not the one its digest names, or None. A hit trusts the digest over the
-    stored bytes and never hashes the binary; verify does, since dedupe finds binaries by this digest."""
-    if not entry.is_reference and binary_digest(entry.binary) != entry.digest:
+    """Why the binary of an entry is not the one its digest names, or None. A hit trusts the digest over the
+    stored bytes and never hashes the binary; verify does."""
+    if binary_digest(entry.binary) != entry.digest:
         return "binary does not match its digest"
     return None
 
@@ -216,7 +216,6 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                 "format": entry.format,
                 "bytes": len(raw.data),
                 "binary_bytes": len(entry.binary),
-                "ref": entry.ref,
                 "usage": record.usage if record else 0,
                 "last_use": record.last_use if record else None,
                 "producer": f"{entry.producer_host}:{entry.producer_worker}",
@@ -283,7 +282,6 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
         output_names=entry.output_names,
         binary_bytes=len(entry.binary),
         digest=entry.digest,
-        ref=entry.ref,
         producer_host=entry.producer_host,
         producer_worker=entry.producer_worker,
         created=entry.created,
@@ -292,33 +290,14 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
     )
     if entry.toolchain != reader.toolchain:
         shown["problem"] = shown["problem"] or f"traced by toolchain {entry.toolchain!r}, stored in this one's"
-    if entry.is_reference:
-        data = reader.get_entries([entry.ref]).get(entry.ref)
-        holder = None if data is None else decode_or_reason(data)
-        shown["binary_bytes"] = len(holder.binary) if isinstance(holder, Entry) else None
-        shown["ref_problem"] = _reference_problem(entry, holder)
     return shown
-
-
-def _reference_problem(entry: Entry, holder: Entry | str | None) -> str | None:
-    if holder is None:
-        return f"references {entry.ref[:16]}..., which is not in the tier"
-    if isinstance(holder, str):
-        return f"references {entry.ref[:16]}..., which is unreadable ({holder})"
-    if holder.is_reference:
-        return f"references {entry.ref[:16]}..., which is itself a reference"
-    if holder.digest != entry.digest:
-        return f"references {entry.ref[:16]}..., which holds another binary"
-    return None
 
 
 # -- du ---------------------------------------------------------------------------------------------
 def disk_usage(reader: Reader, processes: int | None = None) -> dict:
-    """Storage by kernel and by toolchain: entries, full entries and references, bytes stored, binary bytes
-    held, and what deduplication saves (the binaries references would otherwise hold; a toolchain's entries
-    are deduplicated among themselves). Keeps one (digest, size) pair per distinct binary and one count per
-    referenced digest. The entries are read by up to `processes` processes (cachestore.scan_split; None: one
-    a CPU), each counting its share (`_Usage`); the shares are summed here."""
+    """Storage by kernel, by toolchain and by writer: entries, bytes stored and binary bytes held. The entries
+    are read by up to `processes` processes (cachestore.scan_split; None: one a CPU), each counting its share
+    (`_Usage`); the shares are summed here."""
     shares = scan_split(reader, lambda _: _Usage(), processes=processes, every_toolchain=True)
     return _usage_report(shares, reader.capacity())
 
@@ -330,9 +309,6 @@ class _Usage:
         self.kernels: dict[str, Counter] = defaultdict(Counter)
         self.toolchains: dict[str, Counter] = defaultdict(Counter)
         self.writers: dict[str, Counter] = defaultdict(Counter)  # key id ("" for no writer signature) -> counts
-        self.sizes: dict[tuple[str, str], int] = {}  # (toolchain, digest) -> binary bytes
-        # (toolchain, digest) -> kernel -> references
-        self.referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)
         self.unreadable: Counter = Counter()
 
     def add(self, batch: list[RawEntry]) -> None:
@@ -353,17 +329,10 @@ class _Usage:
             self.unreadable["entries"] += 1
             self.unreadable["bytes"] += size
             return
-        kernel = str(entry.key_components.get("kernel_name", ""))
-        row = self.kernels[kernel]
+        row = self.kernels[str(entry.key_components.get("kernel_name", ""))]
         row["entries"] += 1
         row["bytes"] += size
-        if entry.is_reference:
-            row["references"] += 1
-            self.referenced[raw.toolchain, entry.digest][kernel] += 1
-        else:
-            row["full"] += 1
-            row["binary_bytes"] += len(entry.binary)
-            self.sizes[raw.toolchain, entry.digest] = len(entry.binary)
+        row["binary_bytes"] += len(entry.binary)
 
     def result(self) -> dict:
         """The counts as msgpack takes them (lists of pairs: names from entries need not be valid map keys)."""
@@ -371,8 +340,6 @@ class _Usage:
             "kernels": [(name, dict(row)) for name, row in self.kernels.items()],
             "toolchains": [(name, dict(row)) for name, row in self.toolchains.items()],
             "writers": [(name, dict(row)) for name, row in self.writers.items()],
-            "sizes": [(toolchain, digest, size) for (toolchain, digest), size in self.sizes.items()],
-            "referenced": [(tc, digest, dict(by_kernel)) for (tc, digest), by_kernel in self.referenced.items()],
             "unreadable": dict(self.unreadable),
         }
 
@@ -387,20 +354,8 @@ def _summed(shares: list[dict], part: str) -> dict[str, Counter]:
 
 def _usage_report(shares: list[dict], capacity: dict | None) -> dict:
     kernels, toolchains, writers = (_summed(shares, part) for part in ("kernels", "toolchains", "writers"))
-    sizes = {(toolchain, digest): size for share in shares for toolchain, digest, size in share["sizes"]}
-    referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)
-    for share in shares:
-        for toolchain, digest, by_kernel in share["referenced"]:
-            referenced[toolchain, digest].update(by_kernel)
     unreadable = sum((Counter(share["unreadable"]) for share in shares), Counter())
-    dangling = 0
-    for digest, by_kernel in referenced.items():
-        if digest not in sizes:
-            dangling += sum(by_kernel.values())
-            continue
-        for name, count in by_kernel.items():
-            kernels[name]["dedupe_saved_bytes"] += count * sizes[digest]
-    fields = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
+    fields = ("entries", "bytes", "binary_bytes")
     rows = {name: {f: int(row[f]) for f in fields} for name, row in sorted(kernels.items())}
     total = {f: sum(row[f] for row in rows.values()) for f in fields}
     return {
@@ -408,8 +363,6 @@ def _usage_report(shares: list[dict], capacity: dict | None) -> dict:
         "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(toolchains.items())},
         "writers": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(writers.items())},
         "total": total,
-        "distinct_binaries": len(sizes),
-        "dangling_references": dangling,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
         # The local tier's file against its max_size; None for a store without one (Redis, a snapshot).
         "capacity": capacity,
@@ -484,9 +437,8 @@ def import_snapshot(
     max_bytes: int = MAX_ENTRY_BYTES,
 ) -> dict:
     """Write a snapshot's entries into a tier, each into its toolchain's partition and verified first
-    (decoded with the policy, traced by that toolchain, key components hashing to its key); entries holding
-    a binary go first, then references whose target now holds the same binary, each with the time it had left
-    (at most `default_ttl`). Metrics are not imported.
+    (decoded with the policy, traced by that toolchain, key components hashing to its key), each with the time
+    it had left (at most `default_ttl`). Metrics are not imported.
     Returns {imported, rejected: [{key, reason}]}."""
     result: dict = {"imported": 0, "rejected": []}
     for partition in partitions(snapshot):
@@ -517,7 +469,6 @@ def _import_partition(
             return entry
         return toolchain_problem(raw, entry) or key_problem(raw.cache_key, entry, key_of)
 
-    references = 0
     for batch in batched(snapshot.scan_entries()):
         items = []
         for raw in batch:
@@ -525,30 +476,8 @@ def _import_partition(
             problem = problem_of(raw, entry)
             if problem:
                 rejected.append({"key": raw.cache_key, "reason": problem})
-            elif entry.is_reference:
-                references += 1
             else:
                 items.append(WriteItem(raw.cache_key, raw.data, entry.digest, ttl_of(raw), entry.compile_seconds))
-        tier.put_entries(items)
-        result["imported"] += len(items)
-    if not references:
-        return
-    for batch in batched(snapshot.scan_entries()):
-        pending = {}
-        for raw in batch:
-            entry = decode_or_reason(raw.data, policy, max_bytes, raw.cache_key)
-            if isinstance(entry, Entry) and entry.is_reference and not problem_of(raw, entry):
-                pending[raw.cache_key] = (raw, entry)
-        targets = tier.get_entries(sorted({entry.ref for _, entry in pending.values()}))
-        items = []
-        for key, (raw, entry) in pending.items():
-            held = targets.get(entry.ref)
-            holder = None if held is None else decode_or_reason(held, policy, max_bytes, entry.ref)
-            problem = _reference_problem(entry, holder)
-            if problem:
-                rejected.append({"key": key, "reason": problem})
-            else:
-                items.append(WriteItem(key, raw.data, None, ttl_of(raw), entry.compile_seconds))
         tier.put_entries(items)
         result["imported"] += len(items)
 
@@ -558,8 +487,7 @@ def _import_partition(
 class _Candidate:
     key: str
     bytes: int
-    digest: str | None  # for an entry holding a binary
-    ref: str | None
+    digest: str | None  # None for an unreadable entry
     usage: int
     compile_seconds: float
     last_use: float
@@ -570,11 +498,6 @@ class _Candidate:
     @property
     def id(self) -> tuple[str, str]:
         return self.toolchain, self.key
-
-    @property
-    def holder_id(self) -> tuple[str, str] | None:
-        """The entry holding this reference's binary: a reference points within its own partition."""
-        return None if self.ref is None else (self.toolchain, self.ref)
 
     @property
     def value(self) -> float:
@@ -593,33 +516,20 @@ def collect_garbage(
     only_toolchain: str | None = None,
     writer: str | None = None,
 ) -> dict:
-    """Evict entries (never metrics), of every toolchain: unreadable entries and references to nothing; with
-    `only_toolchain`, every other toolchain's entries; with `unused_for`, entries not used for that many
-    seconds; with `max_bytes`, the least valuable entries (lowest compile seconds saved per stored byte:
-    usage x compile time / size) until the rest fits. An entry holding a binary goes only together with the
-    references to it. With `writer` (a key id), every entry whose header names that writer, in every
-    toolchain and scope (a compromised or distrusted writer's), with the entries that reference its binaries.
-    Keeps one small record per entry."""
+    """Evict entries (never metrics), of every toolchain: unreadable entries always; with `only_toolchain`,
+    every other toolchain's entries; with `unused_for`, entries not used for that many seconds; with
+    `max_bytes`, the least valuable entries (lowest compile seconds saved per stored byte: usage x compile
+    time / size) until the rest fits. With `writer` (a key id), every entry whose header names that writer, in
+    every toolchain and scope (a compromised or distrusted writer's). Keeps one small record per entry."""
     now = time.time() if now is None else now
     candidates: dict[tuple[str, str], _Candidate] = {}
     for partition in partitions(reader):
         for c in _candidates(partition, policy):
             candidates[c.id] = c
-    references: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
-    for c in candidates.values():
-        if c.holder_id is not None:
-            holder = candidates.get(c.holder_id)
-            if holder is None or holder.reason == "unreadable" or holder.ref is not None:
-                c.reason = c.reason or "dangling reference"
-            else:
-                references[c.holder_id].append(c.id)
 
     def evict(c: _Candidate, reason: str) -> None:
         if c.reason is None:
             c.reason = reason
-        for member in references.get(c.id, ()):
-            if candidates[member].reason is None:
-                candidates[member].reason = reason
 
     if writer is not None:
         for c in candidates.values():
@@ -628,16 +538,14 @@ def collect_garbage(
     if only_toolchain is not None:
         for c in candidates.values():
             if split_partition(c.toolchain)[0] != only_toolchain:
-                evict(c, "other toolchain")  # its references live in its own partition: they go with it
+                evict(c, "other toolchain")
     if unused_for is not None:
         cutoff = now - unused_for
         for c in candidates.values():
-            # A reference goes alone; an entry holding a binary only when its references are unused too.
-            group = [c, *(candidates[k] for k in references.get(c.id, ()))]
-            if all(member.last_use < cutoff for member in group):
+            if c.last_use < cutoff:
                 evict(c, "unused")
     if max_bytes is not None:
-        _evict_over_budget(candidates, references, max_bytes, evict)
+        _evict_over_budget(candidates, max_bytes, evict)
 
     evicted = [c for c in candidates.values() if c.reason]
     if not dry_run:
@@ -678,16 +586,13 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
             record = usage.get(raw.cache_key)
             writer = writer_of(raw.data)
             if isinstance(entry, str):
-                yield _Candidate(
-                    raw.cache_key, len(raw.data), None, None, 0, 0.0, 0.0, "unreadable", raw.toolchain, writer
-                )
+                yield _Candidate(raw.cache_key, len(raw.data), None, 0, 0.0, 0.0, "unreadable", raw.toolchain, writer)
                 continue
             last = max(record.last_use if record else 0.0, entry.created)
             yield _Candidate(
                 raw.cache_key,
                 len(raw.data),
-                None if entry.is_reference else entry.digest,
-                entry.ref,
+                entry.digest,
                 record.usage if record else 0,
                 entry.compile_seconds,
                 last,
@@ -696,29 +601,11 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
             )
 
 
-def _evict_over_budget(
-    candidates: dict[tuple[str, str], _Candidate],
-    references: dict[tuple[str, str], list[tuple[str, str]]],
-    max_bytes: int,
-    evict: Any,
-) -> None:
+def _evict_over_budget(candidates: dict[tuple[str, str], _Candidate], max_bytes: int, evict: Any) -> None:
     kept = sum(c.bytes for c in candidates.values() if not c.reason)
-    if kept <= max_bytes:
-        return
-
-    def group_value(c: _Candidate) -> float:
-        if c.ref is not None:
-            return c.value
-        group = [c, *(candidates[k] for k in references.get(c.id, ()) if not candidates[k].reason)]
-        # The binary saves its compile time for every use of the group, and takes the group's bytes.
-        return entry_value(c.compile_seconds, sum(m.usage for m in group), sum(m.bytes for m in group))
-
-    order = sorted((c for c in candidates.values() if not c.reason), key=lambda c: (group_value(c), c.last_use, c.id))
+    order = sorted((c for c in candidates.values() if not c.reason), key=lambda c: (c.value, c.last_use, c.id))
     for c in order:
         if kept <= max_bytes:
             return
-        if c.reason:
-            continue
-        freed = c.bytes + sum(candidates[k].bytes for k in references.get(c.id, ()) if not candidates[k].reason)
         evict(c, "over budget")
-        kept -= freed
+        kept -= c.bytes

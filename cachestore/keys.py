@@ -4,9 +4,6 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
 
     NS:vV:tc:TC:entry:{K}        string   encoded entry for cache key KEY (TTL, refreshed on use); K = key_tag(KEY)
     NS:vV:tc:TC:lease:{K}        string   single-flight lease: the tracing worker's id (short TTL)
-    NS:vV:tc:TC:digests:B        hash     the dedupe index, bucket B of DIGEST_BUCKETS: field the binary's SHA-256
-                               (its first 16 bytes, raw), value the cache key (32 bytes, raw) whose entry holds
-                               that binary (TTL, refreshed by every store into the bucket)
     NS:vV:variants:{KERNEL}      hash     the variant index of one kernel name (cachestore.variant_index): what
                                each toolchain stored of it, for the cause of a miss (TTL, refreshed on store)
     NS:vV:metrics-shards       string   S, the number of metrics shards (set once, by the first batch)
@@ -36,24 +33,17 @@ the metrics over a cluster's nodes: with one slot, every pass's batch and every 
 A scope other than the trusted one (issue 22: an untrusted writer, `cachestore.trust.resolve_scope`) is a
 partition of its own inside the toolchain's, TC:scope:NAME (`partition`):
 
-    NS:vV:tc:TC:scope:NAME:entry:{KEY}   (and :lease:, :digests:) an untrusted scope's entries
+    NS:vV:tc:TC:scope:NAME:entry:{KEY}   (and :lease:) an untrusted scope's entries
 
-so a trusted reader never reads them, and they never hold a lease on, replace, deduplicate against or evict
-a trusted entry. The trusted scope is the toolchain's partition itself: the layout of an existing tier is
-unchanged. A Redis ACL user can be limited to untrusted scopes by the key pattern `NS:vV:tc:*:scope:*`.
+so a trusted reader never reads them, and they never hold a lease on, replace or evict a trusted entry. The
+trusted scope is the toolchain's partition itself: the layout of an existing tier is unchanged. A Redis ACL
+user can be limited to untrusted scopes by the key pattern `NS:vV:tc:*:scope:*`.
 
-The dedupe index was one string key per binary until issue 16's compact entries: each cost Redis about 250
-bytes (its name, its TTL, its dict entry) for 64 bytes of data, where a field of a small hash (listpack
-encoding, up to 128 fields) costs about 55 and of a large one about 100. A few buckets per partition keep the
-fields of a fleet's thousands of binaries in a few keys that a cluster still spreads (no hash tag: nothing
-needs them in one slot). Fields have no TTL of their own: a field whose holder expired stays until a store of
-the same binary replaces it, `delete_entries` drops it, its bucket goes unused for a TTL, or the bucket passes
-MAX_DIGEST_FIELDS and is emptied (those binaries lose their dedupe once; references already written keep
-working, since a reader follows a reference by its cache key and checks the binary's digest). Keys of the
-one-key-per-digest index an older release wrote are not read: they expire on their own.
+Keys `NS:vV:tc:TC:digests:B` (hashes) that older builds wrote for content dedupe are not read or written:
+they expire on their own.
 
-Entries, leases and the digest index are partitioned by toolchain: two compilers (a rolling upgrade) share
-one Redis without ever reading, deduplicating against or evicting each other's binaries, while the fleet
+Entries and leases are partitioned by toolchain: two compilers (a rolling upgrade) share one Redis without
+ever reading or evicting each other's binaries, while the fleet
 metrics and the job queue stay shared. The specification's SHA-256 stays the cache key inside a partition.
 """
 
@@ -72,9 +62,6 @@ DEFAULT_METRICS_SHARDS = 64
 MAX_METRICS_SHARDS = 1024  # a report reads every shard: more would cost it more than any cluster gains
 DEFAULT_JOB_SHARDS = 16  # of a new namespace's job queue: an idle worker polls each once a second
 MAX_JOB_SHARDS = 1024
-DIGEST_BUCKETS = 8  # hashes of a partition's dedupe index
-MAX_DIGEST_FIELDS = 1 << 16  # fields of a bucket past which it is emptied (a bound on fields of expired entries)
-DIGEST_FIELD_BYTES = 16  # of the binary's SHA-256: a reference is checked against the whole digest when followed
 
 
 TRUSTED_SCOPE = ""
@@ -112,13 +99,6 @@ class KeySpace:
 
     def lease(self, toolchain: str, cache_key: str) -> str:
         return f"{self.prefix}:tc:{toolchain}:lease:{{{key_tag(cache_key)}}}"
-
-    def digest_bucket(self, toolchain: str, digest: str) -> str:
-        """The hash of the dedupe index that holds `digest`'s field (`digest_field`)."""
-        return f"{self.prefix}:tc:{toolchain}:digests:{digest_bucket_of(digest)}"
-
-    def digest_bucket_pattern(self, toolchain: str | None = None) -> str:
-        return f"{self.prefix}:tc:{toolchain or '*'}:digests:*"
 
     def variant_index(self, kernel_name: str) -> str:
         """Shared by every toolchain: a miss under one tells `other_toolchain` from `new_variant` by it."""
@@ -354,37 +334,6 @@ def cache_key_of_tag(tag: str) -> str:
 
 _FROM_URLSAFE = bytes.maketrans(b"-_", b"+/")
 _TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
-
-
-def digest_bucket_of(digest: str) -> int:
-    """The bucket of a binary's SHA-256 (hex): its first byte, so buckets fill evenly."""
-    try:
-        return int(digest[:2], 16) % DIGEST_BUCKETS
-    except ValueError:  # no hex digest (a forged entry's): any bucket will do, the same each time
-        return zlib.crc32(digest.encode()) % DIGEST_BUCKETS
-
-
-def digest_field(digest: str) -> bytes:
-    """A digest's field in its bucket: the first DIGEST_FIELD_BYTES of the SHA-256, raw (a hex digest's; any
-    other text as its bytes, which no raw prefix of that length equals unless it has that length too)."""
-    raw = sha256_raw(digest)
-    return raw[:DIGEST_FIELD_BYTES] if raw is not None else digest.encode()
-
-
-def holder_value(cache_key: str) -> bytes:
-    """A cache key as the dedupe index stores it: 32 raw bytes for a SHA-256 hex key (every key the codegen
-    loop makes), its text otherwise."""
-    raw = sha256_raw(cache_key)
-    return raw if raw is not None else cache_key.encode()
-
-
-def holder_of(value: bytes | str | None) -> str | None:
-    """The cache key a dedupe index value names (None for none)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = value.encode(errors="surrogateescape")
-    return value.hex() if len(value) == 32 else value.decode(errors="backslashreplace")
 
 
 def sha256_raw(text: str) -> bytes | None:

@@ -44,9 +44,15 @@ def stored(
 
 def body_of(entry: Entry, **overrides: object) -> bytes:
     """The entry's body (msgpack, uncompressed) with fields replaced; a name not in the schema adds a field."""
-    fields = {name: getattr(entry, name) for name in _BODY_FIELDS}
+    fields = {name: getattr(entry, name, None) for name in _BODY_FIELDS}  # ("ref" is no attribute: nil)
     fields.update(overrides)
     return msgpack.packb(list(fields.values()), use_bin_type=True)
+
+
+def old_reference(entry: Entry, holder_key: str, key: bytes | None = None) -> bytes:
+    """`entry` as builds with content dedupe stored it when `holder_key`'s entry held the same binary: binary
+    empty, `ref` naming that key (with an HMAC under `key`)."""
+    return stored(body_of(entry, binary=b"", ref=holder_key), key=key)
 
 
 def payload_of(data: bytes) -> bytes:

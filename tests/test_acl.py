@@ -538,8 +538,7 @@ def test_the_untrusted_user_writes_its_own_scope_only(
         trusted_keys = list(reader.scan_iter(match=KEYS.entry_pattern(toolchain_id()), count=1000))
         assert len(trusted_keys) == MIXED_DISTINCT_KEYS
         cache_key = KEYS.parse_entry(trusted_keys[0].decode())[1]
-        for key in (KEYS.entry(toolchain_id(), cache_key), KEYS.lease(toolchain_id(), cache_key),
-                    KEYS.digest_bucket(toolchain_id(), "0" * 64)):  # fmt: skip
+        for key in (KEYS.entry(toolchain_id(), cache_key), KEYS.lease(toolchain_id(), cache_key)):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 untrusted.set(key, b"planted")
         with pytest.raises(redis.exceptions.NoPermissionError):

@@ -76,7 +76,7 @@ def backend(redis_cluster: str) -> Iterator[RedisBackend]:
 
 @pytest.fixture
 def redis_backend(backend: RedisBackend) -> RedisBackend:
-    """The Redis-only tests of the shared suite (the dedupe index's buckets) take the cluster's backend too."""
+    """The Redis-only tests of the shared suite take the cluster's backend too."""
     return backend
 
 
@@ -272,7 +272,7 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
 
 
 def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: str, tmp_path: Path) -> None:
-    """After compiles and fleet jobs, every key of the namespace is an entry, a digest index, a lease or one
+    """After compiles and fleet jobs, every key of the namespace is an entry, a lease, a variant index or one
     of the two tagged families; the job shards (and the jobs' results) and the metrics shards each spread over
     several masters."""
     namespace = unique_namespace()
@@ -297,7 +297,7 @@ def test_every_key_the_fleet_writes_is_in_the_documented_layout(redis_cluster: s
                     by_family.setdefault(family, set()).add(node.port)
             finally:
                 direct.close()
-        assert set(by_family) == {"entry", "digest", "variants", "metrics", "jobs", "job-result", "artifact"}, by_family
+        assert set(by_family) == {"entry", "variants", "metrics", "jobs", "job-result", "artifact"}, by_family
         # The queue and the metrics are sharded: the streams, the results and even one pass spread over masters.
         assert len(by_family["jobs"]) > 1 and len(by_family["job-result"]) > 1 and len(by_family["metrics"]) > 1
     finally:
@@ -311,8 +311,6 @@ def key_family(key: str, keys: KeySpace) -> str:
     for family in ("entry", "lease"):
         if partitioned and len(toolchain) == 16 and rest.startswith(f"{family}:{{") and key.endswith("}"):
             return family
-    if partitioned and len(toolchain) == 16 and re.fullmatch(r"digests:\d", rest):
-        return "digest"
     if key == keys.metrics_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:metrics(:\d+)?\}}:", key):
         return "metrics"
     if key == keys.job_shard_count or re.match(rf"\{{{re.escape(keys.prefix)}:jobs(:\d+)?\}}:", key):

@@ -210,7 +210,7 @@ def test_hostile_keys_and_kernel_names_stay_inside_the_directory(tmp_path: Path)
     root = tmp_path / "d"
     store = DirectoryBackend(root, toolchain="../../toolchain")
     hostile = ["../../../outside", "/etc/passwd", "..", ".", "a\x00b", "\\..\\x"]
-    store.store([StoreRequest(key, "d", key.encode(), lambda h: b"", "../../kernel", index_fields={b"../f": b"v"})
+    store.store([StoreRequest(key, "d", key.encode(), "../../kernel", index_fields={b"../f": b"v"})
                  for key in hostile], TTL)  # fmt: skip
     store.put_entries([WriteItem(key + "-put", b"p", None, TTL) for key in hostile])
     assert store.acquire_lease("../../lease", "me", 30)

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zstandard
-from helpers_entries import body_of, compress, decompress, payload_of, signature_of, stored
+from helpers_entries import body_of, compress, decompress, old_reference, payload_of, signature_of, stored
 
 from cachestore.entry import (
     MAX_CLOCK_AHEAD,
@@ -73,12 +73,16 @@ def test_round_trip_keeps_every_field() -> None:
     }
 
 
-def test_round_trip_of_a_reference_entry() -> None:
-    reference = make_entry().as_reference_to("holder-key")
-    decoded = decode_entry(encode_entry(reference), UNSIGNED_OK)
-    assert decoded.is_reference and decoded.ref == "holder-key"
-    assert decoded.binary == b"" and decoded.digest == binary_digest(BINARY)
-    assert decoded.with_binary(BINARY) == make_entry()
+def test_every_entry_holds_its_binary_and_an_older_builds_reference_is_rejected() -> None:
+    """The body's `ref` field is nil in what this build writes; an entry naming another key there (a reference
+    to that key's binary, which builds with content dedupe wrote) is rejected, whole and intact as it is."""
+    from cachestore.entry import body_of as stored_body
+
+    body = msgpack.unpackb(stored_body(encode_entry(make_entry())), raw=False)
+    assert body[11] is None and body[0] == BINARY
+    assert "reference to another key's binary" in rejected(old_reference(make_entry(), "holder-key"))
+    assert "reference to another key's binary" in rejected(stored(body_of(make_entry(), ref="holder-key")))
+    assert "body field 'ref'" in rejected(stored(body_of(make_entry(), ref=7)))
 
 
 def test_the_stored_form_is_a_header_and_a_compressed_payload_its_digest_covers() -> None:

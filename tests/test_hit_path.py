@@ -73,16 +73,18 @@ def stored(backend: Any, key: str, size: int = 2000) -> Entry:
 
 
 def test_a_hit_is_one_getrange_and_its_ttl_is_refreshed_in_the_background(backend: Any) -> None:
+    """One round trip of one command a hit (in a pipeline of one: one key is a batch of one)."""
     made = stored(backend, "k")
     redis_key = backend._entry("k")
     backend.client.expire(redis_key, 100)
-    reader = client_of(backend)
+    reader = client_of(backend, flush_interval=30)  # the flusher sends when flushed (below), not between the reads
     commands = Commands(backend.client)
     for _ in range(5):
         found = reader.lookup("k")
         assert found is not None and found.binary == made.binary
-    assert commands.alone == ["GETRANGE"] * 5 and commands.piped == []  # no EXPIRE, no pipeline on the hit
+    assert commands.alone == [] and commands.piped == [["GETRANGE"]] * 5  # no EXPIRE on the hit
     assert backend.client.ttl(redis_key) <= 100
+    commands.clear()
     assert reader.flush(timeout=10)
     # Five reads of one key: one EXPIRE, sent by the flusher.
     assert [command for batch in commands.piped for command in batch] == ["EXPIRE"]
@@ -90,14 +92,14 @@ def test_a_hit_is_one_getrange_and_its_ttl_is_refreshed_in_the_background(backen
     reader.close(timeout=10)
 
 
-def test_a_read_only_hit_sends_getrange_alone_and_refreshes_nothing(backend: Any) -> None:
+def test_a_read_only_hit_sends_one_getrange_and_refreshes_nothing(backend: Any) -> None:
     stored(backend, "k")
     backend.client.expire(backend._entry("k"), 100)
     reader = client_of(backend, tier_mode="read-only")
     commands = Commands(backend.client)
     assert reader.lookup("k") is not None
     reader.close(timeout=10)
-    assert commands.alone == ["GETRANGE"] and commands.piped == []
+    assert commands.alone == [] and commands.piped == [["GETRANGE"]]
     assert backend.client.ttl(backend._entry("k")) <= 100
 
 
@@ -110,7 +112,7 @@ def test_a_rejected_entry_gets_no_ttl_refresh(backend: Any) -> None:
     commands = Commands(backend.client)
     assert reader.lookup("k") is None and reader.counts()["tier_rejected"] == 1
     reader.close(timeout=10)
-    assert commands.piped == [] and backend.client.ttl(redis_key) <= 100
+    assert commands.piped == [["GETRANGE"]] and backend.client.ttl(redis_key) <= 100  # the read, no EXPIRE
     assert made.binary  # (the entry was a real one before the flip)
 
 
@@ -135,7 +137,7 @@ def test_a_long_entry_is_read_whole_and_one_over_the_limit_not_at_all(backend: A
     assert small.lookup("long") is None and small.counts()["tier_rejected"] == 1
     small.close(timeout=10)
     # The head, then the size (STRLEN); the value itself is never downloaded.
-    assert commands.alone == ["GETRANGE"] and commands.piped == [["STRLEN"]]
+    assert commands.alone == [] and commands.piped == [["GETRANGE"], ["STRLEN"]]
 
 
 def test_a_hit_still_checks_the_hmac(backend: Any) -> None:
@@ -161,7 +163,7 @@ def test_a_body_shape_checked_once_still_refuses_a_bool_or_a_wrong_type_later() 
         hostile = Entry(**{name: fields[name] for name in ("binary", "input_names", "output_names", "format",
                                                            "version_identifier", "key_components", "producer_host",
                                                            "producer_worker", "created", "compile_seconds",
-                                                           "digest", "ref", "toolchain")})  # fmt: skip
+                                                           "digest", "toolchain")})  # fmt: skip
         with pytest.raises(EntryRejected, match="wrong type"):
             decode_entry(encode_entry(hostile), policy)
         with pytest.raises(EntryRejected, match="wrong type"):  # and again: a refused shape is not remembered
@@ -170,8 +172,7 @@ def test_a_body_shape_checked_once_still_refuses_a_bool_or_a_wrong_type_later() 
 
 # -- the hit's bookkeeping: counters, writers, the flusher that refreshes TTLs ----------------------------------
 def test_lookups_count_hits_misses_rejections_and_writers_as_find_many_does(backend: Any) -> None:
-    """lookup of one key takes a path of its own (no lists, sets or dicts around one key): what it counts is what
-    find_many counts for the same reads."""
+    """lookup of one key is find_many of it: what it counts is what find_many counts for the same reads."""
     from cachestore.trust import WriterKey
 
     writer = WriterKey.generate()

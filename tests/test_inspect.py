@@ -4,6 +4,7 @@ export -> flush -> import round trips, and gc, on the local tier and a real Redi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from helpers_entries import old_reference
 from helpers_graphs import TierView, delete_namespace, mixed_graph, write_graph
 from helpers_report import (
     EXPECTED_KERNELS,
@@ -73,22 +75,22 @@ def raw_values(tier: Tier) -> dict[str, bytes]:
 def key_of(tier: Tier, kernel: str, operand_shapes: list) -> str:
     for key, entry in entries(tier).items():
         kc = entry.key_components
-        if kc["kernel_name"] == kernel and kc["operands"]["shapes"] == operand_shapes and not entry.is_reference:
+        duplicate = "alias" in (kc.get("attrs") or {})  # add_duplicate's, of the same kernel and shapes
+        if kc["kernel_name"] == kernel and kc["operands"]["shapes"] == operand_shapes and not duplicate:
             return key
     raise AssertionError(f"no {kernel} {operand_shapes}")
 
 
 def add_duplicate(tier: Tier, source_key: str) -> str:
-    """Publish the binary of `source_key` under another key (other attrs): the tier stores a reference."""
+    """Publish the binary of `source_key` under another key (other attrs): the tier stores it whole again."""
     entry = entries(tier)[source_key]
-    duplicate = entry.with_binary(entry.binary)
-    duplicate.key_components = {**entry.key_components, "attrs": {"alias": 1}}
+    duplicate = dataclasses.replace(entry, key_components={**entry.key_components, "attrs": {"alias": 1}})
     key = cache_key_of(duplicate.key_components)
     client = open_tier(tier.settings(host="hostZ", worker="w0"))
     client.publish(key, duplicate)
     assert client.flush(timeout=10)
     client.close(timeout=10)
-    assert entries(tier)[key].ref == source_key
+    assert entries(tier)[key].binary == entry.binary
     return key
 
 
@@ -120,13 +122,13 @@ def test_show_gives_components_sizes_producer_usage_and_hosts(fleet: Tier) -> No
     assert shown["first_use"] <= shown["last_use"] <= time.time()
     assert shown["producer_host"] == "hostA" and shown["producer_worker"] == "w1"
     assert 0 < shown["bytes"] < shown["binary_bytes"]  # stored compressed
-    assert shown["verified"] is True and shown["signature"] == "none" and shown["ref"] is None
+    assert shown["verified"] is True and shown["signature"] == "none" and "ref" not in shown
     assert shown["compile_seconds"] > 0 and shown["format"] == "bir"
     text = nkicache(fleet, "inspect", "show", key[:12]).stdout
     assert f"key: {key}" in text and "hosts: hostA, hostB" in text
     # Issue 34: as a person reads them, not as Python spells them.
     assert not re.search(r"\b(None|True|False)\b", text), text
-    for line in ("verified: yes", "problem: none", "ref: none", "writer: none"):
+    for line in ("verified: yes", "problem: none", "writer: none"):
         assert line in text.splitlines(), (line, text)
 
     missing = nkicache(fleet, "inspect", "show", "0123456789")
@@ -134,22 +136,35 @@ def test_show_gives_components_sizes_producer_usage_and_hosts(fleet: Tier) -> No
     assert nkicache(fleet, "inspect", "show", "not-hex").exit_code == 2
 
 
-def test_du_counts_storage_by_kernel_and_the_dedupe_saving(fleet: Tier) -> None:
+def test_du_counts_storage_by_kernel(fleet: Tier) -> None:
     source = key_of(fleet, "softmax", [[32, 48]])
     duplicate = add_duplicate(fleet, source)
+    old = cache_key_of({**entries(fleet)[source].key_components, "attrs": {"old": 1}})
+    TierView.of(fleet.backend).put_raw(old, old_reference(entries(fleet)[source], source))  # an older build's
     usage = cli_json(fleet, "du")
     softmax = usage["kernels"]["softmax"]
-    assert softmax["entries"] == 3 and softmax["full"] == 2 and softmax["references"] == 1
-    binary = len(entries(fleet)[source].binary)
-    assert softmax["dedupe_saved_bytes"] == binary
-    assert usage["total"]["entries"] == EXPECTED_VARIANTS + 1
-    assert usage["total"]["bytes"] == sum(len(v) for v in raw_values(fleet).values())
-    assert usage["distinct_binaries"] == EXPECTED_VARIANTS and usage["dangling_references"] == 0
+    stored = entries_but(fleet, old)
+    binaries = sum(len(e.binary) for e in stored.values() if e.key_components["kernel_name"] == "softmax")
+    assert softmax == {"entries": 3, "bytes": softmax["bytes"], "binary_bytes": binaries}
+    assert usage["total"]["entries"] == EXPECTED_VARIANTS + 1  # the old reference is no kernel's entry
+    assert usage["unreadable"] == {"entries": 1, "bytes": len(raw_values(fleet)[old])}
+    assert usage["total"]["bytes"] + usage["unreadable"]["bytes"] == sum(len(v) for v in raw_values(fleet).values())
     assert usage["kernels"]["matmul_tiled"]["entries"] == 4
     du = nkicache(fleet, "inspect", "du").stdout
-    assert "softmax" in du
+    assert "softmax" in du and "dedupe" not in du and "references" not in du
     assert "| softmax" in du and not any(c in du for c in "│┃━")  # piped: an ASCII table
-    assert cli_json(fleet, "show", duplicate)["binary_bytes"] == binary
+    assert cli_json(fleet, "show", duplicate)["binary_bytes"] == len(stored[source].binary)
+
+
+def entries_but(tier: Tier, *keys: str) -> dict[str, Entry]:
+    """`entries` of the keys that decode (all but `keys`)."""
+    reader = open_backend(tier.settings(), reading=True)
+    try:
+        return {
+            raw.cache_key: decode_entry(raw.data, ANY) for raw in reader.scan_entries() if raw.cache_key not in keys
+        }
+    finally:
+        reader.close()
 
 
 # -- verify ---------------------------------------------------------------------------------------------
@@ -171,16 +186,15 @@ def test_verify_names_every_corrupted_entry_with_its_reason(fleet: Tier) -> None
     view.put_raw(signed_ok, encode_entry(good[signed_ok], KEY))
     misplaced = "ab" * 32  # a valid entry copied under a key its components do not hash to
     view.put_raw(misplaced, view.raw(keys[6]))
-    dangling = cache_key_of({**good[keys[7]].key_components, "attrs": {"dangling": 1}})
-    orphan = good[keys[7]].as_reference_to("f" * 64)
-    orphan.key_components = {**good[keys[7]].key_components, "attrs": {"dangling": 1}}
-    view.put_raw(dangling, encode_entry(orphan))
+    reference = cache_key_of({**good[keys[7]].key_components, "attrs": {"reference": 1}})
+    old = dataclasses.replace(good[keys[7]], key_components={**good[keys[7]].key_components, "attrs": {"reference": 1}})
+    view.put_raw(reference, old_reference(old, keys[7]))  # an older build's, to an entry that holds the binary
 
     env = {"NKICACHE_HMAC_KEY": KEY.decode(), "NKICACHE_REQUIRE_SIGNED": "false"}
     report = cli_json(fleet, "verify", code=1, env=env)
     reasons = {item["key"]: item["reason"] for item in report["bad"]}
     assert report["checked"] == EXPECTED_VARIANTS + 2
-    assert set(reasons) == {flipped, truncated, forged, wrong_sig, broken_frame, misplaced, dangling}
+    assert set(reasons) == {flipped, truncated, forged, wrong_sig, broken_frame, misplaced, reference}
     assert report["ok"] == report["checked"] - 7
     assert reasons[flipped] == "stored bytes do not match their digest"
     assert reasons[truncated] == "stored bytes do not match their digest"
@@ -188,7 +202,7 @@ def test_verify_names_every_corrupted_entry_with_its_reason(fleet: Tier) -> None
     assert reasons[wrong_sig] == "signature does not verify with this reader's key"
     assert reasons[broken_frame] == "not an nkicache entry"
     assert reasons[misplaced].startswith("key components hash to") and "not to the key" in reasons[misplaced]
-    assert reasons[dangling] == "references ffffffffffffffff..., which is not in the tier"
+    assert "reference to another key's binary" in reasons[reference]
 
     # Without the key the signed entries are accepted on their digest, unless unverifiable ones are refused.
     relaxed = cli_json(fleet, "verify", code=1)
@@ -206,7 +220,7 @@ def test_verify_names_every_corrupted_entry_with_its_reason(fleet: Tier) -> None
         assert key in text.stdout
     listing = cli_json(fleet, "ls")
     # ls decodes as a hit does (the stored bytes' digest, not the binary's): the lying body is verify's to find.
-    assert {row["key"] for row in listing if row["error"]} == {flipped, truncated, broken_frame}
+    assert {row["key"] for row in listing if row["error"]} == {flipped, truncated, broken_frame, reference}
 
 
 def test_verify_recompiles_and_executes_a_sample(fleet: Tier) -> None:
@@ -295,7 +309,7 @@ def test_export_flush_import_verify_round_trips_everything(fleet: Tier, tmp_path
     imported = nkicache(fleet, "inspect", "import", str(snapshot), "--json")
     assert imported.exit_code == 0, imported.output
     assert json.loads(imported.stdout) == {"imported": len(before), "rejected": []}
-    assert raw_values(fleet) == before  # byte for byte, references included
+    assert raw_values(fleet) == before  # byte for byte
     assert cli_json(fleet, "verify") == {"checked": len(before), "ok": len(before), "bad": [], "recompiled": 0,
                                           "executed": 0}  # fmt: skip
     # And compiles hit what was imported.
@@ -362,17 +376,10 @@ def test_gc_evicts_by_value_within_a_byte_budget_and_never_metrics(fleet: Tier) 
 
     usage = {row["key"]: row["usage"] for row in cli_json(fleet, "ls")}
     stored = entries(fleet)
-    references = collections.defaultdict(list)
-    for key, entry in stored.items():
-        if entry.ref is not None:
-            references[entry.ref].append(key)
 
     def value(key: str) -> float:
-        """Compile seconds saved per stored byte of what goes together: a reference alone; an entry holding a
-        binary with the references to it (they would dangle without it)."""
-        group = [key] if stored[key].ref is not None else [key, *references[key]]
-        seconds = max(stored[key].compile_seconds, 1e-3) * sum(usage[k] for k in group)
-        return seconds / sum(len(before[k]) for k in group)
+        """Compile seconds saved per stored byte."""
+        return max(stored[key].compile_seconds, 1e-3) * usage[key] / len(before[key])
 
     budget = total // 2
     done = cli_json(fleet, "gc", "--max-bytes", str(budget))
@@ -380,77 +387,37 @@ def test_gc_evicts_by_value_within_a_byte_budget_and_never_metrics(fleet: Tier) 
     assert done["evicted"] > 0 and set(done["keys"]) == set(before) - set(after)
     assert sum(len(v) for v in after.values()) == done["kept_bytes"] <= budget
     assert done["reasons"] == {"over budget": done["evicted"]}
-    # What goes is the least valuable: compile seconds saved per stored byte. A reference that went with
-    # the entry holding its binary was not chosen for its own value.
-    chosen = [key for key in done["keys"] if stored[key].ref not in done["keys"]]
-    assert max(value(key) for key in chosen) <= min(value(key) for key in after)
+    # What goes is the least valuable: compile seconds saved per stored byte.
+    assert max(value(key) for key in done["keys"]) <= min(value(key) for key in after)
     report_after = json.loads(nkicache(fleet, "report", "--json").stdout)
     assert report_after["totals"] == report_before["totals"]
     assert report_after["per_kernel"] == report_before["per_kernel"]
 
 
-def test_gc_takes_references_along_with_the_entry_they_point_at(fleet: Tier) -> None:
-    source = key_of(fleet, "softmax", [[32, 48]])
-    duplicate = add_duplicate(fleet, source)
-    before = raw_values(fleet)
-    reader = open_backend(fleet.settings(), reading=True)
-    try:
-        # A budget of every byte but one: the unused reference goes first, alone.
-        first = collect_garbage(reader, ANY, max_bytes=sum(len(v) for v in before.values()) - 1, dry_run=True)
-        assert first["keys"] == [duplicate]
-        # Evicting everything but the holder is never allowed to leave the reference dangling.
-        for budget in range(0, sum(len(v) for v in before.values()), 2000):
-            plan = collect_garbage(reader, ANY, max_bytes=budget, dry_run=True)
-            assert source not in plan["keys"] or duplicate in plan["keys"]
-    finally:
-        reader.close()
-    done = cli_json(fleet, "gc", "--max-bytes", str(len(before[source]) + len(before[duplicate])))
-    assert cli_json(fleet, "verify")["bad"] == []
-    assert done["kept"] >= 1
-
-
-def test_gc_evicts_unused_unreadable_and_dangling_entries(fleet: Tier) -> None:
-    source = key_of(fleet, "softmax", [[32, 48]])
-    duplicate = add_duplicate(fleet, source)
+def test_gc_evicts_unused_and_unreadable_entries(fleet: Tier) -> None:
     view = TierView.of(fleet.backend)
-    keys = sorted(k for k in raw_values(fleet) if k not in (source, duplicate))
-    garbled = entries(fleet)[keys[0]].digest
+    keys = sorted(raw_values(fleet))
     view.put_raw(keys[0], b"garbage")
     reader = open_backend(fleet.settings(), reading=True)
     try:
         kept = collect_garbage(reader, ANY, unused_for=3600, dry_run=True)
         assert kept["reasons"] == {"unreadable": 1}
         later = collect_garbage(reader, ANY, unused_for=3600, now=time.time() + 7200)
-        assert later["evicted"] == EXPECTED_VARIANTS + 1
-        assert later["reasons"] == {"unreadable": 1, "unused": EXPECTED_VARIANTS}
+        assert later["evicted"] == EXPECTED_VARIANTS
+        assert later["reasons"] == {"unreadable": 1, "unused": EXPECTED_VARIANTS - 1}
     finally:
         reader.close()
     assert raw_values(fleet) == {}
-    # The index entries of the evicted binaries went with them (Redis cannot tell an unreadable entry's).
-    assert [d for d in digest_index(fleet) if garbled[:32] not in str(d)] == []
     assert json.loads(nkicache(fleet, "report", "--json").stdout)["totals"]["kernels"] == 24
 
 
-def digest_index(tier: Tier) -> list:
-    """The digests the dedupe index holds (on Redis their fields: the first 16 bytes, in hex)."""
-    if tier.kind == "redis":
-        buckets = tier.client.scan_iter(match=tier.backend.keys.digest_bucket_pattern())
-        return [field.hex() for bucket in buckets for field in tier.client.hkeys(bucket)]
-    import sqlite3
-
-    db = sqlite3.connect(tier.backend.path)
-    try:
-        return db.execute("SELECT digest FROM digests").fetchall()
-    finally:
-        db.close()
-
-
-def test_gc_evicts_references_whose_target_is_gone(fleet: Tier) -> None:
+def test_gc_evicts_an_older_builds_reference_entries_whatever_they_name(fleet: Tier) -> None:
     source = key_of(fleet, "softmax", [[32, 48]])
-    duplicate = add_duplicate(fleet, source)
-    TierView.of(fleet.backend).delete(source)
+    old = dataclasses.replace(entries(fleet)[source], key_components={"kernel_name": "softmax", "attrs": {"old": 1}})
+    TierView.of(fleet.backend).put_raw("ab" * 32, old_reference(old, source))
     done = cli_json(fleet, "gc")
-    assert done["keys"] == [duplicate] and done["reasons"] == {"dangling reference": 1}
+    assert done["keys"] == ["ab" * 32] and done["reasons"] == {"unreadable": 1}
+    assert source in raw_values(fleet)  # the entry it named is an entry like any other
 
 
 def test_gc_purges_expired_local_entries(tmp_path: Path) -> None:
@@ -473,48 +440,17 @@ def test_gc_refuses_a_snapshot(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "read-only" in result.output
 
 
-def test_verify_resolves_references_however_small_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many references to many holders, checked with a cache of two: every reference still resolves."""
-    from cachestore.api import WriteItem
-    from workers import verify as verify_module
-
-    path = tmp_path / "tier.sqlite"
-    SqliteBackend(path).close()
-    reader = SqliteBackend(path, create=False)
-    items, holders = [], []
-    for i in range(60):
-        components = {"kernel_name": "softmax", "operands": {"shapes": [[i + 1, 8]], "dtypes": ["float32"]},
-                      "results": {"shapes": [[i + 1, 8]], "dtypes": ["float32"]}, "attrs": {},
-                      "target": "Trn2", "num_neuroncores": 2}  # fmt: skip
-        key = cache_key_of(components)
-        if i % 3:
-            holder_key, holder = holders[(i * 7) % len(holders)]
-            entry = holder.as_reference_to(holder_key)
-            entry.key_components = components
-            items.append(WriteItem(key, encode_entry(entry), None, 3600))
-        else:
-            entry = Entry(bytes([i]) * 100, ["x"], ["out"], "bir", "v", components, toolchain=reader.toolchain)
-            holders.append((key, entry))
-            items.append(WriteItem(key, encode_entry(entry), entry.digest, 3600))
-    reader.put_entries(items)
-    original = verify_module._HolderCache.__init__
-    monkeypatch.setattr(verify_module._HolderCache, "__init__", lambda self, limit=2: original(self, limit))
-    report = verify_module.verify_entries(reader, ANY)
-    assert (report.checked, report.bad) == (60, [])
-    reader.close()
-
-
 # -- toolchains -----------------------------------------------------------------------------------------
 def copy_into_toolchain(tier: Tier, toolchain: str, traced_by: str | None = None) -> list[str]:
     """Every entry of this compiler, re-encoded as traced by `traced_by` (default: `toolchain`) and written
-    into `toolchain`'s partition, references and all: another compiler's view of the same variants."""
+    into `toolchain`'s partition: another compiler's view of the same variants."""
     reader = open_backend(tier.settings(), reading=True)
     try:
         items = []
         for raw in reader.scan_entries():
             entry = decode_entry(raw.data, ANY)
             entry.toolchain = traced_by or toolchain
-            items.append(WriteItem(raw.cache_key, encode_entry(entry), None if entry.ref else entry.digest, 3600))
+            items.append(WriteItem(raw.cache_key, encode_entry(entry), entry.digest, 3600))
         reader.in_toolchain(toolchain).put_entries(items)
         return sorted(item.cache_key for item in items)
     finally:

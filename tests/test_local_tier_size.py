@@ -26,7 +26,7 @@ TTL = 3600
 def request(key: str, size: int = 64 * 1024, compile_seconds: float = 0.0) -> StoreRequest:
     entry = Entry(os.urandom(size), ["x"], ["out"], "bir", "bir-1", {"kernel_name": "k", "key": key})  # incompressible
     data = encode_entry(entry)
-    return StoreRequest(key, entry.digest, data, lambda holder: data, "k", compile_seconds)
+    return StoreRequest(key, entry.digest, data, "k", compile_seconds)
 
 
 def on_disk(path: Path) -> int:

@@ -22,7 +22,7 @@ from cachestore.backends.snapshot import SnapshotError, SnapshotReader, write_sn
 from cachestore.entry import encode_entry
 
 TTL = 3600
-FULL, REFERENCE, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
+FULL, SAME_BINARY, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
 FINISHED = (1000.0, 2000.0)  # when the two passes ended, as their records say
 TOOLCHAINS = ("0123456789abcdef", "fedcba9876543210")  # the compilers that ran the two passes
 OTHER_TOOLCHAIN = "00000000000000ff"  # a compiler that holds no entries until a test writes some
@@ -32,7 +32,7 @@ def populate(backend: Any) -> dict[str, bytes]:
     """Three entries and two workers' metrics batches; returns what was stored, {key: encoded entry}."""
     backend.store([request_for(FULL, entry(b"alpha" * 50, shape=1)), request_for(OTHER, entry(b"gamma", "matmul"))],
                   TTL)  # fmt: skip
-    backend.store([request_for(REFERENCE, entry(b"alpha" * 50, shape=2))], TTL)  # the same binary: a reference
+    backend.store([request_for(SAME_BINARY, entry(b"alpha" * 50, shape=2))], TTL)  # the same binary, another key
     first = MetricsBatch(
         "batch-1", "h1", "w1", {"passes": 1, "kernels": 4, "cache_hits": 3},
         {"softmax": 3, "matmul": 1},
@@ -68,16 +68,15 @@ def test_scan_streams_every_entry_with_the_time_it_has_left(reader: Reader) -> N
     stream = reader.scan_entries()
     assert iter(stream) is stream  # a generator, not a list built up front
     raws = {raw.cache_key: raw for raw in stream}
-    assert set(raws) == {FULL, REFERENCE, OTHER}
+    assert set(raws) == {FULL, SAME_BINARY, OTHER}
     assert all(0 < raw.ttl <= TTL for raw in raws.values())
-    assert decoded(raws[REFERENCE].data).ref == FULL
-    assert decoded(raws[FULL].data).binary == b"alpha" * 50
+    assert decoded(raws[SAME_BINARY].data).binary == decoded(raws[FULL].data).binary == b"alpha" * 50
     assert {raw.cache_key: raw.data for raw in reader.scan_entries(with_ttl=False)} == stored(reader)
 
 
 def test_entry_keys_name_every_entry_of_every_toolchain_without_reading_values(reader: Reader) -> None:
     listed = list(reader.entry_keys())
-    assert sorted(listed) == sorted((reader.toolchain, key) for key in (FULL, REFERENCE, OTHER))
+    assert sorted(listed) == sorted((reader.toolchain, key) for key in (FULL, SAME_BINARY, OTHER))
     if reader.read_only:
         return
     elsewhere = reader.in_toolchain(OTHER_TOOLCHAIN)
@@ -95,7 +94,7 @@ def test_coverage_weighs_each_toolchains_variants_by_fleet_usage(reader: Reader)
         return
     reader.in_toolchain(OTHER_TOOLCHAIN).put_entries([WriteItem(FULL, stored(reader)[FULL], None, TTL)])
     coverage = build_report(reader, top=0, timeline=False).coverage
-    # FULL was used 5 times, OTHER once, REFERENCE never: the other toolchain holds 5 of the 6 uses.
+    # FULL was used 5 times, OTHER once, SAME_BINARY never: the other toolchain holds 5 of the 6 uses.
     assert coverage[OTHER_TOOLCHAIN] == {reader.toolchain: Coverage(3, 1, 6, 5, round(5 / 6, 6))}
     assert coverage[reader.toolchain] == {OTHER_TOOLCHAIN: Coverage(1, 1, 5, 5, 1.0)}
     text = render_text(build_report(reader, top=0, timeline=False), width=160)
@@ -109,8 +108,8 @@ def test_get_entries_returns_only_what_is_there(reader: Reader) -> None:
 
 
 def test_find_keys_by_prefix(reader: Reader) -> None:
-    assert reader.find_keys("aa") == [FULL, REFERENCE]
-    assert reader.find_keys("aa0", limit=1) in ([FULL], [REFERENCE])
+    assert reader.find_keys("aa") == [FULL, SAME_BINARY]
+    assert reader.find_keys("aa0", limit=1) in ([FULL], [SAME_BINARY])
     assert reader.find_keys("bb03") == [OTHER]
     assert reader.find_keys("cc") == []
 
@@ -126,7 +125,7 @@ def test_writes_round_trip_or_are_refused_by_a_read_only_reader(reader: Reader) 
     reader.put_entries([item])
     assert reader.get_entries([item.cache_key]) == {item.cache_key: item.data}
     reader.delete_entries([(item.cache_key, item.digest), (OTHER, decoded(stored(reader)[OTHER]).digest)])
-    assert set(stored(reader)) == {FULL, REFERENCE}
+    assert set(stored(reader)) == {FULL, SAME_BINARY}
 
 
 def test_only_a_store_that_keeps_expired_entries_counts_and_purges_them(reader: Reader) -> None:
@@ -140,12 +139,12 @@ def test_only_a_store_that_keeps_expired_entries_counts_and_purges_them(reader: 
     assert reader.expired_count() == ((1, len(data)) if reader.keeps_expired else (0, 0))
     reader.purge_expired()
     assert reader.expired_count() == (0, 0)
-    assert set(stored(reader)) == {FULL, REFERENCE, OTHER}
+    assert set(stored(reader)) == {FULL, SAME_BINARY, OTHER}
 
 
 # -- per-key metrics --------------------------------------------------------------------------------------
 def test_key_records_sum_the_batches(reader: Reader) -> None:
-    records = reader.key_records([FULL, OTHER, REFERENCE])
+    records = reader.key_records([FULL, OTHER, SAME_BINARY])
     assert set(records) == {FULL, OTHER}  # the reference's key was never used
     full = records[FULL]
     assert (full.kernel_name, full.usage, full.first_use, full.last_use) == ("softmax", 5, 50.0, 300.0)
@@ -153,7 +152,7 @@ def test_key_records_sum_the_batches(reader: Reader) -> None:
 
 
 def test_key_hosts_and_usage(reader: Reader) -> None:
-    assert reader.key_hosts([FULL, OTHER, REFERENCE]) == {FULL: ["h1", "h2"], OTHER: ["h1"]}
+    assert reader.key_hosts([FULL, OTHER, SAME_BINARY]) == {FULL: ["h1", "h2"], OTHER: ["h1"]}
     assert dict(reader.key_usage()) == {FULL: 5, OTHER: 1}
     assert reader.key_count() == 2
 

@@ -5,6 +5,7 @@ dies or fails fails the scan; the packed reads give back what redis-py's pipelin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -16,6 +17,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis
+from helpers_entries import old_reference
 from helpers_graphs import delete_namespace, unique_namespace
 from helpers_report import Tier, nkicache, run_known_fleet
 
@@ -75,11 +77,9 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
     for i in range(36):
         kc = components(KERNELS[i % 3], i)
         key = cache_key_of(kc)
-        if i % 5 == 4:  # a reference to an earlier binary (dedupe)
-            holder_key, holder = holders[rng.randrange(len(holders))]
-            entry = holder.as_reference_to(holder_key)
-            entry.key_components = kc
-            items.append(WriteItem(key, encode_entry(entry), None, 3600))
+        if i % 5 == 4:  # an earlier binary again, under its own key
+            entry = dataclasses.replace(holders[rng.randrange(len(holders))][1], key_components=kc)
+            items.append(WriteItem(key, encode_entry(entry), entry.digest, 3600))
             continue
         entry = Entry(rng.randbytes(rng.randrange(100, 3000)), ["x"], ["out"], "bir", "v", kc, "h", "w",
                       toolchain=backend.toolchain)  # fmt: skip
@@ -104,13 +104,10 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
     for n, (name, data) in enumerate(corrupt.items()):
         bad[name] = cache_key_of(components("softmax", 100 + n))
         items.append(WriteItem(bad[name], data, None, 3600))
-    orphan = holders[0][1].as_reference_to("f" * 64)
-    orphan.key_components = components("rmsnorm", 200)
-    orphan.digest = "9" * 64  # a binary no entry holds: dangling for du too
-    bad["dangling"] = cache_key_of(orphan.key_components)
-    items.append(WriteItem(bad["dangling"], encode_entry(orphan), None, 3600))
-    # A body whose digest lies (of no stored binary: were it another entry's, du's sizes would depend on which of
-    # the two a scan met last, in the previous du as in this one).
+    old = dataclasses.replace(holders[0][1], key_components=components("rmsnorm", 200))
+    bad["old reference"] = cache_key_of(old.key_components)  # an older build's dedupe reference
+    items.append(WriteItem(bad["old reference"], old_reference(old, holders[0][0]), None, 3600))
+    # A body whose digest lies.
     forged = Entry(**{**holders[1][1]._fields(), "binary": b"\x00evil", "digest": "8" * 64,
                       "key_components": components("softmax", 201)})  # fmt: skip
     bad["forged"] = cache_key_of(forged.key_components)
@@ -129,13 +126,11 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
 
 
 def previous_disk_usage(reader: Any) -> dict:
-    """`disk_usage` as it was before scans were split (commit a6ec70b), verbatim but for its name: one process,
-    one partition after another."""
+    """`disk_usage` as it was before scans were split (commit a6ec70b), verbatim but for its name and the dedupe
+    columns it had then: one process, one partition after another."""
     kernels: dict[str, Counter] = defaultdict(Counter)
     toolchains: dict[str, Counter] = defaultdict(Counter)
     writers: dict[str, Counter] = defaultdict(Counter)
-    sizes: dict[tuple[str, str], int] = {}
-    referenced: dict[tuple[str, str], Counter] = defaultdict(Counter)
     unreadable = Counter()
     for raw in (raw for partition in partitions(reader) for raw in partition.scan_entries(with_ttl=False)):
         toolchains[raw.toolchain]["entries"] += 1
@@ -151,21 +146,8 @@ def previous_disk_usage(reader: Any) -> dict:
         row = kernels[str(entry.key_components.get("kernel_name", ""))]
         row["entries"] += 1
         row["bytes"] += len(raw.data)
-        if entry.is_reference:
-            row["references"] += 1
-            referenced[raw.toolchain, entry.digest][str(entry.key_components.get("kernel_name", ""))] += 1
-        else:
-            row["full"] += 1
-            row["binary_bytes"] += len(entry.binary)
-            sizes[raw.toolchain, entry.digest] = len(entry.binary)
-    dangling = 0
-    for digest, by_kernel in referenced.items():
-        if digest not in sizes:
-            dangling += sum(by_kernel.values())
-            continue
-        for name, count in by_kernel.items():
-            kernels[name]["dedupe_saved_bytes"] += count * sizes[digest]
-    fields = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
+        row["binary_bytes"] += len(entry.binary)
+    fields = ("entries", "bytes", "binary_bytes")
     rows = {name: {f: int(row[f]) for f in fields} for name, row in sorted(kernels.items())}
     total = {f: sum(row[f] for row in rows.values()) for f in fields}
     return {
@@ -173,8 +155,6 @@ def previous_disk_usage(reader: Any) -> dict:
         "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(toolchains.items())},
         "writers": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(writers.items())},
         "total": total,
-        "distinct_binaries": len(sizes),
-        "dangling_references": dangling,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
         "capacity": reader.capacity() if hasattr(reader, "capacity") else None,
     }
@@ -187,10 +167,10 @@ def test_du_split_over_processes_counts_exactly_what_the_previous_du_counted(
     fill_mixed(backend, ci, laptop)
     before = previous_disk_usage(backend)
     # The tier holds every kind of entry du tells apart, so equal reports compare every column.
-    assert before["unreadable"]["entries"] == 4 and before["dangling_references"] == 1
+    assert before["unreadable"]["entries"] == 5  # the four corrupt ones and the old reference
     assert {ci.key_id.hex(), laptop.key_id.hex(), ""} <= set(before["writers"])
     assert before["toolchains"].keys() == {backend.toolchain, OTHER_TOOLCHAIN}
-    assert all(row["references"] and row["dedupe_saved_bytes"] for row in before["kernels"].values())
+    assert all(row["entries"] and row["binary_bytes"] for row in before["kernels"].values())
     for processes in (1, 2, 3):
         assert disk_usage(backend, processes=processes) == before
     assert small_pages == [2, 3]  # processes=1 scanned here; the others split
@@ -216,9 +196,7 @@ def test_verify_split_over_processes_finds_what_one_process_finds(
     reasons = {item["key"]: item["reason"] for item in split.bad}
     assert set(reasons) == set(bad.values())
     assert reasons[bad["forged"]] == "binary does not match its digest"
-    assert reasons[bad["dangling"]] == "references ffffffffffffffff..., which is not in the tier"
-    # References resolved across processes: each holder was read by whichever process had its page.
-    assert not any("references" in reason for key, reason in reasons.items() if key != bad["dangling"])
+    assert "reference to another key's binary" in reasons[bad["old reference"]]
 
 
 def test_verify_split_over_processes_still_samples_every_good_entry(tmp_path: Path, redis_url: str,

@@ -4,6 +4,7 @@ per writer and toolchain); on the default workload nothing is quarantined. On th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,11 +59,10 @@ def plant_wrong_binary(base: Settings, keys: dict[str, Any], graph: dict) -> tup
     store = trusted_reader(base)
     try:
         stored = store.get_entries(sorted(store.find_keys("", 100)))
-        key, entry = next((k, e) for k, data in sorted(stored.items())
-                          if not (e := decode_or_reason(data, cache_key=k)).is_reference)  # fmt: skip
-        wrong = entry.with_binary(entry.binary[:-1] + bytes([entry.binary[-1] ^ 0xFF]))
-        wrong.digest = ""
-        wrong.__post_init__()  # the digest of the wrong binary: the entry is consistent
+        key, data = sorted(stored.items())[0]
+        entry = decode_or_reason(data, cache_key=key)
+        # The digest of the wrong binary (computed anew): the entry is consistent.
+        wrong = dataclasses.replace(entry, binary=entry.binary[:-1] + bytes([entry.binary[-1] ^ 0xFF]), digest="")
         store.put_entries([WriteItem(key, encode_entry(wrong, writer=keys["ci"], cache_key=key), wrong.digest, 3600)])
     finally:
         store.close()

@@ -18,14 +18,14 @@ from pathlib import Path
 import fakeredis
 import pytest
 import redis
-from helpers_graphs import TierView, delete_namespace, stored_entries, wait_until
+from helpers_graphs import TierView, delete_namespace, wait_until
 
 from cachestore.api import BatchRefused, KeyUsage, MetricsBatch, StoreRequest
 from cachestore.backends.redis import FIRST_READ_BYTES, RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
 from cachestore.entry import Entry, SignaturePolicy, TooLarge, decode_entry, encode_entry
-from cachestore.keys import DIGEST_BUCKETS, KeySpace, digest_field
+from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 
 TTL = 3600
@@ -83,7 +83,6 @@ def request_for(cache_key: str, item: Entry) -> StoreRequest:
         cache_key,
         item.digest,
         encode_entry(item),
-        lambda holder: encode_entry(item.as_reference_to(holder)),
         str(item.key_components["kernel_name"]),
     )
 
@@ -116,7 +115,7 @@ def test_storing_the_same_key_again_overwrites(backend) -> None:
 
 
 @pytest.mark.parametrize("one_call", [False, True], ids=["separate-stores", "one-store"])
-def test_identical_binaries_are_stored_once(backend, one_call: bool) -> None:
+def test_identical_binaries_under_two_keys_are_each_stored_whole(backend, one_call: bool) -> None:
     binary = b"the same binary" * 100
     first, second = entry(binary, shape=8), entry(binary, shape=16)  # two cache keys, one digest
     requests = [request_for("key-a", first), request_for("key-b", second)]
@@ -126,29 +125,13 @@ def test_identical_binaries_are_stored_once(backend, one_call: bool) -> None:
         backend.store(requests[:1], TTL)
         backend.store(requests[1:], TTL)
     stored = backend.fetch(["key-a", "key-b"], TTL)
-    assert stored["key-a"] == requests[0].full
-    assert stored["key-b"] == requests[1].reference("key-a")
-    reference = decoded(stored["key-b"])
-    assert reference.is_reference and reference.ref == "key-a" and reference.binary == b""
-    assert binary not in stored["key-b"]
+    assert stored == {"key-a": requests[0].full, "key-b": requests[1].full}
 
     client = TierClient(lambda: backend, Settings(tier="test", host="h", worker="w"))
     found = client.lookup("key-b")
-    assert found is not None and not found.is_reference
-    assert found.binary == binary
-    assert found.key_components == second.key_components  # its own entry, with the shared binary
+    assert found is not None and found.binary == binary
+    assert found.key_components == second.key_components
     assert client.stats.snapshot()["tier_rejected"] == 0
-
-
-def test_a_reference_to_an_entry_that_expired_is_not_made(backend, view) -> None:
-    binary = b"shared" * 50
-    backend.store([request_for("key-a", entry(binary, shape=1))], TTL)
-    view.set_ttl("key-a", 0.05)
-    # Expired, not under a millisecond from it (Redis's PTTL reads that as 0 while the key still answers reads).
-    assert wait_until(lambda: (ttl := view.ttl("key-a")) is None or ttl < 0, timeout=3)  # (fetching would refresh it)
-    assert backend.fetch(["key-a"], TTL) == {}
-    backend.store([request_for("key-b", entry(binary, shape=2))], TTL)
-    assert decoded(backend.fetch(["key-b"], TTL)["key-b"]).binary == binary
 
 
 def test_an_entry_over_the_limit_is_handed_over_as_its_size_and_every_other_read_whole(backend, view) -> None:
@@ -422,88 +405,11 @@ def test_scan_entries_streams_every_entry(backend) -> None:
     assert all(scanned[k] == encode_entry(v) for k, v in items.items())
 
 
-def test_scan_entries_includes_references(backend) -> None:
-    backend.store([request_for("a", entry(b"same", shape=1))], TTL)
-    backend.store([request_for("b", entry(b"same", shape=2))], TTL)
-    scanned = stored_entries(backend)
-    assert decoded(scanned["a"]).binary == b"same"
-    assert decoded(scanned["b"]).ref == "a"
-
-
-# -- the Redis dedupe index: a few hashes per partition (cachestore.keys, issue 16) -------------------------
+# -- Redis alone -------------------------------------------------------------------------------------------
 @pytest.fixture(params=["fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
 def redis_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisBackend]:
     with backend_of(request.param, request, tmp_path) as tier:
         yield tier
-
-
-def digest_buckets(backend: RedisBackend) -> list[bytes]:
-    return sorted(backend.client.scan_iter(match=backend.keys.digest_bucket_pattern(), count=1000))
-
-
-def test_the_dedupe_index_is_a_few_hashes_with_one_small_field_a_binary(redis_backend: RedisBackend) -> None:
-    # 64-hex cache keys, as the codegen loop makes them: each is held in 32 raw bytes.
-    keys = [hashlib.sha256(b"%d" % i).hexdigest() for i in range(40)]
-    redis_backend.store([request_for(k, entry(b"binary-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)
-    buckets = digest_buckets(redis_backend)
-    assert 1 <= len(buckets) <= DIGEST_BUCKETS
-    fields = {f: v for b in buckets for f, v in redis_backend.client.hgetall(b).items()}
-    assert len(fields) == 40 and {len(f) for f in fields} == {16} and {len(v) for v in fields.values()} == {32}
-    assert {v.hex() for v in fields.values()} == set(keys)
-    assert all(0 < redis_backend.client.ttl(b) <= TTL for b in buckets)
-
-
-def test_a_bucket_of_another_type_fails_no_store_and_costs_only_the_dedupe(redis_backend: RedisBackend) -> None:
-    binary = b"planted bucket" * 30
-    first, second = entry(binary, shape=1), entry(binary, shape=2)
-    bucket = redis_backend.keys.digest_bucket(redis_backend.toolchain, first.digest)
-    redis_backend.client.set(bucket, b"another tool's bytes")
-    redis_backend.store([request_for("key-a", first)], TTL)
-    redis_backend.store([request_for("key-b", second)], TTL)
-    stored = redis_backend.fetch(["key-a", "key-b"], TTL)
-    assert decoded(stored["key-a"]).binary == decoded(stored["key-b"]).binary == binary  # both whole
-    assert redis_backend.client.get(bucket) == b"another tool's bytes"  # not ours to remove
-    redis_backend.delete_entries([("key-a", first.digest)])  # reading that bucket fails nothing either
-    assert set(redis_backend.fetch(["key-a", "key-b"], TTL)) == {"key-b"}
-
-
-def test_garbage_in_a_bucket_never_becomes_a_reference(redis_backend: RedisBackend) -> None:
-    """A field naming no entry (a hand's, a truncated value, an expired holder): the binary is written whole."""
-    binary = b"forged holder" * 30
-    item = entry(binary)
-    bucket = redis_backend.keys.digest_bucket(redis_backend.toolchain, item.digest)
-    for planted in (b"\x00" * 32, b"trunc", b"", "k\u00e9y".encode()):
-        redis_backend.client.hset(bucket, digest_field(item.digest), planted)
-        redis_backend.store([request_for("key-x", item)], TTL)
-        assert decoded(redis_backend.fetch(["key-x"], TTL)["key-x"]) == item
-        redis_backend.client.hdel(bucket, digest_field(item.digest))
-
-
-def test_a_bucket_past_its_cap_is_emptied_and_dedupe_goes_on(redis_backend: RedisBackend, monkeypatch) -> None:
-    from cachestore.backends import redis as redis_module
-
-    monkeypatch.setattr(redis_module, "MAX_DIGEST_FIELDS", 3)
-    items = [entry(b"capped-%d" % i, shape=i) for i in range(12)]
-    for i, item in enumerate(items):
-        redis_backend.store([request_for(f"key-{i}", item)], TTL)
-    fields = sum(redis_backend.client.hlen(b) for b in digest_buckets(redis_backend))
-    assert fields <= DIGEST_BUCKETS * 4  # at most the cap and the batch that found it full, per bucket
-    again = entry(items[-1].binary, shape=99)  # the last binary's field was written after any emptying
-    redis_backend.store([request_for("key-again", again)], TTL)
-    assert decoded(redis_backend.fetch(["key-again"], TTL)["key-again"]).ref == "key-11"
-
-
-def test_a_short_lived_store_never_shortens_a_buckets_life(redis_backend: RedisBackend) -> None:
-    long_lived = entry(b"long" * 40, shape=1)
-    bucket = redis_backend.keys.digest_bucket(redis_backend.toolchain, long_lived.digest)
-    redis_backend.store([request_for("key-long", long_lived)], TTL)
-    # A second binary whose digest falls in the same bucket, stored with a far shorter TTL.
-    candidates = (entry(b"short-%d" % i, shape=2) for i in range(200))
-    short_lived = next(
-        e for e in candidates if redis_backend.keys.digest_bucket(redis_backend.toolchain, e.digest) == bucket
-    )
-    redis_backend.store([request_for("key-short", short_lived)], 5)
-    assert redis_backend.client.ttl(bucket) > 5
 
 
 def test_a_read_without_ttls_tells_a_missing_key_from_an_empty_value(redis_backend: RedisBackend) -> None:
@@ -573,9 +479,9 @@ def test_deleting_an_entry_removes_its_name_of_an_older_release_too(redis_backen
     assert redis_backend.client.exists(old_name) == 0
 
 
-def test_a_store_of_new_entries_is_two_round_trips_with_its_indexes(redis_backend: RedisBackend, monkeypatch) -> None:
-    """The digest claims, then the entries with their dedupe fields and variant index in one pipeline (a round
-    trip costs the writing process a wake-up, and a one-shot compile waits for the last store in close())."""
+def test_a_store_of_new_entries_is_one_round_trip_with_its_index(redis_backend: RedisBackend, monkeypatch) -> None:
+    """The entries and their variant index in one pipeline (a round trip costs the writing process a wake-up,
+    and a one-shot compile waits for the last store in close()), and no other key written."""
     executed: list[int] = []
     make = redis_backend.client.pipeline
 
@@ -593,10 +499,15 @@ def test_a_store_of_new_entries_is_two_round_trips_with_its_indexes(redis_backen
     monkeypatch.setattr(redis_backend.client, "pipeline", counted)
     keys = [hashlib.sha256(b"rt%d" % i).hexdigest() for i in range(5)]
     redis_backend.store([request_for(k, entry(b"round-trip-%d" % i, shape=i)) for i, k in enumerate(keys)], TTL)
-    assert len(executed) == 2
+    assert len(executed) == 1
     monkeypatch.undo()
     assert set(redis_backend.fetch(keys, TTL)) == set(keys)
-    assert len({f for b in digest_buckets(redis_backend) for f in redis_backend.client.hkeys(b)}) == 5
+    written = {
+        name.decode()
+        for pattern in redis_backend.keys.namespace_patterns()
+        for name in redis_backend.client.scan_iter(match=pattern, count=1000)
+    }
+    assert written == {redis_backend.keys.entry(redis_backend.toolchain, k) for k in keys}
 
 
 def test_an_entry_write_the_server_refuses_fails_the_store(redis_backend: RedisBackend, monkeypatch) -> None:

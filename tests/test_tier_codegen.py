@@ -173,7 +173,7 @@ def test_bad_entries_are_rejected_counted_and_retraced(tier: Tier, hmac_key: byt
     assert first.traces == MIXED_DISTINCT_KEYS
     stored = stored_entries(tier.backend)
     assert len(stored) == MIXED_DISTINCT_KEYS
-    assert all(not decode_entry(data, policy).is_reference for data in stored.values())
+    assert all(decode_entry(data, policy).binary for data in stored.values())
 
     corrupted = dict(zip(sorted(stored), CORRUPTIONS, strict=False))
     for cache_key, corruption in corrupted.items():

@@ -3,6 +3,7 @@ section, and a reader that accepts only trusted writers' entries. Scopes are in 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import stat
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from helpers_entries import body_of, compress
 from helpers_trust import fresh_tier, trust_of, trusting
 from test_entry import make_entry, rejected
 
@@ -225,11 +227,15 @@ def test_tier_client_built_directly_loads_credentials(tmp_path: Path, ci: Writer
     assert client.writer is not None and client.writer.key_id == ci.key_id
 
 
-def test_a_followed_reference_keeps_its_writer(ci: WriterKey) -> None:
-    reference = decode_entry(encode_entry(make_entry().as_reference_to(OTHER), writer=ci, cache_key=KEY),
-                             trusting(ci), cache_key=KEY)  # fmt: skip
-    followed = reference.with_binary(b"the holder's binary")
-    assert (followed.writer, followed.signed, followed.ref) == (ci.key_id_hex, True, None)
+def test_a_reference_entry_a_trusted_writer_signed_is_rejected(ci: WriterKey) -> None:
+    """An older build's dedupe reference is refused for what it is, whoever signed it."""
+    unsealed = unsealed_entry(make_entry(), None, ci, KEY)
+    payload = compress(body_of(make_entry(), binary=b"", ref=OTHER))
+    head = unsealed.head[:-32] + hashlib.sha256(payload).digest()  # (no HMAC: the head ends with the digest)
+    data = seal([dataclasses.replace(unsealed, head=head, payload=payload)], ci)[0]
+    with pytest.raises(entry_module.EntryRejected, match="reference to another key"):
+        decode_entry(data, trusting(ci), cache_key=KEY)
+    assert decode_entry(encode_entry(make_entry(), writer=ci, cache_key=KEY), trusting(ci), cache_key=KEY).signed
 
 
 def test_signatures_verify_through_libsodium_and_a_malformed_one_is_a_reason(ci: WriterKey) -> None:

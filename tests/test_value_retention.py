@@ -108,6 +108,37 @@ def test_redis_ttl_grows_with_value_and_a_read_keeps_it(redis_backend: Any) -> N
     assert ttl_of(redis_backend, "usual-0") == pytest.approx(BASE_TTL, abs=5)
 
 
+@pytest.mark.parametrize("mode", ["mirror", "read-through"])
+@pytest.mark.parametrize("tier", ["test", "local:/nowhere.sqlite"])  # the URL says nothing: the store does
+def test_a_clients_first_store_gives_its_entries_value_ttls(redis_backend: Any, mode: str, tier: str) -> None:
+    """The store's `value_ttls` decides the TTLs, asked of the backend once open: a client that has read nothing
+    yet opens it before it prepares its first send's entries, which all go out in that send."""
+    opened: list[Any] = []
+    settings = Settings(tier=tier, tier_mode=mode, entry_ttl=BASE_TTL, flush_interval=30)
+    writer = TierClient(lambda: opened.append(redis_backend) or redis_backend, settings, "redis")
+    for i in range(MEDIAN_MIN_SAMPLES):
+        writer.publish(f"usual-{i}", entry(0.01, key=f"usual-{i}"))
+    writer.publish("costly", entry(0.05, key="costly"))
+    assert opened == []  # nothing sent yet
+    writer.close(timeout=10)
+    assert opened == [redis_backend]
+    assert ttl_of(redis_backend, "usual-0") == pytest.approx(BASE_TTL, abs=5)
+    assert ttl_of(redis_backend, "costly") == pytest.approx(5 * BASE_TTL, rel=0.05)
+
+
+def test_a_store_without_value_ttls_gets_entry_ttl_whatever_its_url(tmp_path: Path) -> None:
+    local = local_or_fake_backend("local", tmp_path)
+    assert local.value_ttls is False
+    writer = TierClient(lambda: local, Settings(tier="redis://127.0.0.1:1/0", entry_ttl=BASE_TTL), "local")
+    for i in range(MEDIAN_MIN_SAMPLES):
+        writer.publish(f"usual-{i}", entry(0.01, key=f"usual-{i}"))
+    writer.publish("costly", entry(0.05, key="costly"))
+    writer.close(timeout=10)
+    left = {raw.cache_key: raw.ttl for raw in local.scan_entries()}
+    assert left["costly"] == pytest.approx(BASE_TTL, abs=5) and left["usual-0"] == pytest.approx(BASE_TTL, abs=5)
+    local.close()
+
+
 def test_a_read_only_client_refreshes_no_ttl(redis_backend: Any) -> None:
     writer = redis_client_of(redis_backend)
     for i in range(MEDIAN_MIN_SAMPLES):

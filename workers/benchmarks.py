@@ -206,8 +206,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
     try:
         compile_all(graphs, tier)
         tier.flush(30)
-        keys = [raw.cache_key for raw in tier._backend.scan_entries()]  # every stored cache key
-        full = [k for k in keys if not _is_reference(tier, k)]
+        full = [raw.cache_key for raw in tier._backend.scan_entries()]  # every stored cache key
         loop = BirCodeGenLoop(make_target("Trn2"))
         rounds = max(1, 2000 // max(1, len(full)))
 
@@ -260,13 +259,6 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
         raw.close()
 
 
-def _is_reference(tier: Any, key: str) -> bool:
-    from cachestore.entry import decode_entry
-
-    data = tier._backend.fetch([key], tier.settings.entry_ttl)[key]
-    return decode_entry(data, tier.policy, cache_key=key).is_reference
-
-
 # -- signature_overhead (issue 22) ----------------------------------------------------------------------
 def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str, work: Path) -> dict:
     """The time a trusted reader spends checking writers' signatures / the time of its remote hits, measured in
@@ -305,7 +297,7 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
         compile_all(graphs, writer)
         writer.flush(30)
         stored = {raw.cache_key: raw.data for raw in writer._backend.scan_entries()}
-        full = [k for k in stored if not _is_reference(writer, k)]
+        full = list(stored)
         prefetch = _median_run([_first_pass_reads(graphs, reader_settings) for _ in range(FRESH_READERS)])
         lookups = _lookup_rounds(full, reader_settings, max(2, 1000 // max(1, len(full))))
         more = [_lookup_rounds(full, reader_settings, 1) for _ in range(FRESH_READERS - 1)]
@@ -335,7 +327,6 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
         "hit_us": hit_again["hit_us"],
         "memo_check_us": hit_again["check_us"],
         "entries": len(full),
-        "references": len(stored) - len(full),
         "rounds": len(again) + 1,
         "rejected": prefetch["rejected"] + lookups["rejected"],
     }
@@ -553,16 +544,15 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
             for inst in bb.instructions:
                 if hasattr(inst, "klir_binary"):
                     binaries[hashlib.sha256(inst.klir_binary).hexdigest()] = len(inst.klir_binary)
-        # Everything stored per variant: the entries, the digest index and the variant index (for miss causes).
+        # Everything stored per variant: the entries and the variant index (for miss causes).
         entry_keys = list(raw.scan_iter(match=space.entry_pattern(), count=1000))
-        digest_keys = list(raw.scan_iter(match=space.digest_bucket_pattern(), count=1000))
         index_keys = list(raw.scan_iter(match=space.variant_index("*"), count=1000))
-        kinds = {"entries": entry_keys, "digests": digest_keys, "index": index_keys}
+        kinds = {"entries": entry_keys, "index": index_keys}
         sizes = {name: sum(raw.memory_usage(k, samples=0) or 0 for k in keys) for name, keys in kinds.items()}
         used = sum(sizes.values())
         per_key_binary, wire = 0, _count_bytes_read(tier)
         for stored in tier._backend.scan_entries():
-            entry = tier.lookup(stored.cache_key)  # a hit, as the compile takes it (references followed)
+            entry = tier.lookup(stored.cache_key)  # a hit, as the compile takes it
             per_key_binary += len(entry.binary)
         unique_binary = sum(binaries.values())
     finally:
@@ -826,17 +816,13 @@ def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dic
 
 
 def _logged_entries(tier: Any) -> dict:
-    """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes (a
-    reference is counted as large as the entry holding its binary: alone, it would be stored whole)."""
+    """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes."""
     from cachestore.entry import decode_entry
     from cachestore.replay import LoggedEntry
 
     raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
     decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
-    return {
-        key: LoggedEntry(entry.compile_seconds, len(raw[entry.ref] if entry.is_reference else raw[key]))
-        for key, entry in decoded.items()
-    }
+    return {key: LoggedEntry(entry.compile_seconds, len(raw[key])) for key, entry in decoded.items()}
 
 
 # The namespaces the measurements write to in the Redis they are given: deleted when the run ends.

@@ -374,7 +374,7 @@ def ls_command(
     """List entries: key, kernel, target, operand and result shapes, stored bytes, usage, last use.
 
     --json: [{key, toolchain, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
-    result_dtypes, attrs, format, bytes, binary_bytes, ref, usage, last_use, producer, writer, created, ttl, error}]
+    result_dtypes, attrs, format, bytes, binary_bytes, usage, last_use, producer, writer, created, ttl, error}]
     (writer: the key id in the entry's header, "" for none).
     """
     from cachestore.inspect import list_entries
@@ -397,11 +397,11 @@ def ls_command(
                 )
                 continue
             dtypes = ",".join(sorted(set(row["operand_dtypes"] + row["result_dtypes"])))
-            kind = f"ref {row['ref'][:8]}" if row["ref"] else f"{row['binary_bytes']} B binary"
             click.echo(
                 f"{row['key'][:16]}  {row['toolchain'][:8]}  {row['kernel_name']:<32} {row['target']:<5} "
                 f"{_short(row['operand_shapes'])} -> {_short(row['result_shapes'])} {dtypes}  "
-                f"{row['bytes']} B ({kind})  usage {row['usage']}  last {_when(row['last_use'])}  "
+                f"{row['bytes']} B ({row['binary_bytes']} B binary)  usage {row['usage']}  "
+                f"last {_when(row['last_use'])}  "
                 f"writer {row['writer'][:8] or '-'}"
             )
         click.echo(plural(count, "entry"), err=True)
@@ -463,13 +463,11 @@ PROCESSES = click.option(
 def du_command(
     ctx: click.Context, as_json: bool, processes: int | None, tier: str | None, snapshot: str | None
 ) -> None:
-    """Storage by kernel: entries (holding a binary / references), bytes stored, binary bytes, and what
-    deduplication saves.
+    """Storage by kernel: entries, bytes stored, binary bytes.
 
-    --json keys: kernels ({name: {entries, full, references, bytes, binary_bytes, dedupe_saved_bytes}}),
-    toolchains ({id: {entries, bytes}}), writers ({key id, "" for none: {entries, bytes}}), total (the same
-    summed), distinct_binaries, dangling_references,
-    unreadable ({entries, bytes}), capacity ({file_bytes, max_size} of a local tier, else null).
+    --json keys: kernels ({name: {entries, bytes, binary_bytes}}), toolchains ({id: {entries, bytes}}), writers
+    ({key id, "" for none: {entries, bytes}}), total (the same summed), unreadable ({entries, bytes}), capacity
+    ({file_bytes, max_size} of a local tier, else null).
     """
     from rich.console import Console
     from rich.table import Table
@@ -488,7 +486,7 @@ def du_command(
     table = Table(
         title="Storage by kernel", title_justify="left", box=box.HEAVY_HEAD if sys.stdout.isatty() else box.ASCII
     )
-    columns = ("entries", "full", "references", "bytes", "binary_bytes", "dedupe_saved_bytes")
+    columns = ("entries", "bytes", "binary_bytes")
     table.add_column("kernel")
     for column in columns:
         table.add_column(column.replace("_", " "), justify="right")
@@ -502,11 +500,7 @@ def du_command(
         console.print(f"toolchain {toolchain}{mine}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
     for writer, row in usage["writers"].items():
         console.print(f"writer {writer or '(none)'}: {plural(row['entries'], 'entry')}, {plural(row['bytes'], 'byte')}")
-    console.print(
-        f"{usage['distinct_binaries']:,} distinct binaries; {usage['dangling_references']:,} dangling "
-        f"references; {usage['unreadable']['entries']:,} unreadable entries "
-        f"({usage['unreadable']['bytes']:,} bytes)"
-    )
+    console.print(f"{usage['unreadable']['entries']:,} unreadable entries ({usage['unreadable']['bytes']:,} bytes)")
     capacity = usage["capacity"]
     if capacity is not None and capacity["max_size"]:
         share = capacity["file_bytes"] / capacity["max_size"]
@@ -547,7 +541,7 @@ def verify_command(
 ) -> None:
     """Check every entry: it decodes with the configured signature policy (schema, digest of the binary,
     HMAC when a key is set, a trusted writer's signature when trust_policy is set), its key components hash
-    to its key, and a reference names an entry holding the same binary. Exit 1 when any entry is bad.
+    to its key. Exit 1 when any entry is bad.
 
     --json keys: checked, ok, bad ([{key, reason}]), recompiled, executed.
     """
@@ -775,11 +769,11 @@ def gc_command(
     as_json: bool,
     tier: str | None,
 ) -> None:
-    """Evict entries of every toolchain, never metrics: always the unreadable ones and references to
-    nothing; with --other-toolchains, every toolchain's but this compiler's; with --writer KEYID, everything
-    that writer signed (in every scope: `nkicache trust distrust` first); with --unused-for, those not
-    used for that long; with --max-bytes, the lowest-value entries (usage x compile seconds per stored
-    byte) until the rest fit. An entry holding a binary is evicted only with the references to it.
+    """Evict entries of every toolchain, never metrics: always the unreadable ones (old builds' dedupe
+    references among them); with --other-toolchains, every toolchain's but this compiler's; with --writer
+    KEYID, everything that writer signed (in every scope: `nkicache trust distrust` first); with
+    --unused-for, those not used for that long; with --max-bytes, the lowest-value entries (usage x compile
+    seconds per stored byte) until the rest fit.
 
     --dry-run lists each entry it would evict (key, toolchain, bytes, reason), one a line.
 

@@ -88,7 +88,7 @@ def run_sentinel(
 
 
 def _check(reader: Reader, key: str, data: bytes, entry: Entry, report: SentinelReport, host: str, ttl: float) -> None:
-    problem = _recompile_problem(reader, key, entry)
+    problem = _recompile_problem(key, entry)
     if problem is None:
         report.matched += 1
         return
@@ -106,7 +106,7 @@ def quarantine(reader: Reader, key: str, data: bytes, entry: Entry, ttl: float) 
     """Move an entry's bytes to its toolchain's quarantine scope (first, so it is never lost), then delete it
     where clients read it."""
     reader.in_toolchain(partition(reader.toolchain, QUARANTINE_SCOPE)).put_entries([WriteItem(key, data, None, ttl)])
-    reader.delete_entries([(key, None if entry.is_reference else entry.digest)])
+    reader.delete_entries([(key, entry.digest)])
 
 
 def _count(reader: Any, host: str, toolchain: str, totals: dict[str, float]) -> None:

@@ -23,7 +23,7 @@ from bridge.kernels import get_internal_kernel_registry
 from bridge.references import reference
 from bridge.sampling import sample_inputs
 from bridge.targets import Target, get_platform_target, make_target
-from cachestore.api import BATCH, RawEntry, Reader
+from cachestore.api import RawEntry, Reader
 from cachestore.entry import MAX_ENTRY_BYTES, Entry, SignaturePolicy
 from cachestore.inspect import (
     InspectError,
@@ -57,19 +57,6 @@ class VerifyReport:
         }
 
 
-class _HolderCache:
-    """Recently checked reference targets: key -> (digest, is_reference) or the reason it is unreadable."""
-
-    def __init__(self, limit: int = 4 * BATCH):
-        self.limit = limit
-        self.items: dict[str, tuple[str, bool] | str | None] = {}
-
-    def put(self, key: str, value: tuple[str, bool] | str | None) -> None:
-        self.items[key] = value
-        if len(self.items) > self.limit:
-            del self.items[next(iter(self.items))]
-
-
 def verify_entries(
     reader: Reader,
     policy: SignaturePolicy,
@@ -81,12 +68,12 @@ def verify_entries(
     processes: int | None = None,
 ) -> VerifyReport:
     """Decode every entry of the reader's toolchain partition with the reader's signature policy (digest,
-    signature, schema), check that it was traced by that toolchain, that its key components hash to its key
-    and that a reference names an entry holding the same binary. Then re-trace `recompile` sampled entries
+    signature, schema), check that it was traced by that toolchain, that its binary matches its digest and that
+    its key components hash to its key. Then re-trace `recompile` sampled entries
     and compare bytes (only this compiler's own entries: another toolchain's binaries are expected to
     differ), and run `execute` sampled entries against the numpy references. The entries are read and checked
-    by up to `processes` processes (cachestore.scan_split; None: one a CPU), each keeping a bounded cache of
-    reference targets and a sample of the keys it found good; the samples are merged into one."""
+    by up to `processes` processes (cachestore.scan_split; None: one a CPU), each keeping a sample of the keys
+    it found good; the samples are merged into one."""
     if recompile and reader.toolchain != toolchain_id():
         raise InspectError(
             f"--recompile re-traces with this compiler (toolchain {toolchain_id()}); the entries "
@@ -95,7 +82,7 @@ def verify_entries(
     wanted = max(recompile, execute)
 
     def task(index: int) -> _Check:
-        return _Check(reader, policy, max_bytes, wanted, random.Random(f"{seed}:{index}"))
+        return _Check(policy, max_bytes, wanted, random.Random(f"{seed}:{index}"))
 
     report = VerifyReport()
     samples = []
@@ -105,10 +92,10 @@ def verify_entries(
         samples.append((share["sample"], share["good"]))
     sample = _sampled_entries(reader, policy, max_bytes, merged_sample(samples, wanted, random.Random(seed)), report)
     for key, entry in sample[:recompile]:
-        _record(report, key, _recompile_problem(reader, key, entry))
+        _record(report, key, _recompile_problem(key, entry))
         report.recompiled += 1
     for key, entry in sample[:execute]:
-        _record(report, key, _execute_problem(reader, key, entry, seed))
+        _record(report, key, _execute_problem(key, entry, seed))
         report.executed += 1
     return report
 
@@ -117,15 +104,13 @@ class _Check:
     """verify's checks over the entries one process reads: its problems, and a uniform sample (a reservoir) of
     `wanted` keys among the entries it found good."""
 
-    def __init__(self, reader: Reader, policy: SignaturePolicy, max_bytes: int, wanted: int, rng: random.Random):
-        self.reader, self.policy, self.max_bytes, self.wanted, self.rng = reader, policy, max_bytes, wanted, rng
+    def __init__(self, policy: SignaturePolicy, max_bytes: int, wanted: int, rng: random.Random):
+        self.policy, self.max_bytes, self.wanted, self.rng = policy, max_bytes, wanted, rng
         self.report = VerifyReport()
-        self.holders = _HolderCache()
         self.sample: list[str] = []
         self.good = 0
 
     def add(self, batch: list[RawEntry]) -> None:
-        decoded: dict[str, Entry] = {}
         for raw in batch:
             self.report.checked += 1
             entry = decode_or_reason(raw.data, self.policy, self.max_bytes, raw.cache_key)
@@ -140,14 +125,8 @@ class _Check:
             )
             if problem:
                 self.report.bad.append({"key": raw.cache_key, "reason": problem})
-                self.holders.put(raw.cache_key, problem)
-                continue
-            decoded[raw.cache_key] = entry
-            self.holders.put(raw.cache_key, (entry.digest, entry.is_reference))
-        bad = _check_references(self.reader, self.policy, self.max_bytes, decoded, self.holders, self.report)
-        for key in decoded:
-            if key not in bad:
-                self._sampled(key)
+            else:
+                self._sampled(raw.cache_key)
 
     def _sampled(self, key: str) -> None:
         self.good += 1
@@ -203,50 +182,6 @@ def _record(report: VerifyReport, key: str, problem: str | None) -> None:
         report.bad.append({"key": key, "reason": problem})
 
 
-def _check_references(
-    reader: Reader,
-    policy: SignaturePolicy,
-    max_bytes: int,
-    decoded: dict[str, Entry],
-    holders: _HolderCache,
-    report: VerifyReport,
-) -> set[str]:
-    """Checks the batch's references (appending to `report.bad`); returns the keys found bad."""
-    bad: set[str] = set()
-    references = {key: entry for key, entry in decoded.items() if entry.is_reference}
-    wanted = {entry.ref for entry in references.values()}
-    # Taken out of the cache first: putting what is fetched below may evict what was there.
-    known = {ref: holders.items[ref] for ref in wanted if ref in holders.items}
-    for ref, data in reader.get_entries(sorted(wanted - set(known))).items():
-        holder = decode_or_reason(data, policy, max_bytes, ref)
-        known[ref] = holder if isinstance(holder, str) else (holder.digest, holder.is_reference)
-        holders.put(ref, known[ref])
-    for key, entry in references.items():
-        target = known.get(entry.ref)
-        if target is None:
-            problem = f"references {entry.ref[:16]}..., which is not in the tier"
-        elif isinstance(target, str):
-            problem = f"references {entry.ref[:16]}..., which is unreadable ({target})"
-        elif target[1]:
-            problem = f"references {entry.ref[:16]}..., which is itself a reference"
-        elif target[0] != entry.digest:
-            problem = f"references {entry.ref[:16]}..., which holds another binary"
-        else:
-            continue
-        report.bad.append({"key": key, "reason": problem})
-        bad.add(key)
-    return bad
-
-
-def _with_binary(reader: Reader, entry: Entry) -> Entry:
-    if not entry.is_reference:
-        return entry
-    holder = decode_or_reason(reader.get_entries([entry.ref]).get(entry.ref, b""))
-    if isinstance(holder, str) or holder.digest != entry.digest:
-        raise InspectError(f"referenced entry {entry.ref[:16]}... is gone or changed")
-    return entry.with_binary(holder.binary)
-
-
 @dataclass
 class RebuiltOp:
     func_name: str
@@ -281,9 +216,8 @@ def rebuild_op(components: Mapping[str, Any]) -> RebuiltOp:
     raise InspectError(f"no registered kernel compiles {kernel_name!r} for these shapes and attrs")
 
 
-def _recompile_problem(reader: Reader, key: str, entry: Entry) -> str | None:
+def _recompile_problem(key: str, entry: Entry) -> str | None:
     try:
-        entry = _with_binary(reader, entry)
         op = rebuild_op(entry.key_components)
         loop = BirCodeGenLoop(op.target)
         trace = loop._trace_kernel_beta2 if entry.format == "klir" else loop._trace_kernel_beta3
@@ -297,9 +231,8 @@ def _recompile_problem(reader: Reader, key: str, entry: Entry) -> str | None:
     return None
 
 
-def _execute_problem(reader: Reader, key: str, entry: Entry, seed: int) -> str | None:
+def _execute_problem(key: str, entry: Entry, seed: int) -> str | None:
     try:
-        entry = _with_binary(reader, entry)
         op = rebuild_op(entry.key_components)
         rng = np.random.default_rng([seed, int(key[:8], 16)])
         inputs = sample_inputs(op.func_name, op.inst.operands, op.attrs, rng)

@@ -10,8 +10,7 @@ mount (NFS, FSx, a local disk), as AWS Neuron's compile cache and ccache's file 
 
 Every file is written whole, and lease generations and batches exclusively (cachestore.backends.files): a
 reader sees a whole file or none, and of many processes creating one name, one does. Temp files a killed
-writer left are never read, and `purge_expired` (inspect gc) deletes them. Entries are always written whole:
-this store makes no references to another key's binary (content dedupe is optional in the contract).
+writer left are never read, and `purge_expired` (inspect gc) deletes them.
 """
 
 from __future__ import annotations
@@ -64,6 +63,7 @@ def _sha(data: str | bytes) -> str:
 class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     """A tier in a shared directory: the compile path (Backend) and the reader side (Reader)."""
 
+    value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = True  # expired files stay until purge_expired (inspect gc)
     splits_scans = False  # scanned in one process (cachestore.scan_split)
 

@@ -62,13 +62,9 @@ from cachestore.backends.deadline import watchdog
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.keys import (
     DEFAULT_METRICS_SHARDS,
-    MAX_DIGEST_FIELDS,
     MAX_METRICS_SHARDS,
     KeySpace,
     MetricsKeys,
-    digest_field,
-    holder_of,
-    holder_value,
     key_shard,
     pass_shard,
     shard_count_or,
@@ -297,6 +293,7 @@ class RedisBackend(Backend, Reader):
     and the reader side."""
 
     read_only = False
+    value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = False  # Redis expires entries itself
     # `entry_pages` and `read_entry_page`: a scan's pages can be read by other processes (cachestore.scan_split).
     splits_scans = True
@@ -378,9 +375,6 @@ class RedisBackend(Backend, Reader):
     def _lease(self, cache_key: str) -> str:
         return self.keys.lease(self.toolchain, cache_key)
 
-    def _digest_bucket(self, digest: str) -> str:
-        return self.keys.digest_bucket(self.toolchain, digest)
-
     def _call(self, operation: Callable[[], T]) -> T:
         drops = self._drops
         try:  # not `with redis_errors`: a generator-based context manager costs a remote hit a few µs
@@ -452,10 +446,9 @@ class RedisBackend(Backend, Reader):
     # -- entries ----------------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
         """With `ttl` None only reading commands are sent (GETRANGE, STRLEN), which the nkicache-reader ACL user
-        may run: one GETRANGE a key, sent alone (no pipeline object) for a single key, the remote hit's one
-        command (TierClient refreshes TTLs in the background, batched). Otherwise each entry found has its TTL
-        refreshed (EXPIRE) in the same round trip. An empty value reads as no value: GETRANGE does not tell them
-        apart, and an empty entry is no entry anyway."""
+        may run: one GETRANGE a key, in one pipeline (TierClient refreshes TTLs in the background, batched).
+        Otherwise each entry found has its TTL refreshed (EXPIRE) in the same round trip. An empty value reads as
+        no value: GETRANGE does not tell them apart, and an empty entry is no entry anyway."""
         if ttl is None:
             return self._within_op_timeout(lambda: self._fetch_heads(cache_keys))
 
@@ -547,8 +540,6 @@ class RedisBackend(Backend, Reader):
 
     def _heads(self, redis_keys: Sequence[str], first: int) -> list:
         """The first `first` bytes of each value (b"": no key, or an empty value), one GETRANGE a key."""
-        if len(redis_keys) == 1:  # the usual hit: a command alone costs less Python than a one-command pipeline
-            return [self._call(lambda: self.client.getrange(redis_keys[0], 0, first - 1))]
         return self._pipeline(lambda pipe: [pipe.getrange(key, 0, first - 1) for key in redis_keys])
 
     def _read_longer(
@@ -577,27 +568,11 @@ class RedisBackend(Backend, Reader):
     def store(self, requests: Sequence[StoreRequest], ttl: int) -> None:
         if not requests:
             return
-        holders, full_buckets = self._claim_digests(requests, ttl)
-        others = [(r, holder) for r, holder in zip(requests, holders, strict=True) if holder not in (None, r.cache_key)]
-        alive = self._pipeline(lambda pipe: [pipe.exists(self._entry(h)) for _, h in others]) if others else []
-        # A holder earlier in this batch is written below, in the same pipeline, before its references.
-        in_batch = {r.cache_key for r, holder in zip(requests, holders, strict=True) if holder == r.cache_key}
-        referenced = {
-            r.cache_key: holder
-            for (r, holder), exists in zip(others, alive, strict=True)
-            if exists or holder in in_batch
-        }
-
-        written = [r for r in requests if r.cache_key not in referenced]
 
         def write(pipe: Any) -> None:
             for r in requests:
-                expiry = r.ttl or ttl  # value-ranked (cachestore.value)
-                if r.cache_key in referenced:  # the base TTL: a reference must not outlive its holder's binary
-                    pipe.set(self._entry(r.cache_key), r.reference(referenced[r.cache_key]), ex=ttl)
-                else:
-                    pipe.set(self._entry(r.cache_key), r.full, ex=expiry)
-            self._fill_indexes(pipe, requests, written, full_buckets, ttl)
+                pipe.set(self._entry(r.cache_key), r.full, ex=r.ttl or ttl)  # r.ttl: value-ranked (cachestore.value)
+            self._fill_variant_index(pipe, requests, ttl)
 
         # One round trip for the entries and their indexes (two before 2026-12-01: a round trip costs the compiling
         # process a wake-up and the flusher's Python, and a one-shot compile waits for the last one in close()).
@@ -611,54 +586,13 @@ class RedisBackend(Backend, Reader):
         if failed:
             logger.debug("%s: index not written: %s", self.description, failed)
 
-    def _claim_digests(self, requests: Sequence[StoreRequest], ttl: int) -> tuple[list[str | None], set[str]]:
-        """(the cache key each request's binary is indexed under, after claiming it for the request where no
-        key held it; the buckets past MAX_DIGEST_FIELDS). A bucket that is no hash (another tool's key, a hand's)
-        claims nothing: its requests are written whole, never failed."""
-        buckets = sorted({self._digest_bucket(r.digest) for r in requests})
-
-        def claim(pipe: Any) -> None:
-            for r in requests:
-                bucket, name = self._digest_bucket(r.digest), digest_field(r.digest)
-                pipe.hsetnx(bucket, name, holder_value(r.cache_key))
-                pipe.hget(bucket, name)
-            for bucket in buckets:
-                pipe.hlen(bucket)
-
-        replies = self._pipeline(claim, raise_on_error=False)
-        holders = [holder_of(_unless_error(replies[2 * i + 1])) for i in range(len(requests))]
-        sizes = replies[2 * len(requests) :]
-        full = {b for b, size in zip(buckets, sizes, strict=True) if isinstance(size, int) and size > MAX_DIGEST_FIELDS}
-        return holders, full
-
-    def _fill_indexes(
-        self,
-        pipe: Any,
-        requests: Sequence[StoreRequest],
-        written: Sequence[StoreRequest],
-        full: set[str],
-        ttl: int,
-    ) -> None:
-        """Queue on `pipe` the dedupe index fields of the entries written whole and the variant index. They only
-        save bytes or name a miss's cause: a key of another type under their names must not fail the entries'
-        writes, which would then be retried, and fail, for ever (the caller runs the pipeline without raising, and
-        only logs their errors)."""
+    def _fill_variant_index(self, pipe: Any, requests: Sequence[StoreRequest], ttl: int) -> None:
+        """Queue on `pipe` the variant index fields of the requests. They only name a miss's cause: a key of
+        another type under their names must not fail the entries' writes, which would then be retried, and fail,
+        for ever (the caller runs the pipeline without raising, and only logs their errors)."""
         index: dict[str, dict[bytes, bytes]] = {}
         for r in requests:
             index.setdefault(r.kernel_name, {}).update(r.index_fields)
-        expiry: dict[str, int] = {}
-        for r in written:
-            bucket = self._digest_bucket(r.digest)
-            expiry[bucket] = max(expiry.get(bucket, 0), r.ttl or ttl)
-
-        for bucket in sorted(full):  # emptied before this batch's fields go in: a bound, not a loss of these
-            pipe.delete(bucket)
-        for r in written:
-            pipe.hset(self._digest_bucket(r.digest), digest_field(r.digest), holder_value(r.cache_key))
-        for bucket, seconds in expiry.items():
-            # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
-            pipe.expire(bucket, seconds, gt=True)
-            pipe.expire(bucket, seconds, nx=True)
         for kernel_name, fields in index.items():
             if fields:
                 pipe.hset(self.keys.variant_index(kernel_name), mapping=fields)
@@ -1016,7 +950,7 @@ class RedisBackend(Backend, Reader):
         found: dict[str, bytes | TooLarge] = {}
         for start in range(0, len(cache_keys), BATCH):
             chunk = list(cache_keys[start : start + BATCH])
-            # No TTLs (one GETRANGE a key, packed): verify resolves every batch's references through here.
+            # No TTLs (one GETRANGE a key, packed).
             values = self._read_entries([self._entry(key) for key in chunk], with_ttl=False)
             found.update((key, value) for key, (value, _) in zip(chunk, values, strict=True) if value is not None)
         return found
@@ -1041,12 +975,6 @@ class RedisBackend(Backend, Reader):
             for item in items:
                 ttl_ms = max(1, int(item.ttl * 1000))
                 pipe.set(self._entry(item.cache_key), item.data, px=ttl_ms)
-                if item.digest:
-                    bucket = self._digest_bucket(item.digest)
-                    pipe.hset(bucket, digest_field(item.digest), holder_value(item.cache_key))
-                    # Never shortening the bucket's life: other fields in it may belong to longer-lived entries.
-                    pipe.pexpire(bucket, ttl_ms, gt=True)
-                    pipe.pexpire(bucket, ttl_ms, nx=True)
 
         if items:
             self._pipeline(fill)
@@ -1059,22 +987,6 @@ class RedisBackend(Backend, Reader):
         # a name, as a cluster refuses a DEL of keys in two slots.
         legacy = {self.keys.legacy_entry(self.toolchain, key) for key, _ in items} - set(names)
         self._pipeline(lambda pipe: [pipe.delete(name) for name in [*names, *sorted(legacy)]])
-        indexed = [(key, digest) for key, digest in items if digest]
-        if not indexed:
-            return
-        holders = self._pipeline(
-            lambda pipe: [pipe.hget(self._digest_bucket(digest), digest_field(digest)) for _, digest in indexed],
-            raise_on_error=False,
-        )
-        # Only index entries still naming a deleted key. One stored again in between loses its index entry,
-        # which costs that binary its deduplication once, never correctness (stores check the holder exists).
-        stale = [
-            digest
-            for (key, digest), holder in zip(indexed, holders, strict=True)
-            if holder_of(_unless_error(holder)) == key
-        ]
-        if stale:
-            self._pipeline(lambda pipe: [pipe.hdel(self._digest_bucket(d), digest_field(d)) for d in stale])
 
     def expired_count(self) -> tuple[int, int]:
         return 0, 0  # Redis drops an entry when it expires

@@ -47,6 +47,8 @@ from cachestore.value import retention_score
 
 logger = logging.getLogger(__name__)
 
+# A `digests` table (older builds' content dedupe index) is never read or written here; it stays, so an older
+# build sharing the file keeps working.
 # 2: entries, digests and leases are partitioned by toolchain. Version 1's entries carry no toolchain, so
 # no compiler could ever take them again: upgrading drops those three tables and keeps the fleet metrics.
 # 3: entries record when they were last used (`used`, for trimming to max_size), and the file vacuums
@@ -70,8 +72,6 @@ CREATE TABLE IF NOT EXISTS entries (
     expires REAL NOT NULL, used REAL NOT NULL, compile_seconds REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (toolchain, cache_key));
 CREATE INDEX IF NOT EXISTS entries_by_use ON entries (used);
-CREATE TABLE IF NOT EXISTS digests (
-    toolchain TEXT NOT NULL, digest TEXT NOT NULL, cache_key TEXT NOT NULL, PRIMARY KEY (toolchain, digest));
 CREATE TABLE IF NOT EXISTS leases (
     toolchain TEXT NOT NULL, cache_key TEXT NOT NULL, owner TEXT NOT NULL, expires REAL NOT NULL,
     PRIMARY KEY (toolchain, cache_key));
@@ -470,26 +470,12 @@ class SqliteBackend(Backend, Reader):
 
     def _store(self, db: sqlite3.Connection, requests: Sequence[StoreRequest], ttl: int, now: float) -> None:
         for request in requests:
-            row = db.execute(
-                "SELECT d.cache_key FROM digests d JOIN entries e "
-                "ON e.toolchain = d.toolchain AND e.cache_key = d.cache_key "
-                "WHERE d.toolchain = ? AND d.digest = ? AND e.expires > ?",
-                (self.toolchain, request.digest, now),
-            ).fetchone()
-            if row is not None and row[0] != request.cache_key:
-                data = request.reference(row[0])
-            else:
-                data = request.full
-                db.execute(
-                    "INSERT OR REPLACE INTO digests VALUES (?, ?, ?)",
-                    (self.toolchain, request.digest, request.cache_key),
-                )
             db.execute(
                 f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}",
                 (
                     self.toolchain,
                     request.cache_key,
-                    data,
+                    request.full,
                     request.digest,
                     now + (request.ttl or ttl),
                     now,
@@ -790,14 +776,9 @@ class SqliteBackend(Backend, Reader):
         return int(row[0]), int(row[1])
 
     def purge_expired(self) -> None:
-        """Delete every toolchain's expired entries and the digest index rows naming them."""
+        """Delete every toolchain's expired entries."""
         now = time.time()
         with self._write() as db:
-            db.execute(
-                "DELETE FROM digests WHERE (toolchain, cache_key) IN "
-                "(SELECT toolchain, cache_key FROM entries WHERE expires <= ?)",
-                (now,),
-            )
             db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
             db.execute("DELETE FROM variant_index WHERE expires <= ?", (now,))
         self._give_back_space()
@@ -818,10 +799,6 @@ class SqliteBackend(Backend, Reader):
                     item.compile_seconds,
                 )
                 db.execute(f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}", row)
-                if item.digest:
-                    db.execute(
-                        "INSERT OR REPLACE INTO digests VALUES (?, ?, ?)", (self.toolchain, item.digest, item.cache_key)
-                    )
             trimmed = self._trim(db)
         if trimmed:
             self._give_back_space()
@@ -830,15 +807,9 @@ class SqliteBackend(Backend, Reader):
         if not items:
             return
         with self._write() as db:
-            for key, digest in items:
-                db.execute("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
-                if digest:
-                    db.execute(
-                        "DELETE FROM digests WHERE toolchain = ? AND digest = ? AND cache_key = ?",
-                        (self.toolchain, digest, key),
-                    )
-                else:  # an unreadable entry: its digest is unknown (a scan, but such entries are rare)
-                    db.execute("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", (self.toolchain, key))
+            db.executemany(
+                "DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", [(self.toolchain, key) for key, _ in items]
+            )
         self._give_back_space()
 
     # -- size -----------------------------------------------------------------------------------------
@@ -881,7 +852,6 @@ class SqliteBackend(Backend, Reader):
                     break
         cursor.close()
         db.executemany("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", victims)
-        db.executemany("DELETE FROM digests WHERE toolchain = ? AND cache_key = ?", victims)
         return bool(victims)
 
     def _give_back_space(self) -> None:

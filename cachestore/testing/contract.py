@@ -40,10 +40,8 @@ ODD_KEYS = ["../../escape", "a/b\\c", ".hidden", "with space", "ключ-✓", "
 
 
 def request(cache_key: str, data: bytes, kernel: str = "softmax", **options: Any) -> StoreRequest:
-    """A store of `data` under `cache_key`, with a digest of its own (so no store makes it a reference)."""
-    return StoreRequest(
-        cache_key, f"digest-{cache_key}", data, lambda holder: b"ref:" + holder.encode(), kernel, **options
-    )
+    """A store of `data` under `cache_key`."""
+    return StoreRequest(cache_key, f"digest-{cache_key}", data, kernel, **options)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
