@@ -10,7 +10,7 @@ setting) is never downloaded, and is handed over as a `cachestore.entry.TooLarge
 Two protocols, implemented by one class per backend (`cachestore/backends/`):
 
 - `Backend`: the compile path, used by `cachestore.client.TierClient` (batched reads that refresh TTLs,
-  deduplicating writes, single-flight leases, metrics batches applied exactly once);
+  writes of whole entries, single-flight leases, metrics batches applied exactly once);
 - `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
   reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
 

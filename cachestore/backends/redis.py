@@ -6,7 +6,7 @@ for its size (STRLEN) and, when within `max_entry_bytes`, one for the rest: an e
 downloaded. Each compile-path call
 (fetch, lease) is bounded as a whole by the operation timeout (`deadline.Watchdog`): the socket timeout
 bounds each read only, and a server trickling its reply would hold the compile. Stores run in the client's
-background flusher and take up to three pipelined round trips to keep identical binaries stored once.
+background flusher, each batch of entries with their variant index fields in one pipelined round trip.
 Fleet metrics are applied by one Lua script per batch, guarded by a per-batch marker so a retried batch
 counts once; every metrics key shares one hash slot (see `cachestore.keys`) so the script is legal on a
 cluster.
