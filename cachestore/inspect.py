@@ -181,21 +181,12 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
         usage = reader.key_records([raw.cache_key for raw in batch])
         for raw in batch:
             entry = decode_or_reason(raw.data)
-            if isinstance(entry, str):
-                if kernel is None and target is None:
-                    yield {
-                        "key": raw.cache_key,
-                        "toolchain": raw.toolchain,
-                        "kernel_name": None,
-                        "bytes": len(raw.data),
-                        "writer": writer_of(raw.data),
-                        "error": entry,
-                    }
-                continue
             try:
-                info = describe_components(entry.key_components)
-            except InspectError as exc:
-                # Listed with its error like an entry that cannot be decoded; the listing goes on.
+                error = entry if isinstance(entry, str) else None
+                info = describe_components(entry.key_components) if error is None else {}
+            except InspectError as exc:  # listed with its error like an entry that cannot be decoded
+                error = str(exc)
+            if error is not None:
                 if kernel is None and target is None:
                     yield {
                         "key": raw.cache_key,
@@ -203,7 +194,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                         "kernel_name": None,
                         "bytes": len(raw.data),
                         "writer": writer_of(raw.data),
-                        "error": str(exc),
+                        "error": error,
                     }
                 continue
             if kernel not in (None, info["kernel_name"]) or target not in (None, info["target"]):
