@@ -9,12 +9,9 @@ of the same key, the same graph with no tier), not with absolute figures, so a l
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import statistics
-import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -49,6 +46,7 @@ from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
+from workers.trickle_proxy import TrickleProxy
 
 MiB = 1024 * 1024
 LIMIT = Settings().max_entry_bytes  # 8 MiB, the default
@@ -313,50 +311,6 @@ def json_of(result: Any) -> Any:
 
 
 # -- a server that trickles its replies ------------------------------------------------------------------------
-class TrickleProxy:
-    """A TCP proxy on loopback in front of a Redis: requests pass at once; while `slow`, every reply is passed on
-    `chunk` bytes every `interval` seconds, so each socket read gets data well within the socket timeout and
-    only a deadline on the whole operation can end it."""
-
-    def __init__(self, upstream: tuple[str, int], chunk: int = 64, interval: float = 0.1):
-        self.upstream, self.chunk, self.interval = upstream, chunk, interval
-        self.slow = False
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                downstream, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            upstream = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                while data:
-                    if replies and self.slow:
-                        time.sleep(self.interval)
-                        piece, data = data[: self.chunk], data[self.chunk :]
-                    else:
-                        piece, data = data, b""
-                    sink.sendall(piece)
-        except OSError:
-            pass
-        finally:  # one side closed: close both, so the other pump ends too
-            for end in (source, sink):
-                with contextlib.suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
-                end.close()
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 @pytest.fixture
 def trickle(redis_url: str) -> Iterator[TrickleProxy]:
     address = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs

@@ -1,11 +1,11 @@
-"""broken_tier_overhead: a compile whose Redis is down or frozen, against the same compile with no tier.
+"""broken_tier_overhead: a compile whose Redis is down, frozen or trickling, against the same compile with no tier.
 
 A tier that fails must cost no more than no tier: the variants it cannot serve are traced as a `--tier off`
 compile traces them, in parallel with `--workers 2`. Each compile is a whole `nkicache compile` process of the
-workload, run in rounds that alternate the three tiers (workers.process_bench), so the machine's load moves
+workload, run in rounds that alternate the four tiers (workers.process_bench), so the machine's load moves
 them together: off; a loopback port nobody listens on (down); a redis-server stopped with SIGSTOP (frozen: it
 accepts connections and never answers); a redis-server behind a proxy that passes its answers on a few bytes
-at a time (trickling: workers/trickle_proxy.py).
+at a time (trickling: workers/trickle_proxy.py, 160 bytes a second, so an entry takes longer than op_timeout).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def broken_tier_overhead(graphs: Path, work: Path, rounds: int = ROUNDS) -> dict
     work.mkdir(parents=True, exist_ok=True)
     frozen = start_private_server()
     slow = start_private_server()
-    trickle = TrickleProxy(slow.port)
+    trickle = TrickleProxy(("127.0.0.1", slow.port), chunk=8, interval=0.05, slow=True)  # 160 bytes a second
     try:
         frozen.process.send_signal(signal.SIGSTOP)
         down = f"redis://127.0.0.1:{closed_port()}/0"

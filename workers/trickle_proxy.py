@@ -1,54 +1,54 @@
-"""A loopback TCP proxy that passes a server's answers on a few bytes at a time: a tier that is up but
-trickles (a saturated link, a server swapping), for the broken-tier benchmark. Requests pass at full speed."""
+"""A loopback TCP proxy in front of a Redis that passes the server's replies on a few bytes at a time: a tier
+that is up but trickles (a saturated link, a server swapping). Requests pass at once; every socket read of a
+reply gets data well within the socket timeout, so only a deadline on the whole operation ends it. Used by
+the broken-tier benchmark and the hostile-tier tests."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 
-CHUNK_BYTES = 8
-CHUNK_DELAY_SECONDS = 0.05  # 160 bytes a second: an entry of a few kilobytes takes longer than op_timeout
-
 
 class TrickleProxy:
-    """Listens on a free loopback port (`port`) and connects each client to `target_port`."""
+    """Listens on a free loopback port (`url`) and connects each client to `upstream`; while `slow`, every reply
+    is passed on `chunk` bytes every `interval` seconds."""
 
-    def __init__(self, target_port: int, chunk: int = CHUNK_BYTES, delay: float = CHUNK_DELAY_SECONDS) -> None:
-        self.target_port = target_port
-        self.chunk = chunk
-        self.delay = delay
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._closed = threading.Event()
+    def __init__(self, upstream: tuple[str, int], chunk: int = 64, interval: float = 0.1, slow: bool = False):
+        self.upstream, self.chunk, self.interval = upstream, chunk, interval
+        self.slow = slow
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
         threading.Thread(target=self._accept, daemon=True).start()
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
     def _accept(self) -> None:
-        while not self._closed.is_set():
+        while True:
             try:
-                client, _ = self._listener.accept()
-                server = socket.create_connection(("127.0.0.1", self.target_port))
+                downstream, _ = self.listener.accept()
             except OSError:
-                return
-            threading.Thread(target=self._pump, args=(client, server, 65536, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.chunk, self.delay), daemon=True).start()
+                return  # closed
+            upstream = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, chunk: int, delay: float) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
         try:
-            while not self._closed.is_set() and (data := source.recv(chunk)):
-                sink.sendall(data)
-                if delay:
-                    time.sleep(delay)
+            while data := source.recv(65536):
+                while data:
+                    if replies and self.slow:
+                        time.sleep(self.interval)
+                        piece, data = data[: self.chunk], data[self.chunk :]
+                    else:
+                        piece, data = data, b""
+                    sink.sendall(piece)
         except OSError:
             pass
-        finally:
+        finally:  # one side closed: close both, so the other pump ends too
             for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
                 end.close()
 
     def close(self) -> None:
-        self._closed.set()
-        self._listener.close()
+        self.listener.close()
