@@ -6,13 +6,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("bridge", "cachestore", "workers")
-
-
-def product_modules() -> list[Path]:
-    return sorted(path for package in PRODUCT for path in (ROOT / package).rglob("*.py"))
+from helpers_code import ROOT, product_modules
 
 
 def is_sorted_items_text(node: ast.AST) -> bool:

@@ -5,12 +5,10 @@ read as `x._name` or by `getattr(x, "_name")`. A private name can change in any 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from helpers_code import ROOT, product_modules
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("bridge", "cachestore", "workers")
 # Names under which product code holds redis-py objects (clients, pools, connections, pipelines, parsers).
 REDIS_HOLDERS = {"client", "connection_pool", "pool", "connection", "pipe", "pipeline", "parser", "nodes_manager"}
 REACHING = {"getattr", "hasattr", "setattr", "delattr"}
@@ -78,11 +76,7 @@ def private_redis_uses(source: str) -> list[str]:
 
 
 def test_product_code_uses_no_private_name_of_redis_py() -> None:
-    uses = {
-        str(path.relative_to(ROOT)): private_redis_uses(path.read_text())
-        for package in PRODUCT
-        for path in sorted((ROOT / package).rglob("*.py"))
-    }
+    uses = {str(path.relative_to(ROOT)): private_redis_uses(path.read_text()) for path in product_modules()}
     assert {path: found for path, found in uses.items() if found} == {}
 
 
