@@ -20,7 +20,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 from bridge.errors import NkiCacheError
@@ -124,13 +123,12 @@ def compile_job(
         plan = plan_variants([graph], tier=tier, target_name=None, limits=limits, labels=[job["file"]])
         if len(plan.tasks) >= MIN_TASKS:
             withdraw = _queued(enqueue, plan.tasks, job["id"])
-            traced, found = trace_alongside(plan.tasks, tier, limits)
+            traced = trace_alongside(plan.tasks, tier, limits)
             traced_for_job = _withdrawn(withdraw, job["id"])
             if traced_for_job is not None:
-                # Found in the tier but traced by no worker for this job: another job's trace, which this pass
-                # reads from the tier as a remote hit instead of counting it as a trace of its own.
-                for cache_key in found - traced_for_job:
-                    traced.pop(cache_key, None)
+                # Found in the tier (`elsewhere`) but traced by no worker for this job: another job's trace,
+                # which this pass reads from the tier as a remote hit instead of counting it as its own.
+                traced = {key: v for key, v in traced.items() if not v.elsewhere or key in traced_for_job}
             handed = with_causes(traced, plan)
     result, artifact = compile_graph(
         graph,
@@ -165,21 +163,17 @@ def _withdrawn(withdraw: Callable[[], set[str]] | None, job_id: str) -> set[str]
         return None
 
 
-def trace_alongside(
-    tasks: Sequence[TraceTask], tier: KernelStore, limits: Limits
-) -> tuple[dict[str, TracedVariant], set[str]]:
+def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limits) -> dict[str, TracedVariant]:
     """Trace the tasks from the last one back (other workers take them from the first), skipping the ones
     another process holds the lease on; then wait for those, tracing any whose holder died without a trace.
-    Returns every variant, traced here or found in the tier, and the cache keys of those found."""
+    Returns every variant, traced here or found in the tier."""
     handed: dict[str, TracedVariant] = {}
-    found: set[str] = set()
-    _take = partial(_take_outcome, handed, found)
     busy = []
     for task in reversed(tasks):
         outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the pass is handed it directly
         if outcome.busy:
             busy.append(task)
-        _take(outcome)
+        _take(handed, outcome)
     # Poll the leases held elsewhere every few milliseconds (the tier client's own wait polls at 50 ms, which
     # the job would spend idle): a lease free again is the holder done (its trace is found under the lease)
     # or dead (the lease lapsed: traced here).
@@ -191,23 +185,20 @@ def trace_alongside(
             outcome = trace_task(task, tier, limits, wait=False, flush=False)
             if outcome.busy:
                 still.append(task)
-            _take(outcome)
+            _take(handed, outcome)
         busy = still
     for task in busy:  # held for longer than the poll: the tier client's bounded wait (lease_wait)
         outcome = trace_task(task, tier, limits, wait=True, flush=False)
         if outcome.traced is None and outcome.found is None and outcome.error is None:
             outcome = trace_task(task, tier, limits, wait=True, flush=False)  # its holder died: the lease lapsed
-        _take(outcome)
-    return handed, found
+        _take(handed, outcome)
+    return handed
 
 
-def _take_outcome(handed: dict[str, TracedVariant], found: set[str], outcome: TraceOutcome) -> None:
-    if outcome.traced is not None:
-        handed[outcome.cache_key] = outcome.traced
-        found.discard(outcome.cache_key)
-    elif outcome.found is not None:
-        handed[outcome.cache_key] = outcome.found
-        found.add(outcome.cache_key)
+def _take(handed: dict[str, TracedVariant], outcome: TraceOutcome) -> None:
+    variant = outcome.traced or outcome.found
+    if variant is not None:
+        handed[outcome.cache_key] = variant
 
 
 def message_size(tasks: int) -> int:
