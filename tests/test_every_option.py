@@ -33,12 +33,8 @@ def commands(group: click.Group, context: click.Context, path: tuple[str, ...] =
 def bad_values(option: click.Option) -> list[str]:
     kind = option.type
     if isinstance(kind, click.types.IntParamType | click.types.FloatParamType):
-        values = list(BAD_NUMBERS)
-        if isinstance(kind, click.types.FloatParamType) and not isinstance(kind, click.FloatRange):
-            values = [v for v in values if v not in ("-1",)]  # a plain float may be negative
-        if isinstance(kind, click.types.IntParamType) and not isinstance(kind, click.IntRange):
-            values = [v for v in values if v != "-1"]
-        return values
+        bounded = isinstance(kind, click.IntRange | click.FloatRange)
+        return [value for value in BAD_NUMBERS if bounded or value != "-1"]  # a plain number may be negative
     if isinstance(kind, click.Choice):
         return BAD_CHOICE
     if set(option.opts) & URL_OPTIONS:
