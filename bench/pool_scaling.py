@@ -137,7 +137,7 @@ def probe_startup() -> None:
     started = time.perf_counter()
     helpers = Helpers(context, [], Claims(context, 0), 2, settings, context.Value("q", 0))
     up = time.perf_counter() - started
-    helpers.hand_out([])
+    helpers.go()
     helpers.close()
     print(json.dumps({"up": up, "total": time.perf_counter() - started}))
 

@@ -83,7 +83,9 @@ class BirCodeGenLoop:
         self.kernel_miss_causes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # The prefetch computes every op's key once: id(op) -> (op, key components, cache key), for the orchestrator.
         self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
-        self._tier_counts_at_start = tier.counts() if tier is not None else {}
+        # The tier's counts this pass's are counted from (`tier_counts`); a caller that asked the tier on the
+        # pass's behalf before it began sets it earlier.
+        self.tier_counts_at_start = tier.counts() if tier is not None else {}
         self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
         # Variants a fleet job's trace tasks traced and published for this pass (workers/trace_tasks.py): key ->
         # trace. A miss on one is answered before the tier is asked, and counted in traces.
@@ -373,7 +375,7 @@ class BirCodeGenLoop:
         if self.tier is None:
             return dict.fromkeys(TIER_COUNTERS, 0)
         now = self.tier.counts()
-        return {name: now.get(name, 0) - self._tier_counts_at_start.get(name, 0) for name in TIER_COUNTERS}
+        return {name: now.get(name, 0) - self.tier_counts_at_start.get(name, 0) for name in TIER_COUNTERS}
 
     def pass_summary(self) -> dict[str, float]:
         """This pass's counters (bridge.port.PASS_COUNTERS), as `nkicache compile --json` and the reports

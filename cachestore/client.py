@@ -6,7 +6,8 @@ metrics batches; backends (`cachestore.backends`) only move the encoded bytes.
 
 Reads happen on the compiling thread, bounded by the operation timeout. Writes (entries, lease releases,
 metrics batches) go to an outbox that a background thread drains with pipelines. Any tier failure opens a
-circuit breaker: for `breaker_cooldown` seconds the tier is not asked at all, then it is tried again. What
+circuit breaker (cachestore.breaker): for `breaker_cooldown` seconds the tier is not asked at all, then it is
+tried again; until a call succeeds, by one call at a time, the others treating it as down. What
 waits in the outbox during an outage is delivered when the tier returns; past `outbox_limit` the oldest
 items are dropped and counted. A metrics batch no tier would take (a NaN, a count that is not a number) is
 never queued, and one a tier refuses anyway (`BatchRefused`) is no failure of the tier: both are dropped
@@ -49,6 +50,7 @@ from cachestore.api import (
     TierTimeout,
     batch_problem,
 )
+from cachestore.breaker import Breaker
 from cachestore.entry import (
     Entry,
     EntryRejected,
@@ -171,11 +173,11 @@ class TierClient:
         )
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
-        self._open_until = 0.0
+        self._outbox_lock = threading.Condition()
+        self._breaker = Breaker(settings.breaker_cooldown, self._wake_flusher)
         # What the compiling thread hands over (entries, lease releases, pass records), appended under the lock; the
         # flusher thread drains it.
         self._outbox: collections.deque = collections.deque()
-        self._outbox_lock = threading.Condition()
         self._flusher: threading.Thread | None = None
         self._closing = False
         self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
@@ -243,27 +245,33 @@ class TierClient:
 
     @property
     def available(self) -> bool:
-        """False while the breaker keeps the tier off after a failure."""
-        return self._available()
+        """False while the breaker keeps the tier off after a failure, or another call is probing it."""
+        return self._breaker.available()
 
     def level_hits(self) -> dict[str, int]:
         """{this tier: verified entries it answered so far}: one level (cachestore.stacked has several)."""
         return {self.description: self.stats.snapshot()["entries_found"]}
 
     # -- fault handling ---------------------------------------------------------------------------
-    def _available(self) -> bool:
-        return time.monotonic() >= self._open_until
-
     def _guarded(self, operation: Callable[[Backend], object], what: str) -> tuple[bool, object]:
         """(ok, result) of an operation on the backend; a failure is counted and opens the breaker."""
-        if not self._available():
+        probe = self._breaker.admit()
+        if probe is None:
             if what == "lookup":
                 self.stats.add("tier_skipped")
             return False, None
         try:
+            return self._attempt(operation, what)
+        finally:
+            self._breaker.done(probe)
+
+    def _attempt(self, operation: Callable[[Backend], object], what: str) -> tuple[bool, object]:
+        try:
             if self._backend is None:
                 self._backend = self._backend_factory()
-            return True, operation(self._backend)
+            result = operation(self._backend)
+            self._breaker.succeeded()
+            return True, result
         except TierBusy as exc:
             # Another process of this machine held the embedded tier's lock for the whole wait: counted, and
             # the write stays queued (a read is a miss), but the tier stays on for the rest of the compile.
@@ -279,6 +287,7 @@ class TierClient:
             # what follows it instead of retrying it forever behind an open breaker.
             self.stats.add("tier_dropped")
             logger.warning("tier %s refused a write during %s; dropped: %s", self.description, what, exc)
+            self._breaker.succeeded()
             return True, None
         except TierError as exc:
             self.stats.add("tier_errors")
@@ -286,7 +295,7 @@ class TierClient:
         return False, None
 
     def _trip(self, what: str, exc: Exception) -> None:
-        self._open_until = time.monotonic() + self.settings.breaker_cooldown
+        self._breaker.trip()
         logger.warning(
             "tier %s failed during %s (%s); not asked again for %.1f s",
             self.description,
@@ -314,7 +323,7 @@ class TierClient:
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
-        own = self._own_unsent(cache_keys) if self._unsent and self._available() else {}
+        own = self._own_unsent(cache_keys) if self._unsent and self._breaker.available() else {}
         if own:
             cache_keys = [key for key in cache_keys if key not in own]
             if not cache_keys:
@@ -402,19 +411,12 @@ class TierClient:
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         """What the variant index knows of each missed cache key (its key components given), in one round
-        trip; None when the index cannot be read. A diagnosis only: a failure is logged at debug level and
-        neither counted as a tier error nor opens the breaker."""
-        if not misses or not self._available():
+        trip; None when the index cannot be read (a tier failure, counted and opening the breaker as any)."""
+        if not misses:
             return None
         queries = {key: query_fields(key, components, self._partition) for key, components in misses.items()}
-        try:
-            if self._backend is None:
-                self._backend = self._backend_factory()
-            answers = self._backend.read_variant_index(list(queries.values()))
-        except TierError as exc:
-            logger.debug(
-                "tier %s: variant index not read (%s); misses of this pass are of unknown cause", self.description, exc
-            )
+        ok, answers = self._guarded(lambda b: b.read_variant_index(list(queries.values())), "variant index")
+        if not ok:
             return None
         found = {
             key: facts(values, self._partition)
@@ -458,7 +460,7 @@ class TierClient:
         """Wait (bounded) for another worker's trace of `cache_key`; None when it does not come."""
         deadline = time.monotonic() + self.settings.lease_wait
         holder = None
-        while time.monotonic() < deadline and self._available():
+        while time.monotonic() < deadline and self._breaker.available():
             entries, held = self.find_many([cache_key])
             if entries or held:
                 return entries.get(cache_key)  # an entry there but rejected will not get better by waiting
@@ -718,12 +720,13 @@ class TierClient:
                 self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
                 if self._closing and not self._outbox:
                     return
-                cooling = self._open_until - time.monotonic()
-                if cooling > 0:
-                    if self._closing:
+                if not self._breaker.available():
+                    if self._closing and self._breaker.is_open():
                         return
-                    # The breaker is open: sleep until it closes (or new work arrives), never spin.
-                    self._outbox_lock.wait(min(cooling, self.settings.flush_interval * 5))
+                    # The breaker is open, or another call is probing the tier: sleep until it closes, the probe
+                    # ends (it wakes this thread) or new work arrives; never spin.
+                    longest = self.settings.flush_interval * 5
+                    self._outbox_lock.wait(min(self._breaker.cooling, longest) or longest)
                     continue
             self._gather()
             if not self._drain_once() and self._closing:
@@ -826,8 +829,8 @@ class TierClient:
                     if not self._outbox:
                         break
                     remaining = deadline - time.monotonic()
-                    retries_in_time = through_outage and self._open_until < deadline
-                    if remaining <= 0 or not (self._available() or retries_in_time):
+                    retries_in_time = through_outage and self._breaker.reopens_by(deadline)
+                    if remaining <= 0 or (self._breaker.is_open() and not retries_in_time):
                         return False
                     self._outbox_lock.wait(min(remaining, 0.05))
             finally:
@@ -870,6 +873,10 @@ class TierClient:
             logger.warning(
                 "tier %s: the flusher was still sending when closed; it closes the backend when done", self.description
             )
+
+    def _wake_flusher(self) -> None:
+        with self._outbox_lock:
+            self._outbox_lock.notify_all()
 
     def _close_backend(self) -> None:
         if self._backend is not None:

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -370,6 +371,23 @@ def tier_with_every_other_entry_damaged(path: Path) -> None:
         keys = [row[0] for row in db.execute("SELECT cache_key FROM entries ORDER BY cache_key")]
         for key in keys[::2]:
             db.execute("UPDATE entries SET data = ? WHERE cache_key = ?", (b"damaged", key))
+
+
+def test_a_frozen_tier_costs_no_pass_its_timeout(tmp_path: Path) -> None:
+    """A tier that accepts connections and never answers: the plan's read waits out op_timeout on a thread of
+    its own while the variants are traced, the passes do not wait for it (nor ask it while it is being asked),
+    and the compile gives tier off's artifacts with one timeout counted in all."""
+    graphs = tmp_path / "graphs"
+    generate_workload(graphs, 3, 0)
+    env = {**os.environ, "NKICACHE_OP_TIMEOUT": "6", "NKICACHE_BREAKER_COOLDOWN": "600"}
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)
+        run = compile_json(graphs, tmp_path / "out", 2, f"redis://127.0.0.1:{frozen.getsockname()[1]}/0", env)
+    off = compile_json(graphs, tmp_path / "off", 2, "off")
+    assert artifact_bytes(tmp_path / "out") == artifact_bytes(tmp_path / "off")
+    assert run["tier_timeouts"] == 1 and run["traces"] == off["traces"]
+    assert all(graph["seconds"] < 5 for graph in run["graphs"]), [graph["seconds"] for graph in run["graphs"]]
 
 
 @pytest.mark.parametrize("state", ["cold", "warm", "damaged", "read-only", "down"])

@@ -55,6 +55,7 @@ def compile_graph(
     limits: Limits | None = None,
     traced_elsewhere: Mapping[str, TracedVariant] | None = None,
     traced_ahead: dict[str, TracedVariant] | None = None,
+    tier_counts_from: Mapping[str, int] | None = None,
 ) -> tuple[PassResult, bytes | None]:
     """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
 
@@ -64,7 +65,8 @@ def compile_graph(
     the settings' defaults); exceeding one fails the pass with an error naming the graph, the op and the limit.
     `traced_elsewhere` holds variants a fleet job's trace tasks traced for this pass, by cache key; `traced_ahead`
     variants traced ahead for it (`compile --workers N`): the pass takes those it would trace out of the dict,
-    and leaves the rest there for the caller."""
+    and leaves the rest there for the caller. `tier_counts_from`: the tier's counts the pass's tier counters start
+    from (default: the pass's start), for a caller that asked the tier on its behalf before."""
     limits = limits or Limits()
     result = PassResult(label or (str(source) if not isinstance(source, Mapping) else "<graph>"))
     started = time.perf_counter()
@@ -89,6 +91,8 @@ def compile_graph(
         loop.pass_id = pass_id
         loop.traced_elsewhere = dict(traced_elsewhere or {})
         loop.traced_ahead = traced_ahead if traced_ahead is not None else {}
+        if tier_counts_from is not None:
+            loop.tier_counts_at_start = dict(tier_counts_from)
         with kernel_instruction_limit(limits.max_kernel_instructions):
             bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)

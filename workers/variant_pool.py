@@ -3,15 +3,18 @@
 This process keys the graphs (bridge.parallel.key_variants), then forks N - 1 helper processes, which inherit
 the trace tasks. Every process takes the next task in the pass order from a counter in shared memory
 (`Claims`) whenever it is free, and a helper sends back what it traced over its own pipe. Nothing is handed
-over through threads or queues: this process runs no thread of its own, and a helper never waits for it to
-be handed its next task. As soon as all the tasks a pass needs are answered, this process runs that pass, in
-input order, with the specification's loop, handed the variants traced for it.
+over through queues: a helper never waits for this process to be handed its next task. As soon as all the
+tasks a pass needs are answered, this process runs that pass, in input order, with the specification's loop,
+handed the variants traced for it.
 
-With a tier that reads, this process asks it for the variants after the fork (a forked process must not
-inherit a tier client in use) and tells the helpers which tasks are left. Helpers are forked when this
-process runs no other thread (they start in milliseconds, the compiler already imported), otherwise they
-start from the forkserver (`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this
-process, which traces them; the others keep taking tasks, and each pass completes as without helpers.
+With a tier that reads, a thread of this process asks the tier's index for the compile's variants after the
+fork (a forked process must not inherit a tier client in use), and the tasks it answers for are skipped (a
+pass reads them). Tracing waits for that answer PLAN_PATIENCE_SECONDS at most, and the passes wait for it
+while there is anything left to trace: a tier that is down, frozen or slow costs the compile what no tier
+would, not its timeouts. Helpers are forked when this process runs no other thread (they start in
+milliseconds, the compiler already imported), otherwise they start from the forkserver
+(`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this process, which
+traces them; the others keep taking tasks, and each pass completes as without helpers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import gc
 import multiprocessing
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -38,6 +41,9 @@ from workers.pool_process import init_process, pool_context, trace_in_process
 # others give up on it after this long and trace what is left here.
 CLAIM_LOCK_SECONDS = 5.0
 STOPPED = 1 << 62  # the counter once the compile stops: no task is taken any more
+# A healthy tier's index answers within milliseconds: tracing waits this long for it, then starts without it
+# (what it answers for later is skipped from then on).
+PLAN_PATIENCE_SECONDS = 0.05
 
 
 def pool_start_context() -> multiprocessing.context.BaseContext:
@@ -53,21 +59,26 @@ class ClaimsBroken(Exception):
 
 
 class Claims:
-    """The next task to take, in shared memory, and which process took each (so a dead helper's are known)."""
+    """The next task to take, in shared memory, which process took each (so a dead helper's are known), and
+    which need no trace ahead (`skip`: set by this process once the tier answered, read under the lock)."""
 
     def __init__(self, context: multiprocessing.context.BaseContext, tasks: int):
         self.next = context.Value("q", 0)
         self.taken_by = context.Array("i", max(tasks, 1), lock=False)
+        self.skip = context.Array("b", max(tasks, 1), lock=False)
 
     def take(self, who: int, count: int) -> int | None:
-        """The position (in the list of tasks left to trace) this process takes next, None when all are taken."""
+        """The position (in the list of tasks to trace) this process takes next, None when all are taken."""
         lock = self.next.get_lock()
         if not lock.acquire(timeout=CLAIM_LOCK_SECONDS):
             raise ClaimsBroken
         try:
             counter = self.next.get_obj()  # under the lock already
             position = counter.value
+            while position < count and self.skip[position]:
+                position += 1
             if position >= count:
+                counter.value = max(counter.value, position)
                 return None
             counter.value = position + 1
             self.taken_by[position] = who
@@ -95,15 +106,15 @@ def _helper(
     settings: Settings,
     dropped_outside_passes: Any,
 ) -> None:
-    """A helper process: take tasks until none is left, sending back each outcome (the list of tasks left to
-    trace comes first, once this compile's parent has asked the tier)."""
+    """A helper process: take tasks until none is left, sending back each outcome (once this compile's parent
+    says go: it has the tier's answer, or waited PLAN_PATIENCE_SECONDS for it)."""
     for other in others:  # the other pipes' ends: a pipe whose process dies must read as closed
         other.close()
     init_process(settings, dropped_outside_passes)
     try:
-        left = connection.recv()
-        while (position := claims.take(who, len(left))) is not None:
-            connection.send(trace_in_process([tasks[left[position]]])[0])
+        connection.recv()
+        while (position := claims.take(who, len(tasks))) is not None:
+            connection.send(trace_in_process([tasks[position]])[0])
     except (EOFError, OSError, ClaimsBroken):  # the parent is gone or stopped the compile
         pass
     finally:
@@ -138,17 +149,18 @@ class Helpers:
                 child_end.close()
             self.processes[who], self.pipes[who] = process, parent_end
 
-    def hand_out(self, left: list[int]) -> None:
-        """Tell the helpers which tasks are left to trace (one that cannot be told is dead: `receive` sees it)."""
+    def go(self) -> None:
+        """Tell the helpers to start tracing (one that cannot be told is dead: `receive` sees it)."""
         for pipe in self.pipes.values():
             with contextlib.suppress(OSError):
-                pipe.send(left)
+                pipe.send(True)
 
-    def receive(self, timeout: float) -> tuple[list[TraceOutcome], list[int]]:
-        """Outcomes the helpers sent (waiting up to `timeout` for one), and the helpers that died."""
+    def receive(self, timeout: float, wake: Sequence[Connection] = ()) -> tuple[list[TraceOutcome], list[int]]:
+        """Outcomes the helpers sent (waiting up to `timeout` for one, or for a `wake` connection to be ready),
+        and the helpers that died."""
         outcomes, dead = [], []
         sentinels = {process.sentinel: who for who, process in self.processes.items()}
-        for ready in wait([*self.pipes.values(), *sentinels], timeout):
+        for ready in wait([*self.pipes.values(), *sentinels, *wake], timeout):
             who = sentinels.get(ready) if isinstance(ready, int) else None
             for key, pipe in self.pipes.items():
                 if (pipe is ready or key == who) and self._drain(pipe, outcomes) and key not in dead:
@@ -197,12 +209,14 @@ def compile_in_parallel(
         # object of this process in both, copying their pages (about 5% more trace CPU in two processes, measured).
         gc.freeze()
         helpers = Helpers(context, plan.tasks, claims, workers - 1, settings, dropped_outside_passes)
+        answer = TierAnswer(plan, tier)
         try:
-            scheduler = Scheduler(plan, ahead_of(plan, tier), claims, helpers, tier, limits)
+            scheduler = Scheduler(plan, answer, claims, helpers, tier, limits)
             results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
         finally:
             gc.unfreeze()
             claims.stop()
+            answer.close()  # (its read is bounded by the tier's timeouts) before the tier client closes
             helpers.close()
             if tier is not None:
                 tier.close()
@@ -217,33 +231,62 @@ def compile_in_parallel(
     return run
 
 
-def ahead_of(plan: VariantPlan, tier: Any) -> list[int]:
-    """The tasks worth tracing ahead, in the pass order: not a variant the tier's index says it stored (its pass
-    reads it), and, when the tier stores what a pass publishes and reads it back, one per variant of the whole
-    compile (a later pass reads the earlier one's). A guess only: a pass counts what it would alone whatever is
-    traced ahead, tracing itself what is missing and leaving what it does not need (one index read)."""
-    if tier is None or not tier.reads:
-        return [task.task_id for task in plan.tasks]
+def not_ahead(plan: VariantPlan, tier: Any) -> set[int]:
+    """The tasks not worth tracing ahead: a variant the tier's index says it stored (its pass reads it), and,
+    when the tier stores what a pass publishes and reads it back, all but the first of each variant of the
+    whole compile (a later pass reads the earlier one's). A guess only: a pass counts what it would alone
+    whatever is traced ahead, tracing itself what is missing and leaving what it does not need."""
     facts = tier.variant_facts({task.cache_key: task.key_components for task in plan.tasks})
-    shared = facts is not None and tier.writes  # an index that cannot be read: a tier down
+    if facts is None:  # the index cannot be read: a tier down, whose passes read nothing
+        return set()
     seen: set[str] = set()
-    left = []
+    skipped = set()
     for task in plan.tasks:
-        held = facts is not None and task.cache_key in facts and facts[task.cache_key].stored_here_before
-        if held or (shared and task.cache_key in seen):
-            continue
+        stored = task.cache_key in facts and facts[task.cache_key].stored_here_before
+        if stored or (tier.writes and task.cache_key in seen):
+            skipped.add(task.task_id)
         seen.add(task.cache_key)
-        left.append(task.task_id)
-    return left
+    return skipped
+
+
+class TierAnswer:
+    """`not_ahead` of a compile, read from the tier on a thread of its own so that tracing need not wait for it.
+    `ready` (a connection `wait` can watch) is readable once it is known; with no tier that reads, at once.
+    `counts_before`: the tier's counts before it was asked."""
+
+    def __init__(self, plan: VariantPlan, tier: Any):
+        self.skipped: set[int] = set()
+        self.counts_before: Mapping[str, int] | None = tier.counts() if tier is not None else None
+        self.ready, self._done = multiprocessing.Pipe(duplex=False)
+        self._thread: threading.Thread | None = None
+        if tier is None or not tier.reads:
+            self._done.close()
+            return
+        self._thread = threading.Thread(target=self._read, args=(plan, tier), name="nkicache-plan", daemon=True)
+        self._thread.start()
+
+    def _read(self, plan: VariantPlan, tier: Any) -> None:
+        try:
+            self.skipped = not_ahead(plan, tier)
+        finally:
+            self._done.close()
+
+    def known(self, timeout: float = 0.0) -> bool:
+        return self.ready.poll(timeout)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self.ready.close()
 
 
 class Scheduler:
     """Runs each pass once every task it needs is answered, and takes the next task to trace in between."""
 
-    def __init__(self, plan: VariantPlan, left: list[int], claims: Claims, helpers: Helpers, tier: Any, limits: Any):
+    def __init__(self, plan: VariantPlan, answer: TierAnswer, claims: Claims, helpers: Helpers, tier: Any, limits: Any):
         self.plan, self.claims, self.helpers, self.tier, self.limits = plan, claims, helpers, tier, limits
-        self.left = left  # the tasks to trace, in the pass order; helpers index it by position
-        self.needs = {graph: set(tasks) & set(left) for graph, tasks in plan.needs.items()}
+        self.tasks = plan.tasks  # in the pass order; helpers index them by position
+        self.needs = {graph: set(tasks) for graph, tasks in plan.needs.items()}
         self.by_id = {task.task_id: task for task in plan.tasks}
         self.outcomes: dict[int, TraceOutcome] = {}
         # Traces a pass did not take (its graph failed first, or the tier answered): a later pass of the same
@@ -251,7 +294,24 @@ class Scheduler:
         self.spare: dict[str, TracedVariant] = {}
         self.orphans: deque[int] = deque()  # tasks a dead helper took: traced here
         self.broken = False  # the counter's lock is lost: every task not answered is traced here
-        helpers.hand_out(self.left)
+        self.answer: TierAnswer | None = answer  # None once its skips are applied
+        # The plan's read is the compile's first contact with the tier, which a sequential compile's first pass
+        # makes itself: what it counted (a tier down: its error) is the first pass's that runs the loop.
+        self.first_counts_from = answer.counts_before
+        self._apply_answer(PLAN_PATIENCE_SECONDS)
+        helpers.go()
+
+    def _apply_answer(self, timeout: float = 0.0) -> None:
+        """Once the tier answered: skip the tasks it answers for (helpers no longer take them, passes no longer
+        wait for them)."""
+        if self.answer is None or not self.answer.known(timeout):
+            return
+        skipped, self.answer = self.answer.skipped, None
+        for position, task in enumerate(self.tasks):
+            if task.task_id in skipped:
+                self.claims.skip[position] = 1
+        for needed in self.needs.values():
+            needed -= skipped
 
     def run(
         self,
@@ -264,20 +324,28 @@ class Scheduler:
         results: list[PassResult] = []
         while len(results) < len(paths) and not ctrl_c.pressed:
             self._receive(0)
+            self._apply_answer()
             index = len(results)
-            if self.needs[index] <= self.outcomes.keys():
+            ready = self.needs[index] <= self.outcomes.keys()
+            # While the tier has not answered, tracing comes first; a pass asks it only when nothing is left to
+            # trace (and finds it busy, if it is still being asked: cachestore.breaker).
+            task = self._next_task() if self.answer is not None or not ready else None
+            if task is not None:
+                self.outcomes[task.task_id] = trace_task(task, None, self.limits)  # published by its pass
+            elif ready:
                 results.append(self._run_pass(paths[index], index, out_dir, target_name))
                 on_result(results[-1])
-            elif (task := self._next_task()) is not None:
-                self.outcomes[task.task_id] = trace_task(task, None, self.limits)  # published by its pass
             else:
                 self._receive(CTRL_C_POLL_SECONDS)  # the helpers trace the rest
         return results
 
     def _receive(self, timeout: float) -> None:
+        wake = [self.answer.ready] if self.answer is not None else []
         if not self.helpers.pipes:
+            if wake and timeout:
+                self.answer.known(timeout)
             return
-        outcomes, dead = self.helpers.receive(timeout)
+        outcomes, dead = self.helpers.receive(timeout, wake)
         for outcome in outcomes:
             if outcome.traced is not None:
                 outcome = replace(outcome, traced=replace(outcome.traced, elsewhere=True))  # a helper traced it
@@ -287,8 +355,8 @@ class Scheduler:
 
     def _helper_died(self, who: int) -> None:
         """The tasks a dead helper took and did not answer are traced here."""
-        taken = min(self.claims.taken(), len(self.left))
-        lost = [self.left[p] for p in range(taken) if self.claims.taken_by[p] == who]
+        taken = min(self.claims.taken(), len(self.tasks))
+        lost = [self.tasks[p].task_id for p in range(taken) if self.claims.taken_by[p] == who]
         self.orphans.extend(task_id for task_id in lost if task_id not in self.outcomes)
 
     def _next_task(self) -> TraceTask | None:
@@ -298,12 +366,13 @@ class Scheduler:
                 return self.by_id[task_id]
         if not self.broken:
             try:
-                position = self.claims.take(0, len(self.left))
-                return None if position is None else self.by_id[self.left[position]]
+                position = self.claims.take(0, len(self.tasks))
+                return None if position is None else self.tasks[position]
             except ClaimsBroken:
                 self.broken = True
-        pending = [task_id for task_id in self.left if task_id not in self.outcomes]
-        return self.by_id[pending[-1]] if pending else None  # from the end: a helper may be tracing the next one
+        skip = self.claims.skip
+        pending = [task for p, task in enumerate(self.tasks) if task.task_id not in self.outcomes and not skip[p]]
+        return pending[-1] if pending else None  # from the end: a helper may be tracing the next one
 
     def _run_pass(self, path: str, index: int, out_dir: str, target_name: str | None) -> PassResult:
         ahead: dict[str, TracedVariant] = {}
@@ -316,7 +385,15 @@ class Scheduler:
             if outcome is not None:  # answered, the binary handed to its one pass and not kept
                 self.outcomes[task_id] = TraceOutcome(task_id, key)
         result, _ = compile_graph(
-            path, tier=self.tier, target_name=target_name, out_dir=out_dir, limits=self.limits, traced_ahead=ahead
+            path,
+            tier=self.tier,
+            target_name=target_name,
+            out_dir=out_dir,
+            limits=self.limits,
+            traced_ahead=ahead,
+            tier_counts_from=self.first_counts_from,
         )
+        if result.counts:  # its loop ran
+            self.first_counts_from = None
         self.spare.update(ahead)  # what the pass did not take
         return result
