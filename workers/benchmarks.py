@@ -894,7 +894,9 @@ def broken_tier(work: Path, config: BenchConfig) -> dict:
     """The workload compiled with --workers 2 on a down and on a frozen Redis, beside --tier off."""
     from workers.broken_tier_bench import ROUNDS, broken_tier_overhead
 
-    return broken_tier_overhead(work / "graphs", work / "broken-tier", min(ROUNDS, config.process_rounds))
+    return broken_tier_overhead(
+        work / "graphs", work / "broken-tier", config.process_rounds if config.quick else ROUNDS
+    )
 
 
 def _from_process(results: dict, name: str) -> dict:
