@@ -386,15 +386,18 @@ def test_a_master_killed_mid_run_fails_fast_and_counts_while_the_compile_succeed
     assert first["remote_hits"] == 6 and first["tier_errors"] == 0
     assert second["traces"] > 0 and second["tier_errors"] + second["tier_timeouts"] > 0  # counted in the pass
     assert warm["totals"]["traces"] + warm["totals"]["remote_hits"] == 18
-    # Fail fast: connection refused, then the breaker; the run costs at most a few seconds more than tracing.
-    assert warm["seconds"] < untiered["seconds"] + 3.0, (warm["seconds"], untiered["seconds"])
+    # Fail fast: connection refused, then the breaker, never an operation timeout waited out (a count, not a
+    # time: under load a compile's seconds say little). The time bound only catches a hang.
+    assert warm["stats"]["tier_timeouts"] <= 1, warm["stats"]  # (the kill may land mid-command)
+    assert warm["seconds"] < 3 * untiered["seconds"] + 10, (warm["seconds"], untiered["seconds"])
 
     # With the breaker closing at once, only the dead master's slots fail: the other masters still hit.
     again = compile_passes(settings.replace(breaker_cooldown=0.001), graphs)
     assert [p["digests"] for p in again["passes"]] == digests
     assert again["totals"]["remote_hits"] > 0 and again["totals"]["tier_errors"] > 0
     assert again["totals"]["traces"] >= counts[victim]
-    assert again["seconds"] < untiered["seconds"] + 3.0
+    assert again["stats"]["tier_timeouts"] == 0, again["stats"]  # each failure a refused connection
+    assert again["seconds"] < 3 * untiered["seconds"] + 10, (again["seconds"], untiered["seconds"])
 
 
 # -- a scan split over processes (cachestore.scan_split) ------------------------------------------------
