@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from workers import benchmarks as bench
+from workers.bench import figures as bench
 from workers.cli import main
 
 
@@ -169,7 +169,7 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
 @pytest.mark.redis  # a redis-server of its own, stopped with SIGSTOP
 def test_broken_tier_measurement(tmp_path: Path) -> None:
     """A down, a frozen and a trickling Redis each give tier off's artifacts; the figure is the worst over off."""
-    from workers.broken_tier_bench import broken_tier_overhead
+    from workers.bench.broken_tier import broken_tier_overhead
     from workers.workload import generate_workload
 
     generate_workload(tmp_path / "graphs", 2, 3)

@@ -157,7 +157,7 @@ def test_no_store_ability_is_probed() -> None:
     probed = [
         f"{path.relative_to(ROOT)}:{line}"
         for path in product_modules()
-        if path.name != "benchmarks.py"  # it wraps a tier's methods to time them, by name
+        if path != ROOT / "workers" / "bench" / "figures.py"  # it wraps a tier's methods to time them, by name
         for line in probes(ast.parse(path.read_text()))
     ]
     assert probed == []

@@ -17,7 +17,7 @@ from workers.cli_common import EXIT_INTERRUPTED, EXIT_PROJECT_ERROR, LOG_LEVELS,
 # Every command: its name -> "module:attribute" of its click command.
 COMMANDS = {
     "batch": "workers.fleet_cli:batch_group",
-    "bench": "workers.bench_cli:bench_command",
+    "bench": "workers.bench.cli:bench_command",
     "compile": "workers.compile_cli:compile_command",
     "config": "workers.config_cli:config_command",
     "demo": "workers.compile_cli:demo",

@@ -28,10 +28,10 @@ from cachestore import entry as entry_module
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
 from cachestore.stores import open_tier
-from workers.miss_cause_bench import miss_cause_coverage
+from workers.bench.miss_causes import miss_cause_coverage
 
 GOALS = {
-    # What a user feels, whole processes (workers.process_bench): the project's performance goals.
+    # What a user feels, whole processes (workers.bench.processes): the project's performance goals.
     "warm_compile_local_vs_floor": ("max", 2.0),
     "warm_compile_redis_vs_floor": ("max", 2.0),
     "version_vs_goal": ("max", 1.0),
@@ -58,7 +58,7 @@ GOALS = {
 # pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
 # installed package has no bench/ (pyproject packages bridge, cachestore and workers only): those two
 # measurements are then skipped, and the others still run.
-BENCH_SCRIPTS = Path(__file__).resolve().parents[1] / "bench"
+BENCH_SCRIPTS = Path(__file__).resolve().parents[2] / "bench"
 
 
 class MeasurementSkipped(NkiCacheError):
@@ -71,7 +71,7 @@ class BenchConfig:
     seed: int = 0
     repeats: int = 5
     quick: bool = False
-    process_rounds: int = 5  # timed runs of each whole process (workers.process_bench), after a warm-up
+    process_rounds: int = 5  # timed runs of each whole process (workers.bench.processes), after a warm-up
 
     @classmethod
     def for_mode(cls, quick: bool) -> BenchConfig:
@@ -780,11 +780,11 @@ def _second_compile_reads(files: Sequence[Path], tier: str, redis_url: str, labe
 # -- value_retention_ratio: value-ranked retention against LRU, on a replayed pass log ----------------------
 def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dict:
     """Record the workload's pass log (each pass's calls per cache key) and its entries (compile seconds, stored
-    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (cachestore.replay:
+    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (workers.bench.replay:
     passes drawn with Zipf-like popularity) against a cache holding a quarter of the bytes of the entries it
     uses, once under LRU and once under value-ranked retention. The figure: compile seconds the hits saved
     under value / under LRU."""
-    from cachestore.replay import LoggedPass, compare, scaled_log
+    from workers.bench.replay import LoggedPass, compare, scaled_log
 
     settings = tier_settings(f"local:{work / 'replay.sqlite'}")
     tier = open_tier(settings)
@@ -818,7 +818,7 @@ def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dic
 def _logged_entries(tier: Any) -> dict:
     """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes."""
     from cachestore.entry import decode_entry
-    from cachestore.replay import LoggedEntry
+    from workers.bench.replay import LoggedEntry
 
     raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
     decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
@@ -879,8 +879,8 @@ PROCESS_FIGURES = (
 
 
 def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
-    """Whole `nkicache` processes on the workload's first graph, beside their floors (workers.process_bench)."""
-    from workers.process_bench import process_figures, redis_namespaces
+    """Whole `nkicache` processes on the workload's first graph, beside their floors (workers.bench.processes)."""
+    from workers.bench.processes import process_figures, redis_namespaces
 
     graph = sorted((work / "graphs").glob("*.json"))[0]
     namespace = "nkibench-process"
@@ -892,7 +892,7 @@ def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
 
 def broken_tier(work: Path, config: BenchConfig) -> dict:
     """The workload compiled with --workers 2 on a down and on a frozen Redis, beside --tier off."""
-    from workers.broken_tier_bench import ROUNDS, broken_tier_overhead
+    from workers.bench.broken_tier import ROUNDS, broken_tier_overhead
 
     return broken_tier_overhead(
         work / "graphs", work / "broken-tier", config.process_rounds if config.quick else ROUNDS

@@ -2,7 +2,7 @@
 
 A tier that fails must cost no more than no tier: the variants it cannot serve are traced as a `--tier off`
 compile traces them, in parallel with `--workers 2`. Each compile is a whole `nkicache compile` process of the
-workload, run in rounds that alternate the four tiers (workers.process_bench), so the machine's load moves
+workload, run in rounds that alternate the four tiers (workers.bench.processes), so the machine's load moves
 them together: off; a loopback port nobody listens on (down); a redis-server stopped with SIGSTOP (frozen: it
 accepts connections and never answers); a redis-server behind a proxy that passes its answers on a few bytes
 at a time (trickling: workers/trickle_proxy.py, 160 bytes a second, so an entry takes longer than op_timeout).
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from bridge.errors import NkiCacheError
+from workers.bench.processes import Commands, nkicache_command
 from workers.dev_redis import start_private_server
-from workers.process_bench import Commands, nkicache_command
 from workers.trickle_proxy import TrickleProxy
 
 # Rounds of the four compiles alternated. The figure is the worst of three medians, which noise biases upwards:

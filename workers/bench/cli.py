@@ -78,7 +78,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     """
     from bridge.errors import NkiCacheError
     from cachestore.tier_urls import redact_url, tier_url_problem
-    from workers.benchmarks import BenchConfig, run_benchmarks
+    from workers.bench.figures import BenchConfig, run_benchmarks
     from workers.dev_redis import answers_ping, start_private_server
 
     if redis_url:
@@ -112,7 +112,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
 
 
 def _print_figures(results: dict) -> None:
-    from workers.benchmarks import GOALS
+    from workers.bench.figures import GOALS
 
     for name, value in results.items():
         if name.endswith("_detail") or name in ("config", "skipped"):

@@ -1,0 +1,1 @@
+"""`nkicache bench`: the benchmark measurements and the command that reports them."""
