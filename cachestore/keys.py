@@ -71,7 +71,7 @@ _SCOPE_MARK = ":scope:"
 
 def partition(toolchain: str, scope: str = TRUSTED_SCOPE) -> str:
     """The partition of one toolchain's entries in one scope: what a store reads and writes entries and leases
-    in."""
+    in (`Backend.partition`, `Reader.partition`)."""
     return toolchain if scope == TRUSTED_SCOPE else f"{toolchain}{_SCOPE_MARK}{scope}"
 
 
