@@ -59,7 +59,7 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
     client.flushall()  # our own server
     keys = KeySpace(NAMESPACE)
     tier = RedisBackend(client, keys)
-    toolchain = tier.toolchain  # this compiler's, whose entries the report and verify read
+    toolchain = tier.partition  # this compiler's trusted partition, named by its id: what report and verify read
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     batch_keys: dict[str, KeyUsage] = {}
@@ -78,7 +78,7 @@ def populate(url: str, count: int, seed: int = 7) -> dict:
         entry = Entry(binary, ["x"], ["out"], "bir", "bir-1", components, "bench-host", "w0", now,
                       float(rng.uniform(0.005, 0.07)), toolchain=toolchain)  # fmt: skip
         data = encode_entry(entry)
-        pipe.set(keys.entry(toolchain, key), data, ex=30 * 86400)
+        pipe.set(keys.entry(tier.partition, key), data, ex=30 * 86400)
         stored_bytes += len(data)
         usage = int(rng.integers(1, 20))
         batch_keys[key] = KeyUsage(kernel, usage, now - 3600, now)

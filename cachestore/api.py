@@ -198,7 +198,7 @@ class RawEntry:
     cache_key: str
     data: bytes | TooLarge  # TooLarge: larger than the reader's max_entry_bytes, so not read
     ttl: float | None  # seconds left, None when the store keeps no expiry
-    toolchain: str = ""  # the partition it is stored in (bridge.identity)
+    partition: str = ""  # the partition it is stored in (cachestore.keys.partition)
 
 
 @dataclass
@@ -214,7 +214,7 @@ class KeyRecord:
 
 @dataclass
 class WriteItem:
-    """An encoded entry for `Reader.put_entries`, written in the reader's toolchain partition."""
+    """An encoded entry for `Reader.put_entries`, written in the reader's partition."""
 
     cache_key: str
     data: bytes
@@ -225,11 +225,11 @@ class WriteItem:
 
 # -- the protocols ----------------------------------------------------------------------------------------
 class Backend(Protocol):
-    """The compile path, in one toolchain's partition (`toolchain`): entries and leases of another compiler are
-    never read or replaced."""
+    """The compile path, in one partition (`partition`, `cachestore.keys.partition`: a toolchain's entries in one
+    scope): entries and leases of another compiler, or of another scope, are never read or replaced."""
 
     description: str
-    toolchain: str
+    partition: str
     # True: the store keeps an entry for its TTL alone (Redis, a shared directory), so the client gives each entry
     # a TTL that grows with its value (cachestore.value) and refreshes a read entry's in the background. False:
     # the store ranks what it keeps itself (the local tier), and a read refreshes its entries to entry_ttl.
@@ -274,25 +274,25 @@ class Backend(Protocol):
 
 
 class Reader(Protocol):
-    """Reports, inspection and administration. Entries are read and written in one toolchain's partition,
-    `toolchain` (this compiler's unless opened for another); `in_toolchain` gives a reader of another."""
+    """Reports, inspection and administration. Entries are read and written in one partition, `partition`
+    (this compiler's trusted one unless opened for another); `in_partition` gives a reader of another."""
 
     description: str
-    toolchain: str
+    partition: str
     read_only: bool  # True: put_entries and delete_entries raise (a snapshot file)
     keeps_expired: bool  # True: entries past their expiry stay stored until purge_expired (SQLite)
-    # True: `entry_pages(every_toolchain, size)` yields pages of entry names and `read_entry_page(names, with_ttl)`
+    # True: `entry_pages(every_partition, size)` yields pages of entry names and `read_entry_page(names, with_ttl)`
     # reads one, in this process or a forked one (Redis; cachestore.scan_split)
     splits_scans: bool
 
-    def entry_toolchains(self) -> list[str]:
-        """The toolchains that hold entries, sorted."""
+    def entry_partitions(self) -> list[str]:
+        """The partitions that hold entries, sorted."""
 
-    def in_toolchain(self, toolchain: str) -> Reader:
-        """The same store, in `toolchain`'s partition."""
+    def in_partition(self, partition: str) -> Reader:
+        """The same store, in the partition `partition`."""
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
-        """(toolchain, cache key) of every live entry of every toolchain, streamed; no value is read."""
+        """(partition, cache key) of every live entry of every partition, streamed; no value is read."""
 
     # fleet metrics
     def totals(self) -> dict[str, float]: ...

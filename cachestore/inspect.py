@@ -148,9 +148,10 @@ def _has_signature(data: bytes | TooLarge) -> bool:
 
 
 def toolchain_problem(raw: RawEntry, entry: Entry) -> str | None:
-    """Why `entry` does not belong in the toolchain partition (of any scope) it is stored in, or None."""
-    if entry.toolchain != split_partition(raw.toolchain)[0]:
-        return f"traced by toolchain {entry.toolchain!r} but stored in toolchain {raw.toolchain}'s partition"
+    """Why `entry` does not belong in the partition it is stored in (another toolchain's, in any scope), or
+    None."""
+    if entry.toolchain != split_partition(raw.partition)[0]:
+        return f"traced by toolchain {entry.toolchain!r} but stored in toolchain {raw.partition}'s partition"
     return None
 
 
@@ -162,18 +163,18 @@ def binary_problem(entry: Entry) -> str | None:
     return None
 
 
-def partitions(reader: Reader) -> Iterator[Reader]:
-    """The reader in each toolchain's partition that holds entries."""
-    for toolchain in reader.entry_toolchains():
-        yield reader.in_toolchain(toolchain)
+def partition_readers(reader: Reader) -> Iterator[Reader]:
+    """The reader in each partition that holds entries (every toolchain's, in every scope)."""
+    for partition in reader.entry_partitions():
+        yield reader.in_partition(partition)
 
 
 # -- ls ---------------------------------------------------------------------------------------------
 def list_entries(reader: Reader, kernel: str | None = None, target: str | None = None) -> Iterator[dict]:
-    """One row per entry of every toolchain (streamed), with what the metrics know about its use. An entry
+    """One row per entry of every partition (streamed), with what the metrics know about its use. An entry
     that cannot be decoded is listed with its `error` unless a filter is given."""
-    for partition in partitions(reader):
-        yield from _list_partition(partition, kernel, target)
+    for store in partition_readers(reader):
+        yield from _list_partition(store, kernel, target)
 
 
 def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> Iterator[dict]:
@@ -190,7 +191,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                 if kernel is None and target is None:
                     yield {
                         "key": raw.cache_key,
-                        "toolchain": raw.toolchain,
+                        "toolchain": raw.partition,
                         "kernel_name": None,
                         "bytes": len(raw.data),
                         "writer": writer_of(raw.data),
@@ -202,7 +203,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
             record = usage.get(raw.cache_key)
             yield {
                 "key": raw.cache_key,
-                "toolchain": raw.toolchain,
+                "toolchain": raw.partition,
                 **info,
                 "format": entry.format,
                 "bytes": len(raw.data),
@@ -223,7 +224,7 @@ def resolve_key(reader: Reader, key_or_prefix: str) -> str:
     prefix = key_or_prefix.strip().lower()
     if not prefix or any(c not in "0123456789abcdef" for c in prefix):
         raise InspectError(f"{key_or_prefix!r} is not a cache key (hex SHA-256) or a prefix of one")
-    where = f"{reader.description} (toolchain {reader.toolchain})"
+    where = f"{reader.description} (toolchain {reader.partition})"
     if len(prefix) == 64:
         if reader.get_entries([prefix]):
             return prefix
@@ -237,7 +238,11 @@ def resolve_key(reader: Reader, key_or_prefix: str) -> str:
 
 
 def _elsewhere(reader: Reader, prefix: str) -> str:
-    others = [p.toolchain for p in partitions(reader) if p.toolchain != reader.toolchain and p.find_keys(prefix, 1)]
+    others = [
+        store.partition
+        for store in partition_readers(reader)
+        if store.partition != reader.partition and store.find_keys(prefix, 1)
+    ]
     return f"; toolchain {', '.join(others)} {'has' if len(others) == 1 else 'have'} it (--toolchain)" if others else ""
 
 
@@ -252,7 +257,7 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
     record = reader.key_records([cache_key]).get(cache_key)
     shown: dict[str, Any] = {
         "key": cache_key,
-        "toolchain": reader.toolchain,
+        "toolchain": reader.partition,
         "bytes": len(data),
         "signature": "present" if _has_signature(data) else "none",
         "writer": writer_of(data),
@@ -279,17 +284,17 @@ def show_entry(reader: Reader, key_or_prefix: str, policy: SignaturePolicy) -> d
         compile_seconds=entry.compile_seconds,
         traced_by=entry.toolchain,
     )
-    if entry.toolchain != reader.toolchain:
+    if entry.toolchain != reader.partition:
         shown["problem"] = shown["problem"] or f"traced by toolchain {entry.toolchain!r}, stored in this one's"
     return shown
 
 
 # -- du ---------------------------------------------------------------------------------------------
 def disk_usage(reader: Reader, processes: int | None = None) -> dict:
-    """Storage by kernel, by toolchain and by writer: entries, bytes stored and binary bytes held. The entries
-    are read by up to `processes` processes (cachestore.scan_split; None: one a CPU), each counting its share
-    (`_Usage`); the shares are summed here."""
-    shares = scan_split(reader, lambda _: _Usage(), processes=processes, every_toolchain=True)
+    """Storage by kernel, by partition (under "toolchains") and by writer: entries, bytes stored and binary bytes
+    held. The entries are read by up to `processes` processes (cachestore.scan_split; None: one a CPU), each
+    counting its share (`_Usage`); the shares are summed here."""
+    shares = scan_split(reader, lambda _: _Usage(), processes=processes, every_partition=True)
     return _usage_report(shares, reader.capacity())
 
 
@@ -298,7 +303,7 @@ class _Usage:
 
     def __init__(self) -> None:
         self.kernels: dict[str, Counter] = defaultdict(Counter)
-        self.toolchains: dict[str, Counter] = defaultdict(Counter)
+        self.partitions: dict[str, Counter] = defaultdict(Counter)
         self.writers: dict[str, Counter] = defaultdict(Counter)  # key id ("" for no writer signature) -> counts
         self.unreadable: Counter = Counter()
 
@@ -308,9 +313,9 @@ class _Usage:
 
     def _count(self, raw: RawEntry) -> None:
         size = len(raw.data)
-        toolchain = self.toolchains[raw.toolchain]
-        toolchain["entries"] += 1
-        toolchain["bytes"] += size
+        partition = self.partitions[raw.partition]
+        partition["entries"] += 1
+        partition["bytes"] += size
         entry = decode_or_reason(raw.data)
         # A decoded entry names its writer (the header read once); one that cannot be decoded, by its header alone.
         writer = self.writers[writer_of(raw.data) if isinstance(entry, str) else entry.writer]
@@ -329,7 +334,7 @@ class _Usage:
         """The counts as msgpack takes them (lists of pairs: names from entries need not be valid map keys)."""
         return {
             "kernels": [(name, dict(row)) for name, row in self.kernels.items()],
-            "toolchains": [(name, dict(row)) for name, row in self.toolchains.items()],
+            "partitions": [(name, dict(row)) for name, row in self.partitions.items()],
             "writers": [(name, dict(row)) for name, row in self.writers.items()],
             "unreadable": dict(self.unreadable),
         }
@@ -344,14 +349,14 @@ def _summed(shares: list[dict], part: str) -> dict[str, Counter]:
 
 
 def _usage_report(shares: list[dict], capacity: dict | None) -> dict:
-    kernels, toolchains, writers = (_summed(shares, part) for part in ("kernels", "toolchains", "writers"))
+    kernels, partitions, writers = (_summed(shares, part) for part in ("kernels", "partitions", "writers"))
     unreadable = sum((Counter(share["unreadable"]) for share in shares), Counter())
     fields = ("entries", "bytes", "binary_bytes")
     rows = {name: {f: int(row[f]) for f in fields} for name, row in sorted(kernels.items())}
     total = {f: sum(row[f] for row in rows.values()) for f in fields}
     return {
         "kernels": rows,
-        "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(toolchains.items())},
+        "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(partitions.items())},
         "writers": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(writers.items())},
         "total": total,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
@@ -407,7 +412,7 @@ def explain(reader: Reader, components: Mapping[str, Any], key_of: KeyOf, top: i
     usage = reader.key_records([key for _, key, _ in ranked])
     return {
         "key": cache_key,
-        "toolchain": reader.toolchain,
+        "toolchain": reader.partition,
         "present": present,
         "components": _json_value(wanted),
         "nearest": [
@@ -427,15 +432,13 @@ def import_snapshot(
     default_ttl: float,
     max_bytes: int = MAX_ENTRY_BYTES,
 ) -> dict:
-    """Write a snapshot's entries into a tier, each into its toolchain's partition and verified first
+    """Write a snapshot's entries into a tier, each into its partition and verified first
     (decoded with the policy, traced by that toolchain, key components hashing to its key), each with the time
     it had left (at most `default_ttl`). Metrics are not imported.
     Returns {imported, rejected: [{key, reason}]}."""
     result: dict = {"imported": 0, "rejected": []}
-    for partition in partitions(snapshot):
-        _import_partition(
-            partition, tier.in_toolchain(partition.toolchain), policy, key_of, default_ttl, max_bytes, result
-        )
+    for source in partition_readers(snapshot):
+        _import_partition(source, tier.in_partition(source.partition), policy, key_of, default_ttl, max_bytes, result)
     return result
 
 
@@ -483,12 +486,12 @@ class _Candidate:
     compile_seconds: float
     last_use: float
     reason: str | None = None  # why it is evicted
-    toolchain: str = ""  # the partition it is stored in
+    partition: str = ""  # the partition it is stored in
     writer: str = ""  # the key id its header names ("" for none)
 
     @property
     def id(self) -> tuple[str, str]:
-        return self.toolchain, self.key
+        return self.partition, self.key
 
     @property
     def value(self) -> float:
@@ -507,15 +510,15 @@ def collect_garbage(
     only_toolchain: str | None = None,
     writer: str | None = None,
 ) -> dict:
-    """Evict entries (never metrics), of every toolchain: unreadable entries always; with `only_toolchain`,
+    """Evict entries (never metrics), of every partition: unreadable entries always; with `only_toolchain`,
     every other toolchain's entries; with `unused_for`, entries not used for that many seconds; with
     `max_bytes`, the least valuable entries (lowest compile seconds saved per stored byte: usage x compile
     time / size) until the rest fits. With `writer` (a key id), every entry whose header names that writer, in
     every toolchain and scope (a compromised or distrusted writer's). Keeps one small record per entry."""
     now = time.time() if now is None else now
     candidates: dict[tuple[str, str], _Candidate] = {}
-    for partition in partitions(reader):
-        for c in _candidates(partition, policy):
+    for store in partition_readers(reader):
+        for c in _candidates(store, policy):
             candidates[c.id] = c
 
     def evict(c: _Candidate, reason: str) -> None:
@@ -528,7 +531,7 @@ def collect_garbage(
                 evict(c, f"writer {c.writer}")
     if only_toolchain is not None:
         for c in candidates.values():
-            if split_partition(c.toolchain)[0] != only_toolchain:
+            if split_partition(c.partition)[0] != only_toolchain:
                 evict(c, "other toolchain")
     if unused_for is not None:
         cutoff = now - unused_for
@@ -540,10 +543,10 @@ def collect_garbage(
 
     evicted = [c for c in candidates.values() if c.reason]
     if not dry_run:
-        for toolchain in sorted({c.toolchain for c in evicted}):
-            partition = reader.in_toolchain(toolchain)
-            for chunk in batched(c for c in evicted if c.toolchain == toolchain):
-                partition.delete_entries([(c.key, c.digest) for c in chunk])
+        for partition in sorted({c.partition for c in evicted}):
+            store = reader.in_partition(partition)
+            for chunk in batched(c for c in evicted if c.partition == partition):
+                store.delete_entries([(c.key, c.digest) for c in chunk])
     expired = reader.expired_count() if reader.keeps_expired else (0, 0)
     if not dry_run and expired[0]:
         reader.purge_expired()
@@ -561,10 +564,10 @@ def collect_garbage(
         "keys": sorted(c.key for c in evicted),
         # One item an entry, so that a dry run says which entries would go and why, not only how many.
         "evictions": [
-            {"key": c.key, "toolchain": c.toolchain, "bytes": c.bytes, "reason": c.reason}
-            for c in sorted(evicted, key=lambda c: (c.key, c.toolchain))
+            {"key": c.key, "toolchain": c.partition, "bytes": c.bytes, "reason": c.reason}
+            for c in sorted(evicted, key=lambda c: (c.key, c.partition))
         ],
-        "evicted_by_toolchain": dict(sorted(Counter(c.toolchain for c in evicted).items())),
+        "evicted_by_toolchain": dict(sorted(Counter(c.partition for c in evicted).items())),
     }
 
 
@@ -577,7 +580,7 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
             record = usage.get(raw.cache_key)
             writer = writer_of(raw.data)
             if isinstance(entry, str):
-                yield _Candidate(raw.cache_key, len(raw.data), None, 0, 0.0, 0.0, "unreadable", raw.toolchain, writer)
+                yield _Candidate(raw.cache_key, len(raw.data), None, 0, 0.0, 0.0, "unreadable", raw.partition, writer)
                 continue
             last = max(record.last_use if record else 0.0, entry.created)
             yield _Candidate(
@@ -587,7 +590,7 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
                 record.usage if record else 0,
                 entry.compile_seconds,
                 last,
-                toolchain=raw.toolchain,
+                partition=raw.partition,
                 writer=writer,
             )
 

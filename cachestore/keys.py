@@ -70,7 +70,8 @@ _SCOPE_MARK = ":scope:"
 
 
 def partition(toolchain: str, scope: str = TRUSTED_SCOPE) -> str:
-    """The partition (what backends call a toolchain) of one toolchain's entries in one scope."""
+    """The partition of one toolchain's entries in one scope: what a store reads and writes entries and leases
+    in (`Backend.partition`, `Reader.partition`)."""
     return toolchain if scope == TRUSTED_SCOPE else f"{toolchain}{_SCOPE_MARK}{scope}"
 
 
@@ -89,16 +90,16 @@ class KeySpace:
     def prefix(self) -> str:
         return f"{self.namespace}:v{self.version}"
 
-    # -- entries (one partition per toolchain) ----------------------------------------------------
-    def entry(self, toolchain: str, cache_key: str) -> str:
-        return f"{self.prefix}:tc:{toolchain}:entry:{{{key_tag(cache_key)}}}"
+    # -- entries (one partition per toolchain and scope, `partition`) ------------------------------
+    def entry(self, partition: str, cache_key: str) -> str:
+        return f"{self.prefix}:tc:{partition}:entry:{{{key_tag(cache_key)}}}"
 
-    def legacy_entry(self, toolchain: str, cache_key: str) -> str:
+    def legacy_entry(self, partition: str, cache_key: str) -> str:
         """Where a release before issue 16 stored the entry: never read, only deleted with the entry."""
-        return f"{self.prefix}:tc:{toolchain}:entry:{{{cache_key}}}"
+        return f"{self.prefix}:tc:{partition}:entry:{{{cache_key}}}"
 
-    def lease(self, toolchain: str, cache_key: str) -> str:
-        return f"{self.prefix}:tc:{toolchain}:lease:{{{key_tag(cache_key)}}}"
+    def lease(self, partition: str, cache_key: str) -> str:
+        return f"{self.prefix}:tc:{partition}:lease:{{{key_tag(cache_key)}}}"
 
     def variant_index(self, kernel_name: str) -> str:
         """Shared by every toolchain: a miss under one tells `other_toolchain` from `new_variant` by it."""
@@ -109,31 +110,31 @@ class KeySpace:
         partitioned keys and the hash-tagged metrics and jobs keys."""
         return f"{self.prefix}:*", f"{{{self.prefix}:*"
 
-    def entry_pattern(self, toolchain: str | None = None) -> str:
-        """SCAN pattern of one toolchain's entries, or of every toolchain's."""
-        return f"{self.prefix}:tc:{toolchain or '*'}:entry:*"
+    def entry_pattern(self, partition: str | None = None) -> str:
+        """SCAN pattern of one partition's entries, or of every partition's."""
+        return f"{self.prefix}:tc:{partition or '*'}:entry:*"
 
-    def lease_pattern(self, toolchain: str | None = None) -> str:
-        """SCAN pattern of one toolchain's leases, or of every toolchain's (`lease` takes a cache key, not a
+    def lease_pattern(self, partition: str | None = None) -> str:
+        """SCAN pattern of one partition's leases, or of every partition's (`lease` takes a cache key, not a
         pattern: its tag of "*" is "=*")."""
-        return f"{self.prefix}:tc:{toolchain or '*'}:lease:*"
+        return f"{self.prefix}:tc:{partition or '*'}:lease:*"
 
     def entry_partition(self, redis_key: str) -> str:
         """The partition (toolchain, and scope) of an entry's Redis key, as `parse_entry` gives it."""
         return redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")[0]
 
     def parse_entry(self, redis_key: str) -> tuple[str, str]:
-        """(toolchain, cache key) of an entry's Redis key."""
-        toolchain, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
-        return toolchain, cache_key_of_tag(tagged[1:-1])
+        """(partition, cache key) of an entry's Redis key."""
+        partition, _, tagged = redis_key[len(self.prefix) + len(":tc:") :].partition(":entry:")
+        return partition, cache_key_of_tag(tagged[1:-1])
 
-    def entry_prefix_pattern(self, toolchain: str, hex_prefix: str) -> str:
+    def entry_prefix_pattern(self, partition: str, hex_prefix: str) -> str:
         """A SCAN pattern matching at least the entries whose cache key starts with `hex_prefix` (hex digits):
         base64 encodes 3 bytes (6 hex digits) as 4 characters, so the pattern holds the whole groups of the
         prefix, and the caller checks the rest of it on the parsed keys."""
         whole = len(hex_prefix) - len(hex_prefix) % 6
         head = base64.urlsafe_b64encode(bytes.fromhex(hex_prefix[:whole])).decode() if whole else ""
-        return f"{self.prefix}:tc:{toolchain}:entry:{{{head}*"
+        return f"{self.prefix}:tc:{partition}:entry:{{{head}*"
 
     # -- metrics (S shards, one slot each) ---------------------------------------------------------
     @property

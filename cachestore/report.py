@@ -250,8 +250,9 @@ def toolchain_coverage(reader: Reader) -> dict[str, dict[str, Coverage]]:
     """Every toolchain's coverage of every other one's stored variants (one scan of the entry keys; the usage
     is read only when more than one toolchain holds entries, which is when an upgrade is under way)."""
     held: dict[str, set[str]] = {}
-    for toolchain, cache_key in reader.entry_keys():
-        if not split_partition(toolchain)[1]:  # the trusted scopes: what the fleet is served
+    for partition, cache_key in reader.entry_keys():
+        toolchain, scope = split_partition(partition)
+        if not scope:  # the trusted scopes: what the fleet is served
             held.setdefault(toolchain, set()).add(cache_key)
     if len(held) < 2:
         return {}

@@ -68,16 +68,16 @@ def scan_split(
     make_task: TaskFactory,
     *,
     processes: int | None = None,
-    every_toolchain: bool = False,
+    every_partition: bool = False,
     with_ttl: bool = False,
 ) -> list[Any]:
     """The results of `make_task`'s tasks over every entry of the reader's partition (of every partition:
-    `every_toolchain`), one result per process that ran one (`processes`: default_processes() when None)."""
+    `every_partition`), one result per process that ran one (`processes`: default_processes() when None)."""
     wanted = default_processes() if processes is None else processes
     if not reader.splits_scans:
-        return [_scan_here(make_task(0), _batches_here(reader, every_toolchain, with_ttl))]
+        return [_scan_here(make_task(0), _batches_here(reader, every_partition, with_ttl))]
     # One SCAN, of every partition at once when asked (not one a partition), whether split or not.
-    pages = reader.entry_pages(every_toolchain, PAGE)
+    pages = reader.entry_pages(every_partition, PAGE)
     head = list(itertools.islice(pages, SPLIT_AFTER_PAGES if wanted > 1 else 0))
     if wanted < 2 or len(head) < SPLIT_AFTER_PAGES:
         return [
@@ -86,13 +86,13 @@ def scan_split(
     return _scan_in_processes(reader, make_task, itertools.chain(head, pages), wanted, with_ttl)
 
 
-def _batches_here(reader: Reader, every_toolchain: bool, with_ttl: bool) -> Iterator[list[RawEntry]]:
-    if not every_toolchain:
+def _batches_here(reader: Reader, every_partition: bool, with_ttl: bool) -> Iterator[list[RawEntry]]:
+    if not every_partition:
         return batched(reader.scan_entries(with_ttl=with_ttl))
     every = (
         raw
-        for toolchain in reader.entry_toolchains()
-        for raw in reader.in_toolchain(toolchain).scan_entries(with_ttl=with_ttl)
+        for partition in reader.entry_partitions()
+        for raw in reader.in_partition(partition).scan_entries(with_ttl=with_ttl)
     )
     return batched(every)
 

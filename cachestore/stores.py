@@ -15,9 +15,9 @@ from cachestore.tier_urls import PATH_SCHEMES, REDIS_SCHEMES, TIER_SCHEMES_TEXT,
 
 
 def open_backend(
-    settings: Settings, *, reading: bool = False, toolchain: str | None = None, writable: bool = True
+    settings: Settings, *, reading: bool = False, partition: str | None = None, writable: bool = True
 ) -> Backend | Reader:
-    """The backend the settings' tier URL names, in `toolchain`'s partition (default: this compiler's).
+    """The backend the settings' tier URL names, in the partition `partition` (default: this compiler's).
     `reading` opens it for reports and inspection: longer timeouts, and an embedded tier that does not exist
     yet is an error instead of a new file. `writable=False` (a read-only client's compile path): an embedded
     tier is opened read-only, neither created nor upgraded, and one that does not exist reads as empty; a
@@ -35,7 +35,7 @@ def open_backend(
             timeout=timeout,
             create=not reading and writable,
             writable=writable,
-            toolchain=toolchain,
+            partition=partition,
             write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
             max_entry_bytes=settings.max_entry_bytes,
             max_size=settings.max_size,
@@ -47,13 +47,13 @@ def open_backend(
             url[len("dir:") :],
             create=not reading and writable,
             writable=writable,
-            toolchain=toolchain,
+            partition=partition,
             max_entry_bytes=settings.max_entry_bytes,
         )
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend
 
-        return RedisBackend.open(settings, reading=reading, toolchain=toolchain)
+        return RedisBackend.open(settings, reading=reading, partition=partition)
     raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
 
 
@@ -72,6 +72,6 @@ def open_tier(settings: Settings) -> TierClient | StackedTier | None:
         open_backend,
         settings,
         writable=settings.tier_mode != "read-only",
-        toolchain=partition(toolchain_id(), credentials.scope),
+        partition=partition(toolchain_id(), credentials.scope),
     )
     return TierClient(backend, settings, redact_url(settings.tier), credentials)

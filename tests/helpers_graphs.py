@@ -242,8 +242,8 @@ class LocalView(TierView):
         self._write("DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", self._at(cache_key))
 
     def _at(self, cache_key: str) -> tuple[str, str]:
-        """Where an entry of the backend's toolchain partition is."""
-        return self.backend.toolchain, cache_key
+        """Where an entry of the backend's partition is."""
+        return self.backend.partition, cache_key
 
 
 class RedisView(TierView):
@@ -308,20 +308,20 @@ class RedisView(TierView):
         return [json.loads(fields[b"pass"]) for _, fields in records]
 
     def ttl(self, cache_key: str) -> float | None:
-        ms = self._r.pttl(self._k.entry(self.backend.toolchain, cache_key))
+        ms = self._r.pttl(self._k.entry(self.backend.partition, cache_key))
         return None if ms < 0 else ms / 1000
 
     def set_ttl(self, cache_key: str, seconds: float) -> None:
-        self._r.pexpire(self._k.entry(self.backend.toolchain, cache_key), max(1, int(seconds * 1000)))
+        self._r.pexpire(self._k.entry(self.backend.partition, cache_key), max(1, int(seconds * 1000)))
 
     def raw(self, cache_key: str) -> bytes | None:
-        return self._r.get(self._k.entry(self.backend.toolchain, cache_key))
+        return self._r.get(self._k.entry(self.backend.partition, cache_key))
 
     def put_raw(self, cache_key: str, data: bytes, ttl: float = 3600) -> None:
-        self._r.set(self._k.entry(self.backend.toolchain, cache_key), data, ex=int(ttl))
+        self._r.set(self._k.entry(self.backend.partition, cache_key), data, ex=int(ttl))
 
     def delete(self, cache_key: str) -> None:
-        self._r.delete(self._k.entry(self.backend.toolchain, cache_key))
+        self._r.delete(self._k.entry(self.backend.partition, cache_key))
 
 
 def fresh_tier_backend(request: Any, tmp_path: Path) -> Iterator[tuple[str, str, Any]]:

@@ -107,7 +107,7 @@ def test_two_compiles_of_different_workloads_at_once_share_one_directory(tmp_pat
 HOLDER = """
 import sys, time
 from cachestore.backends.directory import DirectoryBackend
-store = DirectoryBackend(sys.argv[1], toolchain="tc")
+store = DirectoryBackend(sys.argv[1], partition="tc")
 assert store.acquire_lease("the-key", "doomed", float(sys.argv[2]))
 print("held", flush=True)
 time.sleep(600)
@@ -116,7 +116,7 @@ time.sleep(600)
 TAKER = """
 import sys
 from cachestore.backends.directory import DirectoryBackend
-print(DirectoryBackend(sys.argv[1], toolchain="tc").acquire_lease("the-key", "next", 30))
+print(DirectoryBackend(sys.argv[1], partition="tc").acquire_lease("the-key", "next", 30))
 """
 
 
@@ -128,7 +128,7 @@ def test_a_lease_whose_holder_is_killed_expires_and_another_process_takes_it(tmp
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(10)
-    store = DirectoryBackend(tmp_path / "d", toolchain="tc")
+    store = DirectoryBackend(tmp_path / "d", partition="tc")
     assert store.lease_holder("the-key") == "doomed"
     assert store.acquire_lease("the-key", "next", 30) is False  # not expired yet
     deadline = time.monotonic() + 10
@@ -145,7 +145,7 @@ WRITER = """
 import json, sys
 from cachestore.api import MetricsBatch, WriteItem
 from cachestore.backends.directory import DirectoryBackend
-store, me = DirectoryBackend(sys.argv[1], toolchain="tc"), int(sys.argv[2])
+store, me = DirectoryBackend(sys.argv[1], partition="tc"), int(sys.argv[2])
 applied = 0
 for i in range(40):
     store.put_entries([WriteItem("contested", bytes([me]) * 300_000, None, 3600)])
@@ -160,7 +160,7 @@ def test_processes_writing_one_key_and_one_batch_id_at_once(tmp_path: Path) -> N
     DirectoryBackend(tmp_path / "d").close()
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "d"), str(n)], stdout=subprocess.PIPE,
                                 text=True) for n in range(1, 5)]  # fmt: skip
-    store, seen = DirectoryBackend(tmp_path / "d", toolchain="tc"), set()
+    store, seen = DirectoryBackend(tmp_path / "d", partition="tc"), set()
     while any(writer.poll() is None for writer in writers):
         data = store.get_entries(["contested"]).get("contested")
         if data is not None:
@@ -208,7 +208,7 @@ def test_a_truncated_entry_is_rejected_and_counted_not_served(tmp_path: Path) ->
 # -- names and paths ---------------------------------------------------------------------------------------
 def test_hostile_keys_and_kernel_names_stay_inside_the_directory(tmp_path: Path) -> None:
     root = tmp_path / "d"
-    store = DirectoryBackend(root, toolchain="../../toolchain")
+    store = DirectoryBackend(root, partition="../../partition")
     hostile = ["../../../outside", "/etc/passwd", "..", ".", "a\x00b", "\\..\\x"]
     store.store([StoreRequest(key, "d", key.encode(), "../../kernel", index_fields={b"../f": b"v"})
                  for key in hostile], TTL)  # fmt: skip
@@ -217,7 +217,7 @@ def test_hostile_keys_and_kernel_names_stay_inside_the_directory(tmp_path: Path)
     assert sorted(tmp_path.iterdir()) == [root]
     assert store.get_entries(hostile) == {key: key.encode() for key in hostile}
     assert store.read_variant_index([("../../kernel", [b"../f"])]) == [[b"v"]]
-    assert store.entry_toolchains() == ["../../toolchain"]
+    assert store.entry_partitions() == ["../../partition"]
     with pytest.raises(Exception, match="bytes"):  # a key too long for a file name is refused, not cut
         store.put_entries([WriteItem("k" * 200, b"p", None, TTL)])
     assert store.fetch(["k" * 200], TTL) == {}

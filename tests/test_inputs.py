@@ -17,6 +17,7 @@ from helpers_graphs import mixed_graph, write_graph
 
 from bridge.identity import toolchain_id
 from cachestore.api import WriteItem
+from cachestore.keys import partition
 from cachestore.settings import Settings
 from cachestore.stores import open_backend
 from workers.cli import main
@@ -73,8 +74,8 @@ def test_warm_applies_the_limits_a_compile_applies(tmp_path: Path) -> None:
     assert compiled.exit_code == 0, compiled.output
     # The same variants as another toolchain's entries, in a tier this compiler holds none of.
     old, tier = "0123456789abcdef", f"local:{tmp_path / 'tier.sqlite'}"
-    reader = open_backend(Settings(tier=filled), reading=True, toolchain=toolchain_id())
-    writer = open_backend(Settings(tier=tier), toolchain=old)
+    reader = open_backend(Settings(tier=filled), reading=True, partition=partition(toolchain_id()))
+    writer = open_backend(Settings(tier=tier), partition=partition(old))
     try:
         entries = list(reader.scan_entries(with_ttl=False))
         writer.put_entries([WriteItem(raw.cache_key, raw.data, None, 3600) for raw in entries])

@@ -31,6 +31,7 @@ from cachestore.api import WriteItem
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.entry import Entry, SignaturePolicy, decode_entry, encode_entry
 from cachestore.inspect import collect_garbage
+from cachestore.keys import partition
 from cachestore.stores import open_backend, open_tier
 from workers.verify import rebuild_op
 
@@ -451,7 +452,7 @@ def copy_into_toolchain(tier: Tier, toolchain: str, traced_by: str | None = None
             entry = decode_entry(raw.data, ANY)
             entry.toolchain = traced_by or toolchain
             items.append(WriteItem(raw.cache_key, encode_entry(entry), entry.digest, 3600))
-        reader.in_toolchain(toolchain).put_entries(items)
+        reader.in_partition(partition(toolchain)).put_entries(items)
         return sorted(item.cache_key for item in items)
     finally:
         reader.close()
@@ -514,8 +515,8 @@ def test_export_and_import_keep_each_toolchain_apart(fleet: Tier, tmp_path: Path
                                    env={"NKICACHE_NAMESPACE": fleet.namespace}).stdout)  # fmt: skip
     assert (imported["imported"], imported["rejected"]) == (2 * len(keys), [])
     fresh = SqliteBackend(into, create=False)
-    assert fresh.entry_toolchains() == sorted([toolchain_id(), other])
-    assert sorted(raw.cache_key for raw in fresh.in_toolchain(other).scan_entries()) == keys
+    assert fresh.entry_partitions() == sorted([partition(toolchain_id()), partition(other)])
+    assert sorted(raw.cache_key for raw in fresh.in_partition(partition(other)).scan_entries()) == keys
     fresh.close()
 
 

@@ -20,6 +20,7 @@ from test_tier_backends import backend_of, decoded, entry, request_for
 from cachestore.api import KeyUsage, MetricsBatch, Reader, WriteItem
 from cachestore.backends.snapshot import SnapshotError, SnapshotReader, write_snapshot
 from cachestore.entry import encode_entry
+from cachestore.keys import partition, split_partition
 
 TTL = 3600
 FULL, SAME_BINARY, OTHER = "aa01" + "0" * 60, "aa02" + "0" * 60, "bb03" + "0" * 60
@@ -74,14 +75,14 @@ def test_scan_streams_every_entry_with_the_time_it_has_left(reader: Reader) -> N
     assert {raw.cache_key: raw.data for raw in reader.scan_entries(with_ttl=False)} == stored(reader)
 
 
-def test_entry_keys_name_every_entry_of_every_toolchain_without_reading_values(reader: Reader) -> None:
+def test_entry_keys_name_every_entry_of_every_partition_without_reading_values(reader: Reader) -> None:
     listed = list(reader.entry_keys())
-    assert sorted(listed) == sorted((reader.toolchain, key) for key in (FULL, SAME_BINARY, OTHER))
+    assert sorted(listed) == sorted((reader.partition, key) for key in (FULL, SAME_BINARY, OTHER))
     if reader.read_only:
         return
-    elsewhere = reader.in_toolchain(OTHER_TOOLCHAIN)
+    elsewhere = reader.in_partition(partition(OTHER_TOOLCHAIN))
     elsewhere.put_entries([WriteItem(OTHER, stored(reader)[OTHER], None, TTL)])
-    assert (OTHER_TOOLCHAIN, OTHER) in set(reader.entry_keys())
+    assert (partition(OTHER_TOOLCHAIN), OTHER) in set(reader.entry_keys())
     assert len(list(reader.entry_keys())) == 4
 
 
@@ -92,11 +93,12 @@ def test_coverage_weighs_each_toolchains_variants_by_fleet_usage(reader: Reader)
     assert build_report(reader, top=0, timeline=False).coverage == {}  # one toolchain: nothing to compare
     if reader.read_only:
         return
-    reader.in_toolchain(OTHER_TOOLCHAIN).put_entries([WriteItem(FULL, stored(reader)[FULL], None, TTL)])
+    reader.in_partition(partition(OTHER_TOOLCHAIN)).put_entries([WriteItem(FULL, stored(reader)[FULL], None, TTL)])
     coverage = build_report(reader, top=0, timeline=False).coverage
     # FULL was used 5 times, OTHER once, SAME_BINARY never: the other toolchain holds 5 of the 6 uses.
-    assert coverage[OTHER_TOOLCHAIN] == {reader.toolchain: Coverage(3, 1, 6, 5, round(5 / 6, 6))}
-    assert coverage[reader.toolchain] == {OTHER_TOOLCHAIN: Coverage(1, 1, 5, 5, 1.0)}
+    mine = split_partition(reader.partition)[0]  # the toolchain whose trusted partition the reader is in
+    assert coverage[OTHER_TOOLCHAIN] == {mine: Coverage(3, 1, 6, 5, round(5 / 6, 6))}
+    assert coverage[mine] == {OTHER_TOOLCHAIN: Coverage(1, 1, 5, 5, 1.0)}
     text = render_text(build_report(reader, top=0, timeline=False), width=160)
     assert f"│ {OTHER_TOOLCHAIN}" in text and "5 of 6" in text and "83.3%" in text
 

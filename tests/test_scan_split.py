@@ -22,12 +22,13 @@ from helpers_graphs import delete_namespace, unique_namespace
 from helpers_report import Tier, nkicache, run_known_fleet
 
 from bridge.codegen import cache_key_of_stored as cache_key_of
+from bridge.identity import toolchain_id
 from cachestore import scan_split
 from cachestore.api import RawEntry, TierError, TierUnavailable, WriteItem
 from cachestore.backends.redis import RedisBackend
 from cachestore.entry import Entry, SignaturePolicy, encode_entry, writer_of
-from cachestore.inspect import decode_or_reason, disk_usage, partitions
-from cachestore.keys import KeySpace
+from cachestore.inspect import decode_or_reason, disk_usage, partition_readers
+from cachestore.keys import KeySpace, partition
 from workers.verify import merged_sample, verify_entries
 
 pytestmark = pytest.mark.redis
@@ -82,7 +83,7 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
             items.append(WriteItem(key, encode_entry(entry), entry.digest, 3600))
             continue
         entry = Entry(rng.randbytes(rng.randrange(100, 3000)), ["x"], ["out"], "bir", "v", kc, "h", "w",
-                      toolchain=backend.toolchain)  # fmt: skip
+                      toolchain=toolchain_id())  # fmt: skip
         holders.append((key, entry))
         kind = i % 4
         if kind == 1:
@@ -121,20 +122,21 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
     for key, entry in holders[:5]:
         copy = Entry(**{**entry._fields(), "toolchain": OTHER_TOOLCHAIN})
         theirs.append(WriteItem(key, encode_entry(copy), copy.digest, 3600))
-    backend.in_toolchain(OTHER_TOOLCHAIN).put_entries(theirs)
+    backend.in_partition(partition(OTHER_TOOLCHAIN)).put_entries(theirs)
     return bad
 
 
 def previous_disk_usage(reader: Any) -> dict:
-    """`disk_usage` as it was before scans were split (commit a6ec70b), verbatim but for its name and the dedupe
-    columns it had then: one process, one partition after another."""
+    """`disk_usage` as it was before scans were split (commit a6ec70b), verbatim but for its name, the dedupe
+    columns it had then and the partition's names (`partition_readers`, `RawEntry.partition`): one process, one
+    partition after another."""
     kernels: dict[str, Counter] = defaultdict(Counter)
-    toolchains: dict[str, Counter] = defaultdict(Counter)
+    partitions: dict[str, Counter] = defaultdict(Counter)
     writers: dict[str, Counter] = defaultdict(Counter)
     unreadable = Counter()
-    for raw in (raw for partition in partitions(reader) for raw in partition.scan_entries(with_ttl=False)):
-        toolchains[raw.toolchain]["entries"] += 1
-        toolchains[raw.toolchain]["bytes"] += len(raw.data)
+    for raw in (raw for store in partition_readers(reader) for raw in store.scan_entries(with_ttl=False)):
+        partitions[raw.partition]["entries"] += 1
+        partitions[raw.partition]["bytes"] += len(raw.data)
         entry = decode_or_reason(raw.data)
         writer = writers[writer_of(raw.data) if isinstance(entry, str) else entry.writer]
         writer["entries"] += 1
@@ -152,7 +154,7 @@ def previous_disk_usage(reader: Any) -> dict:
     total = {f: sum(row[f] for row in rows.values()) for f in fields}
     return {
         "kernels": rows,
-        "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(toolchains.items())},
+        "toolchains": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(partitions.items())},
         "writers": {name: {"entries": c["entries"], "bytes": c["bytes"]} for name, c in sorted(writers.items())},
         "total": total,
         "unreadable": {"entries": unreadable["entries"], "bytes": unreadable["bytes"]},
@@ -169,7 +171,7 @@ def test_du_split_over_processes_counts_exactly_what_the_previous_du_counted(
     # The tier holds every kind of entry du tells apart, so equal reports compare every column.
     assert before["unreadable"]["entries"] == 5  # the four corrupt ones and the old reference
     assert {ci.key_id.hex(), laptop.key_id.hex(), ""} <= set(before["writers"])
-    assert before["toolchains"].keys() == {backend.toolchain, OTHER_TOOLCHAIN}
+    assert before["toolchains"].keys() == {backend.partition, partition(OTHER_TOOLCHAIN)}
     assert all(row["entries"] and row["binary_bytes"] for row in before["kernels"].values())
     for processes in (1, 2, 3):
         assert disk_usage(backend, processes=processes) == before
@@ -261,11 +263,11 @@ def test_a_scanning_process_that_dies_fails_the_scan(backend: RedisBackend, ci: 
 def test_a_scans_reads_give_each_value_and_a_refused_one_leaves_the_next_read_in_step(backend: RedisBackend) -> None:
     values = {f"{i:064x}": os.urandom(i * 37) for i in range(1, 40)}
     backend.put_entries([WriteItem(key, value, None, 3600) for key, value in values.items()])
-    backend.client.set(backend.keys.entry(backend.toolchain, "e" * 64), b"")  # an empty value: read as what it is
-    names = [backend.keys.entry(backend.toolchain, key) for key in [*values, "e" * 64, "d" * 64]]
+    backend.client.set(backend.keys.entry(backend.partition, "e" * 64), b"")  # an empty value: read as what it is
+    names = [backend.keys.entry(backend.partition, key) for key in [*values, "e" * 64, "d" * 64]]
     packed = backend._read_entries(names, with_ttl=False)
     assert packed == [(value, None) for value in values.values()] + [(b"", None), (None, None)]
-    wrong = backend.keys.entry(backend.toolchain, "c" * 64)
+    wrong = backend.keys.entry(backend.partition, "c" * 64)
     backend.client.hset(wrong, "not", "a string")  # GETRANGE of a hash: an error reply amid the others
     with pytest.raises(TierError, match="WRONGTYPE"):
         backend._read_entries([names[0], wrong, names[1]], with_ttl=False)

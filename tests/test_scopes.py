@@ -124,7 +124,7 @@ def test_crafted_entries_in_the_trusted_scope_are_all_rejected(base: Settings, k
     ci.close(timeout=10)
     # Planted straight into the trusted partition, over the trusted writer's own entries too.
     cache_keys = graph_keys + [secrets.token_hex(32) for _ in range(CRAFTED - len(graph_keys))]
-    store = open_backend(base, toolchain=partition(toolchain_id()))
+    store = open_backend(base, partition=partition(toolchain_id()))
     store.put_entries([WriteItem(key, data, None, 3600) for key, data in crafted_entries(keys, cache_keys)])
     store.close()
 
@@ -189,7 +189,7 @@ def test_inspect_verify_and_show_apply_the_trust_policy(base: Settings, keys: di
     assert clean.exit_code == 0, clean.output
     assert json.loads(clean.output)["ok"] == MIXED_DISTINCT_KEYS
     planted = encode_entry(make_entry(), writer=keys["laptop"], cache_key=graph_keys[0])
-    store = open_backend(base, toolchain=partition(toolchain_id()))
+    store = open_backend(base, partition=partition(toolchain_id()))
     store.put_entries([WriteItem(graph_keys[0], planted, None, 3600)])
     store.close()
     found = runner.invoke(nkicache, ["inspect", "--tier", base.tier, "verify", "--json"], env=env)

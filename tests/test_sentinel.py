@@ -41,7 +41,7 @@ def keys(tmp_path: Path) -> dict[str, Any]:
 
 
 def trusted_reader(base: Settings) -> Any:
-    return open_backend(base, reading=True, toolchain=partition(toolchain_id()))
+    return open_backend(base, reading=True, partition=partition(toolchain_id()))
 
 
 def policy_of(keys: dict[str, Any]) -> SignaturePolicy:
@@ -83,7 +83,7 @@ def test_the_sentinel_quarantines_a_trusted_entry_with_a_wrong_binary(base: Sett
         assert report.quarantined[0]["writer"] == keys["ci"].key_id_hex
         assert report.matched == report.sampled - 1 and not report.failed
         # Kept for inspection, in the quarantine scope; counted in the metrics per writer and toolchain.
-        kept = store.in_toolchain(partition(toolchain_id(), QUARANTINE_SCOPE)).get_entries([key])
+        kept = store.in_partition(partition(toolchain_id(), QUARANTINE_SCOPE)).get_entries([key])
         assert decode_or_reason(kept[key]).binary == wrong
         totals = store.totals()
         assert totals["quarantined"] == 1 and totals[f"quarantined_writer:{keys['ci'].key_id_hex}"] == 1
@@ -250,7 +250,7 @@ def test_a_read_only_sentinel_sends_no_write_and_reports_what_it_would_quarantin
         reader.close()
     store = trusted_reader(base)
     try:
-        assert store.in_toolchain(partition(toolchain_id(), QUARANTINE_SCOPE)).get_entries([key]) == {}
+        assert store.in_partition(partition(toolchain_id(), QUARANTINE_SCOPE)).get_entries([key]) == {}
         assert store.totals().get("sentinel_checked", 0) == 0
     finally:
         store.close()

@@ -418,7 +418,7 @@ def test_a_read_without_ttls_tells_a_missing_key_from_an_empty_value(redis_backe
     view = TierView.of(redis_backend)
     view.put_raw("empty", b"")
     view.put_raw("whole", b"w" * 300)
-    keys = [redis_backend.keys.entry(redis_backend.toolchain, key) for key in ("empty", "gone", "whole")]
+    keys = [redis_backend.keys.entry(redis_backend.partition, key) for key in ("empty", "gone", "whole")]
     assert redis_backend._read_entries(keys, with_ttl=False) == [(b"", None), (None, None), (b"w" * 300, None)]
 
 
@@ -470,7 +470,7 @@ def test_find_keys_finds_every_prefix_length(redis_backend: RedisBackend) -> Non
 def test_deleting_an_entry_removes_its_name_of_an_older_release_too(redis_backend: RedisBackend) -> None:
     """An upgraded tier still holds entries under the hex names (never read): gc's deletes take them along."""
     cache_key = hashlib.sha256(b"legacy").hexdigest()
-    old_name = redis_backend.keys.legacy_entry(redis_backend.toolchain, cache_key)
+    old_name = redis_backend.keys.legacy_entry(redis_backend.partition, cache_key)
     redis_backend.client.set(old_name, b"an entry of schema 3")
     listed = [raw.cache_key for raw in redis_backend.scan_entries()]
     assert listed == [cache_key]  # listed (and reported unreadable by verify), under its cache key
@@ -507,7 +507,7 @@ def test_a_store_of_new_entries_is_one_round_trip_with_its_index(redis_backend: 
         for pattern in redis_backend.keys.namespace_patterns()
         for name in redis_backend.client.scan_iter(match=pattern, count=1000)
     }
-    assert written == {redis_backend.keys.entry(redis_backend.toolchain, k) for k in keys}
+    assert written == {redis_backend.keys.entry(redis_backend.partition, k) for k in keys}
 
 
 def test_an_entry_write_the_server_refuses_fails_the_store(redis_backend: RedisBackend, monkeypatch) -> None:
@@ -522,7 +522,7 @@ def test_an_entry_write_the_server_refuses_fails_the_store(redis_backend: RedisB
         set_command = pipe.set
 
         def refused_set(name, value, *a, **k):
-            if name == redis_backend.keys.entry(redis_backend.toolchain, "refused"):
+            if name == redis_backend.keys.entry(redis_backend.partition, "refused"):
                 return pipe.execute_command("INCRBY", name, "not a number")  # an error reply in the entry's place
             return set_command(name, value, *a, **k)
 

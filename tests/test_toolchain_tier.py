@@ -25,7 +25,7 @@ from helpers_graphs import MIXED_DISTINCT_KEYS, delete_namespace, mixed_graph, u
 from bridge.identity import fingerprint, package_root, toolchain_id
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.keys import KeySpace
+from cachestore.keys import KeySpace, partition
 
 SOFTMAX_MATHS = ("e = nl.exp(shifted)", "e = nl.exp(shifted * 0.5)")
 
@@ -158,9 +158,10 @@ def test_two_toolchains_on_one_redis_at_once_never_serve_each_other(redis_url: s
                 for path in off.glob("*.nkibb"):
                     assert (tmp_path / f"{name}-{round_name}" / path.name).read_bytes() == path.read_bytes()
         backend = RedisBackend(client, KeySpace(namespace))
-        assert backend.entry_toolchains() == sorted([toolchain_id(), fingerprint(changed / "bridge")])
-        old, new = ({raw.cache_key: raw.data for raw in backend.in_toolchain(tc).scan_entries()}
-                    for tc in (toolchain_id(), fingerprint(changed / "bridge")))  # fmt: skip
+        toolchains = (toolchain_id(), fingerprint(changed / "bridge"))
+        assert backend.entry_partitions() == sorted(partition(tc) for tc in toolchains)
+        old, new = ({raw.cache_key: raw.data for raw in backend.in_partition(partition(tc)).scan_entries()}
+                    for tc in toolchains)  # fmt: skip
         # The same variants (the specification's key does not change), each compiler's own binaries.
         assert old.keys() == new.keys() and len(old) >= MIXED_DISTINCT_KEYS
         assert sum(old[key] != new[key] for key in old) == len(old)  # every entry names its own toolchain
@@ -188,6 +189,6 @@ def test_a_local_tier_of_the_previous_layout_is_upgraded_keeping_its_metrics(tmp
         SqliteBackend(path, create=False)
     backend = SqliteBackend(path)
     assert backend.totals() == {"passes": 7.0}
-    assert list(backend.scan_entries()) == [] and backend.entry_toolchains() == []
+    assert list(backend.scan_entries()) == [] and backend.entry_partitions() == []
     backend.close()
     assert SqliteBackend(path, create=False).totals() == {"passes": 7.0}

@@ -305,7 +305,7 @@ def _source(
     group = ctx.find_object(dict) or {}
     tier = tier or group.get("tier")
     snapshot = snapshot or group.get("snapshot")
-    toolchain = group.get("toolchain")
+    toolchain = group.get("toolchain")  # --toolchain: its id names its trusted partition, where the reader looks
     if tier and snapshot:
         raise click.UsageError("--tier and --snapshot name two sources; give one")
     if snapshot:
@@ -313,7 +313,7 @@ def _source(
             raise click.UsageError("a snapshot is read-only; name a --tier")
         reader = SnapshotReader(snapshot, toolchain)
     else:
-        reader = open_backend(_settings(tier), reading=not create, toolchain=toolchain)
+        reader = open_backend(_settings(tier), reading=not create, partition=toolchain)
     try:
         yield reader
     finally:

@@ -25,7 +25,7 @@ from typing import Any
 from cachestore.api import MetricsBatch, Reader, WriteItem, batched
 from cachestore.entry import Entry, SignaturePolicy
 from cachestore.inspect import decode_or_reason
-from cachestore.keys import QUARANTINE_SCOPE, partition
+from cachestore.keys import QUARANTINE_SCOPE, partition, split_partition
 from workers.verify import _recompile_problem
 
 MISMATCH_PREFIXES = ("recompiled binary differs", "recompiled binary names other")
@@ -66,7 +66,8 @@ def run_sentinel(
     rng = rng or random.Random()
     started = time.perf_counter()
     cutoff = None if since is None else (time.time() if now is None else now) - since
-    report = SentinelReport(reader.toolchain, rate, read_only=read_only)
+    toolchain = split_partition(reader.partition)[0]  # its trusted scope's partition is named by its id alone
+    report = SentinelReport(toolchain, rate, read_only=read_only)
     for batch in batched(reader.scan_entries(with_ttl=False)):
         usage = reader.key_records([raw.cache_key for raw in batch]) if cutoff is not None else {}
         for raw in batch:
@@ -82,7 +83,7 @@ def run_sentinel(
             report.sampled += 1
             _check(reader, raw.cache_key, raw.data, entry, report, host, quarantine_ttl)
     if report.sampled and not read_only:
-        _count(reader, host, reader.toolchain, {"sentinel_checked": report.sampled})
+        _count(reader, host, toolchain, {"sentinel_checked": report.sampled})
     report.seconds = time.perf_counter() - started
     return report
 
@@ -105,7 +106,8 @@ def _check(reader: Reader, key: str, data: bytes, entry: Entry, report: Sentinel
 def quarantine(reader: Reader, key: str, data: bytes, entry: Entry, ttl: float) -> None:
     """Move an entry's bytes to its toolchain's quarantine scope (first, so it is never lost), then delete it
     where clients read it."""
-    reader.in_toolchain(partition(reader.toolchain, QUARANTINE_SCOPE)).put_entries([WriteItem(key, data, None, ttl)])
+    quarantined = partition(split_partition(reader.partition)[0], QUARANTINE_SCOPE)
+    reader.in_partition(quarantined).put_entries([WriteItem(key, data, None, ttl)])
     reader.delete_entries([(key, entry.digest)])
 
 

@@ -135,6 +135,7 @@ def sentinel_command(
     from bridge.identity import toolchain_id
     from cachestore.client import settings_credentials
     from cachestore.entry import SignaturePolicy
+    from cachestore.keys import partition
     from cachestore.report import parse_duration
     from cachestore.stores import open_backend
     from workers.cli_common import EXIT_CHECK_FAILED, load_cli_settings
@@ -152,7 +153,7 @@ def sentinel_command(
         raise click.BadParameter(f"{rate} is not from 0 to 1", param_hint="--rate")
     trust = settings_credentials(settings.replace(tier_mode="read-only")).trust
     policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust)
-    reader = open_backend(settings, reading=True, toolchain=toolchain_id())
+    reader = open_backend(settings, reading=True, partition=partition(toolchain_id()))
     try:
         report = run_sentinel(
             reader,

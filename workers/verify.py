@@ -33,6 +33,7 @@ from cachestore.inspect import (
     key_problem,
     toolchain_problem,
 )
+from cachestore.keys import partition
 from cachestore.scan_split import scan_split
 
 
@@ -67,17 +68,17 @@ def verify_entries(
     seed: int = 0,
     processes: int | None = None,
 ) -> VerifyReport:
-    """Decode every entry of the reader's toolchain partition with the reader's signature policy (digest,
+    """Decode every entry of the reader's partition with the reader's signature policy (digest,
     signature, schema), check that it was traced by that toolchain, that its binary matches its digest and that
     its key components hash to its key. Then re-trace `recompile` sampled entries
     and compare bytes (only this compiler's own entries: another toolchain's binaries are expected to
     differ), and run `execute` sampled entries against the numpy references. The entries are read and checked
     by up to `processes` processes (cachestore.scan_split; None: one a CPU), each keeping a sample of the keys
     it found good; the samples are merged into one."""
-    if recompile and reader.toolchain != toolchain_id():
+    if recompile and reader.partition != partition(toolchain_id()):
         raise InspectError(
             f"--recompile re-traces with this compiler (toolchain {toolchain_id()}); the entries "
-            f"of toolchain {reader.toolchain} were traced by another"
+            f"of toolchain {reader.partition} were traced by another"
         )
     wanted = max(recompile, execute)
 

@@ -27,7 +27,7 @@ from bridge.toolchain import compile_kernel
 from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
 from cachestore.inspect import decode_or_reason, describe_components
-from cachestore.keys import split_partition
+from cachestore.keys import partition, split_partition
 from workers.verify import rebuild_op
 
 
@@ -69,10 +69,11 @@ class WarmReport:
 def default_source(reader: Reader) -> str:
     """The other toolchain whose (trusted scope's) entries were used most recently."""
     latest: dict[str, float] = {}
-    for toolchain in reader.entry_toolchains():
-        if toolchain == toolchain_id() or split_partition(toolchain)[1]:  # an untrusted scope or the quarantine
+    for name in reader.entry_partitions():
+        toolchain, scope = split_partition(name)
+        if toolchain == toolchain_id() or scope:  # an untrusted scope or the quarantine
             continue
-        for variant in _variants(reader.in_toolchain(toolchain), reader):
+        for variant in _variants(reader.in_partition(name), reader):
             latest[toolchain] = max(latest.get(toolchain, 0.0), variant.last_use)
     if not latest:
         raise WarmError(f"{reader.description} holds no entries of another toolchain to warm from")
@@ -84,10 +85,10 @@ def pick_variants(
 ) -> list[Variant]:
     """The most used variants of `source` (usage from the fleet metrics), at most `top`, used at least
     `min_usage` times and last at or after `since`. Keeps `top` in memory, not the whole partition."""
-    if source not in reader.entry_toolchains():
+    if partition(source) not in reader.entry_partitions():
         raise WarmError(f"{reader.description} holds no entries of toolchain {source}")
     chosen: list[Variant] = []
-    for variant in _variants(reader.in_toolchain(source), reader):
+    for variant in _variants(reader.in_partition(partition(source)), reader):
         if variant.usage < min_usage or (since is not None and variant.last_use < since):
             continue
         if top is None:
@@ -99,8 +100,8 @@ def pick_variants(
     return sorted(chosen, reverse=True)
 
 
-def _variants(partition: Reader, metrics: Reader) -> Iterator[Variant]:
-    for batch in batched(partition.scan_entries(with_ttl=False)):
+def _variants(store: Reader, metrics: Reader) -> Iterator[Variant]:
+    for batch in batched(store.scan_entries(with_ttl=False)):
         records = metrics.key_records([raw.cache_key for raw in batch])
         for raw in batch:
             entry = decode_or_reason(raw.data)

@@ -1,10 +1,10 @@
 """The shared-directory tier (`dir:PATH`): a file per entry in a directory that many processes and machines
 mount (NFS, FSx, a local disk), as AWS Neuron's compile cache and ccache's file storage keep theirs. Under PATH
-(names are hex or SHA-256 digests: no key, toolchain or kernel name can name a path outside its folder):
+(names are hex or SHA-256 digests: no key, partition or kernel name can name a path outside its folder):
 
     nkicache-dir-store                    marker: what tells this directory from any other
-    entries/<hex toolchain>/<hex key>     an encoded entry as stored; its mtime is its expiry
-    leases/<hex toolchain>/<hex key>/<n>  JSON {"owner", "expires"}: generation n of the key's lease
+    entries/<hex partition>/<hex key>     an encoded entry as stored; its mtime is its expiry
+    leases/<hex partition>/<hex key>/<n>  JSON {"owner", "expires"}: generation n of the key's lease
     index/<sha256 kernel>/<sha256 field>  a field's value in the variant index; mtime: its expiry
     batches/<sha256 batch id>             an applied metrics batch (cachestore.metrics_fold), never rewritten
 
@@ -35,7 +35,7 @@ from cachestore.metrics_fold import FoldedMetrics, batch_record, zero_record
 MARKER = "nkicache-dir-store"
 MARKER_TEXT = b"nkicache shared directory tier, layout 1\n"
 FOLDERS = ("entries", "leases", "index", "batches")
-MAX_NAME_BYTES = 120  # a key or toolchain of at most this many bytes: its hex name fits in any file system's 255
+MAX_NAME_BYTES = 120  # a key or partition of at most this many bytes: its hex name fits in any file system's 255
 TTL_REFRESH_FRACTION = 0.9  # as the local tier: an entry read is given its TTL again once 10% of it is used up
 STALE_TEMP_SECONDS = 3600.0  # a temp file unchanged this long was left by a writer that died: gc deletes it
 MAX_SMALL_FILE = 1 << 20  # bytes read of a lease, index field or batch file at most
@@ -73,15 +73,15 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         *,
         create: bool = True,
         writable: bool = True,
-        toolchain: str | None = None,
+        partition: str | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         """`create` (a compile): a missing directory is made; otherwise it is an error naming it, but for a
-        read-only client (`writable=False`), to which it reads as an empty tier. `toolchain`: the partition of
+        read-only client (`writable=False`), to which it reads as an empty tier. `partition`: the partition of
         entries and leases (default: this compiler's). Entries over `max_entry_bytes` are not read."""
         self.path = Path(path).expanduser()
         self.description = f"dir:{self.path}"
-        self.toolchain = toolchain or toolchain_id()
+        self.partition = partition or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
         self.read_only = not writable  # every write raises TierError
         self._records: dict[str, dict | None] = {}
@@ -103,7 +103,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
             raise api.TierUnavailable(f"{self.path} is no nkicache dir tier (its {MARKER} is missing or foreign)")
 
     def __repr__(self) -> str:
-        return f"DirectoryBackend({str(self.path)!r}, toolchain {self.toolchain})"
+        return f"DirectoryBackend({str(self.path)!r}, partition {self.partition})"
 
     def _write(self, path: Path, data: bytes, expires: float | None = None, *, exclusive: bool = False) -> bool:
         if self.read_only:
@@ -111,7 +111,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         return files.write_whole(path, data, expires, exclusive=exclusive)
 
     def _entry(self, cache_key: str) -> Path:
-        return self.path / "entries" / _hex(self.toolchain) / _hex(cache_key)
+        return self.path / "entries" / _hex(self.partition) / _hex(cache_key)
 
     # -- the compile path -------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
@@ -179,7 +179,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         return True
 
     def _leases(self, cache_key: str) -> Path:
-        return self.path / "leases" / _hex(self.toolchain) / _hex(cache_key)
+        return self.path / "leases" / _hex(self.partition) / _hex(cache_key)
 
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         folder, now = self._leases(cache_key), time.time()
@@ -225,38 +225,38 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         return files.read_small(self.path / "batches" / name)
 
     # -- entries ----------------------------------------------------------------------------------
-    def in_toolchain(self, toolchain: str) -> DirectoryBackend:
-        partition = copy.copy(self)
-        partition.toolchain = toolchain
-        return partition
+    def in_partition(self, partition: str) -> DirectoryBackend:
+        other = copy.copy(self)
+        other.partition = partition
+        return other
 
-    def _live(self, toolchain: str) -> Iterator[str]:
-        """The cache key of every live entry of `toolchain`, in order."""
-        now, folder = time.time(), self.path / "entries" / _hex(toolchain)
+    def _live(self, partition: str) -> Iterator[str]:
+        """The cache key of every live entry of `partition`, in order."""
+        now, folder = time.time(), self.path / "entries" / _hex(partition)
         for name in files.names(folder):
             info = files.stat_of(folder / name)
             if (key := _unhex(name)) is not None and info and stat.S_ISREG(info.st_mode) and info.st_mtime > now:
                 yield key
 
-    def entry_toolchains(self) -> list[str]:
+    def entry_partitions(self) -> list[str]:
         names = (_unhex(name) for name in files.names(self.path / "entries"))
-        return [tc for tc in names if tc is not None and next(self._live(tc), None) is not None]
+        return [name for name in names if name is not None and next(self._live(name), None) is not None]
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
-        for toolchain in self.entry_toolchains():
-            yield from ((toolchain, key) for key in self._live(toolchain))
+        for partition in self.entry_partitions():
+            yield from ((partition, key) for key in self._live(partition))
 
     def scan_entries(self, with_ttl: bool = True) -> Iterator[api.RawEntry]:
-        for key in self._live(self.toolchain):
+        for key in self._live(self.partition):
             now = time.time()
             if (read := files.read_bounded(self._entry(key), now, self.max_entry_bytes)) is not None:
-                yield api.RawEntry(key, read[0], read[1] - now, self.toolchain)
+                yield api.RawEntry(key, read[0], read[1] - now, self.partition)
 
     def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
         return self.fetch(cache_keys, None)
 
     def find_keys(self, prefix: str, limit: int = 10) -> list[str]:
-        return [key for key in self._live(self.toolchain) if key.startswith(prefix)][:limit]
+        return [key for key in self._live(self.partition) if key.startswith(prefix)][:limit]
 
     def put_entries(self, items: Sequence[api.WriteItem]) -> None:
         now = time.time()
@@ -282,7 +282,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
                         yield path, info.st_size
 
     def expired_count(self) -> tuple[int, int]:
-        """(expired entries and index fields and stale temp files, their bytes), of every toolchain."""
+        """(expired entries and index fields and stale temp files, their bytes), of every partition."""
         found = [size for _, size in self._garbage()]
         return len(found), sum(found)
 

@@ -303,20 +303,20 @@ class RedisBackend(Backend, Reader):
         client: Any,
         keys: KeySpace,
         description: str = "redis",
-        toolchain: str | None = None,
+        partition: str | None = None,
         *,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
         op_timeout: float | None = None,
         metrics_shards: int = DEFAULT_METRICS_SHARDS,
     ):
-        """`toolchain`: the partition of entries and leases this backend works in (default: this compiler's).
+        """`partition`: the partition of entries and leases this backend works in (default: this compiler's).
         `max_entry_bytes`: larger entries are never downloaded, only their size (TooLarge). `op_timeout`:
         seconds each compile-path call (fetch, acquire_lease, lease_holder) may take as a whole; None: bounded
         by the client's socket timeout per read only (reports and inspection)."""
         self.client = client
         self.keys = keys
         self.description = description
-        self.toolchain = toolchain or toolchain_id()
+        self.partition = partition or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
         self.op_timeout = op_timeout
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
@@ -329,7 +329,7 @@ class RedisBackend(Backend, Reader):
         self._zero_counters = client.register_script(ZERO_COUNTERS_LUA)
 
     @classmethod
-    def open(cls, settings: Settings, *, reading: bool = False, toolchain: str | None = None) -> RedisBackend:
+    def open(cls, settings: Settings, *, reading: bool = False, partition: str | None = None) -> RedisBackend:
         """Connect to the tier the settings name; `reading` (reports, inspection) allows longer timeouts."""
         connect_timeout, op_timeout = settings.connect_timeout, settings.op_timeout
         if reading:
@@ -341,23 +341,23 @@ class RedisBackend(Backend, Reader):
             client,
             KeySpace(settings.namespace),
             redact_url(settings.tier),
-            toolchain,
+            partition,
             max_entry_bytes=settings.max_entry_bytes,
             op_timeout=None if reading else op_timeout,
             metrics_shards=settings.metrics_shards,
         )
 
     def __repr__(self) -> str:
-        return f"RedisBackend({self.description}, toolchain {self.toolchain})"
+        return f"RedisBackend({self.description}, partition {self.partition})"
 
-    def in_toolchain(self, toolchain: str) -> RedisBackend:
-        """The same store and client, working in another toolchain's partition (closing either closes both)."""
-        partition = copy.copy(self)
-        partition.toolchain = toolchain
-        return partition
+    def in_partition(self, partition: str) -> RedisBackend:
+        """The same store and client, working in another partition (closing either closes both)."""
+        other = copy.copy(self)
+        other.partition = partition
+        return other
 
-    def entry_toolchains(self) -> list[str]:
-        """The toolchains that hold entries (a SCAN of the entry keys, no values read)."""
+    def entry_partitions(self) -> list[str]:
+        """The partitions that hold entries (a SCAN of the entry keys, no values read)."""
         found: set[str] = set()
         # Pages of 10k keys, and the partition's name alone (no cache key decoded): du over 100k entries scanned
         # them all here, page by page of 1k, before reading any (bench/RESULTS.md, "Scans split over processes").
@@ -370,10 +370,10 @@ class RedisBackend(Backend, Reader):
             yield self.keys.parse_entry(text(redis_key) or "")
 
     def _entry(self, cache_key: str) -> str:
-        return self.keys.entry(self.toolchain, cache_key)
+        return self.keys.entry(self.partition, cache_key)
 
     def _lease(self, cache_key: str) -> str:
-        return self.keys.lease(self.toolchain, cache_key)
+        return self.keys.lease(self.partition, cache_key)
 
     def _call(self, operation: Callable[[], T]) -> T:
         drops = self._drops
@@ -926,11 +926,11 @@ class RedisBackend(Backend, Reader):
         for page in self.entry_pages():
             yield from self.read_entry_page(page, with_ttl)
 
-    def entry_pages(self, every_toolchain: bool = False, size: int = BATCH) -> Iterator[list[str]]:
-        """The names of this partition's entries (of every partition's: `every_toolchain`), `size` a page, as
+    def entry_pages(self, every_partition: bool = False, size: int = BATCH) -> Iterator[list[str]]:
+        """The names of this partition's entries (of every partition's: `every_partition`), `size` a page, as
         SCAN finds them; no value is read. `read_entry_page` reads a page, in this process or another one
         (cachestore.scan_split)."""
-        pattern = self.keys.entry_pattern(None if every_toolchain else self.toolchain)
+        pattern = self.keys.entry_pattern(None if every_partition else self.partition)
         # SCAN pages of 10k keys (the server matches them against the pattern): entries are a fraction of a
         # tier's keys (metrics, hosts of each key), and a page of 1k cost a round trip per few hundred entries.
         redis_keys = self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000))
@@ -942,8 +942,8 @@ class RedisBackend(Backend, Reader):
         found = []
         for redis_key, (data, ttl) in zip(names, self._read_entries(names, with_ttl=with_ttl), strict=True):
             if data is not None:
-                toolchain, cache_key = self.keys.parse_entry(redis_key)
-                found.append(RawEntry(cache_key, data, ttl if with_ttl else None, toolchain))
+                partition, cache_key = self.keys.parse_entry(redis_key)
+                found.append(RawEntry(cache_key, data, ttl if with_ttl else None, partition))
         return found
 
     def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
@@ -960,7 +960,7 @@ class RedisBackend(Backend, Reader):
         matched on every key of the partition), at most `limit`."""
         is_hex = all(c in "0123456789abcdef" for c in prefix.lower())
         prefix = prefix.lower() if is_hex else prefix
-        pattern = self.keys.entry_prefix_pattern(self.toolchain, prefix if is_hex else "")
+        pattern = self.keys.entry_prefix_pattern(self.partition, prefix if is_hex else "")
         found: list[str] = []
         for redis_key in self._stream(lambda: self.client.scan_iter(match=pattern, count=10_000)):
             cache_key = self.keys.parse_entry(text(redis_key) or "")[1]
@@ -985,7 +985,7 @@ class RedisBackend(Backend, Reader):
         names = [self._entry(key) for key, _ in items]
         # And each key's name before issue 16 (keys.legacy_entry), which an upgraded tier may still hold: one DEL
         # a name, as a cluster refuses a DEL of keys in two slots.
-        legacy = {self.keys.legacy_entry(self.toolchain, key) for key, _ in items} - set(names)
+        legacy = {self.keys.legacy_entry(self.partition, key) for key, _ in items} - set(names)
         self._pipeline(lambda pipe: [pipe.delete(name) for name in [*names, *sorted(legacy)]])
 
     def expired_count(self) -> tuple[int, int]:

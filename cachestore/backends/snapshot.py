@@ -5,7 +5,7 @@ each key, for offline inspection (`nkicache inspect --snapshot FILE`) and for mo
 A snapshot is a sequence of msgpack objects, written and read one at a time (memory stays bounded):
 
     header  {"nkicache_snapshot": 2, "schema": <entry schema>, "created": <unix time>, "source": <tier>}
-    record  {"toolchain": <toolchain id>, "key": <cache key>, "data": <encoded entry>,
+    record  {"toolchain": <partition>, "key": <cache key>, "data": <encoded entry>,
              "ttl": <seconds left> | nil,
              "usage": {"kernel_name", "usage", "first_use", "last_use", "hosts"} | nil}   (one per entry)
     trailer {"nkicache_snapshot_end": <number of records>}
@@ -30,7 +30,7 @@ from bridge.identity import toolchain_id
 from cachestore.api import BATCH, KeyRecord, RawEntry, Reader, WriteItem, batched, stored_number
 from cachestore.entry import MAX_ENTRY_BYTES, SCHEMA_VERSION, TooLarge
 
-SNAPSHOT_VERSION = 2  # 2: records name their toolchain
+SNAPSHOT_VERSION = 2  # 2: records name their partition (under "toolchain")
 HEADER_KEY = "nkicache_snapshot"
 TRAILER_KEY = "nkicache_snapshot_end"
 RECENT = 2 * BATCH  # records whose usage a reader keeps from its scan
@@ -63,7 +63,7 @@ class SnapshotWriter:
 
     def add(self, entry: RawEntry, usage: KeyRecord | None, hosts: Sequence[str] = ()) -> None:
         record: dict[str, Any] = {
-            "toolchain": entry.toolchain,
+            "toolchain": entry.partition,
             "key": entry.cache_key,
             "data": entry.data,
             "ttl": entry.ttl,
@@ -94,17 +94,17 @@ class SnapshotWriter:
 
 class SnapshotReader(Reader):
     """A snapshot file as a read-only `Reader`: entries and per-key usage; it holds no fleet totals,
-    workers, kernel counts or pass log, so those read as empty. Entries are read in one toolchain's
-    partition, as from a tier."""
+    workers, kernel counts or pass log, so those read as empty. Entries are read in one partition, as
+    from a tier."""
 
     read_only = True
     keeps_expired = False  # a snapshot keeps what was live when it was written
     splits_scans = False  # scanned in one process (cachestore.scan_split)
 
-    def __init__(self, path: str | Path, toolchain: str | None = None):
+    def __init__(self, path: str | Path, partition: str | None = None):
         self.path = Path(path)
         self.description = f"snapshot {self.path}"
-        self.toolchain = toolchain or toolchain_id()
+        self.partition = partition or toolchain_id()
         self._index: dict[str, int] | None = None
         self._recent: dict[str, dict | None] = {}
         with self._open() as file:
@@ -172,16 +172,16 @@ class SnapshotReader(Reader):
         return self._index
 
     def _own_records(self) -> Iterator[tuple[int, dict]]:
-        return ((offset, record) for offset, record in self.records() if record["toolchain"] == self.toolchain)
+        return ((offset, record) for offset, record in self.records() if record["toolchain"] == self.partition)
 
-    def entry_toolchains(self) -> list[str]:
+    def entry_partitions(self) -> list[str]:
         return sorted({record["toolchain"] for _, record in self.records()})
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
         return ((record["toolchain"], record["key"]) for _, record in self.records())
 
-    def in_toolchain(self, toolchain: str) -> SnapshotReader:
-        return SnapshotReader(self.path, toolchain)
+    def in_partition(self, partition: str) -> SnapshotReader:
+        return SnapshotReader(self.path, partition)
 
     # -- Reader: fleet metrics (a snapshot keeps only per-key usage) --------------------------------
     def totals(self) -> dict[str, float]:
@@ -291,14 +291,13 @@ def _is_usage(usage: object) -> bool:
 
 
 def write_snapshot(reader: Reader, path: str | Path) -> int:
-    """Every entry of `reader`, of every toolchain, with its usage, into a snapshot file; returns the number
+    """Every entry of `reader`, of every partition, with its usage, into a snapshot file; returns the number
     of entries. An entry over the reader's max_entry_bytes is left out: it was not read, and no tier would
     take it back."""
     writer = SnapshotWriter(path, reader.description)
     try:
-        for toolchain in reader.entry_toolchains():
-            partition = reader.in_toolchain(toolchain)
-            for batch in batched(partition.scan_entries()):
+        for partition in reader.entry_partitions():
+            for batch in batched(reader.in_partition(partition).scan_entries()):
                 keys = [entry.cache_key for entry in batch]
                 usage, hosts = reader.key_records(keys), reader.key_hosts(keys)
                 for entry in batch:

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 # ranks entries by (cachestore.value); a version 3 file keeps its entries (compile seconds and passes 0: they
 # rank as the cheapest until rewritten and used again).
 SCHEMA_VERSION = 4
+# The `toolchain` column of entries and leases holds the partition (cachestore.keys.partition: a toolchain's id,
+# and the scope if untrusted); the column keeps the name of the schema that files on disk have.
 UPGRADABLE = {"1": ("entries", "digests", "leases"), "2": ("entries", "digests", "leases")}
 COLUMNS_ADDED = {
     "3": (
@@ -111,7 +113,7 @@ class NotATier(TierUnavailable):
 
 
 class _FileState:
-    """Shared by a backend and its `in_toolchain` copies: bumped each time this process sees the file replaced,
+    """Shared by a backend and its `in_partition` copies: bumped each time this process sees the file replaced,
     so every thread's connection to the old file is reopened on the new one."""
 
     generation = 0
@@ -139,7 +141,7 @@ class SqliteBackend(Backend, Reader):
         timeout: float = 1.0,
         *,
         create: bool = True,
-        toolchain: str | None = None,
+        partition: str | None = None,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
         max_size: int | None = None,
@@ -149,7 +151,7 @@ class SqliteBackend(Backend, Reader):
         read. `write_timeout`: seconds the background writes (entries, lease releases, metrics) and admin
         writes wait for it: several processes of one machine take turns, and a write that waits a little
         longer delays no compile. `create=False` (reports, inspection): a missing file is an error, not a
-        new empty tier. `toolchain`: the partition of entries and leases this backend works in (default:
+        new empty tier. `partition`: the partition of entries and leases this backend works in (default:
         this compiler's). `max_entry_bytes`: larger entries are never read, only their size (TooLarge).
         `max_size`: bytes the file may hold; writes past it delete the least valuable entries (cachestore.value)
         and give the space back to the file system (None: no cap). `writable=False` (a read-only client): the file is
@@ -159,7 +161,7 @@ class SqliteBackend(Backend, Reader):
         self.description = f"local:{self.path}"
         self.timeout = timeout
         self.write_timeout = max(timeout, write_timeout)
-        self.toolchain = toolchain or toolchain_id()
+        self.partition = partition or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
         self.max_size = max_size
         self._local = threading.local()
@@ -235,19 +237,18 @@ class SqliteBackend(Backend, Reader):
             )
 
     def __repr__(self) -> str:
-        return f"SqliteBackend({str(self.path)!r}, toolchain {self.toolchain})"
+        return f"SqliteBackend({str(self.path)!r}, partition {self.partition})"
 
-    def in_toolchain(self, toolchain: str) -> SqliteBackend:
-        """The same file and connections, working in another toolchain's partition (closing either closes
-        both)."""
-        partition = copy.copy(self)
-        partition.toolchain = toolchain
-        return partition
+    def in_partition(self, partition: str) -> SqliteBackend:
+        """The same file and connections, working in another partition (closing either closes both)."""
+        other = copy.copy(self)
+        other.partition = partition
+        return other
 
-    def entry_toolchains(self) -> list[str]:
+    def entry_partitions(self) -> list[str]:
         return [
-            tc
-            for (tc,) in self._read(
+            name
+            for (name,) in self._read(
                 "SELECT DISTINCT toolchain FROM entries WHERE expires > ? ORDER BY 1", (time.time(),)
             )
         ]
@@ -439,7 +440,7 @@ class SqliteBackend(Backend, Reader):
             rows = self._read(
                 f"SELECT cache_key, {self._SIZE_AND_DATA}, expires, used FROM entries WHERE toolchain = ? "
                 f"AND cache_key IN ({marks}) AND expires > ?",
-                (self.max_entry_bytes, self.toolchain, *chunk, now),
+                (self.max_entry_bytes, self.partition, *chunk, now),
             )
             for key, size, data, expires, used in rows:
                 found[key] = self._value(size, data)
@@ -456,7 +457,7 @@ class SqliteBackend(Backend, Reader):
             with contextlib.suppress(TierBusy), self._write(self.timeout) as db:
                 db.executemany(
                     "UPDATE entries SET expires = ?, used = ? WHERE toolchain = ? AND cache_key = ?",
-                    [(now + ttl, now, self.toolchain, k) for k in stale],
+                    [(now + ttl, now, self.partition, k) for k in stale],
                 )
         return found
 
@@ -473,7 +474,7 @@ class SqliteBackend(Backend, Reader):
             db.execute(
                 f"INSERT OR REPLACE INTO entries {_ENTRY_COLUMNS}",
                 (
-                    self.toolchain,
+                    self.partition,
                     request.cache_key,
                     request.full,
                     request.digest,
@@ -508,10 +509,10 @@ class SqliteBackend(Backend, Reader):
         with self._write(self.timeout) as db:  # on the compiling thread: it waits no longer than a read
             db.execute(
                 "DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND expires <= ?",
-                (self.toolchain, cache_key, now),
+                (self.partition, cache_key, now),
             )
             cursor = db.execute(
-                "INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)", (self.toolchain, cache_key, owner, now + ttl)
+                "INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)", (self.partition, cache_key, owner, now + ttl)
             )
             return cursor.rowcount == 1
 
@@ -523,14 +524,14 @@ class SqliteBackend(Backend, Reader):
         with self._write() as db:
             db.executemany(
                 "UPDATE entries SET expires = ? WHERE toolchain = ? AND cache_key = ?",
-                [(now + ttl, self.toolchain, key) for key, ttl in items],
+                [(now + ttl, self.partition, key) for key, ttl in items],
             )
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         with self._write() as db:
             db.executemany(
                 "DELETE FROM leases WHERE toolchain = ? AND cache_key = ? AND owner = ?",
-                [(self.toolchain, cache_key, owner) for cache_key, owner in leases],
+                [(self.partition, cache_key, owner) for cache_key, owner in leases],
             )
 
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
@@ -538,14 +539,14 @@ class SqliteBackend(Backend, Reader):
         with self._write() as db:  # from the lease keeper's thread: it may wait like a background write
             cursor = db.execute(
                 "UPDATE leases SET expires = ? WHERE toolchain = ? AND cache_key = ? AND owner = ? AND expires > ?",
-                (now + ttl, self.toolchain, cache_key, owner, now),
+                (now + ttl, self.partition, cache_key, owner, now),
             )
             return cursor.rowcount == 1
 
     def lease_holder(self, cache_key: str) -> str | None:
         rows = self._read(
             "SELECT owner FROM leases WHERE toolchain = ? AND cache_key = ? AND expires > ?",
-            (self.toolchain, cache_key, time.time()),
+            (self.partition, cache_key, time.time()),
         )
         return rows[0][0] if rows else None
 
@@ -739,10 +740,10 @@ class SqliteBackend(Backend, Reader):
             rows = self._read(
                 f"SELECT cache_key, {self._SIZE_AND_DATA}, expires FROM entries WHERE toolchain = ? "
                 "AND cache_key > ? AND expires > ? ORDER BY cache_key LIMIT ?",
-                (self.max_entry_bytes, self.toolchain, last, now, BATCH),
+                (self.max_entry_bytes, self.partition, last, now, BATCH),
             )
             for key, size, data, expires in rows:
-                yield RawEntry(key, self._value(size, data), expires - now, self.toolchain)
+                yield RawEntry(key, self._value(size, data), expires - now, self.partition)
             if len(rows) < BATCH:
                 return
             last = rows[-1][0]
@@ -754,7 +755,7 @@ class SqliteBackend(Backend, Reader):
             rows = self._read(
                 f"SELECT cache_key, {self._SIZE_AND_DATA} FROM entries WHERE toolchain = ? "
                 f"AND cache_key IN ({','.join('?' * len(chunk))}) AND expires > ?",
-                (self.max_entry_bytes, self.toolchain, *chunk, time.time()),
+                (self.max_entry_bytes, self.partition, *chunk, time.time()),
             )
             found.update((key, self._value(size, data)) for key, size, data in rows)
         return found
@@ -763,12 +764,12 @@ class SqliteBackend(Backend, Reader):
         rows = self._read(
             "SELECT cache_key FROM entries WHERE toolchain = ? AND substr(cache_key, 1, ?) = ? AND expires > ? "
             "ORDER BY cache_key LIMIT ?",
-            (self.toolchain, len(prefix), prefix, time.time(), limit),
+            (self.partition, len(prefix), prefix, time.time(), limit),
         )
         return [key for (key,) in rows]
 
     def expired_count(self) -> tuple[int, int]:
-        """(entries past their expiry that are still stored, their bytes), of every toolchain: the local tier
+        """(entries past their expiry that are still stored, their bytes), of every partition: the local tier
         never purges them by itself."""
         (row,) = self._read(
             "SELECT count(*), coalesce(sum(length(data)), 0) FROM entries WHERE expires <= ?", (time.time(),)
@@ -776,7 +777,7 @@ class SqliteBackend(Backend, Reader):
         return int(row[0]), int(row[1])
 
     def purge_expired(self) -> None:
-        """Delete every toolchain's expired entries."""
+        """Delete every partition's expired entries."""
         now = time.time()
         with self._write() as db:
             db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
@@ -790,7 +791,7 @@ class SqliteBackend(Backend, Reader):
         with self._write() as db:
             for item in items:
                 row = (
-                    self.toolchain,
+                    self.partition,
                     item.cache_key,
                     item.data,
                     item.digest or "",
@@ -808,7 +809,7 @@ class SqliteBackend(Backend, Reader):
             return
         with self._write() as db:
             db.executemany(
-                "DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", [(self.toolchain, key) for key, _ in items]
+                "DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", [(self.partition, key) for key, _ in items]
             )
         self._give_back_space()
 
@@ -823,7 +824,7 @@ class SqliteBackend(Backend, Reader):
         """Within a write: past max_size, delete the entries of lowest retention score (cachestore.value: compile
         seconds saved per stored byte, by the passes this file's metrics saw use it (at least one), halved for
         every week unused; equal scores
-        least recently used first), of every toolchain (the cap is the file's), until about TRIM_TO of it would
+        least recently used first), of every partition (the cap is the file's), until about TRIM_TO of it would
         be left. True when it deleted any."""
         if self.max_size is None:
             return False
@@ -845,8 +846,8 @@ class SqliteBackend(Backend, Reader):
             rows = cursor.fetchmany(256)
             if not rows:
                 break
-            for toolchain, key, size in rows:
-                victims.append((toolchain, key))
+            for partition, key, size in rows:
+                victims.append((partition, key))
                 excess -= size + ROW_OVERHEAD
                 if excess <= 0:
                     break

@@ -1,7 +1,7 @@
 """The store contract as pytest tests, written once against cachestore.api's Backend and Reader protocols, as
 dogpile ships dogpile/testing/fixtures.py. A store's test module subclasses `StoreContract` and gives it one
 fixture, `open_store`: a function opening the store under test (a fresh, empty one for the test, the same one
-on every call) with `max_entry_bytes` and `toolchain` keywords, closing what it opened when the test ends:
+on every call) with `max_entry_bytes` and `partition` keywords, closing what it opened when the test ends:
 
     class TestMyStore(StoreContract):
         @pytest.fixture
@@ -31,10 +31,12 @@ import pytest
 from bridge.errors import NkiCacheError
 from cachestore.api import BatchRefused, KeyUsage, MetricsBatch, StoreRequest, WriteItem
 from cachestore.entry import TooLarge
+from cachestore.keys import partition
 
 TTL = 3600
-TOOLCHAIN = "contract0toolchain"
-OTHER_TOOLCHAIN = "contract1toolchain"
+TOOLCHAIN = "contract0toolchain"  # the compiler the metrics batches name
+PARTITION = partition(TOOLCHAIN)  # where the store's entries are: that compiler's trusted partition
+OTHER_PARTITION = partition("contract1toolchain")  # another compiler's
 # Keys a store must keep apart and give back as they are: separators, dots, spaces, non-ASCII, a long one.
 ODD_KEYS = ["../../escape", "a/b\\c", ".hidden", "with space", "ключ-✓", "x" * 100, "a" * 64]
 
@@ -91,7 +93,7 @@ class StoreContract:
 
     @pytest.fixture
     def store(self, open_store: Callable[..., Any]) -> Any:
-        return open_store(toolchain=TOOLCHAIN)
+        return open_store(partition=PARTITION)
 
     # -- entries ----------------------------------------------------------------------------------
     def test_missing_keys_read_as_absent(self, store: Any) -> None:
@@ -101,13 +103,13 @@ class StoreContract:
         assert store.find_keys("no") == []
         assert list(store.scan_entries()) == []
         assert list(store.entry_keys()) == []
-        assert store.entry_toolchains() == []
+        assert store.entry_partitions() == []
 
     def test_store_then_fetch_round_trips_and_another_handle_sees_it(self, store: Any, open_store: Any) -> None:
         items = {f"key-{i}": b"entry %d " % i * (i + 1) for i in range(3)}
         store.store([request(key, data) for key, data in items.items()], TTL)
         assert store.fetch(["key-1", "missing", "key-2"], TTL) == {"key-1": items["key-1"], "key-2": items["key-2"]}
-        assert open_store(toolchain=TOOLCHAIN).fetch(list(items), None) == items
+        assert open_store(partition=PARTITION).fetch(list(items), None) == items
         store.store([request("key-0", b"second")], TTL)
         assert store.fetch(["key-0"], TTL) == {"key-0": b"second"}  # stored again: replaced
         assert sorted(raw.cache_key for raw in store.scan_entries()) == sorted(items)
@@ -120,7 +122,7 @@ class StoreContract:
         assert store.get_entries(["escape", "../escape", "a/b"]) == {}
 
     def test_an_entry_over_the_bound_is_its_size_unread(self, open_store: Any) -> None:
-        store = open_store(toolchain=TOOLCHAIN, max_entry_bytes=1000)
+        store = open_store(partition=PARTITION, max_entry_bytes=1000)
         sizes = {"small": 10, "exact": 1000, "over": 1001, "far-over": 5000}
         store.put_entries([WriteItem(key, b"e" * size, None, TTL) for key, size in sizes.items()])
         expected = {
@@ -168,38 +170,38 @@ class StoreContract:
         assert store.get_entries(keys) == {key: key.encode() for key in keys}
         scan = store.scan_entries()
         assert iter(scan) is scan  # streamed, not a list made first
-        assert {raw.cache_key: (raw.data, raw.toolchain) for raw in scan} == {k: (k.encode(), TOOLCHAIN) for k in keys}
+        assert {raw.cache_key: (raw.data, raw.partition) for raw in scan} == {k: (k.encode(), PARTITION) for k in keys}
         assert sorted(store.find_keys("a", limit=100)) == sorted(k for k in keys if k.startswith("a"))
         assert sorted(store.find_keys("ab")) == [f"ab-{i}" for i in range(4)]
         assert len(store.find_keys("a", limit=3)) == 3
-        assert sorted(store.entry_keys()) == sorted((TOOLCHAIN, key) for key in keys)
+        assert sorted(store.entry_keys()) == sorted((PARTITION, key) for key in keys)
         store.delete_entries([("aa-0", "digest-aa-0"), ("b-1", None), ("never-stored", None)])
         assert set(store.get_entries(keys)) == set(keys) - {"aa-0", "b-1"}
         assert "aa-0" not in store.find_keys("aa")
         assert store.expired_count() == (0, 0)
 
-    def test_toolchains_are_partitions(self, store: Any) -> None:
+    def test_partitions_keep_entries_and_leases_apart(self, store: Any) -> None:
         store.store([request("shared-key", b"one")], TTL)
-        other = store.in_toolchain(OTHER_TOOLCHAIN)
-        assert other.toolchain == OTHER_TOOLCHAIN and store.toolchain == TOOLCHAIN
+        other = store.in_partition(OTHER_PARTITION)
+        assert other.partition == OTHER_PARTITION and store.partition == PARTITION
         assert other.fetch(["shared-key"], TTL) == {} and other.get_entries(["shared-key"]) == {}
         assert list(other.scan_entries()) == [] and other.find_keys("shared") == []
         other.store([request("shared-key", b"two")], TTL)
         assert store.fetch(["shared-key"], TTL) == {"shared-key": b"one"}
         assert other.fetch(["shared-key"], TTL) == {"shared-key": b"two"}
-        assert store.entry_toolchains() == sorted([TOOLCHAIN, OTHER_TOOLCHAIN])
-        assert sorted(store.entry_keys()) == [(TOOLCHAIN, "shared-key"), (OTHER_TOOLCHAIN, "shared-key")]
+        assert store.entry_partitions() == sorted([PARTITION, OTHER_PARTITION])
+        assert sorted(store.entry_keys()) == [(PARTITION, "shared-key"), (OTHER_PARTITION, "shared-key")]
         assert store.acquire_lease("shared-key", "me", 30) and other.acquire_lease("shared-key", "you", 30)
         assert (store.lease_holder("shared-key"), other.lease_holder("shared-key")) == ("me", "you")
         other.delete_entries([("shared-key", None)])
         assert store.fetch(["shared-key"], None) == {"shared-key": b"one"}
-        assert store.entry_toolchains() == [TOOLCHAIN]
+        assert store.entry_partitions() == [PARTITION]
 
     def test_read_only_refuses_writes(self, store: Any, open_read_only: Callable[..., Any] | None) -> None:
         if open_read_only is None:
             pytest.skip("this store is not opened read-only")
         store.store([request("k", b"v")], TTL)
-        reader = open_read_only(toolchain=TOOLCHAIN)
+        reader = open_read_only(partition=PARTITION)
         assert reader.read_only is True and store.read_only is False
         assert reader.fetch(["k"], None) == {"k": b"v"}
         with pytest.raises(NkiCacheError):
@@ -251,7 +253,7 @@ class StoreContract:
             key = f"k{round_}"
             assert store.acquire_lease(key, "dead", 0.2)
             assert wait_until(lambda key=key: store.lease_holder(key) is None, 3)
-            won = contend_at_once([open_store(toolchain=TOOLCHAIN) for _ in range(6)], key)
+            won = contend_at_once([open_store(partition=PARTITION) for _ in range(6)], key)
             assert len(won) == 1, won
             assert store.lease_holder(key) == won[0]
 
@@ -265,7 +267,7 @@ class StoreContract:
         second.toolchain = ""  # names no toolchain: counted in the fleet's and the worker's totals only
         assert store.apply_metrics(first) is True
         assert store.apply_metrics(first) is False
-        assert open_store(toolchain=TOOLCHAIN).apply_metrics(first) is False  # once per store, not per handle
+        assert open_store(partition=PARTITION).apply_metrics(first) is False  # once per store, not per handle
         assert store.apply_metrics(second) is True and store.apply_metrics(second) is False
         assert store.totals() == pytest.approx({"passes": 2, "traces": 3, "compile_seconds": 0.25, "cache_hits": 4})
         workers = {(host, worker): totals for host, worker, totals in store.workers()}

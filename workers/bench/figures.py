@@ -217,7 +217,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
             hit_times, get_times, getrange_times = [], [], []
             for _ in range(rounds):
                 for key in full:
-                    redis_key = keys_space.entry(tier.toolchain, key)
+                    redis_key = keys_space.entry(tier._partition, key)
                     started = time.perf_counter()
                     entry = tier.lookup(key)
                     loop._cache_new_nki_frontend_binary(key, entry.trace_result(), entry.key_components)
@@ -237,7 +237,7 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
 
         def raw_batched() -> None:
             for _ in range(rounds):
-                raw.mget([keys_space.entry(tier.toolchain, key) for key in full])
+                raw.mget([keys_space.entry(tier._partition, key) for key in full])
 
         count = rounds * len(full)
         hit_times, get_times, getrange_times = interleaved()

@@ -21,6 +21,7 @@ from bridge.miss_causes import MISS_CAUSES
 from bridge.targets import make_target
 from cachestore.api import WriteItem
 from cachestore.client import TierClient
+from cachestore.keys import partition
 from cachestore.settings import load_settings
 from cachestore.stores import open_backend, open_tier
 
@@ -120,7 +121,9 @@ def _settings(redis_url: str) -> Any:
 
 
 def _other_toolchain_client(settings: Any) -> TierClient:
-    client = TierClient(partial(open_backend, settings, toolchain=OTHER_TOOLCHAIN), settings, "other compiler")
+    client = TierClient(
+        partial(open_backend, settings, partition=partition(OTHER_TOOLCHAIN)), settings, "other compiler"
+    )
     client.toolchain = OTHER_TOOLCHAIN
     return client
 
