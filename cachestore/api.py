@@ -20,6 +20,7 @@ Optional abilities are declared as class attributes (`value_ttls`, `read_only`, 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -289,7 +290,11 @@ class Reader(Protocol):
         """The partitions that hold entries, sorted."""
 
     def in_partition(self, partition: str) -> Reader:
-        """The same store, in the partition `partition`."""
+        """The same store, in the partition `partition`: by default a shallow copy sharing its connections and
+        files (closing either closes both)."""
+        other = copy.copy(self)
+        other.partition = partition
+        return other
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
         """(partition, cache key) of every live entry of every partition, streamed; no value is read."""

@@ -16,7 +16,6 @@ writer left are never read, and `purge_expired` (inspect gc) deletes them.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import os
@@ -225,11 +224,6 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         return files.read_small(self.path / "batches" / name)
 
     # -- entries ----------------------------------------------------------------------------------
-    def in_partition(self, partition: str) -> DirectoryBackend:
-        other = copy.copy(self)
-        other.partition = partition
-        return other
-
     def _live(self, partition: str) -> Iterator[str]:
         """The cache key of every live entry of `partition`, in order."""
         now, folder = time.time(), self.path / "entries" / _hex(partition)

@@ -22,7 +22,6 @@ in one place: `redis_errors`.
 from __future__ import annotations
 
 import contextlib
-import copy
 import heapq
 import json
 import logging
@@ -349,12 +348,6 @@ class RedisBackend(Backend, Reader):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.description}, partition {self.partition})"
-
-    def in_partition(self, partition: str) -> RedisBackend:
-        """The same store and client, working in another partition (closing either closes both)."""
-        other = copy.copy(self)
-        other.partition = partition
-        return other
 
     def entry_partitions(self) -> list[str]:
         """The partitions that hold entries (a SCAN of the entry keys, no values read)."""

@@ -13,7 +13,6 @@ A compile's file that SQLite reports as corrupt, or that is no tier at all, is m
 from __future__ import annotations
 
 import contextlib
-import copy
 import fcntl
 import json
 import logging
@@ -238,12 +237,6 @@ class SqliteBackend(Backend, Reader):
 
     def __repr__(self) -> str:
         return f"SqliteBackend({str(self.path)!r}, partition {self.partition})"
-
-    def in_partition(self, partition: str) -> SqliteBackend:
-        """The same file and connections, working in another partition (closing either closes both)."""
-        other = copy.copy(self)
-        other.partition = partition
-        return other
 
     def entry_partitions(self) -> list[str]:
         return [
