@@ -78,7 +78,7 @@ class Claims:
             while position < count and self.skip[position]:
                 position += 1
             if position >= count:
-                counter.value = max(counter.value, position)
+                counter.value = position  # past the skipped tasks
                 return None
             counter.value = position + 1
             self.taken_by[position] = who
