@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from workers.cli import _Group, main
-from workers.compile_cli import DEMO_CASES
+from workers.demo_cli import DEMO_CASES
 
 
 def test_version_prints_the_package_version() -> None:

@@ -35,9 +35,10 @@ from bridge.errors import NkiCacheError
 from bridge.identity import toolchain_id
 from cachestore.api import TOTAL_COUNTERS, MetricsBatch
 from cachestore.backends.redis import RedisBackend
+from cachestore.json_text import json_text
 from cachestore.keys import KeySpace
 from cachestore.report import build_report, parse_duration, parse_since, parse_size
-from cachestore.report_render import FleetCollector, json_text, render_html
+from cachestore.report_render import FleetCollector, render_html
 from workers.passes import COUNT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ COMMANDS = {
     "bench": "workers.bench.cli:bench_command",
     "compile": "workers.compile_cli:compile_command",
     "config": "workers.config_cli:config_command",
-    "demo": "workers.compile_cli:demo",
+    "demo": "workers.demo_cli:demo",
     "inspect": "workers.report_cli:inspect_group",
     "job": "workers.fleet_cli:job_group",
     "keygen": "workers.trust_cli:keygen_command",

@@ -49,7 +49,7 @@ def tier_options(command: Callable) -> Callable:
 
 def echo_json(value: Any, *, indent: int | None = None) -> None:
     """Print a command's --json output: valid JSON or a clear error, never NaN or Infinity."""
-    from cachestore.report_render import json_text
+    from cachestore.json_text import json_text
 
     click.echo(json_text(value, indent=indent))
 

@@ -378,7 +378,7 @@ def ls_command(
     (writer: the key id in the entry's header, "" for none).
     """
     from cachestore.inspect import list_entries
-    from cachestore.report_render import json_text
+    from cachestore.json_text import json_text
 
     with _source(ctx, tier, snapshot) as reader:
         rows = list_entries(reader, kernel=kernel, target=target)
