@@ -68,7 +68,8 @@ from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings, SettingsError
-from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
+from cachestore.signatures import MAX_GROUP
+from cachestore.trust import Credentials, TrustError, load_credentials
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
 
