@@ -51,6 +51,7 @@ from cachestore.api import (
     batch_problem,
 )
 from cachestore.breaker import Breaker
+from cachestore.credentials import Credentials, settings_credentials
 from cachestore.entry import (
     Entry,
     EntryRejected,
@@ -67,8 +68,8 @@ from cachestore.entry import (
 from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
-from cachestore.settings import Settings, SettingsError
-from cachestore.trust import MAX_GROUP, Credentials, TrustError, load_credentials
+from cachestore.settings import Settings
+from cachestore.signatures import MAX_GROUP
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
 
@@ -925,13 +926,3 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
     if record.kernel_misses:  # the report's misses by cause per kernel, over time
         log_record["kernel_misses"] = record.kernel_misses
     return MetricsBatch(pass_id, host, worker, dict(record.counts), dict(kernel_calls), keys, log_record, toolchain)
-
-
-def settings_credentials(settings: Settings) -> Credentials:
-    """The writer key, trust policy and scope the settings name; a bad file is a SettingsError naming it."""
-    try:
-        return load_credentials(
-            settings.writer_key_file, settings.trust_policy, settings.scope, settings.tier_mode != "read-only"
-        )
-    except TrustError as exc:
-        raise SettingsError(str(exc)) from None

@@ -9,7 +9,7 @@
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
 
 Flag bit 0 says the HMAC is there, bit 1 a writer's signature of this entry alone, bit 2 a writer's batch
-signature (`cachestore.trust`). Either covers the schema, flags, key id, the cache key the entry is stored
+signature (`cachestore.signatures`). Either covers the schema, flags, key id, the cache key the entry is stored
 under and the payload's SHA-256, so it costs no hashing of the binary: bit 1's signature signs that message;
 bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), and the entry carries its leaf
 index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
@@ -56,23 +56,24 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zstandard
 
 from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
-from cachestore.trust import (
+from cachestore.signatures import (
     KEY_ID_BYTES,
     MAX_GROUP,
     SIGNATURE_BYTES,
-    TrustPolicy,
-    WriterKey,
     batch_message,
     entry_leaf,
     signed_message,
 )
 from cachestore.value import DAY, MAX_COMPILE_SECONDS
+
+if TYPE_CHECKING:
+    from cachestore.trust import TrustPolicy, WriterKey
 
 # 2: the body names its toolchain; 3: binary header, zstd payload, body a list; 4: the payload compressed with
 # the shipped dictionary (ENTRY_DICTIONARY_PATH)
@@ -93,7 +94,7 @@ MAX_COMPRESSION_RATIO = 64
 # in the future to `inspect gc` and `warm`.
 MAX_CLOCK_AHEAD = DAY
 _SIGNED = 0x01
-_WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.trust)
+_WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.signatures)
 _WRITER_BATCH = 0x04  # the same, the signature a group's, then the leaf index, group size and audit path
 _LEGACY_HINT = 0x08  # with _WRITER_BATCH, from earlier writers only: _LEGACY_HINT_BYTES unsigned bytes follow
 _LEGACY_HINT_BYTES = 12

@@ -30,7 +30,7 @@ every key of a metrics shard shares that shard's slot, which is what lets the pa
 shard apply atomically and exactly once (each shard keeps its own applied-batch marker). The shards spread
 the metrics over a cluster's nodes: with one slot, every pass's batch and every variant's usage sat on one.
 
-A scope other than the trusted one (issue 22: an untrusted writer, `cachestore.trust.resolve_scope`) is a
+A scope other than the trusted one (issue 22: an untrusted writer, `cachestore.credentials.resolve_scope`) is a
 partition of its own inside the toolchain's, TC:scope:NAME (`partition`):
 
     NS:vV:tc:TC:scope:NAME:entry:{KEY}   (and :lease:) an untrusted scope's entries

@@ -2,7 +2,7 @@
 
 A writer signs one Ed25519 signature over the root of the tree of a group of entries it stores together, and
 each entry carries its audit path, so a reader that reads many entries of one group verifies one signature
-(cachestore.trust, cachestore.entry). Leaves and interior nodes are hashed with different one-byte prefixes
+(cachestore.signatures, cachestore.entry). Leaves and interior nodes are hashed with different one-byte prefixes
 (0x00, 0x01): no interior node can be passed off as a leaf, or a leaf as an interior node (the second-preimage
 attack on plain Merkle trees). The tree over n leaves splits at the largest power of two below n, so every
 (leaf index, tree size) pair has exactly one path, of at most ceil(log2 n) hashes.

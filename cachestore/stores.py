@@ -7,7 +7,8 @@ from functools import partial
 
 from bridge.identity import toolchain_id
 from cachestore.api import READ_TIMEOUT, Backend, Reader
-from cachestore.client import TierClient, settings_credentials
+from cachestore.client import TierClient
+from cachestore.credentials import settings_credentials
 from cachestore.keys import partition
 from cachestore.settings import Settings, SettingsError
 from cachestore.stacked import StackedTier, level_settings

@@ -11,17 +11,9 @@ The policy is a TOML file of `[[writer]]` tables, one per trusted key:
     public_key = "base64 of the raw 32-byte key"     # as `nkicache keygen` prints it
     key_id = "32 hex digits"                         # optional; checked against public_key when given
 
-What a signature covers (`signed_message`): a domain tag, the entry's schema and flags, the key id, the cache
-key it is stored under and the SHA-256 of its stored payload. Binding the cache key means a trusted entry
-copied under another key (a transplant by anyone who can write the store) does not verify.
-
-Batch signatures: a writer signs a group of entries it stores together (a flush of its outbox, at most
-`MAX_GROUP`) with one signature over `batch_message`, which names the key id, the group's size and the root of
-the Merkle tree (cachestore.merkle, RFC 9162) whose leaves are the entries' `signed_message`s. Each entry
-carries the signature, its leaf index, the group's size and its audit path; a reader recomputes its leaf,
-walks the path to the root and verifies the signature once per root (the memo below), so reading N entries of
-one group costs one Ed25519 verify, not N. Each entry is still bound to the writer's signature over exactly
-what a signature of its own would cover: a forger needs the private key as before.
+What a signature covers, and how one signature covers a group of entries, is cachestore.signatures. The
+policy verifies a group's signature once per root it reads: `TrustPolicy` keeps the tree nodes under verified
+roots (and the single-entry signatures verified), so reading N entries of one group costs one Ed25519 verify.
 """
 
 from __future__ import annotations
@@ -41,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from bridge.errors import NkiCacheError
 from cachestore.merkle import PathMismatch, climb
+from cachestore.signatures import batch_message, key_id_of
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -49,14 +42,6 @@ if TYPE_CHECKING:
 # cryptography and PyNaCl (~40 ms of imports) are loaded by the functions that make, load, sign or verify with a
 # key, so that a process that uses no key never loads them.
 
-KEY_ID_BYTES = 16
-SIGNATURE_BYTES = 64
-_DOMAIN = b"nkicache-entry-ed25519\x00"
-_LEAF_DOMAIN = b"\x00" + _DOMAIN  # RFC 9162's leaf prefix, then an entry message's start (`entry_leaf`)
-_BATCH_DOMAIN = b"nkicache-batch-ed25519\x00"  # another domain: a root message is never an entry's message
-# The most entries one batch signature covers: a path of 6 hashes (192 bytes an entry) at most, and the bench
-# workload's passes store fewer than this at a time (bench/RESULTS.md, batch signatures).
-MAX_GROUP = 64
 # Signatures verified by this process, so a worker that hits entries of one group (one root), or the same entry in
 # pass after pass, verifies it once (an Ed25519 verify costs 50-120 us, about half a remote hit; bench/RESULTS.md
 # `signature_overhead`).
@@ -65,29 +50,6 @@ VERIFIED_MEMO_SIZE = 65536
 
 class TrustError(NkiCacheError):
     """A key or trust-policy file cannot be used; the message names the file and the cause."""
-
-
-def key_id_of(public_raw: bytes) -> bytes:
-    return hashlib.sha256(public_raw).digest()[:KEY_ID_BYTES]
-
-
-def signed_message(schema: int, flags: int, key_id: bytes, cache_key: str, payload_sha256: bytes) -> bytes:
-    """The bytes a writer signs for one stored entry."""
-    key = cache_key.encode("utf-8")
-    return b"".join((_DOMAIN, bytes((schema, flags)), key_id, len(key).to_bytes(2, "big"), key, payload_sha256))
-
-
-def entry_leaf(schema: int, flags: int, key_id: bytes, cache_key: str, payload_sha256: bytes) -> bytes:
-    """cachestore.merkle.leaf_hash of `signed_message(...)`, in one hash of one join: what an entry's group
-    signature covers, looked up among the nodes of verified groups before any verify."""
-    key = cache_key.encode("utf-8")
-    parts = (_LEAF_DOMAIN, bytes((schema, flags)), key_id, len(key).to_bytes(2, "big"), key, payload_sha256)
-    return hashlib.sha256(b"".join(parts)).digest()
-
-
-def batch_message(key_id: bytes, size: int, root: bytes) -> bytes:
-    """The bytes a writer signs for a group of `size` entries whose Merkle root is `root`."""
-    return b"".join((_BATCH_DOMAIN, key_id, size.to_bytes(2, "big"), root))
 
 
 def public_raw(public: Ed25519PublicKey) -> bytes:
@@ -340,38 +302,3 @@ def without_writer(path: str | Path, key_id_hex: str) -> int:
         temporary.write_text(text)
         os.replace(temporary, path)
     return removed
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """What a client signs with, what it trusts, and the scope it reads and writes in."""
-
-    writer: WriterKey | None
-    trust: TrustPolicy | None
-    scope: str  # cachestore.keys.TRUSTED_SCOPE ("") or an untrusted scope's name
-
-
-def load_credentials(writer_key_file: str, trust_policy: str, scope: str, writes: bool) -> Credentials:
-    """The writer key and trust policy the settings name, and the scope (`resolve_scope`)."""
-    writer = load_writer_key(writer_key_file) if writer_key_file else None
-    trust = load_trust_policy(trust_policy) if trust_policy else None
-    scope = resolve_scope(scope, writer, trust, writes)
-    if scope and writer is not None and trust is not None and not trust.trusts(writer.key_id):
-        trust = trust.adding(writer, "this client")  # in its own (untrusted) scope it reads what it wrote
-    return Credentials(writer, trust, scope)
-
-
-def resolve_scope(setting: str, writer: WriterKey | None, trust: TrustPolicy | None, writes: bool) -> str:
-    """The scope a client works in. `auto`: the trusted one ("") for a client that does not write, for one with
-    neither a writer key nor a trust policy (a set-up without per-writer keys), and for a writer its own trust
-    policy lists; any other writer gets a scope of its own (`w-` and its key id, or `unsigned`), so that its
-    entries and leases never stand where a trusted reader looks."""
-    if setting == "trusted":
-        return ""
-    if setting != "auto":
-        return setting
-    if not writes or (writer is None and trust is None):
-        return ""
-    if writer is not None and trust is not None and trust.trusts(writer.key_id):
-        return ""
-    return f"w-{writer.key_id_hex}" if writer is not None else "unsigned"

@@ -24,8 +24,9 @@ from cachestore.entry import (
 )
 from cachestore.merkle import inclusion_paths, leaf_hash, path_length, root_from_path, tree_root
 from cachestore.settings import Settings
+from cachestore.signatures import MAX_GROUP, signed_message
 from cachestore.stores import open_tier
-from cachestore.trust import MAX_GROUP, WriterKey, signed_message
+from cachestore.trust import WriterKey
 
 KEYS = [hashlib.sha256(b"%d" % n).hexdigest() for n in range(MAX_GROUP + 40)]
 SECTION_AT = len(MAGIC) + 2 + 32  # the writer section follows MAGIC, schema, flags and the digest (no HMAC)

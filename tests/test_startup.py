@@ -2,7 +2,8 @@
 
 A warm compile's whole process is what a user feels (`nkicache bench`: version_ms, warm_compile_*_vs_floor);
 these tests hold the reason it can be fast: no numpy or ml_dtypes unless a value is computed, no cryptography
-or PyNaCl unless a key is used, no redis-py unless a Redis tier is."""
+or PyNaCl, nor the key and trust-policy code (cachestore.trust), unless a key or a policy is configured, no
+redis-py unless a Redis tier is."""
 
 from __future__ import annotations
 
@@ -14,25 +15,32 @@ from pathlib import Path
 
 from tests.helpers_graphs import kernel_op, mixed_graph, tensor, write_graph
 
-HEAVY = ("numpy", "ml_dtypes", "cryptography", "nacl", "redis", "rich", "matplotlib", "prometheus_client")
+HEAVY = ("numpy", "ml_dtypes", "cryptography", "nacl", "redis", "rich", "matplotlib", "prometheus_client",
+         "cachestore.trust")  # fmt: skip
 
 
-def loaded_after(code: str, *args: str, cwd: Path | None = None) -> tuple[set[str], str]:
-    """(the HEAVY top-level modules loaded, stdout) after running `code` in a new interpreter."""
-    probe = f"{code}\nimport sys\nprint('LOADED', *sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)}))"
+def loaded_after(
+    code: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[set[str], str]:
+    """(the HEAVY modules loaded, by top-level or full name, and stdout) after running `code` in a new
+    interpreter."""
+    names = "({m.split('.')[0] for m in sys.modules} | set(sys.modules))"
+    probe = f"{code}\nimport sys\nprint('LOADED', *sorted({names} & {set(HEAVY)}))"
     done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=cwd,
-                          env=os.environ, timeout=120)  # fmt: skip
+                          env=env or os.environ, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     head, _, loaded = done.stdout.rpartition("LOADED")
     return set(loaded.split()), head
 
 
-def compile_in_fresh_process(graph: Path, tier: str, out: Path) -> tuple[set[str], dict]:
+def compile_in_fresh_process(
+    graph: Path, tier: str, out: Path, env: dict[str, str] | None = None
+) -> tuple[set[str], dict]:
     code = (
         "import sys\nfrom workers.cli import main\n"
         "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    assert not exc.code, exc.code"
     )
-    loaded, printed = loaded_after(code, "compile", str(graph), "--tier", tier, "--out", str(out), "--json")
+    loaded, printed = loaded_after(code, "compile", str(graph), "--tier", tier, "--out", str(out), "--json", env=env)
     return loaded, json.loads(printed)
 
 
@@ -58,6 +66,22 @@ def test_a_warm_compile_on_the_local_tier_loads_no_numpy_crypto_or_redis(tmp_pat
     assert (tmp_path / "warm" / "startup-warm.nkibb").read_bytes() == (
         tmp_path / "cold" / "startup-warm.nkibb"
     ).read_bytes()
+
+
+def test_with_a_writer_key_and_a_trust_policy_a_fresh_process_signs_and_verifies(tmp_path: Path) -> None:
+    from cachestore.trust import write_writer_key
+
+    key = write_writer_key(tmp_path / "ci.key", "ci")
+    policy = tmp_path / "trust.toml"
+    policy.write_text(key.policy_entry("ci"))
+    env = {**os.environ, "NKICACHE_WRITER_KEY_FILE": str(tmp_path / "ci.key"), "NKICACHE_TRUST_POLICY": str(policy)}
+    graph = write_graph(tmp_path, mixed_graph("startup-signed"))
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    _, cold = compile_in_fresh_process(graph, tier, tmp_path / "cold", env)
+    loaded, warm = compile_in_fresh_process(graph, tier, tmp_path / "warm", env)
+    # Every hit verified by the policy, which rejects an entry without a trusted writer's signature.
+    assert warm["traces"] == 0 and warm["remote_hits"] == cold["traces"] > 0 and warm["tier_rejected"] == 0
+    assert {"cachestore.trust", "nacl"} <= loaded
 
 
 def test_a_float32_compile_never_loads_ml_dtypes_and_a_bfloat16_one_compiles_runs_and_checks(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from test_entry import make_entry, rejected
 
 import cachestore.entry as entry_module
 from cachestore.client import TierClient
+from cachestore.credentials import load_credentials
 from cachestore.entry import (
     MAGIC,
     Entry,
@@ -37,7 +38,6 @@ from cachestore.trust import (
     TrustError,
     TrustPolicy,
     WriterKey,
-    load_credentials,
     load_trust_policy,
     load_writer_key,
 )

@@ -323,7 +323,7 @@ def _source(
 def _policy(tier: str | None = None, trusting: bool = False) -> Any:
     """The configured signature policy; `trusting`: with the trust policy too (verify and show, which look at
     one partition; gc and import, which go over every scope, would refuse every untrusted scope's entries)."""
-    from cachestore.client import settings_credentials
+    from cachestore.credentials import settings_credentials
     from cachestore.entry import SignaturePolicy
 
     settings = load_cli_settings(tier=tier)

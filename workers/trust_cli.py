@@ -133,7 +133,7 @@ def sentinel_command(
     import random
 
     from bridge.identity import toolchain_id
-    from cachestore.client import settings_credentials
+    from cachestore.credentials import settings_credentials
     from cachestore.entry import SignaturePolicy
     from cachestore.keys import partition
     from cachestore.report import parse_duration

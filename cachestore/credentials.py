@@ -1,0 +1,64 @@
+"""What a client signs with, what it trusts, and the scope it works in, as its settings name them.
+
+cachestore.trust (keys, policy files) is loaded only when the settings name a writer key or a trust policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cachestore.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from cachestore.trust import TrustPolicy, WriterKey
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a client signs with, what it trusts, and the scope it reads and writes in."""
+
+    writer: WriterKey | None
+    trust: TrustPolicy | None
+    scope: str  # cachestore.keys.TRUSTED_SCOPE ("") or an untrusted scope's name
+
+
+def settings_credentials(settings: Settings) -> Credentials:
+    """`load_credentials` of what the settings name (a client that is not read-only writes)."""
+    return load_credentials(
+        settings.writer_key_file, settings.trust_policy, settings.scope, settings.tier_mode != "read-only"
+    )
+
+
+def load_credentials(writer_key_file: str, trust_policy: str, scope: str, writes: bool) -> Credentials:
+    """The writer key and trust policy in these files ("": none), and the scope (`resolve_scope`); a file that
+    cannot be used is a SettingsError naming it."""
+    writer = trust = None
+    if writer_key_file or trust_policy:
+        from cachestore.trust import TrustError, load_trust_policy, load_writer_key
+
+        try:
+            writer = load_writer_key(writer_key_file) if writer_key_file else None
+            trust = load_trust_policy(trust_policy) if trust_policy else None
+        except TrustError as exc:
+            raise SettingsError(str(exc)) from None
+    scope = resolve_scope(scope, writer, trust, writes)
+    if scope and writer is not None and trust is not None and not trust.trusts(writer.key_id):
+        trust = trust.adding(writer, "this client")  # in its own (untrusted) scope it reads what it wrote
+    return Credentials(writer, trust, scope)
+
+
+def resolve_scope(setting: str, writer: WriterKey | None, trust: TrustPolicy | None, writes: bool) -> str:
+    """The scope a client works in. `auto`: the trusted one ("") for a client that does not write, for one with
+    neither a writer key nor a trust policy (a set-up without per-writer keys), and for a writer its own trust
+    policy lists; any other writer gets a scope of its own (`w-` and its key id, or `unsigned`), so that its
+    entries and leases never stand where a trusted reader looks."""
+    if setting == "trusted":
+        return ""
+    if setting != "auto":
+        return setting
+    if not writes or (writer is None and trust is None):
+        return ""
+    if writer is not None and trust is not None and trust.trusts(writer.key_id):
+        return ""
+    return f"w-{writer.key_id_hex}" if writer is not None else "unsigned"
