@@ -13,11 +13,11 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 
 from bridge import dtypes
 from bridge.errors import BinaryFormatError, NkiCacheError
@@ -50,8 +50,7 @@ class ArtifactError(NkiCacheError):
     """A compiled basic block file is missing, truncated, corrupt or of another version; names the file."""
 
 
-@dataclass
-class KernelInstruction:
+class KernelInstruction(msgspec.Struct):
     """An NKIKLIRKernel with what `--check` needs beside it: the op's func_name and attrs."""
 
     name: str  # the kernel_name
@@ -66,8 +65,7 @@ class KernelInstruction:
     func_outs: list[str]
 
 
-@dataclass
-class ElementwiseInstruction:
+class ElementwiseInstruction(msgspec.Struct):
     op: str
     operands: list[str]
     results: list[str]
@@ -76,13 +74,12 @@ class ElementwiseInstruction:
 Instruction = KernelInstruction | ElementwiseInstruction
 
 
-@dataclass
-class Artifact:
+class Artifact(msgspec.Struct):
     graph: str
     target: str
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-    inputs: list[str] = field(default_factory=list)
-    instructions: list[Instruction] = field(default_factory=list)
+    tensors: dict[str, Tensor] = msgspec.field(default_factory=dict)
+    inputs: list[str] = msgspec.field(default_factory=list)
+    instructions: list[Instruction] = msgspec.field(default_factory=list)
 
     @property
     def kernels(self) -> list[KernelInstruction]:

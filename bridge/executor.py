@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from bridge import dtypes
@@ -51,8 +51,7 @@ _BINARY: dict[str, Callable] = {
 _REDUCE: dict[str, Callable] = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}
 
 
-@dataclass
-class _Machine:
+class _Machine(msgspec.Struct):
     """The state of one run: buffers, registers, argument tensors."""
 
     buffers: list[np.ndarray | None]

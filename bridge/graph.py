@@ -10,8 +10,9 @@ import json
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from bridge import dtypes
 from bridge.errors import NkiCacheError
@@ -32,13 +33,12 @@ class GraphError(NkiCacheError):
     """A graph file is malformed; the message names the file, and the op index where there is one."""
 
 
-@dataclass
-class Graph:
+class Graph(msgspec.Struct):
     name: str
     source: str  # the file it came from, or "<dict>"
     target: str | None = None
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-    ops: list[InternalNkiKernel | MacroOp] = field(default_factory=list)
+    tensors: dict[str, Tensor] = msgspec.field(default_factory=dict)
+    ops: list[InternalNkiKernel | MacroOp] = msgspec.field(default_factory=list)
 
     @property
     def inputs(self) -> list[Tensor]:

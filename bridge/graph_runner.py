@@ -13,8 +13,8 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from bridge import dtypes
@@ -47,8 +47,7 @@ ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
-@dataclass
-class InstructionReport:
+class InstructionReport(msgspec.Struct):
     index: int
     name: str  # kernel_name, or the elementwise op
     func_name: str | None  # None for elementwise instructions
@@ -70,13 +69,12 @@ class InstructionReport:
         }
 
 
-@dataclass
-class RunReport:
+class RunReport(msgspec.Struct):
     graph: str
     checked: bool
-    instructions: list[InstructionReport] = field(default_factory=list)
-    values: dict[str, np.ndarray] = field(default_factory=dict)
-    outputs: list[str] = field(default_factory=list)  # produced tensors no later instruction reads
+    instructions: list[InstructionReport] = msgspec.field(default_factory=list)
+    values: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
+    outputs: list[str] = msgspec.field(default_factory=list)  # produced tensors no later instruction reads
     seconds: float = 0.0
 
     @property
@@ -100,8 +98,7 @@ def tolerance(dtype_names: Sequence[str]) -> tuple[float, float]:
     return TOLERANCES[loosest]
 
 
-@dataclass(frozen=True)
-class OutputComparison:
+class OutputComparison(msgspec.Struct, frozen=True):
     """How a kernel's outputs compare with its numpy reference (see `compare_output`)."""
 
     ok: bool

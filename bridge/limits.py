@@ -13,7 +13,8 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+
+import msgspec
 
 from bridge.errors import NkiCacheError
 
@@ -27,8 +28,7 @@ class LimitError(NkiCacheError):
     """A graph or a kernel exceeds a configured limit; the message names the graph, the op and the limit."""
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(msgspec.Struct, frozen=True):
     max_graph_bytes: int = DEFAULT_GRAPH_BYTES
     max_tensor_elements: int = DEFAULT_TENSOR_ELEMENTS
     max_graph_elements: int = DEFAULT_GRAPH_ELEMENTS

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+
+import msgspec
 
 
 class KernelCategory(enum.Enum):
@@ -16,8 +17,7 @@ class KernelCategory(enum.Enum):
     NATIVE = "native"
 
 
-@dataclass(frozen=True)
-class KernelRecord:
+class KernelRecord(msgspec.Struct, frozen=True):
     kernel_name: str
     category: KernelCategory
     call_count: int

@@ -17,8 +17,9 @@ The causes are checked in the order of MISS_CAUSES, so each miss gets the first 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from bridge.ir import freeze_key_components
 from bridge.key_rule import key_digest
@@ -46,8 +47,7 @@ PLACEMENT_COMPONENTS = ("target", "num_neuroncores")
 FINGERPRINT_HEX = 16
 
 
-@dataclass(frozen=True)
-class VariantFingerprints:
+class VariantFingerprints(msgspec.Struct, frozen=True):
     """A variant at three levels of detail: the kernel alone, with its tensors' shapes and dtypes, and with its
     attrs too (everything in the cache key but the target and neuroncore count)."""
 
@@ -56,8 +56,7 @@ class VariantFingerprints:
     attrs: str
 
 
-@dataclass(frozen=True)
-class VariantFacts:
+class VariantFacts(msgspec.Struct, frozen=True):
     """What the tier's variant index knows about a key this pass missed on (see the module docstring)."""
 
     stored_here_before: bool = False
@@ -67,8 +66,7 @@ class VariantFacts:
     kernel_stored: bool = False
 
 
-@dataclass(frozen=True)
-class MissObservation:
+class MissObservation(msgspec.Struct, frozen=True):
     """What the pass itself saw of one tier miss."""
 
     tier_unavailable: bool = False
@@ -117,7 +115,9 @@ def facts_of_stored(
 
 def merged_facts(one: VariantFacts, other: VariantFacts) -> VariantFacts:
     """Facts of two sources of the same index (what it holds, what is on its way to it): each fact of either."""
-    return VariantFacts(*(a or b for a, b in zip(astuple(one), astuple(other), strict=True)))
+    return VariantFacts(
+        *(a or b for a, b in zip(msgspec.structs.astuple(one), msgspec.structs.astuple(other), strict=True))
+    )
 
 
 def classify_miss(seen: MissObservation, facts: VariantFacts | None) -> str:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
+
+import msgspec
 
 from bridge.codegen import BirCodeGenLoop, stored_trace_problem
 from bridge.errors import NkiCacheError
@@ -32,8 +33,7 @@ from bridge.port import KernelStore, TracedVariant
 from bridge.targets import get_platform_target, make_target
 
 
-@dataclass(frozen=True)
-class TraceTask:
+class TraceTask(msgspec.Struct, frozen=True):
     """One variant to trace: the first op of `graph` (an index into the planned paths) that uses it."""
 
     task_id: int
@@ -44,8 +44,7 @@ class TraceTask:
     key_components: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class TraceOutcome:
+class TraceOutcome(msgspec.Struct, frozen=True):
     """What a trace task gave: the trace made here, or the error (the pass then traces the op itself and fails
     on it as a sequential pass does), or `found`, another process's trace the tier held once the lease was
     ours or its holder done, or none of them: another process holds the lease (`busy`: not waited for)."""
@@ -58,13 +57,14 @@ class TraceOutcome:
     busy: bool = False
 
 
-@dataclass
-class VariantPlan:
-    tasks: list[TraceTask] = field(default_factory=list)
-    needs: dict[int, set[int]] = field(default_factory=dict)  # graph -> the tasks its pass waits for
-    owned: dict[int, list[int]] = field(default_factory=dict)  # graph -> the tasks traced for it
+class VariantPlan(msgspec.Struct):
+    tasks: list[TraceTask] = msgspec.field(default_factory=list)
+    needs: dict[int, set[int]] = msgspec.field(default_factory=dict)  # graph -> the tasks its pass waits for
+    owned: dict[int, list[int]] = msgspec.field(default_factory=dict)  # graph -> the tasks traced for it
     held: int = 0  # variants the tier already held, left to the passes to read
-    causes: dict[str, str] = field(default_factory=dict)  # cache key -> why the tier missed it (the plan's lookup)
+    causes: dict[str, str] = msgspec.field(
+        default_factory=dict
+    )  # cache key -> why the tier missed it (the plan's lookup)
 
 
 def plan_variants(
@@ -164,7 +164,10 @@ def _miss_causes(kept: Sequence[TraceTask], stored: set[str], tier: KernelStore)
 
 def with_causes(handed: Mapping[str, TracedVariant], plan: VariantPlan) -> dict[str, TracedVariant]:
     """The variants handed to a pass, each naming why the tier missed it when the plan asked."""
-    return {key: replace(variant, miss_cause=plan.causes.get(key, "unknown")) for key, variant in handed.items()}
+    return {
+        key: msgspec.structs.replace(variant, miss_cause=plan.causes.get(key, "unknown"))
+        for key, variant in handed.items()
+    }
 
 
 def trace_task(

@@ -11,8 +11,9 @@ The counter names every report, JSON output and metrics batch uses are listed he
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 
@@ -110,8 +111,7 @@ def format_rate(rate: float | None, digits: int = 1) -> str:
     return "n/a" if rate is None else f"{rate:.{digits}%}"
 
 
-@dataclass(frozen=True)
-class StoredTrace:
+class StoredTrace(msgspec.Struct, frozen=True):
     """A verified kernel trace the store holds: the specification's trace-result dict
     ({'binary', 'input_names', 'output_names', 'format'}), what tracing it cost, the key components it was
     stored with, and the id of the compiler that traced it (bridge.identity)."""
@@ -122,8 +122,7 @@ class StoredTrace:
     toolchain: str
 
 
-@dataclass(frozen=True)
-class TracedVariant:
+class TracedVariant(msgspec.Struct, frozen=True):
     """A kernel variant another process traced for a pass: the specification's trace-result dict and what
     tracing it took."""
 
@@ -133,8 +132,7 @@ class TracedVariant:
     elsewhere: bool = False  # traced in another process than the pass's (counted in parallel_traces)
 
 
-@dataclass(frozen=True)
-class VariantUse:
+class VariantUse(msgspec.Struct, frozen=True):
     """How one pass used one kernel variant (a cache key)."""
 
     kernel_name: str
@@ -143,8 +141,7 @@ class VariantUse:
     last_use: float
 
 
-@dataclass
-class PassRecord:
+class PassRecord(msgspec.Struct):
     """What one compilation pass tells the store when it ends."""
 
     graph_name: str
@@ -152,8 +149,8 @@ class PassRecord:
     started: float
     finished: float
     counts: dict[str, float]  # PASS_COUNTERS
-    variants: dict[str, VariantUse] = field(default_factory=dict)  # cache key -> use
-    kernel_misses: dict[str, dict[str, int]] = field(default_factory=dict)  # kernel -> cause -> tier misses
+    variants: dict[str, VariantUse] = msgspec.field(default_factory=dict)  # cache key -> use
+    kernel_misses: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)  # kernel -> cause -> tier misses
 
 
 class KernelStore(Protocol):

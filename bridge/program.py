@@ -8,9 +8,8 @@ and runs, so the instruction semantics exist once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import msgpack
+import msgspec
 
 from bridge.errors import BinaryFormatError
 
@@ -31,15 +30,14 @@ _UNPACK_LIMITS = {
 }
 
 
-@dataclass
-class Program:
+class Program(msgspec.Struct):
     kernel: str
     target: str
-    inputs: list[list] = field(default_factory=list)  # [name, shape, dtype]
-    outputs: list[list] = field(default_factory=list)
-    buffers: list[list] = field(default_factory=list)  # [shape, dtype, space]
+    inputs: list[list] = msgspec.field(default_factory=list)  # [name, shape, dtype]
+    outputs: list[list] = msgspec.field(default_factory=list)
+    buffers: list[list] = msgspec.field(default_factory=list)  # [shape, dtype, space]
     registers: int = 0
-    code: list[list] = field(default_factory=list)
+    code: list[list] = msgspec.field(default_factory=list)
 
     @property
     def input_names(self) -> list[str]:

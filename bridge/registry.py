@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from bridge import dtypes
 from bridge.errors import KernelCompileError, UnknownKernelError
@@ -24,8 +25,7 @@ class TensorLike(Protocol):
     dtype: str
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(msgspec.Struct, frozen=True):
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -34,8 +34,7 @@ class TensorSpec:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
-@dataclass(frozen=True)
-class KernelCall:
+class KernelCall(msgspec.Struct, frozen=True):
     """A kernel function with its marshalled arguments: the call_args and additional_args of the spec."""
 
     kernel_name: str
@@ -48,14 +47,13 @@ class KernelCall:
 Variant = tuple[str, Callable]
 
 
-@dataclass(frozen=True)
-class InternalKernelConfig:
+class InternalKernelConfig(msgspec.Struct, frozen=True):
     """How one func_name is compiled. `select` picks a variant of a family (conv2d_pbp_*) by shapes/attrs."""
 
     func_name: str
     kernel_name: str
     kernel_func: Callable
-    attr_defaults: Mapping[str, Any] = field(default_factory=dict)
+    attr_defaults: Mapping[str, Any] = msgspec.field(default_factory=dict)
     select: Callable[[tuple[TensorSpec, ...], tuple[TensorSpec, ...], dict], Variant] | None = None
 
     def marshal(self, operands: Sequence[TensorLike], results: Sequence[TensorLike], attrs: Mapping) -> KernelCall:

@@ -24,8 +24,9 @@ import copy
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 from bridge.errors import NkiCacheError
 from bridge.port import PASS_COUNTERS
@@ -69,8 +70,7 @@ class TierBusy(TierTimeout):
 
 
 # -- what moves through a backend ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class StoreRequest:
+class StoreRequest(msgspec.Struct, frozen=True):
     cache_key: str
     digest: str
     full: bytes  # the encoded entry
@@ -78,27 +78,25 @@ class StoreRequest:
     compile_seconds: float = 0.0  # what tracing it cost: the local tier ranks what it keeps by it
     ttl: int | None = None  # its own TTL (cachestore.value: grows with its value); None: the call's
     # Fields of the kernel's variant index (cachestore.variant_index) this store sets: how misses get a cause.
-    index_fields: dict[bytes, bytes] = field(default_factory=dict)
+    index_fields: dict[bytes, bytes] = msgspec.field(default_factory=dict)
 
 
-@dataclass
-class KeyUsage:
+class KeyUsage(msgspec.Struct):
     kernel_name: str
     usage: int
     first_use: float
     last_use: float
 
 
-@dataclass
-class MetricsBatch:
+class MetricsBatch(msgspec.Struct):
     """Counts from one pass (or part of one), applied to the fleet metrics exactly once by `batch_id`."""
 
     batch_id: str
     host: str
     worker: str
-    totals: dict[str, float] = field(default_factory=dict)
-    kernel_calls: dict[str, int] = field(default_factory=dict)
-    keys: dict[str, KeyUsage] = field(default_factory=dict)
+    totals: dict[str, float] = msgspec.field(default_factory=dict)
+    kernel_calls: dict[str, int] = msgspec.field(default_factory=dict)
+    keys: dict[str, KeyUsage] = msgspec.field(default_factory=dict)
     pass_record: dict[str, object] | None = None  # appended to the pass log when the pass ends
     # The id of the compiler that ran the pass (bridge.identity): its totals are also summed per toolchain.
     # Empty: a batch that names none, counted in the fleet's and the worker's totals only.
@@ -192,8 +190,7 @@ def pass_time(finished: object, appended: float) -> float:
     return appended
 
 
-@dataclass
-class RawEntry:
+class RawEntry(msgspec.Struct):
     """An entry as stored, still encoded."""
 
     cache_key: str
@@ -202,8 +199,7 @@ class RawEntry:
     partition: str = ""  # the partition it is stored in (cachestore.keys.partition)
 
 
-@dataclass
-class KeyRecord:
+class KeyRecord(msgspec.Struct):
     """What the fleet metrics know about one cache key."""
 
     cache_key: str
@@ -213,8 +209,7 @@ class KeyRecord:
     last_use: float
 
 
-@dataclass
-class WriteItem:
+class WriteItem(msgspec.Struct):
     """An encoded entry for `Reader.put_entries`, written in the reader's partition."""
 
     cache_key: str

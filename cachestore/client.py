@@ -30,9 +30,10 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
+
+import msgspec
 
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
@@ -77,14 +78,12 @@ logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
 
 
-@dataclass
-class LeaseRelease:
+class LeaseRelease(msgspec.Struct):
     cache_key: str
     owner: str
 
 
-@dataclass
-class UnbuiltBatch:
+class UnbuiltBatch(msgspec.Struct):
     """A pass's record as the compiling thread hands it over: the flusher makes it into its metrics batch
     (`made`, once, so a send retried after an outage applies the same batch id)."""
 
@@ -99,16 +98,14 @@ class UnbuiltBatch:
         return self.made
 
 
-@dataclass
-class TtlRefresh:
+class TtlRefresh(msgspec.Struct):
     """An entry read whose value earns it more than entry_ttl (cachestore.value): its TTL, set in the background."""
 
     cache_key: str
     ttl: int
 
 
-@dataclass
-class PendingStore:
+class PendingStore(msgspec.Struct):
     """An entry the compiling thread handed over: `build` makes it, and the flusher thread builds, hashes,
     compresses and encodes it (`request`, kept so a retry after an outage does not encode it again)."""
 
@@ -570,7 +567,7 @@ class TierClient:
         for start in range(0, len(waiting), size):
             group = waiting[start : start + size]
             for pending, data in zip(group, seal([p.unsealed for p in group], self.writer), strict=True):
-                pending.request, pending.unsealed = replace(pending.request, full=data), None
+                pending.request, pending.unsealed = msgspec.structs.replace(pending.request, full=data), None
 
     def publish_trace(
         self,
@@ -790,7 +787,7 @@ class TierClient:
                 if pending.value is not None and pending.request is not None:
                     if self._value_ttls:  # a TTL that grows with its value (cachestore.value); else the call's
                         ttl = self._values.ttl(self.settings.entry_ttl, pending.value)
-                        pending.request = replace(pending.request, ttl=ttl)
+                        pending.request = msgspec.structs.replace(pending.request, ttl=ttl)
                     pending.value = None
             self._seal(stores)
             requests = [pending.request for pending in stores if pending.request is not None]

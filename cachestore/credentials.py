@@ -5,8 +5,9 @@ cachestore.trust (keys, policy files) is loaded only when the settings name a wr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from cachestore.settings import Settings, SettingsError
 
@@ -14,8 +15,7 @@ if TYPE_CHECKING:
     from cachestore.trust import TrustPolicy, WriterKey
 
 
-@dataclass(frozen=True)
-class Credentials:
+class Credentials(msgspec.Struct, frozen=True):
     """What a client signs with, what it trusts, and the scope it reads and writes in."""
 
     writer: WriterKey | None

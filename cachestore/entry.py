@@ -54,11 +54,11 @@ import hmac
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import msgspec
 import zstandard
 
 from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
@@ -130,8 +130,7 @@ _REF_AT = _BODY_FIELDS.index("ref")  # nil in every entry this build writes (see
 _ENTRY_FIELDS = tuple(name for name in _BODY_FIELDS if name != "ref")
 
 
-@dataclass(frozen=True)
-class TooLarge:
+class TooLarge(msgspec.Struct, frozen=True):
     """An entry a store holds but did not hand over: `size` bytes stored, over the `limit` it was asked to
     read. It stands where the entry's bytes would, and its len() is the stored size, so listings and byte
     counts (du, gc) see the entry as it is stored."""
@@ -151,8 +150,7 @@ class EntryRejected(Exception):
         self.reason = reason
 
 
-@dataclass
-class Entry:
+class Entry(msgspec.Struct):
     binary: bytes
     input_names: list[str]
     output_names: list[str]
@@ -165,12 +163,12 @@ class Entry:
     compile_seconds: float = 0.0
     digest: str = ""
     toolchain: str = ""  # the id of the compiler that traced the binary
-    signed: bool = field(default=False, compare=False)  # the signature verified with the reader's key
-    unverified: bool = field(default=False, compare=False)  # signed, but the reader had no key to check it
-    writer: str = field(default="", compare=False)  # the key id (hex) of the writer that signed it, if any
+    signed: bool = False  # the signature verified with the reader's key
+    unverified: bool = False  # signed, but the reader had no key to check it
+    writer: str = ""  # the key id (hex) of the writer that signed it, if any
     # The bytes it was decoded from, as stored (None for an entry built here): a
     # stack's nearer level keeps a copy of them, with its writer's signature, instead of encoding it anew.
-    stored: bytes | None = field(default=None, compare=False, repr=False)
+    stored: bytes | None = None
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -187,6 +185,14 @@ class Entry:
 
     def _fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _ENTRY_FIELDS}
+
+    # Equal and shown by what the entry says, not by how this reader came by it (signed, unverified, writer,
+    # stored).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Entry) and self._fields() == other._fields()
+
+    def __repr__(self) -> str:
+        return f"Entry({', '.join(f'{name}={value!r}' for name, value in self._fields().items())})"
 
 
 def binary_digest(binary: bytes) -> str:
@@ -218,8 +224,7 @@ def _payload(entry: Entry) -> bytes:
     return _compressor().compress(body)
 
 
-@dataclass(frozen=True)
-class Unsealed:
+class Unsealed(msgspec.Struct, frozen=True):
     """An entry encoded but for its writer section, which `seal` adds once the group it is signed in is known."""
 
     cache_key: str
@@ -277,8 +282,7 @@ def seal(group: Sequence[Unsealed], writer: WriterKey) -> list[bytes]:
     ]
 
 
-@dataclass(frozen=True)
-class WriterSection:
+class WriterSection(msgspec.Struct, frozen=True):
     """What an entry's header says of its writer (unverified): the key id, the signature, and for a batch
     signature the entry's place in its group (leaf index, group size, audit path)."""
 
@@ -295,8 +299,7 @@ class WriterSection:
         return _WRITER_BYTES + (_PLACE_BYTES + self.skipped + HASH_BYTES * len(self.path) if self.size else 0)
 
 
-@dataclass(frozen=True)
-class SignaturePolicy:
+class SignaturePolicy(msgspec.Struct, frozen=True):
     """How a reader treats signatures. With a key: a wrong signature is always rejected, an unsigned entry
     is rejected when `require_signed`. Without a key: a signed entry cannot be verified and is rejected
     when `reject_unverifiable`, else accepted on its digest alone."""
@@ -355,8 +358,7 @@ def _intact(data: bytes | TooLarge, max_bytes: int) -> tuple[int, bytes | None, 
 _SHA256 = hashlib.sha256()
 
 
-@dataclass(slots=True)
-class OpenedEntry:
+class OpenedEntry(msgspec.Struct):
     """An entry whose size, header, digest and HMAC were checked (`open_entry`); its writer's signature and its
     body are still to be checked."""
 

@@ -13,8 +13,9 @@ import heapq
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from bridge.errors import NkiCacheError
 from bridge.graph import nesting
@@ -477,8 +478,7 @@ def _import_partition(
 
 
 # -- gc ---------------------------------------------------------------------------------------------
-@dataclass
-class _Candidate:
+class _Candidate(msgspec.Struct):
     key: str
     bytes: int
     digest: str | None  # None for an unreadable entry

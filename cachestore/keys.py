@@ -54,7 +54,8 @@ import binascii
 import logging
 import re
 import zlib
-from dataclasses import dataclass
+
+import msgspec
 
 LAYOUT_VERSION = 1  # of the key layout; the entry format has its own (cachestore.entry.SCHEMA_VERSION)
 # Shards of a new namespace's metrics: on a cluster of tens of nodes, each node holds one or a few.
@@ -81,8 +82,7 @@ def split_partition(name: str) -> tuple[str, str]:
     return toolchain, scope
 
 
-@dataclass(frozen=True)
-class KeySpace:
+class KeySpace(msgspec.Struct, frozen=True):
     namespace: str = "nkicache"
     version: int = LAYOUT_VERSION
 
@@ -188,8 +188,7 @@ class KeySpace:
         return f"{self.prefix}:artifact:{{{job_id}}}"
 
 
-@dataclass(frozen=True)
-class JobKeys:
+class JobKeys(msgspec.Struct, frozen=True):
     """The keys of one job shard, all in its hash slot (`tag`): its toolchains' streams (with their consumer
     groups), the results, failure counts and dead letters of its jobs, and its counts. Everything the complete,
     fail and requeue scripts touch for a job is here, so they stay atomic. Shard 0 is the tag of the layout
@@ -222,8 +221,7 @@ class JobKeys:
         return f"{self.tag}:counts"
 
 
-@dataclass(frozen=True)
-class MetricsKeys:
+class MetricsKeys(msgspec.Struct, frozen=True):
     """The keys of one metrics shard, all in its hash slot (`tag`), so that one script applies a batch's part
     atomically. Shard 0 is the tag of the layout before sharding, so a namespace from then reads as 1 shard."""
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+
+import msgspec
 
 from cachestore.api import KeyRecord, MetricsBatch, pass_time, stored_number
 
@@ -52,15 +53,14 @@ def parse_record(data: bytes) -> dict | None:
     return record
 
 
-@dataclass
-class Fold:
-    totals: dict[str, float] = field(default_factory=dict)
-    workers: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
-    toolchains: dict[str, dict[str, float]] = field(default_factory=dict)
-    kernels: dict[str, dict[str, int]] = field(default_factory=dict)
-    keys: dict[str, KeyRecord] = field(default_factory=dict)
-    hosts: dict[str, set[str]] = field(default_factory=dict)
-    log: list[tuple[float, float, dict]] = field(default_factory=list)  # (applied, pass ended, pass record)
+class Fold(msgspec.Struct):
+    totals: dict[str, float] = msgspec.field(default_factory=dict)
+    workers: dict[tuple[str, str], dict[str, float]] = msgspec.field(default_factory=dict)
+    toolchains: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    kernels: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    keys: dict[str, KeyRecord] = msgspec.field(default_factory=dict)
+    hosts: dict[str, set[str]] = msgspec.field(default_factory=dict)
+    log: list[tuple[float, float, dict]] = msgspec.field(default_factory=list)  # (applied, pass ended, pass record)
 
 
 def _add(into: dict[str, float], totals: object) -> None:

@@ -16,9 +16,10 @@ import heapq
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
+
+import msgspec
 
 from bridge.miss_causes import MISS_CAUSES
 from bridge.port import SECONDS_COUNTERS, hit_rates
@@ -42,14 +43,13 @@ def counters(values: dict[str, float]) -> dict[str, float]:
     return out | hit_rates(out)
 
 
-@dataclass
-class Variant:
+class Variant(msgspec.Struct):
     key: str
     kernel_name: str
     usage: int
     first_use: float | None = None
     last_use: float | None = None
-    hosts: list[str] = field(default_factory=list)
+    hosts: list[str] = msgspec.field(default_factory=list)
     operand_shapes: list | None = None  # None when the entry is no longer stored
     operand_dtypes: list | None = None
     result_shapes: list | None = None
@@ -58,12 +58,13 @@ class Variant:
     target: str | None = None
 
 
-@dataclass
-class Bucket:
+class Bucket(msgspec.Struct):
     start: float
     end: float
-    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
-    misses: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))  # tier misses by cause
+    counts: dict[str, float] = msgspec.field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
+    misses: dict[str, float] = msgspec.field(
+        default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0)
+    )  # tier misses by cause
 
     def as_json(self) -> dict:
         return {
@@ -75,8 +76,7 @@ class Bucket:
         }
 
 
-@dataclass
-class Coverage:
+class Coverage(msgspec.Struct):
     """How warm one toolchain is for another's workload: of the variants the other holds, how many this one
     holds too, counted and weighted by their fleet usage (an upgrade's operators switch traffic when the
     new compiler covers nearly all of the old one's usage)."""
@@ -88,8 +88,7 @@ class Coverage:
     share: float  # covered_usage / usage, or covered_variants / variants when none has any usage yet
 
 
-@dataclass
-class FleetReport:
+class FleetReport(msgspec.Struct):
     tier: str
     generated: float
     since: float | None
@@ -98,17 +97,21 @@ class FleetReport:
     per_toolchain: dict[str, dict[str, float]]  # toolchain id -> its totals (as `totals`)
     per_kernel: dict[str, dict[str, int]]  # kernel name -> {"call_count", "variants"}
     variants: int  # distinct cache keys the fleet used (the statistics report's "unique cached variants")
-    top_variants: list[Variant] = field(default_factory=list)
+    top_variants: list[Variant] = msgspec.field(default_factory=list)
     bucket_seconds: int = 0
-    timeline: list[Bucket] = field(default_factory=list)
-    window: dict[str, float] = field(default_factory=dict)  # the pass log summed over the timeline's span
+    timeline: list[Bucket] = msgspec.field(default_factory=list)
+    window: dict[str, float] = msgspec.field(default_factory=dict)  # the pass log summed over the timeline's span
     # {toolchain: {other toolchain: Coverage}}: how much of each other toolchain's stored variants (weighted
     # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
-    coverage: dict[str, dict[str, Coverage]] = field(default_factory=dict)
-    zeroed: list[dict] = field(default_factory=list)  # `report --zero` records in the pass log: {when, host, worker}
+    coverage: dict[str, dict[str, Coverage]] = msgspec.field(default_factory=dict)
+    zeroed: list[dict] = msgspec.field(
+        default_factory=list
+    )  # `report --zero` records in the pass log: {when, host, worker}
     # {kernel: {cause: tier misses}} over the timeline's passes (the pass log keeps each pass's, by kernel).
-    kernel_misses: dict[str, dict[str, int]] = field(default_factory=dict)
-    trust: dict[str, Any] = field(default_factory=dict)  # `trust_summary`: per writer, and the sentinel's counts
+    kernel_misses: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    trust: dict[str, Any] = msgspec.field(
+        default_factory=dict
+    )  # `trust_summary`: per writer, and the sentinel's counts
 
     @property
     def misses(self) -> dict[str, int]:
@@ -126,11 +129,13 @@ class FleetReport:
             "per_kernel": self.per_kernel,
             "variants": self.variants,
             "kernel_types": len(self.per_kernel),
-            "top_variants": [asdict(v) for v in self.top_variants],
+            "top_variants": [msgspec.structs.asdict(v) for v in self.top_variants],
             "bucket_seconds": self.bucket_seconds,
             "timeline": [b.as_json() for b in self.timeline],
             "window": self.window,
-            "coverage": {tc: {other: asdict(c) for other, c in of.items()} for tc, of in self.coverage.items()},
+            "coverage": {
+                tc: {other: msgspec.structs.asdict(c) for other, c in of.items()} for tc, of in self.coverage.items()
+            },
             "zeroed": self.zeroed,
             "misses": self.misses,
             "kernel_misses": self.kernel_misses,

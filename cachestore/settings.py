@@ -7,13 +7,15 @@ or from files named there, never from flags, so they never show in `ps`.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
@@ -65,9 +67,8 @@ def default_tier_url() -> str:
     return f"local:{Path(cache_home) / 'nkicache' / 'tier.sqlite'}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    tier: str = dataclasses.field(default_factory=default_tier_url)  # URL, local:PATH or off
+class Settings(msgspec.Struct, frozen=True):
+    tier: str = msgspec.field(default_factory=default_tier_url)  # URL, local:PATH or off
     tier_mode: str = "read-through"  # read-through | mirror | read-only | off
     namespace: str = "nkicache"  # prefix of every Redis key
     connect_timeout: float = 0.5  # seconds to open a connection to the tier
@@ -91,7 +92,7 @@ class Settings:
     heartbeat_interval: float = 2.0  # seconds between worker heartbeats; 3 missed = not live
     require_signed: bool = True  # with an HMAC key: reject unsigned entries
     reject_unverifiable: bool = False  # without an HMAC key: reject signed entries (cannot verify)
-    host: str = dataclasses.field(default_factory=_host_name)
+    host: str = msgspec.field(default_factory=_host_name)
     # The metrics' worker label: stable, so local runs add to one series per host instead of one per process
     # (a pid would make a new Prometheus series every run). Fleet workers are named by `worker --name`.
     worker: str = "local"
@@ -99,8 +100,8 @@ class Settings:
     # once, when a namespace's first batch is applied; the namespace keeps that count from then on.
     metrics_shards: int = DEFAULT_METRICS_SHARDS
     # Secrets: environment or files only.
-    hmac_key: bytes | None = dataclasses.field(default=None, repr=False)
-    redis_password: str | None = dataclasses.field(default=None, repr=False)
+    hmac_key: bytes | None = None
+    redis_password: str | None = None
     # Bounds on one graph's work (bridge.limits), locally and in the fleet; a job's own bounds in the fleet.
     max_graph_bytes: int = 16 * 1024 * 1024  # a graph file (and so a job's graph) larger than this is refused
     max_tensor_elements: int = 2**27  # elements of one tensor (512 MiB of float32)
@@ -128,13 +129,19 @@ class Settings:
     # The share of the trusted entries in use that `nkicache sentinel` traces again and compares (0: none).
     sentinel_rate: float = 0.0
 
+    def __repr__(self) -> str:
+        shown = (
+            f"{name}={'<secret>' if name in SECRET_SETTINGS else repr(getattr(self, name))}"
+            for name in self.__struct_fields__
+        )
+        return f"Settings({', '.join(shown)})"
+
     def replace(self, **changes: Any) -> Settings:
-        return dataclasses.replace(self, **changes)
+        return msgspec.structs.replace(self, **changes)
 
     def limits(self) -> Limits:
         """The bounds on one graph's work, as the compiler side takes them."""
-        names = [f.name for f in dataclasses.fields(Limits)]
-        return Limits(**{name: getattr(self, name) for name in names})
+        return Limits(**{name: getattr(self, name) for name in Limits.__struct_fields__})
 
 
 _SECRETS = {"hmac_key", "redis_password"}
@@ -217,19 +224,19 @@ def _from_file(path: Path) -> dict[str, Any]:
 def _from_environment(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     """{setting: (value, source)} from the NKICACHE_* variables."""
     values: dict[str, tuple[Any, str]] = {}
-    for field in dataclasses.fields(Settings):
-        name = "NKICACHE_" + field.name.upper()
+    for setting in Settings.__struct_fields__:
+        name = "NKICACHE_" + setting.upper()
         secret_source = f"${name}" if environ.get(name) else f"${name}_FILE"  # where a secret was read
-        if field.name == "hmac_key":
+        if setting == "hmac_key":
             key = _hmac_key(environ, name)
             if key is not None:
-                values[field.name] = (key, secret_source)
-        elif field.name in _SECRETS:
+                values[setting] = (key, secret_source)
+        elif setting in _SECRETS:
             secret = _secret(environ, name)
             if secret is not None:
-                values[field.name] = (secret, secret_source)
+                values[setting] = (secret, secret_source)
         elif environ.get(name):
-            values[field.name] = (_coerce(field.name, environ[name], f"${name}"), f"${name}")
+            values[setting] = (_coerce(setting, environ[name], f"${name}"), f"${name}")
     return values
 
 
@@ -280,8 +287,13 @@ def _secret_file(environ: Mapping[str, str], name: str) -> bytes | None:
         raise SettingsError(f"${name}_FILE: cannot read {file_name}: {exc.strerror or exc}") from None
 
 
+@functools.cache
+def _setting_fields() -> dict[str, msgspec.structs.FieldInfo]:
+    return {field.name: field for field in msgspec.structs.fields(Settings)}
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    fields = _setting_fields()
     if name not in fields:
         raise SettingsError(f"{source}: unknown setting {name!r}")
     if name == "tier" and isinstance(value, list | tuple):
@@ -289,7 +301,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if name == "tier" and isinstance(value, str) and len(tier_levels(value)) > 1:
         value = " ".join(tier_levels(value))  # one space between levels, however they were separated
     default = fields[name].default
-    kind = type(default) if default is not dataclasses.MISSING else str
+    kind = type(default) if default is not msgspec.NODEFAULT else str
     try:
         if kind is bool:
             if isinstance(value, bool):
@@ -331,10 +343,10 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     problem = tier_url_problem(settings.tier)
     if problem:
         fail("tier", f"{redact_url(settings.tier)!r}: {problem}")
-    for field in dataclasses.fields(settings):
-        value = getattr(settings, field.name)
+    for name in settings.__struct_fields__:
+        value = getattr(settings, name)
         if isinstance(value, float) and not math.isfinite(value):
-            fail(field.name, f"must be a finite number, got {value}")
+            fail(name, f"must be a finite number, got {value}")
     if settings.tier_mode not in TIER_MODES:
         fail("tier_mode", f"must be one of {', '.join(TIER_MODES)}, got {settings.tier_mode!r}")
     for name in (

@@ -27,9 +27,10 @@ import os
 import stat
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from bridge.errors import NkiCacheError
 from cachestore.merkle import PathMismatch, climb
@@ -37,7 +38,6 @@ from cachestore.signatures import batch_message, key_id_of
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-    from nacl.signing import VerifyKey
 
 # cryptography and PyNaCl (~40 ms of imports) are loaded by the functions that make, load, sign or verify with a
 # key, so that a process that uses no key never loads them.
@@ -58,12 +58,14 @@ def public_raw(public: Ed25519PublicKey) -> bytes:
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-@dataclass(frozen=True)
-class WriterKey:
+class WriterKey(msgspec.Struct, frozen=True):
     """A writer's private key and its id."""
 
-    private: Ed25519PrivateKey = field(repr=False)
+    private: Ed25519PrivateKey
     key_id: bytes
+
+    def __repr__(self) -> str:
+        return f"WriterKey(key_id={self.key_id.hex()})"  # never the private key
 
     @classmethod
     def generate(cls) -> WriterKey:
@@ -138,21 +140,23 @@ def load_writer_key(path: str | Path) -> WriterKey:
     return WriterKey(private, key_id_of(public_raw(private.public_key())))
 
 
-@dataclass(frozen=True)
 class TrustedWriter:
-    name: str
-    key_id: bytes
-    public: Ed25519PublicKey = field(repr=False)
-    # Verifies through libsodium (PyNaCl): 76 us a verify here against 120-150 us through cryptography's OpenSSL
-    # (bench/RESULTS.md, issue 22), and a reader's first hits pay one. Keys are still made, stored and signed
-    # with by cryptography (PEM files); both implement RFC 8032, libsodium the stricter of the two (it refuses
-    # small-order keys and non-canonical signatures, which no honest writer produces).
-    _verifier: VerifyKey = field(init=False, repr=False, compare=False)
+    """A key the policy trusts, under its name. It verifies through libsodium (PyNaCl): 76 us a verify here
+    against 120-150 us through cryptography's OpenSSL (bench/RESULTS.md, issue 22), and a reader's first hits pay
+    one. Keys are still made, stored and signed with by cryptography (PEM files); both implement RFC 8032,
+    libsodium the stricter of the two (it refuses small-order keys and non-canonical signatures, which no honest
+    writer produces)."""
 
-    def __post_init__(self) -> None:
+    __slots__ = ("_verifier", "key_id", "name", "public")
+
+    def __init__(self, name: str, key_id: bytes, public: Ed25519PublicKey) -> None:
         from nacl.signing import VerifyKey
 
-        object.__setattr__(self, "_verifier", VerifyKey(public_raw(self.public)))
+        self.name, self.key_id, self.public = name, key_id, public
+        self._verifier = VerifyKey(public_raw(public))
+
+    def __repr__(self) -> str:
+        return f"TrustedWriter(name={self.name!r}, key_id={self.key_id.hex()})"
 
     def signed(self, signature: bytes, message: bytes) -> bool:
         """Whether `signature` is this writer's Ed25519 signature of `message`."""

@@ -4,11 +4,11 @@ section are rejected; a reader verifies one signature per group it reads."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from helpers_trust import fresh_tier, trusting
 from test_entry import make_entry, rejected
@@ -171,7 +171,7 @@ def test_an_entry_of_an_earlier_writer_with_flag_bit_3_verifies_by_its_group_sig
     their checkpoint chunk): a reader skips them, and the entry verifies by its group signature, forgeries
     still refused."""
     items = [unsealed_entry(make_entry(binary=b"bin %d" % n), None, ci, key) for n, key in enumerate(KEYS[:3])]
-    flagged = [dataclasses.replace(item, head=item.head[: len(MAGIC) + 1] + b"\x0c" + item.head[len(MAGIC) + 2 :])
+    flagged = [msgspec.structs.replace(item, head=item.head[: len(MAGIC) + 1] + b"\x0c" + item.head[len(MAGIC) + 2 :])
                for item in items]  # fmt: skip
     stored = [data[: PLACE_AT + 4] + b"\x07" * 12 + data[PLACE_AT + 4 :] for data in seal(flagged, ci)]
     policy = trusting(ci)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from helpers_graphs import local_or_fake_backend
 
@@ -159,7 +160,7 @@ def test_a_body_shape_checked_once_still_refuses_a_bool_or_a_wrong_type_later() 
     assert decode_entry(encode_entry(good), policy).created == 1
     assert decode_entry(encode_entry(good), policy).created == 1  # (now known)
     for changes in ({"created": True}, {"compile_seconds": False}, {"format": 7}, {"producer_host": None}):
-        fields = {**good.__dict__, **changes}
+        fields = {**msgspec.structs.asdict(good), **changes}
         hostile = Entry(**{name: fields[name] for name in ("binary", "input_names", "output_names", "format",
                                                            "version_identifier", "key_components", "producer_host",
                                                            "producer_worker", "created", "compile_seconds",

@@ -4,7 +4,6 @@ export -> flush -> import round trips, and gc, on the local tier and a real Redi
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import re
 import time
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 from helpers_entries import old_reference
 from helpers_graphs import TierView, delete_namespace, mixed_graph, write_graph
@@ -85,7 +85,7 @@ def key_of(tier: Tier, kernel: str, operand_shapes: list) -> str:
 def add_duplicate(tier: Tier, source_key: str) -> str:
     """Publish the binary of `source_key` under another key (other attrs): the tier stores it whole again."""
     entry = entries(tier)[source_key]
-    duplicate = dataclasses.replace(entry, key_components={**entry.key_components, "attrs": {"alias": 1}})
+    duplicate = msgspec.structs.replace(entry, key_components={**entry.key_components, "attrs": {"alias": 1}})
     key = cache_key_of(duplicate.key_components)
     client = open_tier(tier.settings(host="hostZ", worker="w0"))
     client.publish(key, duplicate)
@@ -188,7 +188,9 @@ def test_verify_names_every_corrupted_entry_with_its_reason(fleet: Tier) -> None
     misplaced = "ab" * 32  # a valid entry copied under a key its components do not hash to
     view.put_raw(misplaced, view.raw(keys[6]))
     reference = cache_key_of({**good[keys[7]].key_components, "attrs": {"reference": 1}})
-    old = dataclasses.replace(good[keys[7]], key_components={**good[keys[7]].key_components, "attrs": {"reference": 1}})
+    old = msgspec.structs.replace(
+        good[keys[7]], key_components={**good[keys[7]].key_components, "attrs": {"reference": 1}}
+    )
     view.put_raw(reference, old_reference(old, keys[7]))  # an older build's, to an entry that holds the binary
 
     env = {"NKICACHE_HMAC_KEY": KEY.decode(), "NKICACHE_REQUIRE_SIGNED": "false"}
@@ -414,7 +416,9 @@ def test_gc_evicts_unused_and_unreadable_entries(fleet: Tier) -> None:
 
 def test_gc_evicts_an_older_builds_reference_entries_whatever_they_name(fleet: Tier) -> None:
     source = key_of(fleet, "softmax", [[32, 48]])
-    old = dataclasses.replace(entries(fleet)[source], key_components={"kernel_name": "softmax", "attrs": {"old": 1}})
+    old = msgspec.structs.replace(
+        entries(fleet)[source], key_components={"kernel_name": "softmax", "attrs": {"old": 1}}
+    )
     TierView.of(fleet.backend).put_raw("ab" * 32, old_reference(old, source))
     done = cli_json(fleet, "gc")
     assert done["keys"] == ["ab" * 32] and done["reasons"] == {"unreadable": 1}

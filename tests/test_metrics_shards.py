@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import replace
 
 import fakeredis
+import msgspec
 import pytest
 from helpers_graphs import metrics_shards
 
@@ -205,7 +205,7 @@ def test_another_type_under_a_metrics_name_fails_no_batch_and_no_report(redis_cl
 
     namespace = f"s-{uuid.uuid4().hex}"
     tier = RedisBackend(redis_client, KeySpace(namespace), metrics_shards=2)
-    toolchain_pass = lambda n: replace(a_pass(n, KEYS[:4]), toolchain="tc")  # noqa: E731
+    toolchain_pass = lambda n: msgspec.structs.replace(a_pass(n, KEYS[:4]), toolchain="tc")  # noqa: E731
     try:
         assert tier.apply_metrics(toolchain_pass(0))
         assert tier.zero_counters({"zeroed": 1.0}) is None
@@ -252,10 +252,10 @@ def test_a_client_whose_metrics_meet_another_type_keeps_the_tier_on_and_its_entr
     namespace = unique_namespace()
     client = open_tier(Settings(tier=redis_url, namespace=namespace, host="host", flush_interval=0.05))
     try:
-        client.record(replace(a_pass(0, KEYS[:4]), toolchain="tc"))
+        client.record(msgspec.structs.replace(a_pass(0, KEYS[:4]), toolchain="tc"))
         assert client.flush(10)
         plant_other_types(redis_client, client._backend, KEYS[:4])
-        client.record(replace(a_pass(1, KEYS[:4]), toolchain="tc"))
+        client.record(msgspec.structs.replace(a_pass(1, KEYS[:4]), toolchain="tc"))
         client.publish(KEYS[30], make_entry(binary=b"behind the batch"))
         assert client.flush(10)
         counts = client.counts()

@@ -5,7 +5,6 @@ dies or fails fails the scan; the packed reads give back what redis-py's pipelin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import redis
 from helpers_entries import old_reference
@@ -79,7 +79,7 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
         kc = components(KERNELS[i % 3], i)
         key = cache_key_of(kc)
         if i % 5 == 4:  # an earlier binary again, under its own key
-            entry = dataclasses.replace(holders[rng.randrange(len(holders))][1], key_components=kc)
+            entry = msgspec.structs.replace(holders[rng.randrange(len(holders))][1], key_components=kc)
             items.append(WriteItem(key, encode_entry(entry), entry.digest, 3600))
             continue
         entry = Entry(rng.randbytes(rng.randrange(100, 3000)), ["x"], ["out"], "bir", "v", kc, "h", "w",
@@ -105,7 +105,7 @@ def fill_mixed(backend: RedisBackend, ci: Any, laptop: Any) -> dict[str, str]:
     for n, (name, data) in enumerate(corrupt.items()):
         bad[name] = cache_key_of(components("softmax", 100 + n))
         items.append(WriteItem(bad[name], data, None, 3600))
-    old = dataclasses.replace(holders[0][1], key_components=components("rmsnorm", 200))
+    old = msgspec.structs.replace(holders[0][1], key_components=components("rmsnorm", 200))
     bad["old reference"] = cache_key_of(old.key_components)  # an older build's dedupe reference
     items.append(WriteItem(bad["old reference"], old_reference(old, holders[0][0]), None, 3600))
     # A body whose digest lies.

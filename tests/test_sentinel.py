@@ -4,12 +4,12 @@ per writer and toolchain); on the default workload nothing is quarantined. On th
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from helpers_graphs import MIXED_DISTINCT_KEYS, mixed_graph
@@ -62,7 +62,7 @@ def plant_wrong_binary(base: Settings, keys: dict[str, Any], graph: dict) -> tup
         key, data = sorted(stored.items())[0]
         entry = decode_or_reason(data, cache_key=key)
         # The digest of the wrong binary (computed anew): the entry is consistent.
-        wrong = dataclasses.replace(entry, binary=entry.binary[:-1] + bytes([entry.binary[-1] ^ 0xFF]), digest="")
+        wrong = msgspec.structs.replace(entry, binary=entry.binary[:-1] + bytes([entry.binary[-1] ^ 0xFF]), digest="")
         store.put_entries([WriteItem(key, encode_entry(wrong, writer=keys["ci"], cache_key=key), wrong.digest, 3600)])
     finally:
         store.close()

@@ -3,13 +3,13 @@ section, and a reader that accepts only trusted writers' entries. Scopes are in 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -232,7 +232,7 @@ def test_a_reference_entry_a_trusted_writer_signed_is_rejected(ci: WriterKey) ->
     unsealed = unsealed_entry(make_entry(), None, ci, KEY)
     payload = compress(body_of(make_entry(), binary=b"", ref=OTHER))
     head = unsealed.head[:-32] + hashlib.sha256(payload).digest()  # (no HMAC: the head ends with the digest)
-    data = seal([dataclasses.replace(unsealed, head=head, payload=payload)], ci)[0]
+    data = seal([msgspec.structs.replace(unsealed, head=head, payload=payload)], ci)[0]
     with pytest.raises(entry_module.EntryRejected, match="reference to another key"):
         decode_entry(data, trusting(ci), cache_key=KEY)
     assert decode_entry(encode_entry(make_entry(), writer=ci, cache_key=KEY), trusting(ci), cache_key=KEY).signed

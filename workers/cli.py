@@ -97,12 +97,11 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
 def environment_help() -> str:
     """The settings' part of `nkicache --help`, with every NKICACHE_* variable named (from the settings
     themselves, so that a new setting is never missing from it)."""
-    import dataclasses
     import textwrap
 
     from cachestore.settings import SECRET_SETTINGS, Settings
 
-    settings = [f.name for f in dataclasses.fields(Settings) if f.name not in SECRET_SETTINGS]
+    settings = [name for name in Settings.__struct_fields__ if name not in SECRET_SETTINGS]
     names = ", ".join(f"NKICACHE_{name.upper()}" for name in settings)
     secrets = sorted(f"NKICACHE_{name.upper()}" for name in SECRET_SETTINGS)
     return "\n".join(

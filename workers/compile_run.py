@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from workers.passes import PassResult
 
 
-@dataclass
-class CompileRun:
+class CompileRun(msgspec.Struct):
     results: list[PassResult]  # in input order
     interrupted: bool
     # Tier writes dropped outside every pass, so in no result: above all those still queued when the tier
@@ -19,7 +19,7 @@ class CompileRun:
     tier_dropped_outside_passes: int = 0
     # Tier errors and timeouts outside every pass: `compile --workers N`'s plan asks the tier for the compile's
     # variants before any pass runs (workers/variant_pool.py).
-    tier_faults_outside_passes: dict[str, int] = field(default_factory=dict)
+    tier_faults_outside_passes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 CTRL_C_POLL_SECONDS = 0.1

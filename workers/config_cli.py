@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import click
@@ -37,11 +36,11 @@ def effective_settings(flags: dict[str, Any]) -> dict[str, Any]:
     settings, sources = load_settings_with_sources(flags)
     config = config_file()
     shown = {}
-    for field in dataclasses.fields(Settings):
-        value = getattr(settings, field.name)
-        shown[field.name] = {
-            "value": _shown(field.name, value, field.name in SECRET_SETTINGS),
-            "source": sources.get(field.name, "default"),
+    for name in Settings.__struct_fields__:
+        value = getattr(settings, name)
+        shown[name] = {
+            "value": _shown(name, value, name in SECRET_SETTINGS),
+            "source": sources.get(name, "default"),
         }
     return {
         "config_file": str(config) if config is not None else None,

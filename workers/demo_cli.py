@@ -5,22 +5,21 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import click
+import msgspec
 
 from workers.cli_common import EXIT_CHECK_FAILED, SEED, echo_json
 
 
-@dataclass(frozen=True)
-class DemoCase:
+class DemoCase(msgspec.Struct, frozen=True):
     """One internal kernel call: operand and result tensors as (name, shape), float32 throughout."""
 
     kernel_name: str
     operands: tuple[tuple[str, tuple[int, ...]], ...]
     results: tuple[tuple[str, tuple[int, ...]], ...]
-    attrs: dict[str, Any] = field(default_factory=dict)
+    attrs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 DEMO_CASES: dict[str, DemoCase] = {

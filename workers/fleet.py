@@ -44,9 +44,9 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 import redis.exceptions as rex
 
 from bridge.graph import load_graph, parse_graph_json, read_graph_file
@@ -186,12 +186,11 @@ def home_shards(job_id: str, shards: int) -> list[int]:
 
 
 # -- submitting -----------------------------------------------------------------------------------
-@dataclass
-class Submission:
+class Submission(msgspec.Struct):
     batch_id: str
     toolchain: str  # the submitter's compiler: only a worker of this toolchain takes the jobs
-    job_ids: list[str] = field(default_factory=list)
-    names: dict[str, str] = field(default_factory=dict)  # job id -> graph file
+    job_ids: list[str] = msgspec.field(default_factory=list)
+    names: dict[str, str] = msgspec.field(default_factory=dict)  # job id -> graph file
 
 
 def read_graphs(paths: Sequence[str], max_bytes: int = MAX_GRAPH_BYTES) -> list[str]:
@@ -327,8 +326,7 @@ def retrying(call: Callable[[], T]) -> T:
             time.sleep(0.2)
 
 
-@dataclass
-class Waited:
+class Waited(msgspec.Struct):
     results: dict[str, dict]  # job id -> result, for the jobs that finished
     lost: list[str]  # jobs with no result whose batch is gone from Redis: they will never finish
 

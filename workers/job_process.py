@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -25,9 +24,10 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
+
+import msgspec
 
 from bridge.errors import NkiCacheError
 from cachestore.settings import Settings
@@ -158,7 +158,7 @@ class CompileProcess:
 
 
 def _settings_json(settings: Settings) -> dict[str, Any]:
-    values = asdict(settings)
+    values = msgspec.structs.asdict(settings)
     if values["hmac_key"] is not None:
         values["hmac_key"] = base64.b64encode(values["hmac_key"]).decode()
     return values
@@ -167,7 +167,7 @@ def _settings_json(settings: Settings) -> dict[str, Any]:
 def _settings_from_json(values: dict[str, Any]) -> Settings:
     if values.get("hmac_key") is not None:
         values["hmac_key"] = base64.b64decode(values["hmac_key"])
-    known = {f.name for f in dataclasses.fields(Settings)}
+    known = set(Settings.__struct_fields__)
     return Settings(**{k: v for k, v in values.items() if k in known})
 
 
@@ -219,7 +219,7 @@ def _child() -> None:
                 os._exit(1)
             result, artifact = answer_job(json.loads(message), tier, limits, hello["out_dir"], queue_for)
             out_of_memory = result.error is not None and "out of memory" in result.error
-            header = {**asdict(result), "artifact": artifact is not None, "exit": out_of_memory}
+            header = {**msgspec.structs.asdict(result), "artifact": artifact is not None, "exit": out_of_memory}
             send.send_bytes(json.dumps(header).encode())
             if artifact is not None:
                 send.send_bytes(artifact)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from bridge.artifact import build_artifact, encode_artifact, write_artifact
 from bridge.codegen import BirCodeGenLoop
@@ -25,22 +26,23 @@ from bridge.targets import get_platform_target, make_target
 COUNT_KEYS = tuple(name for name in PASS_COUNTERS if name != "passes")  # a pass's own counts
 
 
-@dataclass
-class PassResult:
+class PassResult(msgspec.Struct):
     file: str
     graph: str | None = None
     target: str | None = None
-    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
+    counts: dict[str, float] = msgspec.field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
     seconds: float = 0.0
     artifact: str | None = None
     error: str | None = None
     # {tier level: verified entries it answered during the pass}, nearest first (one item for a single tier).
-    level_hits: dict[str, int] = field(default_factory=dict)
+    level_hits: dict[str, int] = msgspec.field(default_factory=dict)
     # A fleet trace task's answer (workers/trace_tasks.py): the cache keys it traced, told to the job they are for.
-    traced_keys: list[str] = field(default_factory=list)
+    traced_keys: list[str] = msgspec.field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        shown = {key: value for key, value in asdict(self).items() if key not in ("counts", "traced_keys")}
+        shown = {
+            key: value for key, value in msgspec.structs.asdict(self).items() if key not in ("counts", "traced_keys")
+        }
         return shown | self.counts
 
 

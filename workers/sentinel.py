@@ -19,8 +19,9 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import msgspec
 
 from cachestore.api import MetricsBatch, Reader, WriteItem, batched
 from cachestore.entry import Entry, SignaturePolicy
@@ -31,21 +32,20 @@ from workers.verify import _recompile_problem
 MISMATCH_PREFIXES = ("recompiled binary differs", "recompiled binary names other")
 
 
-@dataclass
-class SentinelReport:
+class SentinelReport(msgspec.Struct):
     toolchain: str
     rate: float
     entries: int = 0  # entries of the trusted scope looked at
     sampled: int = 0  # picked and traced again
     matched: int = 0
-    quarantined: list[dict] = field(default_factory=list)  # [{key, writer, toolchain, reason}]
-    failed: list[dict] = field(default_factory=list)  # [{key, reason}]: could not be traced again
+    quarantined: list[dict] = msgspec.field(default_factory=list)  # [{key, writer, toolchain, reason}]
+    failed: list[dict] = msgspec.field(default_factory=list)  # [{key, reason}]: could not be traced again
     rejected: int = 0  # entries the policy rejects: never served, nothing to check
     seconds: float = 0.0
     read_only: bool = False  # tier_mode read-only: `quarantined` lists what it would quarantine; nothing moved
 
     def as_json(self) -> dict:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
 
 def run_sentinel(

@@ -25,9 +25,10 @@ import multiprocessing
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import msgspec
 
 from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task
 from bridge.port import TracedVariant
@@ -348,7 +349,9 @@ class Scheduler:
         outcomes, dead = self.helpers.receive(timeout, wake)
         for outcome in outcomes:
             if outcome.traced is not None:
-                outcome = replace(outcome, traced=replace(outcome.traced, elsewhere=True))  # a helper traced it
+                outcome = msgspec.structs.replace(
+                    outcome, traced=msgspec.structs.replace(outcome.traced, elsewhere=True)
+                )  # a helper traced it
             self.outcomes.setdefault(outcome.task_id, outcome)
         for who in dead:
             self._helper_died(who)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from bridge.codegen import BirCodeGenLoop, cache_key_of_stored
@@ -37,10 +37,9 @@ from cachestore.keys import partition
 from cachestore.scan_split import scan_split
 
 
-@dataclass
-class VerifyReport:
+class VerifyReport(msgspec.Struct):
     checked: int = 0
-    bad: list[dict] = field(default_factory=list)
+    bad: list[dict] = msgspec.field(default_factory=list)
     recompiled: int = 0
     executed: int = 0
 
@@ -183,8 +182,7 @@ def _record(report: VerifyReport, key: str, problem: str | None) -> None:
         report.bad.append({"key": key, "reason": problem})
 
 
-@dataclass
-class RebuiltOp:
+class RebuiltOp(msgspec.Struct):
     func_name: str
     inst: InternalNkiKernel
     target: Target

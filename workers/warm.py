@@ -15,8 +15,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import msgspec
 
 from bridge.codegen import kernel_cache_key
 from bridge.errors import NkiCacheError
@@ -35,35 +36,35 @@ class WarmError(NkiCacheError):
     """Nothing to warm from (no other toolchain in the tier, or the one named holds no entries)."""
 
 
-@dataclass(order=True)
-class Variant:
+class Variant(msgspec.Struct, order=True):
+    """Ordered by use, then recency, then key: keys are unique, so `components` is never compared."""
+
     usage: int
     last_use: float
     cache_key: str
-    components: dict = field(compare=False)
+    components: dict
 
 
-@dataclass
-class WarmReport:
+class WarmReport(msgspec.Struct):
     source: str | None  # the toolchain warmed from (None: a dry run that found none to warm from)
     toolchain: str  # this compiler's
     considered: int = 0  # variants picked
     to_trace: int = 0  # of those, what this compiler had to trace (with --dry-run: would have)
     traced: int = 0
     present: int = 0  # already held by this toolchain, or being traced by another process right now
-    skipped: list[dict] = field(default_factory=list)  # [{key, reason}]: cannot be rebuilt into a call
-    failed: list[dict] = field(default_factory=list)  # [{key, reason}]: this compiler refuses the call
+    skipped: list[dict] = msgspec.field(default_factory=list)  # [{key, reason}]: cannot be rebuilt into a call
+    failed: list[dict] = msgspec.field(default_factory=list)  # [{key, reason}]: this compiler refuses the call
     seconds: float = 0.0
     trace_seconds: float = 0.0  # compile time of the traced variants, summed
     batch: str | None = None  # with the fleet: the batch of trace jobs submitted
-    jobs: list[str] = field(default_factory=list)
+    jobs: list[str] = msgspec.field(default_factory=list)
     # With --dry-run: what would be traced, one item a variant ({key, kernel_name, target, operand_shapes,
     # result_shapes}), so that a dry run says which variants, not only how many.
-    would_trace: list[dict] = field(default_factory=list)
+    would_trace: list[dict] = msgspec.field(default_factory=list)
     nothing_to_warm: str | None = None  # a dry run's reason there is nothing to warm from (a warm's error)
 
     def as_json(self) -> dict:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
 
 def default_source(reader: Reader) -> str:

@@ -11,7 +11,6 @@ shapes are shared by many models (cross-machine tier hits) and a long tail is ra
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,12 +48,11 @@ def zipf_choice(rng: np.random.Generator, options: list) -> object:
     return options[rng.choice(len(options), p=weights / weights.sum())]
 
 
-@dataclass
 class GraphBuilder:
-    name: str
-    target: str = "Trn2"
+    """One graph file's document, built a tensor and an op at a time."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, name: str, target: str = "Trn2") -> None:
+        self.name, self.target = name, target
         self.tensors: dict[str, dict] = {}
         self.ops: list[dict] = []
 

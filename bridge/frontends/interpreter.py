@@ -17,8 +17,9 @@ import operator
 import textwrap
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from bridge.errors import KernelCompileError
 from bridge.nki import language
@@ -75,8 +76,7 @@ _COMPARE_OPERATORS: dict[type, Callable] = {
 }
 
 
-@dataclass(frozen=True)
-class ParsedFunction:
+class ParsedFunction(msgspec.Struct, frozen=True):
     node: ast.FunctionDef
     filename: str
     line_offset: int

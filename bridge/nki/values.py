@@ -8,8 +8,9 @@ AST frontend (beta3) and the tracer (beta2) get the same instructions from `a + 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
+
+import msgspec
 
 from bridge.errors import KernelCompileError
 
@@ -61,8 +62,7 @@ def normalize_index(index: object, ndim: int) -> tuple:
     return index
 
 
-@dataclass(frozen=True)
-class RuntimeScalar:
+class RuntimeScalar(msgspec.Struct, frozen=True):
     """An int32 value that exists only when the binary runs, held in register `reg`."""
 
     reg: int
@@ -74,8 +74,7 @@ class RuntimeScalar:
         raise KernelCompileError("a runtime scalar cannot drive compile-time control flow")
 
 
-@dataclass(frozen=True)
-class HBMTensor:
+class HBMTensor(msgspec.Struct, frozen=True):
     """A kernel argument in device memory; indexing it gives an access for load and store."""
 
     name: str
@@ -92,8 +91,7 @@ class HBMTensor:
         return HBMAccess.build(self, normalize_index(index, self.ndim))
 
 
-@dataclass(frozen=True)
-class HBMAccess:
+class HBMAccess(msgspec.Struct, frozen=True):
     """A region of an HBM tensor: static slices, static or runtime indices, and at most one gather."""
 
     tensor: HBMTensor
@@ -136,8 +134,7 @@ def _access_entry(item: object, size: int, axis: int, name: str) -> tuple[tuple,
     return ("i", index), []
 
 
-@dataclass(frozen=True)
-class Tile:
+class Tile(msgspec.Struct, frozen=True):
     """A region of an on-chip buffer. Axis 0 is the partition dim."""
 
     buf: int

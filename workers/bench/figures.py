@@ -13,10 +13,11 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
@@ -65,8 +66,7 @@ class MeasurementSkipped(NkiCacheError):
     """A measurement that cannot run here; the message is the one-line reason."""
 
 
-@dataclass
-class BenchConfig:
+class BenchConfig(msgspec.Struct):
     models: int = 12
     seed: int = 0
     repeats: int = 5
@@ -936,7 +936,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
     with tempfile.TemporaryDirectory(prefix="nkibench-") as tmp:
         work = Path(tmp)
         graphs = workload_graphs(work / "graphs", config)
-        results: dict[str, Any] = {"config": config.__dict__, "skipped": {}}
+        results: dict[str, Any] = {"config": msgspec.structs.asdict(config), "skipped": {}}
         steps = [
             ("warm_compile_local_vs_floor", lambda: whole_process(work, redis_url, config.process_rounds)),
             *((name, partial(_from_process, results, name)) for name in PROCESS_FIGURES),

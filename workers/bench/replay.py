@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from cachestore.value import retention_score
 
@@ -27,20 +28,17 @@ TRIM_TO = 0.9  # as cachestore.backends.sqlite: past the budget, evict down to 9
 POLICIES = ("lru", "value")
 
 
-@dataclass(frozen=True)
-class LoggedEntry:
+class LoggedEntry(msgspec.Struct, frozen=True):
     compile_seconds: float
     stored_bytes: int
 
 
-@dataclass(frozen=True)
-class LoggedPass:
+class LoggedPass(msgspec.Struct, frozen=True):
     time: float  # seconds, any origin
     uses: Mapping[str, int]  # cache key -> calls in the pass (the value counts the pass once)
 
 
-@dataclass
-class ReplayResult:
+class ReplayResult(msgspec.Struct):
     policy: str
     saved_seconds: float = 0.0  # compile seconds the hits saved
     traced_seconds: float = 0.0  # compile seconds the misses cost
