@@ -23,6 +23,7 @@ class Breaker:
         self._open_until = 0.0
         self._proven = False
         self._probing = False
+        self.answered = False  # whether the store has answered once since this breaker was made
 
     def is_open(self) -> bool:
         """True during the cooldown after a failure."""
@@ -58,7 +59,7 @@ class Breaker:
     def succeeded(self) -> None:
         """The store answered."""
         with self._lock:
-            self._proven = True
+            self._proven = self.answered = True
 
     def trip(self) -> None:
         """The store failed: not asked again for `cooldown` seconds, and then by one call until it answers."""

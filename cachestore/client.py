@@ -268,7 +268,8 @@ class TierClient:
             if self._backend is None:
                 self._backend = self._backend_factory()
             result = operation(self._backend)
-            self._breaker.succeeded()
+            if what != "open":  # a client object made, which is not the store answering
+                self._breaker.succeeded()
             return True, result
         except TierBusy as exc:
             # Another process of this machine held the embedded tier's lock for the whole wait: counted, and
@@ -779,7 +780,7 @@ class TierClient:
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
             if stores and self._backend is None:  # opened first: its `value_ttls` decides the entries' TTLs
-                ok, _ = self._guarded(lambda b: None, "store")
+                ok, _ = self._guarded(lambda b: None, "open")
                 if not ok:
                     return False
             for pending in stores:
@@ -841,14 +842,17 @@ class TierClient:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and stop the flusher within `timeout` seconds in all (default final_flush_timeout; waiting out
-        the breaker when it closes in time), count what could not be delivered, close the backend: here once
+        the breaker when it closes in time, for a tier that answered before), count what could not be delivered,
+        close the backend: here once
         the flusher has stopped, else by the flusher itself as it stops (a send cut off by the deadline is never
         followed by a close under it)."""
         # One deadline for the flush and the flusher's stop: close() waits final_flush_timeout at most (a send
         # still under way then finishes on the flusher, which closes the backend after it).
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         self._leases.stop()
-        self.flush(deadline - time.monotonic(), through_outage=True)
+        # An outage of a tier that answered before may be a blip worth waiting out; a tier that has not answered
+        # once in this client's life is down, and waiting for its cooldown would only make the exit late.
+        self.flush(deadline - time.monotonic(), through_outage=self._breaker.answered)
         with self._outbox_lock:
             self._closing = True
             self._outbox_lock.notify_all()

@@ -338,6 +338,20 @@ def test_close_counts_what_it_could_not_deliver(backend) -> None:
     assert counts(client)["tier_dropped"] == 2 and client.pending() == 0
 
 
+def test_close_does_not_wait_out_the_cooldown_of_a_tier_that_never_answered(backend) -> None:
+    """Down from the start (Redis not running): the breaker would let a retry through within close()'s deadline,
+    but a tier that has not answered once is not waited for, so the exit is not late by a cooldown."""
+    flaky = FlakyBackend(backend)
+    flaky.down = True
+    client = client_for(flaky, breaker_cooldown=0.5, final_flush_timeout=5)
+    client.publish("a", make_entry())
+    assert wait_until(lambda: counts(client)["tier_errors"] >= 1, timeout=5)
+    attempts = flaky.calls["store"]
+    client.close()
+    assert flaky.calls["store"] == attempts  # no retry after the cooldown
+    assert counts(client)["tier_dropped"] == 1 and client.pending() == 0
+
+
 def test_close_waits_no_longer_than_final_flush_timeout_for_a_tier_that_hangs(backend) -> None:
     """A tier that takes a send and does not answer (frozen, trickling): close() gives up at its deadline, the
     flush and the flusher's stop together, and the send left under way closes the backend when it ends."""
@@ -447,9 +461,10 @@ def test_metrics_held_during_an_outage_are_delivered_exactly_once(backend, failu
     client.close()
 
 
-def test_close_waits_for_the_tier_to_return(backend) -> None:
+def test_close_waits_for_a_tier_that_answered_before_to_return(backend) -> None:
     flaky = FlakyBackend(backend)
     client = client_for(flaky, breaker_cooldown=0.2)
+    assert client.lookup("k") is None  # it answered (a miss): its outage may be a blip, worth waiting out
     flaky.down = True
     batches = [pass_batch(i) for i in range(3)]
     for item in batches:
