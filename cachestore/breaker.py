@@ -23,7 +23,9 @@ class Breaker:
         self._open_until = 0.0
         self._proven = False
         self._probing = False
-        self.answered = False  # whether the store has answered once since this breaker was made
+        # Whether the store was there since this breaker was made: it answered, or took a call it did not answer in
+        # time (a paused or slow server), as against refusing every connection.
+        self.reachable = False
 
     def is_open(self) -> bool:
         """True during the cooldown after a failure."""
@@ -59,11 +61,13 @@ class Breaker:
     def succeeded(self) -> None:
         """The store answered."""
         with self._lock:
-            self._proven = self.answered = True
+            self._proven = self.reachable = True
 
-    def trip(self) -> None:
-        """The store failed: not asked again for `cooldown` seconds, and then by one call until it answers."""
+    def trip(self, reachable: bool = False) -> None:
+        """The store failed (`reachable`: it took the call and did not answer in time): not asked again for
+        `cooldown` seconds, and then by one call until it answers."""
         with self._lock:
+            self.reachable = self.reachable or reachable
             self._open_until = time.monotonic() + self.cooldown
             self._proven = False
 

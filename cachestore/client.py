@@ -278,7 +278,7 @@ class TierClient:
             logger.warning("tier %s busy during %s (%s); retried, not turned off", self.description, what, exc)
         except TierTimeout as exc:
             self.stats.add("tier_timeouts")
-            self._trip(what, exc)
+            self._trip(what, exc, reachable=True)
         except ConnectionsDropped:
             pass  # another call timed out and counted it: what this call sent stays queued
         except BatchRefused as exc:
@@ -293,8 +293,8 @@ class TierClient:
             self._trip(what, exc)
         return False, None
 
-    def _trip(self, what: str, exc: Exception) -> None:
-        self._breaker.trip()
+    def _trip(self, what: str, exc: Exception, reachable: bool = False) -> None:
+        self._breaker.trip(reachable)
         logger.warning(
             "tier %s failed during %s (%s); not asked again for %.1f s",
             self.description,
@@ -842,7 +842,7 @@ class TierClient:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and stop the flusher within `timeout` seconds in all (default final_flush_timeout; waiting out
-        the breaker when it closes in time, for a tier that answered before), count what could not be delivered,
+        the breaker when it closes in time, for a tier that is there), count what could not be delivered,
         close the backend: here once
         the flusher has stopped, else by the flusher itself as it stops (a send cut off by the deadline is never
         followed by a close under it)."""
@@ -850,9 +850,9 @@ class TierClient:
         # still under way then finishes on the flusher, which closes the backend after it).
         deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
         self._leases.stop()
-        # An outage of a tier that answered before may be a blip worth waiting out; a tier that has not answered
-        # once in this client's life is down, and waiting for its cooldown would only make the exit late.
-        self.flush(deadline - time.monotonic(), through_outage=self._breaker.answered)
+        # A tier that is there (it answered, or took a call and was slow: a paused server) may deliver once its
+        # cooldown ends; one that refused every connection is down, and waiting would only make the exit late.
+        self.flush(deadline - time.monotonic(), through_outage=self._breaker.reachable)
         with self._outbox_lock:
             self._closing = True
             self._outbox_lock.notify_all()
