@@ -62,9 +62,8 @@ class VariantPlan(msgspec.Struct):
     needs: dict[int, set[int]] = msgspec.field(default_factory=dict)  # graph -> the tasks its pass waits for
     owned: dict[int, list[int]] = msgspec.field(default_factory=dict)  # graph -> the tasks traced for it
     held: int = 0  # variants the tier already held, left to the passes to read
-    causes: dict[str, str] = msgspec.field(
-        default_factory=dict
-    )  # cache key -> why the tier missed it (the plan's lookup)
+    # cache key -> why the tier missed it (the plan's lookup)
+    causes: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 def plan_variants(

@@ -62,9 +62,8 @@ class Bucket(msgspec.Struct):
     start: float
     end: float
     counts: dict[str, float] = msgspec.field(default_factory=lambda: dict.fromkeys(TIMELINE_COUNTERS, 0))
-    misses: dict[str, float] = msgspec.field(
-        default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0)
-    )  # tier misses by cause
+    # tier misses by cause
+    misses: dict[str, float] = msgspec.field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))
 
     def as_json(self) -> dict:
         return {
@@ -104,14 +103,12 @@ class FleetReport(msgspec.Struct):
     # {toolchain: {other toolchain: Coverage}}: how much of each other toolchain's stored variants (weighted
     # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
     coverage: dict[str, dict[str, Coverage]] = msgspec.field(default_factory=dict)
-    zeroed: list[dict] = msgspec.field(
-        default_factory=list
-    )  # `report --zero` records in the pass log: {when, host, worker}
+    # `report --zero` records in the pass log: {when, host, worker}
+    zeroed: list[dict] = msgspec.field(default_factory=list)
     # {kernel: {cause: tier misses}} over the timeline's passes (the pass log keeps each pass's, by kernel).
     kernel_misses: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
-    trust: dict[str, Any] = msgspec.field(
-        default_factory=dict
-    )  # `trust_summary`: per writer, and the sentinel's counts
+    # `trust_summary`: per writer, and the sentinel's counts
+    trust: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def misses(self) -> dict[str, int]:

@@ -206,8 +206,9 @@ def compile_in_parallel(
     with CtrlC() as ctrl_c:
         plan = key_variants(paths, shared=False, target_name=target_name, limits=limits)  # every graph's variants
         claims = Claims(context, len(plan.tasks))
-        # Out of the collector's reach before the fork: its full collections would otherwise walk (and write) every
-        # object of this process in both, copying their pages (about 5% more trace CPU in two processes, measured).
+        # The plan, too, out of the collector's reach before the fork (compile_run froze what came before it): its
+        # full collections would otherwise walk (and write) these objects in both processes, copying their pages
+        # (about 5% more trace CPU in two processes, measured).
         gc.freeze()
         helpers = Helpers(context, plan.tasks, claims, workers - 1, settings, dropped_outside_passes)
         answer = TierAnswer(plan, tier)
@@ -215,7 +216,6 @@ def compile_in_parallel(
             scheduler = Scheduler(plan, answer, claims, helpers, tier, limits)
             results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
         finally:
-            gc.unfreeze()
             claims.stop()
             answer.close()  # (its read is bounded by the tier's timeouts) before the tier client closes
             helpers.close()
@@ -349,9 +349,10 @@ class Scheduler:
         outcomes, dead = self.helpers.receive(timeout, wake)
         for outcome in outcomes:
             if outcome.traced is not None:
+                # a helper traced it
                 outcome = msgspec.structs.replace(
                     outcome, traced=msgspec.structs.replace(outcome.traced, elsewhere=True)
-                )  # a helper traced it
+                )
             self.outcomes.setdefault(outcome.task_id, outcome)
         for who in dead:
             self._helper_died(who)
