@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from bridge.ir import NKIKLIRKernel
 from workers.bench import figures as bench
 from workers.cli import main
 
@@ -185,3 +186,34 @@ def test_broken_tier_measurement(tmp_path: Path) -> None:
     assert figures["broken_tier_overhead"] == round(worse / figures["off_ms"], 3) > 0
     traces = figures["traces"]
     assert traces["down"] == traces["frozen"] == traces["trickling"] == traces["off"] > 0
+
+
+def test_a_timed_store_times_the_loops_calls_and_changes_nothing(tiny, tmp_path: Path) -> None:
+    """The figures time a compile's tier calls through a wrapper: the compile through it is the compile without
+    it (same traces, same binaries, same counts), and each call the loop made is timed under its name."""
+    from cachestore.settings import load_settings
+    from cachestore.stores import open_tier
+    from workers.bench.timed_store import TimedStore
+
+    _config, graphs = tiny
+    bare_settings = load_settings({"tier": f"local:{tmp_path / 'bare.db'}"})
+    timed_settings = load_settings({"tier": f"local:{tmp_path / 'timed.db'}"})
+    bare, inner = open_tier(bare_settings), open_tier(timed_settings)
+    timed = TimedStore(inner)
+    try:
+        bare_traces, bare_blocks = bench.compile_all(graphs, bare)
+        timed_traces, timed_blocks = bench.compile_all(graphs, timed)
+        assert timed_traces == bare_traces > 0
+        assert binaries(timed_blocks) == binaries(bare_blocks) != []
+        assert bare.flush(30) and inner.flush(30)  # the metrics batches are sent behind the compile
+        assert timed.counts() == bare.counts()
+        assert {"find_traces", "publish_trace", "record_pass"} <= set(timed.seconds)
+        assert all(seconds > 0 for seconds in timed.seconds.values())
+        assert timed.total == pytest.approx(sum(timed.seconds.values()))
+    finally:
+        bare.close()
+        inner.close()
+
+
+def binaries(blocks: list) -> list[bytes]:
+    return [inst.klir_binary for block in blocks for inst in block.instructions if isinstance(inst, NKIKLIRKernel)]

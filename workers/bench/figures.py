@@ -30,6 +30,7 @@ from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
 from cachestore.stores import open_tier
 from workers.bench.miss_causes import miss_cause_coverage
+from workers.bench.timed_store import TimedStore
 
 GOALS = {
     # What a user feels, whole processes (workers.bench.processes): the project's performance goals.
@@ -167,32 +168,14 @@ def mirror_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str) ->
 
 
 def _time_in_tier_calls(graphs: list[Graph], settings: Any) -> float:
+    """Seconds the compiling thread spends in every call the loop makes into a mirror tier."""
     tier = open_tier(settings)
-    spent = 0.0
-    depth = 0  # the outermost tier call alone is timed (record_pass calls record, publish_trace _publish)
-
-    def timed(method: Callable) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal spent, depth
-            started = time.perf_counter()
-            depth += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                depth -= 1
-                if depth == 0:
-                    spent += time.perf_counter() - started
-
-        return call
-
-    # Every call the loop makes into a mirror tier (publish_trace was left out before 2026-12-01).
-    for name in ("publish_trace", "publish", "record_pass", "record", "flush", "release_lease"):
-        setattr(tier, name, timed(getattr(tier, name)))
+    timed = TimedStore(tier)
     try:
-        compile_all(graphs, tier)
+        compile_all(graphs, timed)
     finally:
         tier.close()
-    return spent
+    return timed.total
 
 
 # -- 3. remote_hit_vs_raw_get ---------------------------------------------------------------------
@@ -392,10 +375,10 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
     checks, the Ed25519 verifies, and the entries it found."""
     reader = open_tier(reader_settings)
     try:
-        reads, checks = [0.0], [0.0]
-        _timed(reader, "find_many", reads)
+        timed, checks = TimedStore(reader), [0.0]
         with _checks_timed(checks):
-            compile_all(graphs, reader)
+            compile_all(graphs, timed)
+        reads = [timed.seconds["find_traces"]]
         counts = reader.counts()
         hits = max(1, counts["entries_found"])
         return {
