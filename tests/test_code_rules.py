@@ -173,3 +173,62 @@ def test_the_formatter_formats_product_code() -> None:
     """`# fmt: skip` only where a table would lose its meaning: at most 30 in product code."""
     skips = sum(path.read_text().count("# fmt: skip") for path in product_modules())
     assert skips <= 30, skips
+
+
+# What redis-py objects go by in product code: a private name on one of them breaks when redis-py renames it.
+REDIS_OBJECT = ("redis", "client", "connection", "conn", "pool", "pipe", "pipeline", "parser", "raw")
+
+
+def redis_private_uses(tree: ast.Module) -> list[int]:
+    """Lines that import a private redis-py module or read a private attribute (`_name`, not a dunder; directly
+    or by getattr) of an object named like a redis-py client, connection, pool, pipeline or parser."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("redis."):
+            if any(part.startswith("_") for part in node.module.split(".")):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Import):
+            if any(alias.name.startswith("redis.") and "._" in alias.name for alias in node.names):
+                found.append(node.lineno)
+        elif (owner_attr := _attribute_read(node)) is not None:
+            owner, attr = owner_attr
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            private = attr.startswith("_") and not attr.startswith("__")
+            if private and name.lower().lstrip("_").endswith(REDIS_OBJECT):
+                found.append(node.lineno)
+    return found
+
+
+def _attribute_read(node: ast.AST) -> tuple[ast.expr, str] | None:
+    """(owner, name) of `owner.name` or `getattr(owner, "name"[, default])`, else None."""
+    if isinstance(node, ast.Attribute):
+        return node.value, node.attr
+    is_getattr = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+    if is_getattr and len(node.args) >= 2 and isinstance(name := node.args[1], ast.Constant):
+        return (node.args[0], name.value) if isinstance(name.value, str) else None
+    return None
+
+
+def test_no_private_name_of_redis_py_is_used() -> None:
+    """redis-py is used through its public API (`redis[hiredis]` has no upper bound in pyproject.toml)."""
+    used = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in product_modules()
+        for line in redis_private_uses(ast.parse(path.read_text()))
+    ]
+    assert used == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from redis._parsers import _HiredisParser",
+        "import redis._parsers.hiredis",
+        "self.client.connection_pool._available_connections",
+        "connection._parser._buffer",
+        "pipe._command_stack",
+        'getattr(connection, "_parser", None)',
+    ],
+)
+def test_the_private_name_check_sees_one(source: str) -> None:
+    assert redis_private_uses(ast.parse(source))
