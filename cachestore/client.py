@@ -41,14 +41,10 @@ from bridge.miss_causes import VariantFacts, facts_of_stored, merged_facts
 from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
 from cachestore.api import (
     Backend,
-    BatchRefused,
-    ConnectionsDropped,
     KeyUsage,
     MetricsBatch,
     StoreRequest,
-    TierBusy,
     TierError,
-    TierTimeout,
     batch_problem,
 )
 from cachestore.breaker import Breaker
@@ -66,6 +62,7 @@ from cachestore.entry import (
     seal,
     unsealed_entry,
 )
+from cachestore.guard import Guard
 from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
@@ -169,10 +166,9 @@ class TierClient:
         self.policy = SignaturePolicy(
             settings.hmac_key, settings.require_signed, settings.reject_unverifiable, self.credentials.trust
         )
-        self._backend_factory = backend_factory
-        self._backend: Backend | None = None
         self._outbox_lock = threading.Condition()
         self._breaker = Breaker(settings.breaker_cooldown, self._wake_flusher)
+        self._guard = Guard(backend_factory, self._breaker, self.stats.add, description)
         # What the compiling thread hands over (entries, lease releases, pass records), appended under the lock; the
         # flusher thread drains it.
         self._outbox: collections.deque = collections.deque()
@@ -250,58 +246,14 @@ class TierClient:
         """{this tier: verified entries it answered so far}: one level (cachestore.stacked has several)."""
         return {self.description: self.stats.snapshot()["entries_found"]}
 
-    # -- fault handling ---------------------------------------------------------------------------
     def _guarded(self, operation: Callable[[Backend], object], what: str) -> tuple[bool, object]:
-        """(ok, result) of an operation on the backend; a failure is counted and opens the breaker."""
-        probe = self._breaker.admit()
-        if probe is None:
-            if what == "lookup":
-                self.stats.add("tier_skipped")
-            return False, None
-        try:
-            return self._attempt(operation, what)
-        finally:
-            self._breaker.done(probe)
+        """(ok, result) of an operation on the backend, through the guard (cachestore.guard)."""
+        return self._guard.call(operation, what)
 
-    def _attempt(self, operation: Callable[[Backend], object], what: str) -> tuple[bool, object]:
-        try:
-            if self._backend is None:
-                self._backend = self._backend_factory()
-            result = operation(self._backend)
-            if what != "open":  # a client object made, which is not the store answering
-                self._breaker.succeeded()
-            return True, result
-        except TierBusy as exc:
-            # Another process of this machine held the embedded tier's lock for the whole wait: counted, and
-            # the write stays queued (a read is a miss), but the tier stays on for the rest of the compile.
-            self.stats.add("tier_timeouts")
-            logger.warning("tier %s busy during %s (%s); retried, not turned off", self.description, what, exc)
-        except TierTimeout as exc:
-            self.stats.add("tier_timeouts")
-            self._trip(what, exc, reachable=True)
-        except ConnectionsDropped:
-            pass  # another call timed out and counted it: what this call sent stays queued
-        except BatchRefused as exc:
-            # The tier answered: it is up, and this one item is bad. Done with (ok), so the outbox moves on to
-            # what follows it instead of retrying it forever behind an open breaker.
-            self.stats.add("tier_dropped")
-            logger.warning("tier %s refused a write during %s; dropped: %s", self.description, what, exc)
-            self._breaker.succeeded()
-            return True, None
-        except TierError as exc:
-            self.stats.add("tier_errors")
-            self._trip(what, exc)
-        return False, None
-
-    def _trip(self, what: str, exc: Exception, reachable: bool = False) -> None:
-        self._breaker.trip(reachable)
-        logger.warning(
-            "tier %s failed during %s (%s); not asked again for %.1f s",
-            self.description,
-            what,
-            exc,
-            self.settings.breaker_cooldown,
-        )
+    @property
+    def _backend(self) -> Backend | None:
+        """The store, once the guard opened it."""
+        return self._guard.store
 
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, cache_key: str) -> Entry | None:
@@ -779,10 +731,8 @@ class TierClient:
         if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
-            if stores and self._backend is None:  # opened first: its `value_ttls` decides the entries' TTLs
-                ok, _ = self._guarded(lambda b: None, "open")
-                if not ok:
-                    return False
+            if stores and not self._guard.open():  # opened first: its `value_ttls` decides the entries' TTLs
+                return False
             for pending in stores:
                 self._prepare(pending)
                 if pending.value is not None and pending.request is not None:

@@ -1,0 +1,85 @@
+"""The guard between a tier client and its store: every call to the store goes through `Guard.call`, which
+opens the store on first use, lets the call through only while the breaker (cachestore.breaker) admits it, and
+turns the store's failures into counted outcomes, so that a store that is down, slow or refusing never makes a
+compile fail. The deadline of one call is the backend's own (`Backend`'s operation timeout)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from cachestore.api import Backend, BatchRefused, ConnectionsDropped, TierBusy, TierError, TierTimeout
+from cachestore.breaker import Breaker
+
+logger = logging.getLogger(__name__)
+
+
+class Guard:
+    def __init__(
+        self, open_store: Callable[[], Backend], breaker: Breaker, count: Callable[[str], None], description: str
+    ) -> None:
+        """`count(name)` adds one to the client's counter `name` (tier_timeouts, tier_errors, tier_dropped,
+        tier_skipped)."""
+        self._open_store = open_store
+        self.breaker = breaker
+        self._count = count
+        self.description = description
+        self.store: Backend | None = None  # opened by the first call let through
+
+    def open(self) -> bool:
+        """Open the store now, if it is not open yet; False when it cannot be (counted, and the breaker opens).
+        Making the client object is not the store answering: the breaker is not told it succeeded."""
+        return self.store is not None or self.call(lambda store: None, "open", answers=False)[0]
+
+    def call(self, operation: Callable[[Backend], object], what: str, *, answers: bool = True) -> tuple[bool, object]:
+        """(ok, result) of `operation` on the store; a failure is counted and opens the breaker. `answers`:
+        whether the operation's success shows the store answering (it proves the store to the breaker)."""
+        probe = self.breaker.admit()
+        if probe is None:
+            if what == "lookup":
+                self._count("tier_skipped")
+            return False, None
+        try:
+            return self._attempt(operation, what, answers)
+        finally:
+            self.breaker.done(probe)
+
+    def _attempt(self, operation: Callable[[Backend], object], what: str, answers: bool) -> tuple[bool, object]:
+        try:
+            if self.store is None:
+                self.store = self._open_store()
+            result = operation(self.store)
+            if answers:
+                self.breaker.succeeded()
+            return True, result
+        except TierBusy as exc:
+            # Another process of this machine held the embedded tier's lock for the whole wait: counted, and
+            # the write stays queued (a read is a miss), but the tier stays on for the rest of the compile.
+            self._count("tier_timeouts")
+            logger.warning("tier %s busy during %s (%s); retried, not turned off", self.description, what, exc)
+        except TierTimeout as exc:
+            self._count("tier_timeouts")
+            self._trip(what, exc, reachable=True)
+        except ConnectionsDropped:
+            pass  # another call timed out and counted it: what this call sent stays queued
+        except BatchRefused as exc:
+            # The tier answered: it is up, and this one item is bad. Done with (ok), so the outbox moves on to
+            # what follows it instead of retrying it forever behind an open breaker.
+            self._count("tier_dropped")
+            logger.warning("tier %s refused a write during %s; dropped: %s", self.description, what, exc)
+            self.breaker.succeeded()
+            return True, None
+        except TierError as exc:
+            self._count("tier_errors")
+            self._trip(what, exc)
+        return False, None
+
+    def _trip(self, what: str, exc: Exception, reachable: bool = False) -> None:
+        self.breaker.trip(reachable)
+        logger.warning(
+            "tier %s failed during %s (%s); not asked again for %.1f s",
+            self.description,
+            what,
+            exc,
+            self.breaker.cooldown,
+        )
