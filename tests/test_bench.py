@@ -170,7 +170,8 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
     # The Redis measurements ran (and wrote entries and metrics), then their keys were deleted.
     assert results["mirror_overhead"] > 0 and results["storage_ratio"] > 0
     assert results["remote_hit_vs_raw_get_detail"]["entries"] > 0
-    assert [key.decode() for key in client.scan_iter()] == ["someone-else:key"]
+    # (SCAN may return a key twice while Redis rehashes the keyspace the cleanup just shrank.)
+    assert {key.decode() for key in client.scan_iter()} == {"someone-else:key"}
     client.close()
 
 
