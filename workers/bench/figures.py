@@ -378,12 +378,12 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
         timed, checks = TimedStore(reader), [0.0]
         with _checks_timed(checks):
             compile_all(graphs, timed)
-        reads = [timed.seconds["find_traces"]]
+        reads = timed.seconds["find_traces"]
         counts = reader.counts()
         hits = max(1, counts["entries_found"])
         return {
-            "overhead": checks[0] / reads[0],
-            "hit_us": reads[0] * 1e6 / hits,
+            "overhead": checks[0] / reads,
+            "hit_us": reads * 1e6 / hits,
             "check_us": checks[0] * 1e6 / hits,
             "verifies_per_hit": reader.policy.trust.verifies / hits,
             "hits": counts["entries_found"],

@@ -5,9 +5,10 @@ compile sees it, and only the port's calls are timed (a call a tier makes inside
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from bridge.miss_causes import VariantFacts
@@ -21,8 +22,13 @@ class TimedStore:
         self.inner = inner
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
-    def _since(self, name: str, started: float) -> None:
-        self.seconds[name] += time.perf_counter() - started
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - started
 
     @property
     def total(self) -> float:
@@ -46,46 +52,28 @@ class TimedStore:
         return self.inner.single_flight
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
-        started = time.perf_counter()
-        try:
+        with self._timed("find_traces"):
             return self.inner.find_traces(cache_keys)
-        finally:
-            self._since("find_traces", started)
 
     def acquire_lease(self, cache_key: str) -> bool:
-        started = time.perf_counter()
-        try:
+        with self._timed("acquire_lease"):
             return self.inner.acquire_lease(cache_key)
-        finally:
-            self._since("acquire_lease", started)
 
     def release_lease(self, cache_key: str) -> None:
-        started = time.perf_counter()
-        try:
+        with self._timed("release_lease"):
             self.inner.release_lease(cache_key)
-        finally:
-            self._since("release_lease", started)
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
-        started = time.perf_counter()
-        try:
+        with self._timed("wait_for_trace"):
             return self.inner.wait_for_trace(cache_key)
-        finally:
-            self._since("wait_for_trace", started)
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
-        started = time.perf_counter()
-        try:
+        with self._timed("variant_facts"):
             return self.inner.variant_facts(misses)
-        finally:
-            self._since("variant_facts", started)
 
     def reject(self, cache_key: str, reason: str) -> None:
-        started = time.perf_counter()
-        try:
+        with self._timed("reject"):
             self.inner.reject(cache_key, reason)
-        finally:
-            self._since("reject", started)
 
     def publish_trace(
         self,
@@ -95,25 +83,16 @@ class TimedStore:
         compile_seconds: float,
         release_lease: bool = False,
     ) -> None:
-        started = time.perf_counter()
-        try:
+        with self._timed("publish_trace"):
             self.inner.publish_trace(cache_key, result, key_components, compile_seconds, release_lease)
-        finally:
-            self._since("publish_trace", started)
 
     def record_pass(self, record: PassRecord) -> None:
-        started = time.perf_counter()
-        try:
+        with self._timed("record_pass"):
             self.inner.record_pass(record)
-        finally:
-            self._since("record_pass", started)
 
     def flush(self) -> bool:
-        started = time.perf_counter()
-        try:
+        with self._timed("flush"):
             return self.inner.flush()
-        finally:
-            self._since("flush", started)
 
     def counts(self) -> dict[str, int]:
         return self.inner.counts()
