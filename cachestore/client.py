@@ -5,11 +5,9 @@ The client turns what the loop hands it (trace results, key components, pass rec
 metrics batches; backends (`cachestore.backends`) only move the encoded bytes.
 
 Reads happen on the compiling thread, bounded by the operation timeout. Writes (entries, lease releases,
-metrics batches) go to an outbox that a background thread drains with pipelines. Any tier failure opens a
-circuit breaker (cachestore.breaker): for `breaker_cooldown` seconds the tier is not asked at all, then it is
-tried again; until a call succeeds, by one call at a time, the others treating it as down. What
-waits in the outbox during an outage is delivered when the tier returns; past `outbox_limit` the oldest
-items are dropped and counted. A metrics batch no tier would take (a NaN, a count that is not a number) is
+TTL refreshes, metrics batches) go to the write-behind (cachestore.write_behind), whose thread encodes and sends
+them; every store call goes through the guard (cachestore.guard), whose breaker keeps a failed tier off for
+`breaker_cooldown` seconds. A metrics batch no tier would take (a NaN, a count that is not a number) is
 never queued, and one a tier refuses anyway (`BatchRefused`) is no failure of the tier: both are dropped
 and counted in tier_dropped, and the breaker stays closed.
 
@@ -24,7 +22,6 @@ import collections
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -54,7 +51,6 @@ from cachestore.entry import (
     EntryRejected,
     SignaturePolicy,
     TooLarge,
-    Unsealed,
     decode_entries,
     encode_entry,
     open_stored,
@@ -70,56 +66,10 @@ from cachestore.settings import Settings
 from cachestore.signatures import MAX_GROUP
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
+from cachestore.write_behind import Item, LeaseRelease, PendingStore, TtlRefresh, UnbuiltBatch, WriteBehind
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
-
-
-class LeaseRelease(msgspec.Struct):
-    cache_key: str
-    owner: str
-
-
-class UnbuiltBatch(msgspec.Struct):
-    """A pass's record as the compiling thread hands it over: the flusher makes it into its metrics batch
-    (`made`, once, so a send retried after an outage applies the same batch id)."""
-
-    record: PassRecord
-    writer_counts: dict[str, int]
-    made: MetricsBatch | None = None
-
-    def batch(self, host: str, worker: str) -> MetricsBatch:
-        if self.made is None:
-            self.made = metrics_batch(self.record, host, worker)
-            self.made.totals.update(self.writer_counts)
-        return self.made
-
-
-class TtlRefresh(msgspec.Struct):
-    """An entry read whose value earns it more than entry_ttl (cachestore.value): its TTL, set in the background."""
-
-    cache_key: str
-    ttl: int
-
-
-class PendingStore(msgspec.Struct):
-    """An entry the compiling thread handed over: `build` makes it, and the flusher thread builds, hashes,
-    compresses and encodes it (`request`, kept so a retry after an outage does not encode it again)."""
-
-    cache_key: str
-    build: Callable[[], Entry]
-    request: StoreRequest | None = None
-    prepared: bool = False  # `request` is None after preparing when the entry is too large to store
-    # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
-    unsealed: Unsealed | None = None
-    entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
-    # Its value (cachestore.value), from preparing it until its first send gives `request` its TTL (`_send`).
-    value: float | None = None
-
-    def built(self) -> Entry:
-        if self.entry is None:
-            self.entry = self.build()
-        return self.entry
 
 
 class TierStats:
@@ -166,30 +116,18 @@ class TierClient:
         self.policy = SignaturePolicy(
             settings.hmac_key, settings.require_signed, settings.reject_unverifiable, self.credentials.trust
         )
-        self._outbox_lock = threading.Condition()
-        self._breaker = Breaker(settings.breaker_cooldown, self._wake_flusher)
+        self._breaker = Breaker(settings.breaker_cooldown, lambda: self._outbox.wake())
         self._guard = Guard(backend_factory, self._breaker, self.stats.add, description)
-        # What the compiling thread hands over (entries, lease releases, pass records), appended under the lock; the
-        # flusher thread drains it.
-        self._outbox: collections.deque = collections.deque()
-        self._flusher: threading.Thread | None = None
-        self._closing = False
-        self._flush_waiters = 0  # flush() calls waiting for the outbox to drain
-        # A pass that traced ended (send_now): the flusher stops gathering and sends at once, with no one waiting.
-        self._send_now = False
-        # close() found the flusher still busy after its join: the flusher closes the backend as it exits, so that
-        # a backend is never closed under a thread still sending on it (SQLite and Lua crash, not raise).
-        self._backend_closed_by_flusher = False
-        self._flusher_stopped = False  # the current flusher has left its loop (set by it, under the outbox lock)
-        self._flusher_pid = 0  # the process that started it (a forked child has none running)
-        # The entries queued and not yet stored, by cache key: a read answers them from here (read your own writes)
-        # while the tier is up, since a pass returns without waiting for its stores and the next pass of this
-        # process may ask for them before they are sent.
-        # Changed under the outbox lock; read without it (one dict lookup, atomic) on the hit path.
-        self._unsent: dict[str, PendingStore] = {}
-        # Entries and lease releases in the outbox: what other processes may be waiting for (send_now sends it at
-        # once), unlike metrics batches and TTL refreshes, which go out by the flusher's timer.
-        self._awaited = 0
+        self._outbox = WriteBehind(
+            send=self._send,
+            prepare=self._prepare,
+            before_send=self._collect_touched,
+            close_store=self._close_backend,
+            breaker=self._breaker,
+            flush_interval=settings.flush_interval,
+            limit=settings.outbox_limit,
+            dropped=partial(self.stats.add, "tier_dropped"),
+        )
         self._silent_holders: set[str] = set()  # lease holders that let a wait run out (dead, most likely)
         self._leases = LeaseKeeper(self._renew_lease, settings.lease_ttl)
         # Entries served and stored per writer key id since the last pass record, sent with it (report per writer).
@@ -274,7 +212,7 @@ class TierClient:
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
-        own = self._own_unsent(cache_keys) if self._unsent and self._breaker.available() else {}
+        own = self._own_unsent(cache_keys) if self._outbox.has_unsent and self._breaker.available() else {}
         if own:
             cache_keys = [key for key in cache_keys if key not in own]
             if not cache_keys:
@@ -305,7 +243,7 @@ class TierClient:
         verified when it read them), so nothing to verify; the tier will hold them once the flusher sends them."""
         own = {}
         for key in cache_keys:
-            pending = self._unsent.get(key)
+            pending = self._outbox.unsent(key)
             if pending is not None:
                 own[key] = pending.built()
         return own
@@ -321,14 +259,7 @@ class TierClient:
         if not (self._value_ttls and self.writes):
             return
         self._touched.append((cache_key, entry.compile_seconds, len(data)))
-        if not self._flusher_running():
-            self._ensure_flusher()
-
-    def _flusher_running(self) -> bool:
-        """True when this process's flusher has certainly not left its loop: its own flag, read without a lock,
-        instead of Thread.is_alive's lock (every remote hit asks). False when unsure (none yet, one that stopped,
-        or the parent's, in a forked child): `_ensure_flusher` then asks the thread itself."""
-        return self._flusher is not None and not self._flusher_stopped and self._flusher_pid == os.getpid()
+        self._outbox.start()
 
     def _collect_touched(self) -> None:
         """The TTL refreshes of the entries read since the last call, queued as TtlRefresh (one per key, its
@@ -343,10 +274,7 @@ class TierClient:
             ttl = self._values.ttl(base, entry_value(seconds, 1, size))
             ttls[key] = max(ttl, ttls.get(key, 0))
         if ttls:
-            with self._outbox_lock:
-                for key, ttl in ttls.items():
-                    self._append(TtlRefresh(key, ttl))
-                self._outbox_lock.notify_all()
+            self._outbox.put_all(TtlRefresh(key, ttl) for key, ttl in ttls.items())
 
     def _decoded(self, cache_key: str, data: bytes | TooLarge, entry: Entry | EntryRejected) -> Entry | None:
         """A decoded entry (or the EntryRejected that stands for it) handed on: a rejection counted and logged, an
@@ -381,8 +309,7 @@ class TierClient:
     ) -> dict[str, VariantFacts]:
         """`found` with what this client queued and has not stored yet counted as in the index, as its reads
         count those entries as held: a pass's miss causes do not depend on how far the write-behind got."""
-        with self._outbox_lock:
-            queued = {key: pending.built().key_components for key, pending in self._unsent.items()}
+        queued = {key: entry.key_components for key, entry in self._outbox.unsent_entries().items()}
         if not queued:
             return found
         for key in found:  # (a key the index could not say anything of stays unknown)
@@ -593,140 +520,16 @@ class TierClient:
         processes may wait for (entries, lease releases); returns at once. A pass that only read leaves its
         metrics batch to the flusher's timer, which sends the batches of the passes meanwhile in one wake-up: a
         send at every warm pass's end would contend with the next pass for the GIL and the tier."""
-        if not self.writes:
-            return
-        with self._outbox_lock:
-            if not self._awaited:
-                return
-            self._send_now = True
-            self._outbox_lock.notify_all()
-        self._ensure_flusher()
+        if self.writes:
+            self._outbox.send_now()
 
-    def _enqueue(self, item: object, wake: bool = True) -> None:
-        """Hand `item` to the flusher; `wake`: now (else it finds it within flush_interval, or at the pass's end
-        or a flush: an entry traced mid-pass need not wake a thread that would take the GIL from the compile).
-        The first item of a quiet outbox wakes it all the same, so that it encodes while the pass goes on."""
-        if not self.writes:
-            return  # a read-only client's publish and lease release: nothing to send, nothing dropped
-        if self._closing:  # after close(): dropped and counted, as what close() could not deliver is
-            self.stats.add("tier_dropped")
-            return
-        with self._outbox_lock:
-            wake = wake or not self._outbox
-            self._append(item)
-            if wake:
-                self._outbox_lock.notify_all()
-        if not self._flusher_running():
-            self._ensure_flusher()
+    def _enqueue(self, item: Item, wake: bool = True) -> None:
+        """Hand `item` to the write-behind (a read-only client's publish, lease release and batch: nothing to
+        send, nothing dropped)."""
+        if self.writes:
+            self._outbox.put(item, wake)
 
-    def _append(self, item: object) -> None:
-        """Queue `item` (the outbox lock held); past outbox_limit the oldest item is dropped and counted."""
-        if len(self._outbox) >= self.settings.outbox_limit:
-            self._forget(self._outbox.popleft())
-            self.stats.add("tier_dropped")
-        self._outbox.append(item)
-        if isinstance(item, PendingStore):
-            self._unsent[item.cache_key] = item
-        if isinstance(item, PendingStore | LeaseRelease):
-            self._awaited += 1
-
-    def _forget(self, item: object) -> None:
-        """`item` left the outbox (stored, or dropped; the outbox lock held): no longer answered from memory."""
-        if isinstance(item, PendingStore) and self._unsent.get(item.cache_key) is item:
-            del self._unsent[item.cache_key]
-        if isinstance(item, PendingStore | LeaseRelease):
-            self._awaited -= 1
-
-    def _ensure_flusher(self) -> None:
-        """Start the flusher unless it runs, or close() has begun stopping it (a thread started then would send
-        on the backend close() closes)."""
-        if self._closing:
-            return
-        if self._flusher is None or not self._flusher.is_alive():
-            with self._outbox_lock:
-                self._flusher = threading.Thread(target=self._flush_loop, name="nkicache-tier-flusher", daemon=True)
-                self._flusher_stopped = False
-                self._flusher_pid = os.getpid()
-            try:
-                self._flusher.start()
-            except RuntimeError:  # no room for a thread (a job's memory limit): the pass reports it; close() joins none
-                with self._outbox_lock:
-                    self._flusher = None
-                raise
-
-    def _flush_loop(self) -> None:
-        try:
-            self._flush_until_closed()
-        finally:
-            with self._outbox_lock:
-                current = threading.current_thread() is self._flusher
-                self._flusher_stopped = self._flusher_stopped or current
-                close_backend = current and self._backend_closed_by_flusher
-            if close_backend:
-                self._close_backend()
-
-    def _flush_until_closed(self) -> None:
-        while True:
-            with self._outbox_lock:
-                self._outbox_lock.wait_for(lambda: self._closing or bool(self._outbox), self.settings.flush_interval)
-                if self._closing and not self._outbox:
-                    return
-                if not self._breaker.available():
-                    if self._closing and self._breaker.is_open():
-                        return
-                    # The breaker is open, or another call is probing the tier: sleep until it closes, the probe
-                    # ends (it wakes this thread) or new work arrives; never spin.
-                    longest = self.settings.flush_interval * 5
-                    self._outbox_lock.wait(min(self._breaker.cooling, longest) or longest)
-                    continue
-            self._gather()
-            if not self._drain_once() and self._closing:
-                return
-
-    def _gather(self) -> None:
-        """Let writes gather for up to flush_interval (a pass traces several kernels in that time), so they go
-        out in one pipeline: each round trip costs the compiling process a system call and a wake-up, far more
-        than the bytes. The entries queued when it wakes are encoded meanwhile (the first one of a window wakes it;
-        the others do not, so that the compiling thread does not hand it the GIL at every trace). A pass's end
-        (`send_now`), a waiting flush() or close() ends the gathering at once."""
-        deadline = time.monotonic() + self.settings.flush_interval
-        while True:
-            with self._outbox_lock:
-                if self._closing or self._flush_waiters > 0 or self._send_now:
-                    return
-                todo = [item for item in self._outbox if isinstance(item, PendingStore) and not item.prepared]
-                if not todo:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return
-                    self._outbox_lock.wait(remaining)  # the pass's end, a flush() and close() notify
-                    continue
-            for item in todo:  # outside the lock: the compiling thread keeps queueing
-                self._prepare(item)
-
-    def _drain_once(self) -> bool:
-        """Send what is queued, in order; False when the tier failed (items stay queued)."""
-        self._collect_touched()
-        with self._outbox_lock:
-            items = list(self._outbox)
-            self._send_now = False  # what it asked to be sent is being sent
-        if not items:
-            return True
-        sent = 0
-        while sent < len(items):
-            group = _leading_group(items[sent:])
-            if not self._send(group):
-                break
-            sent += len(group)
-        with self._outbox_lock:
-            for item in items[:sent]:
-                # (a close() that gave up waiting on this send has cleared the outbox and counted it dropped)
-                if self._outbox and self._outbox[0] is item:
-                    self._forget(self._outbox.popleft())
-            self._outbox_lock.notify_all()
-        return sent == len(items)
-
-    def _send(self, group: list) -> bool:
+    def _send(self, group: list[Item]) -> bool:
         head = group[0]
         if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
@@ -754,7 +557,7 @@ class TierClient:
         else:
             batch = head
             if isinstance(head, UnbuiltBatch):  # (record() checked a batch handed over whole)
-                batch = head.batch(self.settings.host, self.settings.worker)
+                batch = self._made(head)
                 if self._dropped_invalid(batch):
                     return True
             ok, applied = self._guarded(lambda b: b.apply_metrics(batch), "metrics")
@@ -765,88 +568,43 @@ class TierClient:
     def _store(self, requests: list[StoreRequest]) -> bool:
         return self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")[0]
 
+    def _made(self, unbuilt: UnbuiltBatch) -> MetricsBatch:
+        """A pass record made into its metrics batch, once (a send retried after an outage applies the same id)."""
+        if unbuilt.made is None:
+            unbuilt.made = metrics_batch(unbuilt.record, self.settings.host, self.settings.worker)
+            unbuilt.made.totals.update(unbuilt.writer_counts)
+        return unbuilt.made
+
     def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
-        """Wait until the outbox is empty, at most `timeout` seconds. While the tier is down it gives up at once,
-        unless `through_outage` and the breaker closes (so the flusher retries) before the deadline."""
-        deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
-        self._collect_touched()  # the TTL refreshes of the reads so far are part of what is waited for
-        with self._outbox_lock:
-            self._flush_waiters += 1
-            self._outbox_lock.notify_all()
-            try:
-                while True:
-                    if not self._outbox:
-                        break
-                    remaining = deadline - time.monotonic()
-                    retries_in_time = through_outage and self._breaker.reopens_by(deadline)
-                    if remaining <= 0 or (self._breaker.is_open() and not retries_in_time):
-                        return False
-                    self._outbox_lock.wait(min(remaining, 0.05))
-            finally:
-                self._flush_waiters -= 1
-        return True
+        """Wait until the outbox is empty, at most `timeout` seconds (default final_flush_timeout). While the tier
+        is down it gives up at once, unless `through_outage` and the breaker closes before the deadline."""
+        wait = self.settings.final_flush_timeout if timeout is None else timeout
+        return self._outbox.flush(wait, through_outage=through_outage)
 
     def pending(self) -> int:
-        with self._outbox_lock:
-            return len(self._outbox)
+        return self._outbox.pending()
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush and stop the flusher within `timeout` seconds in all (default final_flush_timeout; waiting out
-        the breaker when it closes in time, for a tier that is there), count what could not be delivered,
-        close the backend: here once
-        the flusher has stopped, else by the flusher itself as it stops (a send cut off by the deadline is never
-        followed by a close under it)."""
-        # One deadline for the flush and the flusher's stop: close() waits final_flush_timeout at most (a send
-        # still under way then finishes on the flusher, which closes the backend after it).
-        deadline = time.monotonic() + (self.settings.final_flush_timeout if timeout is None else timeout)
+        """Flush and stop the write-behind within `timeout` seconds in all (default final_flush_timeout), count
+        what could not be delivered, close the backend: here once the flusher has stopped, else by the flusher
+        itself as it stops (a send cut off by the deadline is never followed by a close under it)."""
         self._leases.stop()
         # A tier that is there (it answered, or took a call and was slow: a paused server) may deliver once its
         # cooldown ends; one that refused every connection is down, and waiting would only make the exit late.
-        self.flush(deadline - time.monotonic(), through_outage=self._breaker.reachable)
-        with self._outbox_lock:
-            self._closing = True
-            self._outbox_lock.notify_all()
-        flusher = self._flusher
-        if flusher is not None:
-            flusher.join(timeout=max(0.0, deadline - time.monotonic()))
-        with self._outbox_lock:
-            if self._outbox:
-                self.stats.add("tier_dropped", len(self._outbox))
-                self._outbox.clear()
-            self._unsent.clear()
-            self._awaited = 0
-            # Decided under the lock the flusher reads it with as it stops: exactly one of the two closes it.
-            running = flusher is not None and flusher is self._flusher and not self._flusher_stopped
-            self._backend_closed_by_flusher = running
+        wait = self.settings.final_flush_timeout if timeout is None else timeout
+        stopped = self._outbox.close(wait, through_outage=self._breaker.reachable)
         self._rejections.log_summary()
-        if not running:
+        if stopped:
             self._close_backend()
         else:
             logger.warning(
                 "tier %s: the flusher was still sending when closed; it closes the backend when done", self.description
             )
 
-    def _wake_flusher(self) -> None:
-        with self._outbox_lock:
-            self._outbox_lock.notify_all()
-
     def _close_backend(self) -> None:
         if self._backend is not None:
             with contextlib.suppress(TierError):
                 self._backend.close()
-
-
-def _leading_group(items: list) -> list:
-    """The first item, with the entries and lease releases right after it when it is one of them: the
-    entries go in one pipeline and the releases in another, instead of a round trip for each release."""
-    if not isinstance(items[0], PendingStore | LeaseRelease | TtlRefresh):
-        return items[:1]
-    group = []
-    for item in items:
-        if not isinstance(item, PendingStore | LeaseRelease | TtlRefresh) or len(group) == 256:
-            break
-        group.append(item)
-    return group
 
 
 def _stored_trace(entry: Entry) -> StoredTrace:

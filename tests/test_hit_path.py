@@ -199,7 +199,7 @@ def test_a_hit_does_not_ask_the_running_flusher_whether_it_is_alive(backend: Any
     reader = client_of(backend)
     assert reader.lookup("k") is not None  # starts the flusher
     asked = []
-    flusher = reader._flusher
+    flusher = reader._outbox.thread
     original = flusher.is_alive
     flusher.is_alive = lambda: asked.append(1) or original()  # type: ignore[method-assign]
     for _ in range(5):

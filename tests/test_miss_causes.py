@@ -355,11 +355,11 @@ def test_a_pass_s_causes_do_not_depend_on_how_far_the_write_behind_got(
 ) -> None:
     """Two passes in a row, the first one's entries still queued (the flusher stopped): the second pass's
     misses have the causes they have once those are stored, as its reads already find the queued entries."""
-    from cachestore.client import TierClient
+    from cachestore.write_behind import WriteBehind
 
     client = tier.client()
     with monkeypatch.context() as patch:
-        patch.setattr(TierClient, "_ensure_flusher", lambda self: None)
+        patch.setattr(WriteBehind, "start", lambda self: None)
         BirCodeGenLoop(make_target("Trn2"), tier=client).run(load_graph(graph_of(SOFTMAX_64, RMS_A)))
         second = BirCodeGenLoop(make_target("Trn2"), tier=client)
         second.run(load_graph(graph_of(SOFTMAX_64, SOFTMAX_128, RMS_B)))

@@ -155,7 +155,7 @@ def test_a_close_that_gives_up_on_a_send_leaves_the_backend_to_the_flusher(gated
     client = TierClient(lambda: gated, settings(single_flight=False, op_timeout=0.1))
     BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
     client.close(timeout=0.2)  # gives up: the flusher is stuck in the send, past close's join (1 s)
-    flusher = client._flusher
+    flusher = client._outbox.thread
     assert flusher is not None and flusher.is_alive() and gated.writing == 1
     assert not gated.closed  # not closed under the running send
     assert client.counts()["tier_dropped"] == MIXED_DISTINCT_KEYS + 1  # not known to be delivered
@@ -172,7 +172,7 @@ def test_a_close_with_the_flusher_idle_closes_the_backend_itself(gated: GatedBac
     BirCodeGenLoop(tier=client).run(load_graph(mixed_graph()))
     client.close(timeout=5)
     assert gated.closed and not gated.closed_while_writing and gated.used_after_close == []
-    assert client._flusher is not None and not client._flusher.is_alive()
+    assert client._outbox.thread is not None and not client._outbox.thread.is_alive()
 
 
 def test_a_fleet_job_is_answered_only_once_its_pass_is_stored(gated: GatedBackend) -> None:

@@ -385,7 +385,7 @@ def test_a_write_after_close_is_dropped_and_counted_and_starts_no_flusher(backen
     client.release_lease("after")
     client.record(MetricsBatch("b-after", "host-a", "w1", {"passes": 1}))
     assert counts(client)["tier_dropped"] == 3 and client.pending() == 0
-    assert threading.active_count() == threads and not client._flusher.is_alive()
+    assert threading.active_count() == threads and not client._outbox.thread.is_alive()
     view = TierView.of(backend)
     assert view.raw("before") is not None and view.raw("after") is None
 
