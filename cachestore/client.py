@@ -11,9 +11,7 @@ them; every store call goes through the guard (cachestore.guard), whose breaker 
 never queued, and one a tier refuses anyway (`BatchRefused`) is no failure of the tier: both are dropped
 and counted in tier_dropped, and the breaker stays closed.
 
-In `read-only` mode the client only reads, without refreshing TTLs: no entry, lease, lease release nor
-metrics batch is ever queued or sent, so credentials that cannot write (the `nkicache-reader` ACL user, a
-read-only file) cost no errors. It traces its misses without a lease, as a single-flight-off client does.
+Read-only is a wrapper of it (cachestore.read_only).
 """
 
 from __future__ import annotations
@@ -106,7 +104,6 @@ class TierClient:
         must work in `partition(toolchain, credentials.scope)`, as open_tier's does)."""
         self.settings = settings
         self.description = description
-        self.mode = settings.tier_mode
         self.stats = TierStats()
         self._rejections = RejectionLog(description)
         self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
@@ -140,19 +137,17 @@ class TierClient:
         self._touched: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=settings.outbox_limit)
 
     def __repr__(self) -> str:
-        return f"TierClient({self.description}, mode={self.mode})"
+        return f"TierClient({self.description}, mode={self.settings.tier_mode})"
+
+    writes = True
 
     @property
     def reads(self) -> bool:
-        return self.mode in ("read-through", "read-only")
-
-    @property
-    def writes(self) -> bool:
-        return self.mode != "read-only"
+        return self.settings.tier_mode != "mirror"
 
     @property
     def single_flight(self) -> bool:
-        return self.settings.single_flight and self.writes  # a lease is a write
+        return self.settings.single_flight
 
     @property
     def _value_ttls(self) -> bool:
@@ -160,12 +155,11 @@ class TierClient:
         open backend (a read's lambda, `_touch` after a read, a send, which opens it first: `_send`)."""
         return self._backend is not None and self._backend.value_ttls
 
-    @property
-    def _refresh_ttl(self) -> int | None:
-        """The TTL a read asks the backend to give back to the entries it finds as it reads them; None: a read-only
-        client leaves them as they are, and a writer's client of Redis refreshes them in the background instead
+    def _refresh_ttl(self, refresh: bool) -> int | None:
+        """The TTL a read asks the backend to give back to the entries it finds as it reads them; None: none asked
+        (`refresh` off), or a store with value TTLs, whose entries' TTLs are refreshed in the background instead
         (`_touch`), so that a hit costs one command."""
-        return self.settings.entry_ttl if self.writes and not self._value_ttls else None
+        return self.settings.entry_ttl if refresh and not self._value_ttls else None
 
     def counts(self) -> dict[str, int]:
         return self.stats.snapshot()
@@ -202,13 +196,14 @@ class TierClient:
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         """The port's read: `find_many`, each entry as the trace the loop takes from it."""
         entries, held = self.find_many(list(cache_keys))
-        return {key: _stored_trace(entry) for key, entry in entries.items()}, held
+        return {key: stored_trace(entry) for key, entry in entries.items()}, held
 
-    def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
+    def find_many(self, cache_keys: list[str], refresh: bool = True) -> tuple[dict[str, Entry], set[str]]:
         """(verified entries, the keys the tier held anything under, rejected or not), in one round trip. The tier
         being unavailable looks like all misses. An entry over max_entry_bytes is not downloaded: the backend says
         its size, and it is rejected and counted. Their writers' signatures, for a reader with a trust policy, are
-        checked in one loop (cachestore.entry.decode_entries)."""
+        checked in one loop (cachestore.entry.decode_entries). `refresh`: give the entries found their TTL back (a
+        reader that may not write does not)."""
         if not cache_keys:
             return {}, set()
         # (While the breaker is open a read is a miss, as ever: the outbox is no cache for an outage.)
@@ -218,7 +213,7 @@ class TierClient:
             if not cache_keys:
                 self.stats.add("entries_found", len(own))
                 return own, set(own)
-        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl), "lookup")
+        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl(refresh)), "lookup")
         if not ok:
             return own, set(own)
         entries = own
@@ -226,7 +221,8 @@ class TierClient:
         for key, data in found.items():
             entry = self._decoded(key, data, decoded[key])
             if entry is not None:
-                self._touch(key, entry, data)
+                if refresh:
+                    self._touch(key, entry, data)
                 entries[key] = entry
         self._count_found(entries.values())
         return entries, set(found) | set(own)
@@ -253,10 +249,10 @@ class TierClient:
             self._writer_counts.update(names)
 
     def _touch(self, cache_key: str, entry: Entry, data: bytes | TooLarge) -> None:
-        """A read found this entry on Redis: its TTL is refreshed in the background (a writer's client only: a
-        read-only one refreshes nothing), to entry_ttl or, for one worth more than the usual entry, longer. Only
-        an append here: the flusher computes the TTLs and sends them together (`_collect_touched`)."""
-        if not (self._value_ttls and self.writes):
+        """A read found this entry on a store with value TTLs (Redis): its TTL is refreshed in the background, to
+        entry_ttl or, for one worth more than the usual entry, longer. Only an append here: the flusher computes
+        the TTLs and sends them together (`_collect_touched`)."""
+        if not self._value_ttls:
             return
         self._touched.append((cache_key, entry.compile_seconds, len(data)))
         self._outbox.start()
@@ -322,10 +318,7 @@ class TierClient:
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:
-        """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say; a
-        read-only client takes none)."""
-        if not self.writes:
-            return True
+        """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say)."""
         ok, acquired = self._guarded(lambda b: b.acquire_lease(cache_key, self.owner, self.settings.lease_ttl), "lease")
         if ok and acquired:
             self._leases.hold(cache_key)  # renewed while this process traces, left to lapse if it dies
@@ -367,7 +360,7 @@ class TierClient:
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         entry = self.wait_for_entry(cache_key)
-        return None if entry is None else _stored_trace(entry)
+        return None if entry is None else stored_trace(entry)
 
     # -- writes (write-behind) --------------------------------------------------------------------
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
@@ -377,8 +370,6 @@ class TierClient:
         """Keep a copy of an entry another tier handed over (a stack's farther level): its stored bytes as they
         are, so the writer's signature over them still verifies here (this client's own key, or none, would
         re-sign it, and a trust policy would then refuse it); an entry without them is encoded anew."""
-        if not self.writes:
-            return
         if entry.stored is None:
             self.publish(cache_key, entry)
             return
@@ -395,11 +386,11 @@ class TierClient:
             index,
         )
         pending.prepared = True
-        self._enqueue(pending)
+        self._outbox.put(pending)
 
     def _publish(self, pending: PendingStore, release_lease: bool) -> None:
         """Queue the entry (it is encoded on the flusher thread), then the lease release, in that order."""
-        self._enqueue(pending, wake=False)
+        self._outbox.put(pending, wake=False)
         if release_lease:
             self.release_lease(pending.cache_key)
 
@@ -460,8 +451,6 @@ class TierClient:
         """The port's write: the entry for a kernel the loop traced, produced by this host and worker. The
         compiling thread only copies what the entry needs and queues it: the Entry (the binary's SHA-256) and
         its encoding (compression, the stored bytes' SHA-256 and HMAC) are made on the flusher thread."""
-        if not self.writes:
-            return
         if self.writer is not None:
             self._count_writers([f"writer_stored:{self.writer.key_id_hex}"])
         build = partial(
@@ -482,16 +471,14 @@ class TierClient:
 
     def release_lease(self, cache_key: str) -> None:
         self._leases.drop(cache_key)
-        self._enqueue(LeaseRelease(cache_key, self.owner), wake=False)
+        self._outbox.put(LeaseRelease(cache_key, self.owner), wake=False)
 
     def record(self, batch: MetricsBatch) -> None:
         """Queue a metrics batch, unless no tier would take it (a NaN, a count that is not a number): that one
         is dropped here with one warning, and counted in tier_dropped (a write that never reaches the tier,
         like the outbox's own drops). Queued, it would only be refused by the tier."""
-        if not self.writes:
-            return
         if not self._dropped_invalid(batch):
-            self._enqueue(batch)
+            self._outbox.put(batch)
 
     def _dropped_invalid(self, batch: MetricsBatch) -> bool:
         """Drop `batch` with one warning, counted in tier_dropped, when no tier would take it."""
@@ -505,14 +492,12 @@ class TierClient:
         """The port's pass record, as one metrics batch applied once by the pass's id. The pass's end: nothing more
         is coming soon, so what it traced is sent at once (`send_now`) instead of gathering; this does not wait for
         it (a caller that needs the pass stored, e.g. before acknowledging a job, calls `flush`)."""
-        if not self.writes:
-            return
         writers: dict[str, int] = {}
         if self._writer_counts:
             with self._writer_lock:
                 writers = dict(self._writer_counts)  # fields WRITER_COUNTERS:KEYID, beside the pass's counters
                 self._writer_counts.clear()
-        self._enqueue(UnbuiltBatch(record, writers))  # made into its metrics batch on the flusher
+        self._outbox.put(UnbuiltBatch(record, writers))  # made into its metrics batch on the flusher
         self.send_now()
 
     def send_now(self) -> None:
@@ -520,14 +505,7 @@ class TierClient:
         processes may wait for (entries, lease releases); returns at once. A pass that only read leaves its
         metrics batch to the flusher's timer, which sends the batches of the passes meanwhile in one wake-up: a
         send at every warm pass's end would contend with the next pass for the GIL and the tier."""
-        if self.writes:
-            self._outbox.send_now()
-
-    def _enqueue(self, item: Item, wake: bool = True) -> None:
-        """Hand `item` to the write-behind (a read-only client's publish, lease release and batch: nothing to
-        send, nothing dropped)."""
-        if self.writes:
-            self._outbox.put(item, wake)
+        self._outbox.send_now()
 
     def _send(self, group: list[Item]) -> bool:
         head = group[0]
@@ -607,7 +585,7 @@ class TierClient:
                 self._backend.close()
 
 
-def _stored_trace(entry: Entry) -> StoredTrace:
+def stored_trace(entry: Entry) -> StoredTrace:
     return StoredTrace(entry.trace_result(), entry.compile_seconds, entry.key_components, entry.toolchain)
 
 

@@ -24,10 +24,12 @@ from typing import Any
 from bridge.miss_causes import VariantFacts
 from bridge.port import PassRecord, StoredTrace
 from cachestore.api import MetricsBatch
-from cachestore.client import TierClient, TierStats, _stored_trace
+from cachestore.client import TierClient, TierStats, stored_trace
 from cachestore.entry import Entry
+from cachestore.read_only import ReadOnlyTier
 from cachestore.settings import Settings
 
+Level = TierClient | ReadOnlyTier
 SERVED_KEPT = 4096  # keys whose serving level is remembered, to count a rejection on the level that served it
 
 
@@ -44,7 +46,7 @@ class StackedTier:
     """TierClients, nearest first, presenting a TierClient's interface (bridge.port.KernelStore and the calls
     the pool, the fleet worker and warm make)."""
 
-    def __init__(self, levels: Sequence[TierClient]):
+    def __init__(self, levels: Sequence[Level]):
         if len(levels) < 2:
             raise ValueError("a stack needs at least two levels")
         self.levels = list(levels)
@@ -54,7 +56,9 @@ class StackedTier:
         self.owner = self.shared.owner
         self.mode = self.settings.tier_mode
         self.description = " ".join(level.description for level in self.levels)
-        self._served: dict[str, TierClient] = {}  # cache key -> the level whose entry the loop was last handed
+        self._served: dict[
+            str, TierClient | ReadOnlyTier
+        ] = {}  # cache key -> the level whose entry the loop was last handed
 
     def __repr__(self) -> str:
         return f"StackedTier({self.description}, mode={self.mode})"
@@ -124,7 +128,7 @@ class StackedTier:
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         entries, held = self.find_many(list(cache_keys))
-        return {key: _stored_trace(entry) for key, entry in entries.items()}, held
+        return {key: stored_trace(entry) for key, entry in entries.items()}, held
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         """The shared level's index, which knows what the whole fleet stored; a nearer level's when it cannot
@@ -156,7 +160,7 @@ class StackedTier:
 
     def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         entry = self.wait_for_entry(cache_key)
-        return None if entry is None else _stored_trace(entry)
+        return None if entry is None else stored_trace(entry)
 
     # -- writes: every level ------------------------------------------------------------------------
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:

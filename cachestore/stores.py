@@ -3,13 +3,15 @@ imported only then), `open_tier` the client the compile path uses (a stack of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from bridge.identity import toolchain_id
 from cachestore.api import READ_TIMEOUT, Backend, Reader
 from cachestore.client import TierClient
-from cachestore.credentials import settings_credentials
+from cachestore.credentials import Credentials, settings_credentials
 from cachestore.keys import partition
+from cachestore.read_only import ReadOnlyTier
 from cachestore.settings import Settings, SettingsError
 from cachestore.stacked import StackedTier, level_settings
 from cachestore.tier_urls import PATH_SCHEMES, REDIS_SCHEMES, TIER_SCHEMES_TEXT, redact_url, shared_level, tier_levels
@@ -58,9 +60,10 @@ def open_backend(
     raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
 
 
-def open_tier(settings: Settings) -> TierClient | StackedTier | None:
-    """The tier client for these settings, or None for `off`; a StackedTier for a stack of levels (nearest
-    first). Nothing connects until first used, so an unreachable tier costs a compile only counted errors."""
+def open_tier(settings: Settings) -> TierClient | ReadOnlyTier | StackedTier | None:
+    """The tier client for these settings, or None for `off`; wrapped in a ReadOnlyTier for `read-only`; a
+    StackedTier for a stack of levels (nearest first). Nothing connects until first used, so an unreachable
+    tier costs a compile only counted errors."""
     if settings.tier == "off" or settings.tier_mode == "off":
         return None
     levels = tier_levels(settings.tier)
@@ -75,4 +78,16 @@ def open_tier(settings: Settings) -> TierClient | StackedTier | None:
         writable=settings.tier_mode != "read-only",
         partition=partition(toolchain_id(), credentials.scope),
     )
-    return TierClient(backend, settings, redact_url(settings.tier), credentials)
+    return tier_client(backend, settings, redact_url(settings.tier), credentials)
+
+
+def tier_client(
+    backend_factory: Callable[[], Backend],
+    settings: Settings,
+    description: str = "tier",
+    credentials: Credentials | None = None,
+) -> TierClient | ReadOnlyTier:
+    """The client of the store `backend_factory` opens, as these settings' tier_mode wants it: wrapped in a
+    ReadOnlyTier for `read-only`."""
+    client = TierClient(backend_factory, settings, description, credentials)
+    return ReadOnlyTier(client) if settings.tier_mode == "read-only" else client

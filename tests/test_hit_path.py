@@ -12,9 +12,9 @@ import pytest
 from helpers_graphs import local_or_fake_backend
 
 from cachestore.backends.redis import FIRST_READ_BYTES
-from cachestore.client import TierClient
 from cachestore.entry import Entry, encode_entry
 from cachestore.settings import Settings
+from cachestore.stores import tier_client
 
 BASE_TTL = 3600
 
@@ -56,9 +56,9 @@ def backend(tmp_path: Path) -> Any:
     backend.close()
 
 
-def client_of(backend: Any, **changes: Any) -> TierClient:
+def client_of(backend: Any, **changes: Any) -> Any:
     settings = Settings(**{"tier": "redis://127.0.0.1:1/0", "entry_ttl": BASE_TTL, "flush_interval": 0.01, **changes})
-    return TierClient(lambda: backend, settings, "redis")
+    return tier_client(lambda: backend, settings, "redis")
 
 
 def entry(key: str, size: int = 2000) -> Entry:

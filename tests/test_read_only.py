@@ -22,8 +22,9 @@ from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.backends.redis import RedisBackend
 from cachestore.backends.sqlite import SqliteBackend
-from cachestore.client import TierClient
+from cachestore.client import TierClient, TierStats
 from cachestore.keys import KeySpace
+from cachestore.read_only import ReadOnlyTier
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.stores import open_tier
 from workers.cli import main as nkicache
@@ -92,7 +93,7 @@ def test_the_setting_takes_read_only() -> None:
 def test_a_read_only_client_hits_and_traces_its_misses_without_one_write(backend: Any) -> None:
     fill(backend, mixed_graph("filled"))
     recording = RecordingBackend(backend)
-    reader = TierClient(lambda: recording, settings(tier_mode="read-only", worker="reader"))
+    reader = ReadOnlyTier(TierClient(lambda: recording, settings(tier_mode="read-only", worker="reader")))
     assert reader.reads and not reader.writes and not reader.single_flight
     hits = compile_with(reader, mixed_graph("filled"))
     misses = compile_with(reader, mixed_graph("other", rows=96))  # other shapes: variants the tier lacks
@@ -106,7 +107,7 @@ def test_a_read_only_client_hits_and_traces_its_misses_without_one_write(backend
     assert recording.fetch_ttls and set(recording.fetch_ttls) == {None}  # read, never refreshed
     counts = reader.counts()
     assert counts.pop("entries_found") == hits.remote_hits + misses.remote_hits  # the entries it answered
-    assert counts == dict.fromkeys(set(reader.stats.NAMES) - {"entries_found"}, 0)  # no error, nothing dropped
+    assert counts == dict.fromkeys(set(TierStats.NAMES) - {"entries_found"}, 0)  # no error, nothing dropped
     # What the reader traced was not stored, and the fleet metrics hold the writer's pass alone.
     assert len({raw.cache_key for raw in backend.scan_entries()}) == MIXED_DISTINCT_KEYS
     assert backend.totals()["passes"] == 1
@@ -115,7 +116,7 @@ def test_a_read_only_client_hits_and_traces_its_misses_without_one_write(backend
 def test_a_read_only_clients_port_writes_are_no_ops(backend: Any) -> None:
     """Called directly (as a loop would with single flight on), the write methods send and queue nothing."""
     recording = RecordingBackend(backend)
-    reader = TierClient(lambda: recording, settings(tier_mode="read-only"))
+    reader = ReadOnlyTier(TierClient(lambda: recording, settings(tier_mode="read-only")))
     loop = BirCodeGenLoop()
     loop.run(load_graph(mixed_graph("direct")))
     result = {"binary": b"x", "input_names": ["a"], "output_names": ["b"], "format": "klir"}
@@ -139,7 +140,7 @@ def test_a_read_only_hit_on_redis_leaves_the_ttl_alone() -> None:
     entry_keys = list(redis_client.scan_iter(match=backend.keys.entry_pattern()))
     for key in entry_keys:
         redis_client.expire(key, 1000)
-    reader = TierClient(lambda: backend, settings(tier_mode="read-only"))
+    reader = ReadOnlyTier(TierClient(lambda: backend, settings(tier_mode="read-only")))
     assert compile_with(reader, mixed_graph("ttl")).remote_hits == MIXED_DISTINCT_KEYS
     assert all(0 < redis_client.ttl(key) <= 1000 for key in entry_keys)
     writer = TierClient(lambda: backend, settings())  # the control: a read-through hit does refresh

@@ -19,7 +19,7 @@ from cachestore.api import TierUnavailable
 from cachestore.client import TierClient
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.stacked import StackedTier, level_settings
-from cachestore.stores import open_tier
+from cachestore.stores import open_tier, tier_client
 from cachestore.tier_urls import redact_url, shared_level, tier_levels
 from workers.cli import main as nkicache
 from workers.passes import compile_graph
@@ -34,7 +34,7 @@ def settings(**changes: Any) -> Settings:
 
 def stack(near: Any, far: Any, **far_changes: Any) -> StackedTier:
     return StackedTier([TierClient(lambda: near, settings(), "near"),
-                        TierClient(lambda: far, settings(**far_changes), "far")])  # fmt: skip
+                        tier_client(lambda: far, settings(**far_changes), "far")])  # fmt: skip
 
 
 def compile_with(store: Any, graph: dict) -> BirCodeGenLoop:

@@ -14,6 +14,7 @@ from helpers_graphs import delete_namespace, local_or_fake_backend, unique_names
 from cachestore.client import TierClient
 from cachestore.entry import Entry
 from cachestore.settings import Settings
+from cachestore.stores import tier_client
 from cachestore.value import (
     HALF_LIFE,
     MAX_COMPILE_SECONDS,
@@ -72,9 +73,9 @@ def entry(compile_seconds: float, size: int = 2000, key: str = "k") -> Entry:
                  compile_seconds=compile_seconds)  # fmt: skip
 
 
-def redis_client_of(backend: Any, **changes: Any) -> TierClient:
+def redis_client_of(backend: Any, **changes: Any) -> Any:
     settings = Settings(tier="redis://127.0.0.1:1/0", entry_ttl=BASE_TTL, flush_interval=0.01, **changes)
-    return TierClient(lambda: backend, settings, "redis")
+    return tier_client(lambda: backend, settings, "redis")
 
 
 def ttl_of(backend: Any, cache_key: str) -> float:

@@ -1,0 +1,127 @@
+"""Read-only as a wrapper (`tier_mode read-only`): a tier client that reads and never writes.
+
+It answers reads as the client it wraps does, but asks for no TTL refresh, and its writes are no-ops: no entry,
+lease, lease release nor metrics batch is ever queued or sent, so credentials that cannot write (the
+`nkicache-reader` ACL user, a read-only file) cost no errors. It traces its misses without a lease, as a
+single-flight-off client does, and so never waits on another process's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bridge.miss_causes import VariantFacts
+from bridge.port import PassRecord, StoredTrace
+from cachestore.api import MetricsBatch
+from cachestore.client import TierClient, stored_trace
+from cachestore.entry import Entry, SignaturePolicy
+from cachestore.settings import Settings
+
+
+class ReadOnlyTier:
+    reads = True
+    writes = False
+    single_flight = False  # a lease is a write
+
+    def __init__(self, client: TierClient):
+        self.client = client
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyTier({self.client.description})"
+
+    # -- what it is, and what it did: the client's ------------------------------------------------------
+    @property
+    def settings(self) -> Settings:
+        return self.client.settings
+
+    @property
+    def description(self) -> str:
+        return self.client.description
+
+    @property
+    def toolchain(self) -> str:
+        return self.client.toolchain
+
+    @property
+    def owner(self) -> str:
+        return self.client.owner
+
+    @property
+    def policy(self) -> SignaturePolicy:
+        return self.client.policy
+
+    @property
+    def available(self) -> bool:
+        return self.client.available
+
+    def counts(self) -> dict[str, int]:
+        return self.client.counts()
+
+    def level_hits(self) -> dict[str, int]:
+        return self.client.level_hits()
+
+    # -- reads ------------------------------------------------------------------------------------
+    def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
+        return self.client.find_many(cache_keys, refresh=False)
+
+    def lookup(self, cache_key: str) -> Entry | None:
+        return self.find_many([cache_key])[0].get(cache_key)
+
+    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
+        entries, held = self.find_many(list(cache_keys))
+        return {key: stored_trace(entry) for key, entry in entries.items()}, held
+
+    def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
+        return self.client.variant_facts(misses)
+
+    def reject(self, cache_key: str, reason: str) -> None:
+        self.client.reject(cache_key, reason)
+
+    # -- single flight: none ------------------------------------------------------------------------
+    def acquire_lease(self, cache_key: str) -> bool:
+        return True  # trace it yourself
+
+    def release_lease(self, cache_key: str) -> None:
+        pass
+
+    def wait_for_entry(self, cache_key: str) -> Entry | None:
+        return None
+
+    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
+        return None
+
+    # -- writes: none -------------------------------------------------------------------------------
+    def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
+        pass
+
+    def publish_copy(self, cache_key: str, entry: Entry) -> None:
+        pass
+
+    def publish_trace(
+        self,
+        cache_key: str,
+        result: dict,
+        key_components: Mapping[str, Any],
+        compile_seconds: float,
+        release_lease: bool = False,
+    ) -> None:
+        pass
+
+    def record_pass(self, record: PassRecord) -> None:
+        pass
+
+    def record(self, batch: MetricsBatch) -> None:
+        pass
+
+    def send_now(self) -> None:
+        pass
+
+    def flush(self, timeout: float | None = None, *, through_outage: bool = False) -> bool:
+        return True  # nothing is ever queued
+
+    def pending(self) -> int:
+        return 0
+
+    def close(self, timeout: float | None = None) -> None:
+        self.client.close(timeout)
