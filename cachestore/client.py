@@ -178,10 +178,6 @@ class TierClient:
         """{this tier: verified entries it answered so far}: one level (cachestore.stacked has several)."""
         return {self.description: self.stats.snapshot()["entries_found"]}
 
-    def _guarded(self, operation: Callable[[Backend], object], what: str) -> tuple[bool, object]:
-        """(ok, result) of an operation on the backend, through the guard (cachestore.guard)."""
-        return self._guard.call(operation, what)
-
     @property
     def _backend(self) -> Backend | None:
         """The store, once the guard opened it."""
@@ -213,7 +209,7 @@ class TierClient:
             if not cache_keys:
                 self.stats.add("entries_found", len(own))
                 return own, set(own)
-        ok, found = self._guarded(lambda b: b.fetch(cache_keys, self._refresh_ttl(refresh)), "lookup")
+        ok, found = self._guard.call(lambda b: b.fetch(cache_keys, self._refresh_ttl(refresh)), "lookup")
         if not ok:
             return own, set(own)
         entries = own
@@ -290,7 +286,7 @@ class TierClient:
         if not misses:
             return None
         queries = {key: query_fields(key, components, self._partition) for key, components in misses.items()}
-        ok, answers = self._guarded(lambda b: b.read_variant_index(list(queries.values())), "variant index")
+        ok, answers = self._guard.call(lambda b: b.read_variant_index(list(queries.values())), "variant index")
         if not ok:
             return None
         found = {
@@ -319,13 +315,14 @@ class TierClient:
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:
         """True when this process should trace `cache_key` (it holds the lease, or the tier cannot say)."""
-        ok, acquired = self._guarded(lambda b: b.acquire_lease(cache_key, self.owner, self.settings.lease_ttl), "lease")
+        ttl = self.settings.lease_ttl
+        ok, acquired = self._guard.call(lambda b: b.acquire_lease(cache_key, self.owner, ttl), "lease")
         if ok and acquired:
             self._leases.hold(cache_key)  # renewed while this process traces, left to lapse if it dies
         return (not ok) or bool(acquired)
 
     def _renew_lease(self, cache_key: str) -> None:
-        self._guarded(lambda b: b.renew_lease(cache_key, self.owner, self.settings.lease_ttl), "lease renewal")
+        self._guard.call(lambda b: b.renew_lease(cache_key, self.owner, self.settings.lease_ttl), "lease renewal")
 
     def wait_for_entry(self, cache_key: str) -> Entry | None:
         """Wait (bounded) for another worker's trace of `cache_key`; None when it does not come."""
@@ -335,7 +332,7 @@ class TierClient:
             entries, held = self.find_many([cache_key])
             if entries or held:
                 return entries.get(cache_key)  # an entry there but rejected will not get better by waiting
-            ok, holder = self._guarded(lambda b: b.lease_holder(cache_key), "lease")
+            ok, holder = self._guard.call(lambda b: b.lease_holder(cache_key), "lease")
             if ok and holder is None:
                 # The holder finished without publishing (failed) or died: look once more, then trace.
                 entry = self.lookup(cache_key)
@@ -528,23 +525,23 @@ class TierClient:
                 ok = self._store(requests)
             releases = [(item.cache_key, item.owner) for item in group if isinstance(item, LeaseRelease)]
             if ok and releases:
-                ok, _ = self._guarded(lambda b: b.release_leases(releases), "lease release")
+                ok, _ = self._guard.call(lambda b: b.release_leases(releases), "lease release")
             refreshes = [(item.cache_key, item.ttl) for item in group if isinstance(item, TtlRefresh)]
             if ok and refreshes:
-                ok, _ = self._guarded(lambda b: b.refresh_ttls(refreshes), "TTL refresh")
+                ok, _ = self._guard.call(lambda b: b.refresh_ttls(refreshes), "TTL refresh")
         else:
             batch = head
             if isinstance(head, UnbuiltBatch):  # (record() checked a batch handed over whole)
                 batch = self._made(head)
                 if self._dropped_invalid(batch):
                     return True
-            ok, applied = self._guarded(lambda b: b.apply_metrics(batch), "metrics")
+            ok, applied = self._guard.call(lambda b: b.apply_metrics(batch), "metrics")
             if ok and applied:
                 self.stats.add("metrics_applied")
         return ok
 
     def _store(self, requests: list[StoreRequest]) -> bool:
-        return self._guarded(lambda b: b.store(requests, self.settings.entry_ttl), "store")[0]
+        return self._guard.call(lambda b: b.store(requests, self.settings.entry_ttl), "store")[0]
 
     def _made(self, unbuilt: UnbuiltBatch) -> MetricsBatch:
         """A pass record made into its metrics batch, once (a send retried after an outage applies the same id)."""
