@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -53,15 +52,12 @@ from cachestore.entry import (
     encode_entry,
     open_stored,
     payload_problem,
-    seal,
-    unsealed_entry,
 )
 from cachestore.guard import Guard
 from cachestore.keys import partition
 from cachestore.leases import LeaseKeeper
 from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings
-from cachestore.signatures import MAX_GROUP
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
 from cachestore.write_behind import Item, LeaseRelease, PendingStore, TtlRefresh, UnbuiltBatch, WriteBehind
@@ -393,19 +389,12 @@ class TierClient:
 
     def _prepare(self, pending: PendingStore) -> StoreRequest | None:
         """On the flusher thread: the entry built and encoded, or None when it is over max_entry_bytes or its
-        payload is one readers refuse unread (cachestore.entry.payload_problem). A writer's entry is encoded but for
-        its signature, which `_seal` adds with its group's on send."""
+        payload is one readers refuse unread (cachestore.entry.payload_problem); a writer's entry is signed."""
         if not pending.prepared:
             entry = pending.built()
-            full, unsealed = b"", None
-            if self.writer is not None:
-                unsealed = unsealed_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
-                size = unsealed.most_bytes
-            else:
-                full = encode_entry(entry, self.settings.hmac_key, None, pending.cache_key)
-                size = len(full)
-            payload = unsealed.payload if unsealed is not None else open_stored(full)[1]
-            problem = payload_problem(payload, self.settings.max_entry_bytes)
+            full = encode_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
+            size = len(full)
+            problem = payload_problem(open_stored(full)[1], self.settings.max_entry_bytes)
             if size > self.settings.max_entry_bytes:
                 logger.warning(
                     "entry %s... of %d bytes exceeds max_entry_bytes; not mirrored", pending.cache_key[:16], size
@@ -419,23 +408,8 @@ class TierClient:
                     pending.cache_key, entry.digest, full, kernel_name, entry.compile_seconds, None, index
                 )
                 pending.value = entry_value(entry.compile_seconds, 1, size)
-                pending.unsealed = unsealed
             pending.prepared = True
         return pending.request
-
-    def _seal(self, stores: list[PendingStore]) -> None:
-        """Sign the writer's entries of one send together: one signature per group of at most MAX_GROUP (split
-        evenly), over the Merkle root of the group, so a reader that reads them verifies it once. An entry
-        sealed before a failed send keeps its signature for the retry."""
-        waiting = [pending for pending in stores if pending.unsealed is not None and pending.request is not None]
-        if not waiting or self.writer is None:
-            return
-        groups = math.ceil(len(waiting) / MAX_GROUP)
-        size = math.ceil(len(waiting) / groups)
-        for start in range(0, len(waiting), size):
-            group = waiting[start : start + size]
-            for pending, data in zip(group, seal([p.unsealed for p in group], self.writer), strict=True):
-                pending.request, pending.unsealed = msgspec.structs.replace(pending.request, full=data), None
 
     def publish_trace(
         self,
@@ -518,7 +492,6 @@ class TierClient:
                         ttl = self._values.ttl(self.settings.entry_ttl, pending.value)
                         pending.request = msgspec.structs.replace(pending.request, ttl=ttl)
                     pending.value = None
-            self._seal(stores)
             requests = [pending.request for pending in stores if pending.request is not None]
             ok = True
             if requests:  # (none when every one was too large: warned and dropped)

@@ -1,22 +1,16 @@
 """The cache entry as stored in a tier: a short binary header, then the body, msgpack, compressed with zstd.
 
     stored  = b"NKC" <schema: 1 byte> <flags: 1 byte> <SHA-256 of payload: 32 bytes> [<HMAC: 32 bytes>]
-              [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>
-               [<leaf index: 2 bytes> <group size: 2 bytes> [<12 bytes, skipped: flag bit 3>]
-                <audit path: 32 bytes a hash>]] payload
+              [<writer key id: 16 bytes> <Ed25519 signature: 64 bytes>] payload
     payload = one zstd frame (its decompressed size declared), compressed with the shipped dictionary, of
     body    = msgpack [binary, input_names, output_names, format, version_identifier, key_components,
                        producer_host, producer_worker, created, compile_seconds, digest, ref, toolchain]
 
-Flag bit 0 says the HMAC is there, bit 1 a writer's signature of this entry alone, bit 2 a writer's batch
-signature (`cachestore.signatures`). Either covers the schema, flags, key id, the cache key the entry is stored
-under and the payload's SHA-256, so it costs no hashing of the binary: bit 1's signature signs that message;
-bit 2's signs the Merkle root of a group of such messages (cachestore.merkle), and the entry carries its leaf
-index, the group's size and its audit path (ceil(log2 size) hashes, none for a group of one), so a reader
-reading many entries of one group verifies one signature. Writers write bit 2 only; entries signed with bit 1
-(before batch signatures) verify as they did. Bit 3 (with bit 2), which only earlier writers set, says 12
-bytes no signature covers follow the group size: a reader skips them, and the entry verifies by its group
-signature as any other. Entries written before writer signatures have neither bit and stay readable as they
+Flag bit 0 says the HMAC is there, bit 1 a writer's signature (`cachestore.signatures`), which covers the
+schema, flags, key id, the cache key the entry is stored under and the payload's SHA-256, so it costs no hashing
+of the binary. Bits 2 and 3 marked the group (Merkle) signatures of earlier releases: such an entry is rejected
+like an entry of an older schema, a miss, traced and rewritten.
+Entries written before writer signatures have neither bit and stay readable as they
 were, except by a reader with a trust policy, which rejects them (no trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
@@ -61,15 +55,7 @@ import msgpack
 import msgspec
 import zstandard
 
-from cachestore.merkle import HASH_BYTES, inclusion_paths, leaf_hash, path_length, tree_root
-from cachestore.signatures import (
-    KEY_ID_BYTES,
-    MAX_GROUP,
-    SIGNATURE_BYTES,
-    batch_message,
-    entry_leaf,
-    signed_message,
-)
+from cachestore.signatures import KEY_ID_BYTES, SIGNATURE_BYTES, signed_message
 from cachestore.value import DAY, MAX_COMPILE_SECONDS
 
 if TYPE_CHECKING:
@@ -95,16 +81,10 @@ MAX_COMPRESSION_RATIO = 64
 MAX_CLOCK_AHEAD = DAY
 _SIGNED = 0x01
 _WRITER_SIGNED = 0x02  # a writer key id and an Ed25519 signature of this entry follow the HMAC (cachestore.signatures)
-_WRITER_BATCH = 0x04  # the same, the signature a group's, then the leaf index, group size and audit path
-_LEGACY_HINT = 0x08  # with _WRITER_BATCH, from earlier writers only: _LEGACY_HINT_BYTES unsigned bytes follow
-_LEGACY_HINT_BYTES = 12
-_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED | _WRITER_BATCH | _LEGACY_HINT
+_GROUP_SIGNED = 0x04 | 0x08  # earlier releases' group signatures (bit 3 only ever with bit 2): no longer read
+_KNOWN_FLAGS = _SIGNED | _WRITER_SIGNED
 _SUM_AT, _SUM_BYTES, _SIG_BYTES = len(MAGIC) + 2, 32, 32
 _WRITER_BYTES = KEY_ID_BYTES + SIGNATURE_BYTES
-_PLACE_BYTES = 4  # leaf index and group size, 2 bytes each
-# The most bytes a writer section adds to an entry (a group of MAX_GROUP): what a writer allows for when it
-# checks an entry's size before the group is known.
-MAX_WRITER_SECTION = _WRITER_BYTES + _PLACE_BYTES + HASH_BYTES * (MAX_GROUP - 1).bit_length()
 # A real body holds about a hundred msgpack objects (the names and key components around one binary), nested
 # four deep. These bounds are far above that and keep a hostile body's unpacked size to a few megabytes.
 MAX_BODY_OBJECTS = 1 << 16
@@ -206,97 +186,25 @@ def encode_entry(
     cache_key: str = "",
 ) -> bytes:
     """The stored form: MAGIC, schema and flags, the SHA-256 of the payload, its HMAC when a key is given, the
-    writer's section when a writer key is given (a batch signature of a group of one: over `cache_key`, the
-    key it is stored under), then the payload (the body, compressed). A writer storing several entries at once
-    signs them together instead (`unsealed_entry`, `seal`)."""
-    if writer is not None:
-        return seal([unsealed_entry(entry, hmac_key, writer, cache_key)], writer)[0]
-    payload = _payload(entry)
-    signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
-    flags = _SIGNED if signature else 0
-    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature, payload))
-
-
-def _payload(entry: Entry) -> bytes:
+    writer's key id and signature (over `cache_key`, the key it is stored under) when a writer key is given, then
+    the payload (the body, compressed)."""
     values = [getattr(entry, name) for name in _ENTRY_FIELDS]
     values.insert(_REF_AT, None)
-    body = msgpack.packb(values, use_bin_type=True)
-    return _compressor().compress(body)
-
-
-class Unsealed(msgspec.Struct, frozen=True):
-    """An entry encoded but for its writer section, which `seal` adds once the group it is signed in is known."""
-
-    cache_key: str
-    head: bytes  # MAGIC, schema, flags (the batch bit set), the payload's SHA-256, its HMAC when there is one
-    payload: bytes
-    key_id: bytes
-
-    @property
-    def message(self) -> bytes:
-        """What a signature of this entry alone would sign: its leaf in the group's tree is the hash of it."""
-        digest = self.head[_SUM_AT : _SUM_AT + _SUM_BYTES]
-        return signed_message(SCHEMA_VERSION, self.head[len(MAGIC) + 1], self.key_id, self.cache_key, digest)
-
-    @property
-    def most_bytes(self) -> int:
-        """Its stored size at most, whatever group it is sealed in."""
-        return len(self.head) + MAX_WRITER_SECTION + len(self.payload)
-
-    @property
-    def leaf(self) -> bytes:
-        """Its leaf in its group's tree."""
-        return leaf_hash(self.message)
-
-
-def unsealed_entry(
-    entry: Entry,
-    hmac_key: bytes | None,
-    writer: WriterKey,
-    cache_key: str,
-) -> Unsealed:
-    """`entry`, to be stored under `cache_key` and signed by `writer` in a group (`seal`)."""
-    payload = _payload(entry)
+    payload = _compressor().compress(msgpack.packb(values, use_bin_type=True))
+    digest = hashlib.sha256(payload).digest()
     signature = hmac.new(hmac_key, payload, hashlib.sha256).digest() if hmac_key else b""
-    flags = (_SIGNED if signature else 0) | _WRITER_BATCH
-    head = b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), hashlib.sha256(payload).digest(), signature))
-    return Unsealed(cache_key, head, payload, writer.key_id)
-
-
-def seal(group: Sequence[Unsealed], writer: WriterKey) -> list[bytes]:
-    """The stored forms of `group` (1 to MAX_GROUP entries prepared for `writer`), signed with one signature
-    over the Merkle root of their messages; each carries its leaf index, the group's size and its audit path."""
-    if not 1 <= len(group) <= MAX_GROUP:
-        raise ValueError(f"a batch signature covers 1 to {MAX_GROUP} entries, not {len(group)}")
-    if any(item.key_id != writer.key_id for item in group):
-        raise ValueError("an entry of the group was prepared for another writer key")
-    leaves = [item.leaf for item in group]
-    size = len(group)
-    signature = writer.sign(batch_message(writer.key_id, size, tree_root(leaves)))
-    place = [
-        (index.to_bytes(2, "big") + size.to_bytes(2, "big"), path) for index, path in enumerate(inclusion_paths(leaves))
-    ]
-    return [
-        b"".join((item.head, writer.key_id, signature, at, *path, item.payload))
-        for item, (at, path) in zip(group, place, strict=True)
-    ]
+    flags = (_SIGNED if signature else 0) | (_WRITER_SIGNED if writer is not None else 0)
+    section = b""
+    if writer is not None:
+        section = writer.key_id + writer.sign(signed_message(SCHEMA_VERSION, flags, writer.key_id, cache_key, digest))
+    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest, signature, section, payload))
 
 
 class WriterSection(msgspec.Struct, frozen=True):
-    """What an entry's header says of its writer (unverified): the key id, the signature, and for a batch
-    signature the entry's place in its group (leaf index, group size, audit path)."""
+    """What an entry's header says of its writer (unverified): the key id and the signature."""
 
     key_id: bytes
     signature: bytes
-    index: int = 0
-    size: int = 0  # 0: the signature is of this entry alone (written before batch signatures)
-    path: tuple[bytes, ...] = ()
-    skipped: int = 0  # bytes of an earlier writer's hint (flag bit 3) between the group size and the path
-
-    @property
-    def stored_bytes(self) -> int:
-        """The bytes it takes in the entry's header."""
-        return _WRITER_BYTES + (_PLACE_BYTES + self.skipped + HASH_BYTES * len(self.path) if self.size else 0)
 
 
 class SignaturePolicy(msgspec.Struct, frozen=True):
@@ -469,42 +377,22 @@ def _open(data: bytes) -> tuple[int, bytes | None, WriterSection | None, bytes]:
     schema, flags = data[len(MAGIC)], data[len(MAGIC) + 1]
     if schema != SCHEMA_VERSION:
         raise EntryRejected(f"schema version {schema}, expected {SCHEMA_VERSION}")
+    if flags & _GROUP_SIGNED and not flags & ~(_KNOWN_FLAGS | _GROUP_SIGNED):
+        raise EntryRejected("entry is signed in a group (an earlier release's signature), no longer read")
     if flags & ~_KNOWN_FLAGS:
         raise EntryRejected(f"unknown header flags {flags:#04x}")
-    if flags & _LEGACY_HINT and not flags & _WRITER_BATCH:
-        raise EntryRejected("entry header flag bit 3 without a batch signature")
     start = _SUM_AT + _SUM_BYTES
     signature = section = None
     if flags & _SIGNED:
         if len(data) < start + _SIG_BYTES:
             raise EntryRejected("entry signature is truncated")
         signature, start = data[start : start + _SIG_BYTES], start + _SIG_BYTES
-    if flags & (_WRITER_SIGNED | _WRITER_BATCH):
-        section, start = _writer_section_at(data, start, flags)
+    if flags & _WRITER_SIGNED:
+        if len(data) < start + _WRITER_BYTES:
+            raise EntryRejected("entry writer signature is truncated")
+        section = WriterSection(data[start : start + KEY_ID_BYTES], data[start + KEY_ID_BYTES : start + _WRITER_BYTES])
+        start += _WRITER_BYTES
     return flags, signature, section, data[start:]
-
-
-def _writer_section_at(data: bytes, start: int, flags: int) -> tuple[WriterSection, int]:
-    """The writer section starting at `start`, and where the payload starts after it."""
-    if flags & _WRITER_SIGNED and flags & _WRITER_BATCH:
-        raise EntryRejected("entry header claims two kinds of writer signature")
-    batch = bool(flags & _WRITER_BATCH)
-    end = start + _WRITER_BYTES + (_PLACE_BYTES if batch else 0)
-    if len(data) < end:
-        raise EntryRejected("entry writer signature is truncated")
-    key_id, signature = data[start : start + KEY_ID_BYTES], data[start + KEY_ID_BYTES : start + _WRITER_BYTES]
-    if not batch:
-        return WriterSection(key_id, signature), end
-    index, size = int.from_bytes(data[end - 4 : end - 2], "big"), int.from_bytes(data[end - 2 : end], "big")
-    if not index < size:  # a size of 0 included; a size up to 65535 is read (a path of 16 hashes at most)
-        raise EntryRejected(f"entry writer signature names leaf {index} of a group of {size}")
-    skipped = _LEGACY_HINT_BYTES if flags & _LEGACY_HINT else 0
-    end += skipped
-    hashes = path_length(index, size)
-    if len(data) < end + HASH_BYTES * hashes:
-        raise EntryRejected("entry audit path is truncated")
-    path = tuple(data[end + HASH_BYTES * i : end + HASH_BYTES * (i + 1)] for i in range(hashes))
-    return WriterSection(key_id, signature, index, size, path, skipped), end + HASH_BYTES * hashes
 
 
 def writer_section(data: bytes) -> WriterSection | None:
@@ -636,7 +524,7 @@ def _check_writer(
     flags: int, section: WriterSection | None, digest: bytes, policy: SignaturePolicy, cache_key: str | None
 ) -> bytes | None:
     """The writer's key id when the entry carries a writer signature (`section`, checked against the trust
-    policy when the reader holds one); raises EntryRejected unless its (group) signature verifies with a key the
+    policy when the reader holds one); raises EntryRejected unless its signature verifies with a key the
     policy trusts."""
     if policy.trust is None:
         if section is not None and policy.reject_unverifiable:
@@ -647,18 +535,6 @@ def _check_writer(
     if cache_key is None:
         raise EntryRejected("a writer signature cannot be checked without the cache key it was stored under")
     key_id = section.key_id
-    trust = policy.trust
-    leaf = entry_leaf(SCHEMA_VERSION, flags, key_id, cache_key, digest) if section.size else None
-    if leaf is not None and trust.knows(key_id, leaf):  # in a group of this writer verified already
-        return key_id
-    if leaf is not None:
-        # The leaf walked up its path to a root the signature must cover: another group's path, another index,
-        # another cache key or payload give a root no signature of the writer covers, as a forgery does.
-        place = (section.index, section.size, section.path)
-        problem = trust.check_batch(key_id, leaf, place, section.signature)
-        if problem is not None:
-            raise EntryRejected(problem)
-        return key_id
     message = signed_message(SCHEMA_VERSION, flags, key_id, cache_key, digest)
     problem = policy.trust.check(key_id, message, section.signature)
     if problem is not None:

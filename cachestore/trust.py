@@ -11,9 +11,8 @@ The policy is a TOML file of `[[writer]]` tables, one per trusted key:
     public_key = "base64 of the raw 32-byte key"     # as `nkicache keygen` prints it
     key_id = "32 hex digits"                         # optional; checked against public_key when given
 
-What a signature covers, and how one signature covers a group of entries, is cachestore.signatures. The
-policy verifies a group's signature once per root it reads: `TrustPolicy` keeps the tree nodes under verified
-roots (and the single-entry signatures verified), so reading N entries of one group costs one Ed25519 verify.
+What a signature covers is cachestore.signatures. `TrustPolicy` remembers the signatures it verified, so an
+entry read again (pass after pass in one worker) is verified once.
 """
 
 from __future__ import annotations
@@ -26,15 +25,13 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from bridge.errors import NkiCacheError
-from cachestore.merkle import PathMismatch, climb
-from cachestore.signatures import batch_message, key_id_of
+from cachestore.signatures import key_id_of
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -42,9 +39,8 @@ if TYPE_CHECKING:
 # cryptography and PyNaCl (~40 ms of imports) are loaded by the functions that make, load, sign or verify with a
 # key, so that a process that uses no key never loads them.
 
-# Signatures verified by this process, so a worker that hits entries of one group (one root), or the same entry in
-# pass after pass, verifies it once (an Ed25519 verify costs 50-120 us, about half a remote hit; bench/RESULTS.md
-# `signature_overhead`).
+# Signatures verified by this process, so a worker that hits the same entry in pass after pass verifies it once (an
+# Ed25519 verify costs 50-120 us, about half a remote hit; bench/RESULTS.md `signature_overhead`).
 VERIFIED_MEMO_SIZE = 65536
 
 
@@ -177,10 +173,6 @@ class TrustPolicy:
         self.writers = {writer.key_id: writer for writer in writers}
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
-        # Tree nodes (leaves, interior nodes, roots) known to be under a root a trusted writer signed, each to
-        # the key id of that writer: an entry whose path reaches one is in that writer's signed group, so the
-        # second entry of a group read costs its leaf and a hash or two, and no verify.
-        self._nodes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.verifies = 0  # Ed25519 verifies this policy ran (the memos answer the others): `nkicache bench`
 
     def adding(self, writer: WriterKey, name: str) -> TrustPolicy:
@@ -213,44 +205,6 @@ class TrustPolicy:
             if len(self._verified) > VERIFIED_MEMO_SIZE:
                 self._verified.popitem(last=False)
         return None
-
-    def check_batch(
-        self, key_id: bytes, leaf: bytes, place: tuple[int, int, Sequence[bytes]], signature: bytes
-    ) -> str | None:
-        """None when `leaf` (cachestore.merkle.leaf_hash of an entry's `signed_message`) is, by its audit path
-        (leaf index, group size, path), in a group whose root `signature` of the trusted key `key_id` signs, or
-        in one already verified; else why not. Verifies one signature per group this process reads."""
-        writer = self.writers.get(key_id)
-        if writer is None:
-            return f"signed by writer {key_id.hex()}, which the trust policy does not trust"
-        index, size, path = place
-        walked = []
-        try:
-            for node in climb(leaf, index, size, path):
-                if self._nodes.get(node) == key_id:  # a read of a dict: atomic under the GIL
-                    if walked:
-                        self._remember(walked, key_id)
-                    return None
-                walked.append(node)
-        except PathMismatch as exc:
-            return f"audit path of writer {key_id.hex()} ({writer.name}) does not verify: {exc}"
-        with self._lock:
-            self.verifies += 1
-        if not writer.signed(signature, batch_message(key_id, size, walked[-1])):
-            return f"signature of writer {key_id.hex()} ({writer.name}) does not verify over its group's root"
-        self._remember(walked, key_id)
-        return None
-
-    def knows(self, key_id: bytes, leaf: bytes) -> bool:
-        """Whether `leaf` is known to be under a signature of `key_id` (a verified group)."""
-        return self._nodes.get(leaf) == key_id
-
-    def _remember(self, nodes: list[bytes], key_id: bytes) -> None:
-        with self._lock:
-            for node in nodes:
-                self._nodes[node] = key_id
-            while len(self._nodes) > VERIFIED_MEMO_SIZE:
-                self._nodes.popitem(last=False)
 
 
 def load_trust_policy(path: str | Path) -> TrustPolicy:

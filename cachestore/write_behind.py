@@ -25,7 +25,7 @@ import msgspec
 from bridge.port import PassRecord
 from cachestore.api import MetricsBatch, StoreRequest
 from cachestore.breaker import Breaker
-from cachestore.entry import Entry, Unsealed
+from cachestore.entry import Entry
 
 logger = logging.getLogger(__name__)
 GROUP_LIMIT = 256  # entries, releases and refreshes sent in one group (one pipeline each)
@@ -39,8 +39,6 @@ class PendingStore(msgspec.Struct):
     build: Callable[[], Entry]
     request: StoreRequest | None = None
     prepared: bool = False  # `request` is None after preparing when the entry is too large to store
-    # A writer's entry awaiting its group's batch signature (`request.full` is set when it is sealed, on send).
-    unsealed: Unsealed | None = None
     entry: Entry | None = None  # `build()`'s, once built (by the flusher, or by a read of it before it is sent)
     # Its value (cachestore.value), from preparing it until its first send gives `request` its TTL.
     value: float | None = None

@@ -166,10 +166,19 @@ def test_wrong_schema_version_is_rejected(schema: int) -> None:
 
 def test_unknown_header_flags_are_rejected() -> None:
     data = bytearray(encode_entry(make_entry()))
-    data[4] = 0x10  # bits 0 (HMAC), 1 (writer signature), 2 (batch signature), 3 (earlier writers' hint) are known
-    assert "flags" in rejected(bytes(data))
-    data[4] = 0x08  # the earlier writers' hint without a batch signature
-    assert "bit 3" in rejected(bytes(data))
+    data[4] = 0x10  # bits 0 (HMAC) and 1 (writer signature) are known
+    assert "unknown header flags" in rejected(bytes(data))
+    data[4] = 0x12
+    assert "unknown header flags" in rejected(bytes(data))
+
+
+@pytest.mark.parametrize("flags", [0x04, 0x05, 0x0C, 0x0D])
+def test_an_entry_an_earlier_release_signed_in_a_group_is_a_miss_with_its_reason(flags: int) -> None:
+    """Bits 2 and 3 marked earlier releases' group (Merkle) signatures, which are no longer read: such an entry is
+    rejected for what it is, before its section is parsed, as an entry of an older schema is."""
+    data = bytearray(encode_entry(make_entry()))
+    data[4] = flags
+    assert "signed in a group" in rejected(bytes(data))
 
 
 # -- zstd: bombs and frames that lie --------------------------------------------------------------------

@@ -91,8 +91,8 @@ def test_an_untrusted_writer_neither_feeds_nor_blocks_a_trusted_reader(base: Set
 def crafted_entries(keys: dict[str, Any], cache_keys: list[str]) -> list[tuple[str, bytes]]:
     """CRAFTED entries made with the laptop's key (and one transplanted ci signature), every way a forger
     might try: signed honestly by the untrusted key, its signature under ci's key id, no writer signature,
-    a genuine ci entry copied under another cache key, and the planted binary under the batch signature (a
-    group of one: key id, signature, leaf index and group size, 84 bytes) of a genuine ci entry for its key."""
+    a genuine ci entry copied under another cache key, and the planted binary under the writer signature (key
+    id and signature, 80 bytes) of a genuine ci entry for its key."""
     laptop: WriterKey = keys["laptop"]
     ci: WriterKey = keys["ci"]
     section = len(MAGIC) + 2 + 32
@@ -109,10 +109,10 @@ def crafted_entries(keys: dict[str, Any], cache_keys: list[str]) -> list[tuple[s
             data = encode_entry(entry)
         elif kind == 3:
             data = encode_entry(entry, writer=ci, cache_key=secrets.token_hex(32))  # transplanted
-        else:  # the planted binary under the batch signature section of a genuine ci entry for this very key
+        else:  # the planted binary under the writer signature section of a genuine ci entry for this very key
             genuine = encode_entry(make_entry(binary=b"genuine"), writer=ci, cache_key=cache_key)
             planted = encode_entry(entry, writer=laptop, cache_key=cache_key)
-            data = planted[:section] + genuine[section : section + 84] + planted[section + 84 :]
+            data = planted[:section] + genuine[section : section + 80] + planted[section + 80 :]
         made.append((cache_key, data))
     return made
 

@@ -9,7 +9,6 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -27,11 +26,10 @@ from cachestore.entry import (
     decode_entries,
     decode_entry,
     encode_entry,
-    seal,
-    unsealed_entry,
     writer_of,
 )
 from cachestore.settings import Settings, SettingsError, load_settings
+from cachestore.signatures import signed_message
 from cachestore.stores import open_tier
 from cachestore.trust import (
     TrustedWriter,
@@ -229,10 +227,11 @@ def test_tier_client_built_directly_loads_credentials(tmp_path: Path, ci: Writer
 
 def test_a_reference_entry_a_trusted_writer_signed_is_rejected(ci: WriterKey) -> None:
     """An older build's dedupe reference is refused for what it is, whoever signed it."""
-    unsealed = unsealed_entry(make_entry(), None, ci, KEY)
     payload = compress(body_of(make_entry(), binary=b"", ref=OTHER))
-    head = unsealed.head[:-32] + hashlib.sha256(payload).digest()  # (no HMAC: the head ends with the digest)
-    data = seal([msgspec.structs.replace(unsealed, head=head, payload=payload)], ci)[0]
+    digest = hashlib.sha256(payload).digest()
+    flags = 0x02  # a writer's signature
+    signature = ci.sign(signed_message(entry_module.SCHEMA_VERSION, flags, ci.key_id, KEY, digest))
+    data = MAGIC + bytes((entry_module.SCHEMA_VERSION, flags)) + digest + ci.key_id + signature + payload
     with pytest.raises(entry_module.EntryRejected, match="reference to another key"):
         decode_entry(data, trusting(ci), cache_key=KEY)
     assert decode_entry(encode_entry(make_entry(), writer=ci, cache_key=KEY), trusting(ci), cache_key=KEY).signed
@@ -262,9 +261,8 @@ KEYS = [hashlib.sha256(b"trust %d" % n).hexdigest() for n in range(100)]
 
 
 def sealed(writer: WriterKey, keys: list[str]) -> dict[str, bytes]:
-    """Entries stored by `writer` under `keys`, signed as one group."""
-    items = [unsealed_entry(make_entry(binary=key.encode()), None, writer, key) for key in keys]
-    return dict(zip(keys, seal(items, writer), strict=True))
+    """Entries stored by `writer` under `keys`, each signed."""
+    return {key: encode_entry(make_entry(binary=key.encode()), writer=writer, cache_key=key) for key in keys}
 
 
 def verdicts_one_by_one(entries: dict[str, bytes], policy: SignaturePolicy) -> dict[str, str]:
@@ -286,7 +284,7 @@ def verdicts_at_once(entries: dict[str, bytes], policy: SignaturePolicy) -> dict
 
 
 def scenario(case: str, ci: WriterKey, laptop: WriterKey) -> tuple[dict[str, bytes], list[str]]:
-    """Two honest groups of ci's and, but for "honest", entries a trusted reader must refuse (their keys)."""
+    """Six honest entries of ci's and, but for "honest", entries a trusted reader must refuse (their keys)."""
     entries = {**sealed(ci, KEYS[0:4]), **sealed(ci, KEYS[4:6])}
     section = len(MAGIC) + 2 + 32
     if case == "forged":  # the laptop's signature under ci's key id
@@ -310,13 +308,14 @@ def test_a_reads_entries_checked_together_get_the_verdicts_and_verifies_of_one_b
     ci: WriterKey, laptop: WriterKey, case: str
 ) -> None:
     """A prefetch's entries are accepted and rejected as lookups of each would be, for the same reasons, with
-    one Ed25519 verify a group either way (and one more for a forgery under a trusted key id, which fails)."""
+    one Ed25519 verify an entry signed by a trusted key id either way (none for an untrusted writer's, none for an
+    entry whose digest is wrong)."""
     entries, refused = scenario(case, ci, laptop)
     one_by_one = trusting(ci)
     expected = verdicts_one_by_one(entries, one_by_one)
     at_once = trusting(ci)
     assert verdicts_at_once(entries, at_once) == expected
-    verifies = 3 if case in ("forged", "transplanted") else 2
+    verifies = {"honest": 6, "forged": 7, "untrusted": 6, "transplanted": 7, "corrupt": 5}[case]
     assert at_once.trust.verifies == one_by_one.trust.verifies == verifies
     assert [key for key, verdict in expected.items() if verdict != "ok"] == refused
 

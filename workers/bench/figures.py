@@ -52,7 +52,6 @@ GOALS = {
     "upgrade_first_pass_hit_rate": ("min", 0.99),
     "miss_cause_coverage": ("min", 0.95),
     "miss_classification_overhead": ("max", 1.02),
-    "signature_overhead": ("max", 0.05),
     "l1_redis_read_reduction": ("min", 0.9),
     "value_retention_ratio": ("min", 1.3),
 }
@@ -246,9 +245,9 @@ def remote_hit_vs_raw_get(graphs: list[Graph], config: BenchConfig, redis_url: s
 def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str, work: Path) -> dict:
     """The time a trusted reader spends checking writers' signatures / the time of its remote hits, measured in
     the same reads, on entries a writer with an Ed25519 key stored by compiling the workload, a pass a graph
-    (its flusher signs each flush group once, cachestore.entry.seal). The headline `signature_overhead` is the
-    worse of two first-hit figures, every hit an entry's first in its process (a reader with a fresh trust
-    policy, so empty memos of verified signatures and tree nodes):
+    (each entry signed alone). The headline `signature_overhead` is the worse of two first-hit figures, every hit
+    an entry's first in its process (a reader with a fresh trust policy, so an empty memo of verified
+    signatures):
 
     - `signature_overhead_prefetch`: a fresh reader compiles the workload graph by graph, as a worker does:
       each pass's prefetch reads the graph's variants in one round trip; the time is that of the tier's reads
@@ -260,12 +259,11 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     `signature_overhead_big_pass`: the prefetch figure when the writer stores, and the reader reads, one large
     graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit.
 
-    The check time is every writer-signature check on the reading thread (`_checks_timed`): each entry's leaf
-    hash and memo lookup and a group signature's verify, whether an entry is checked alone or in a read's loop.
+    The check time is every writer-signature check on the reading thread (`_checks_timed`): each entry's memo
+    lookup and its verify (50-120 us) on a first hit.
 
-    A first-hit figure has a few large costs in it (a group signature's verify, 50-120 us, once a group) among
-    many small ones, so one reader's ratio swings with whatever else the machine runs at that
-    moment: each first-hit figure is measured with FRESH_READERS fresh readers, one after another, and is the
+    One reader's first-hit ratio swings with whatever else the machine runs at that moment: each first-hit
+    figure is measured with FRESH_READERS fresh readers, one after another, and is the
     median of their ratios; every reader's ratio is kept beside it (`*_runs`), the worst included."""
     from cachestore.trust import write_writer_key
 
@@ -313,7 +311,8 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
         "rounds": len(again) + 1,
         "rejected": prefetch["rejected"] + lookups["rejected"],
     }
-    return {**result, **_group_shape(stored.values())}
+    signed = [data for data in stored.values() if entry_module.writer_of(data)]
+    return {**result, "signed": len(signed), "entry_bytes": statistics.mean(map(len, stored.values())) if stored else 0}
 
 
 SIGNATURE_NAMESPACES = ("nkibench-sig", "nkibench-sig-big")
@@ -396,7 +395,7 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
 @contextlib.contextmanager
 def _checks_timed(spent: list[float]) -> Iterator[None]:
     """Time every writer-signature check of an entry into spent[0], whole: cachestore.entry._check_writer (the
-    leaf hash and group memo, and the group signature's verify) and cachestore.entry.check_writers, which calls
+    memo lookup and the signature's verify) and cachestore.entry.check_writers, which calls
     it for each entry of a read (counted once)."""
     timed = [(entry_module, "_check_writer"), (entry_module, "check_writers")]
     inner = [getattr(owner, name) for owner, name in timed]
@@ -439,22 +438,6 @@ def _overhead(hits: list[tuple[float, float]]) -> dict:
     large, so a median would hide it), and the means in microseconds."""
     hit, check = sum(h for h, _ in hits), sum(c for _, c in hits)
     return {"overhead": check / hit, "hit_us": hit / len(hits) * 1e6, "check_us": check / len(hits) * 1e6}
-
-
-def _group_shape(stored: Any) -> dict:
-    """How the writer's entries were grouped under batch signatures, and the bytes of the writer section."""
-    from cachestore.entry import writer_section
-
-    stored = list(stored)
-    sections = [section for data in stored if (section := writer_section(data)) is not None]
-    groups = {(s.key_id, s.signature) for s in sections}
-    return {
-        "groups": len(groups),
-        "mean_group_size": len(sections) / max(1, len(groups)),
-        "largest_group": max((s.size for s in sections), default=0),
-        "writer_section_bytes": statistics.mean(s.stored_bytes for s in sections) if sections else 0,
-        "entry_bytes": statistics.mean(len(data) for data in stored) if stored else 0,
-    }
 
 
 # -- 4. local_hit_us and 5. key_throughput_ratio ---------------------------------------------------
