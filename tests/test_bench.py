@@ -38,8 +38,8 @@ def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> 
     assert 0 < bench.key_throughput(graphs, config)["key_throughput_ratio"] < 1  # hashing alone is cheaper
     signed = bench.signature_overhead(graphs, config, url, tmp_path)
     assert signed["entries"] > 0 and signed["rejected"] == 0 and signed["first_check_us"] > signed["memo_check_us"] > 0
-    # Each entry is signed alone, and a first hit verifies it once.
-    assert signed["prefetch_verifies_per_hit"] == 1 and signed["first_hit_verifies_per_hit"] == 1
+    # Each entry is signed alone: a first hit verifies it once, a later pass's hit of it not again.
+    assert 0 < signed["prefetch_verifies_per_hit"] <= 1 and signed["first_hit_verifies_per_hit"] == 1
     assert signed["signed"] == signed["entries"] and signed["big_pass_hits"] > 0
     assert signed["signature_overhead"] >= signed["signature_overhead_prefetch"]
     # Every first-hit figure a median of fresh readers.
