@@ -5,6 +5,8 @@ cachestore.trust (keys, policy files) is loaded only when the settings name a wr
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -13,6 +15,8 @@ from cachestore.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
     from cachestore.trust import TrustPolicy, WriterKey
+
+logger = logging.getLogger(__name__)
 
 
 class Credentials(msgspec.Struct, frozen=True):
@@ -43,6 +47,8 @@ def load_credentials(writer_key_file: str, trust_policy: str, scope: str, writes
         except TrustError as exc:
             raise SettingsError(str(exc)) from None
     scope = resolve_scope(scope, writer, trust, writes)
+    if scope == UNSIGNED_SCOPE and writer is None and trust is not None:
+        _warn_unsigned_with_policy(trust_policy)
     if scope and writer is not None and trust is not None and not trust.trusts(writer.key_id):
         trust = trust.adding(writer, "this client")  # in its own (untrusted) scope it reads what it wrote
     return Credentials(writer, trust, scope)
@@ -61,4 +67,21 @@ def resolve_scope(setting: str, writer: WriterKey | None, trust: TrustPolicy | N
         return ""
     if writer is not None and trust is not None and trust.trusts(writer.key_id):
         return ""
-    return f"w-{writer.key_id_hex}" if writer is not None else "unsigned"
+    return f"w-{writer.key_id_hex}" if writer is not None else UNSIGNED_SCOPE
+
+
+UNSIGNED_SCOPE = "unsigned"
+
+
+@functools.cache  # once per process and policy file: every client of a process resolves the same settings
+def _warn_unsigned_with_policy(trust_policy: str) -> None:
+    """A client that writes with a trust policy and no writer key works in the `unsigned` scope: what it stores
+    there is unsigned, so its own policy refuses it on the next read, and the trusted entries are in another
+    scope. Nothing it could read verifies: said once, with the two settings that make it useful."""
+    logger.warning(
+        "trust_policy %r is set without a writer_key_file: this client writes to scope %r, where its policy "
+        "accepts nothing, and does not read the trusted entries; use --tier-mode read-only to read them, or give "
+        "it a writer key",
+        trust_policy,
+        UNSIGNED_SCOPE,
+    )

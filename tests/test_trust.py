@@ -219,6 +219,27 @@ def test_settings_scope_is_validated_and_credentials_resolve_it(
     assert own.trusts(laptop.key_id) and own.trusts(ci.key_id)  # it reads what it wrote in its own scope
 
 
+def test_a_writing_client_with_a_policy_and_no_key_is_told_once_it_reads_nothing_it_trusts(
+    tmp_path: Path, ci: WriterKey, laptop: WriterKey, policy_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Such a client works in the `unsigned` scope, where its own policy refuses everything it stores: one
+    warning per process says so and names the settings that make it useful; a read-only one, one with a key and
+    one without a policy are not warned."""
+    from cachestore.credentials import _warn_unsigned_with_policy
+
+    _warn_unsigned_with_policy.cache_clear()
+    caplog.set_level("WARNING", logger="cachestore.credentials")
+    load_credentials("", str(policy_file), "auto", writes=False)
+    load_credentials(str(tmp_path / "laptop.key"), str(policy_file), "auto", writes=True)
+    load_credentials("", "", "auto", writes=True)
+    assert caplog.records == []
+    for _ in range(3):
+        assert load_credentials("", str(policy_file), "auto", writes=True).scope == "unsigned"
+    (record,) = caplog.records
+    assert "without a writer_key_file" in record.getMessage() and "--tier-mode read-only" in record.getMessage()
+    assert repr(str(policy_file)) in record.getMessage()
+
+
 def test_tier_client_built_directly_loads_credentials(tmp_path: Path, ci: WriterKey) -> None:
     settings = tier_settings(tmp_path, writer_key_file=str(tmp_path / "ci.key"))
     client = TierClient(lambda: None, settings)  # type: ignore[arg-type, return-value]
