@@ -60,7 +60,7 @@ from cachestore.rejections import RejectionLog
 from cachestore.settings import Settings
 from cachestore.value import ValueMedian, entry_value
 from cachestore.variant_index import facts, query_fields, stored_fields
-from cachestore.write_behind import Item, LeaseRelease, PendingStore, TtlRefresh, UnbuiltBatch, WriteBehind
+from cachestore.write_behind import GROUPED, Item, LeaseRelease, PendingStore, TtlRefresh, UnbuiltBatch, WriteBehind
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
@@ -86,7 +86,31 @@ class TierStats:
             return dict(self._counts)
 
 
-class TierClient:
+class EntryReads:
+    """The port's reads made of a tier's `find_many` and `wait_for_entry`: one key is a batch of one, and each
+    entry is handed to the loop as its trace."""
+
+    def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
+        raise NotImplementedError
+
+    def wait_for_entry(self, cache_key: str) -> Entry | None:
+        raise NotImplementedError
+
+    def lookup(self, cache_key: str) -> Entry | None:
+        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable)."""
+        return self.find_many([cache_key])[0].get(cache_key)
+
+    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
+        """The port's read: `find_many`, each entry as the trace the loop takes from it."""
+        entries, held = self.find_many(list(cache_keys))
+        return {key: stored_trace(entry) for key, entry in entries.items()}, held
+
+    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
+        entry = self.wait_for_entry(cache_key)
+        return None if entry is None else stored_trace(entry)
+
+
+class TierClient(EntryReads):
     """One per process; shared by every pass the process runs."""
 
     def __init__(
@@ -180,16 +204,6 @@ class TierClient:
         return self._guard.store
 
     # -- reads ------------------------------------------------------------------------------------
-    def lookup(self, cache_key: str) -> Entry | None:
-        """The verified entry for `cache_key`, or None (miss, rejected, or the tier is unavailable): `find_many`
-        of one key."""
-        return self.find_many([cache_key])[0].get(cache_key)
-
-    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
-        """The port's read: `find_many`, each entry as the trace the loop takes from it."""
-        entries, held = self.find_many(list(cache_keys))
-        return {key: stored_trace(entry) for key, entry in entries.items()}, held
-
     def find_many(self, cache_keys: list[str], refresh: bool = True) -> tuple[dict[str, Entry], set[str]]:
         """(verified entries, the keys the tier held anything under, rejected or not), in one round trip. The tier
         being unavailable looks like all misses. An entry over max_entry_bytes is not downloaded: the backend says
@@ -351,10 +365,6 @@ class TierClient:
             )
         return None
 
-    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
-        entry = self.wait_for_entry(cache_key)
-        return None if entry is None else stored_trace(entry)
-
     # -- writes (write-behind) --------------------------------------------------------------------
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:
         self._publish(PendingStore(cache_key, lambda: entry), release_lease)
@@ -480,7 +490,7 @@ class TierClient:
 
     def _send(self, group: list[Item]) -> bool:
         head = group[0]
-        if isinstance(head, PendingStore | LeaseRelease | TtlRefresh):
+        if isinstance(head, GROUPED):
             # The entries first, then the releases: a waiter woken by a release finds the entry it waited for.
             stores = [item for item in group if isinstance(item, PendingStore)]
             if stores and not self._guard.open():  # opened first: its `value_ttls` decides the entries' TTLs

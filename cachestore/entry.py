@@ -9,9 +9,9 @@
 Flag bit 0 says the HMAC is there, bit 1 a writer's signature (`cachestore.signatures`), which covers the
 schema, flags, key id, the cache key the entry is stored under and the payload's SHA-256, so it costs no hashing
 of the binary. Bits 2 and 3 marked the group (Merkle) signatures of earlier releases: such an entry is rejected
-like an entry of an older schema, a miss, traced and rewritten.
-Entries written before writer signatures have neither bit and stay readable as they
-were, except by a reader with a trust policy, which rejects them (no trusted writer).
+like an entry of an older schema, a miss, traced and rewritten. Entries written before writer signatures have
+neither bit and stay readable as they were, except by a reader with a trust policy, which rejects them (no
+trusted writer).
 The SHA-256 (integrity) and the HMAC (authenticity, when a key is configured) both cover the payload as
 stored, so a hit hashes the small compressed form, not the binary, and decodes once: one decompression,
 one msgpack unpack. Bodies compress to about a tenth of the binary (bench/RESULTS.md).

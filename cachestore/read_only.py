@@ -8,49 +8,34 @@ single-flight-off client does, and so never waits on another process's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from bridge.miss_causes import VariantFacts
-from bridge.port import PassRecord, StoredTrace
+from bridge.port import PassRecord
 from cachestore.api import MetricsBatch
-from cachestore.client import TierClient, stored_trace
+from cachestore.client import EntryReads, TierClient
 from cachestore.entry import Entry, SignaturePolicy
 from cachestore.settings import Settings
 
 
-class ReadOnlyTier:
+class ReadOnlyTier(EntryReads):
     reads = True
     writes = False
     single_flight = False  # a lease is a write
 
     def __init__(self, client: TierClient):
         self.client = client
+        self.settings: Settings = client.settings
+        self.description = client.description
+        self.toolchain = client.toolchain
+        self.owner = client.owner
+        self.policy: SignaturePolicy = client.policy
 
     def __repr__(self) -> str:
         return f"ReadOnlyTier({self.client.description})"
 
     # -- what it is, and what it did: the client's ------------------------------------------------------
-    @property
-    def settings(self) -> Settings:
-        return self.client.settings
-
-    @property
-    def description(self) -> str:
-        return self.client.description
-
-    @property
-    def toolchain(self) -> str:
-        return self.client.toolchain
-
-    @property
-    def owner(self) -> str:
-        return self.client.owner
-
-    @property
-    def policy(self) -> SignaturePolicy:
-        return self.client.policy
-
     @property
     def available(self) -> bool:
         return self.client.available
@@ -64,13 +49,6 @@ class ReadOnlyTier:
     # -- reads ------------------------------------------------------------------------------------
     def find_many(self, cache_keys: list[str]) -> tuple[dict[str, Entry], set[str]]:
         return self.client.find_many(cache_keys, refresh=False)
-
-    def lookup(self, cache_key: str) -> Entry | None:
-        return self.find_many([cache_key])[0].get(cache_key)
-
-    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
-        entries, held = self.find_many(list(cache_keys))
-        return {key: stored_trace(entry) for key, entry in entries.items()}, held
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         return self.client.variant_facts(misses)
@@ -86,9 +64,6 @@ class ReadOnlyTier:
         pass
 
     def wait_for_entry(self, cache_key: str) -> Entry | None:
-        return None
-
-    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
         return None
 
     # -- writes: none -------------------------------------------------------------------------------

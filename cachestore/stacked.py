@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bridge.miss_causes import VariantFacts
-from bridge.port import PassRecord, StoredTrace
+from bridge.port import PassRecord
 from cachestore.api import MetricsBatch
-from cachestore.client import TierClient, TierStats, stored_trace
+from cachestore.client import EntryReads, TierClient, TierStats
 from cachestore.entry import Entry
 from cachestore.read_only import ReadOnlyTier
 from cachestore.settings import Settings
@@ -42,7 +42,7 @@ def level_settings(settings: Settings, levels: Sequence[str], index: int) -> Set
     return settings.replace(tier=levels[index], tier_mode=mode)
 
 
-class StackedTier:
+class StackedTier(EntryReads):
     """TierClients, nearest first, presenting a TierClient's interface (bridge.port.KernelStore and the calls
     the pool, the fleet worker and warm make)."""
 
@@ -56,9 +56,7 @@ class StackedTier:
         self.owner = self.shared.owner
         self.mode = self.settings.tier_mode
         self.description = " ".join(level.description for level in self.levels)
-        self._served: dict[
-            str, TierClient | ReadOnlyTier
-        ] = {}  # cache key -> the level whose entry the loop was last handed
+        self._served: dict[str, Level] = {}  # cache key -> the level whose entry the loop was last handed
 
     def __repr__(self) -> str:
         return f"StackedTier({self.description}, mode={self.mode})"
@@ -123,13 +121,6 @@ class StackedTier:
         for nearer in self.levels[:index]:
             nearer.publish_copy(cache_key, entry)  # queued; a read-only or mirror-only level's is a no-op
 
-    def lookup(self, cache_key: str) -> Entry | None:
-        return self.find_many([cache_key])[0].get(cache_key)
-
-    def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
-        entries, held = self.find_many(list(cache_keys))
-        return {key: stored_trace(entry) for key, entry in entries.items()}, held
-
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         """The shared level's index, which knows what the whole fleet stored; a nearer level's when it cannot
         be read (it knows what this machine stored)."""
@@ -157,10 +148,6 @@ class StackedTier:
             self._served[cache_key] = self.shared
             self._fill(len(self.levels) - 1, cache_key, entry)
         return entry
-
-    def wait_for_trace(self, cache_key: str) -> StoredTrace | None:
-        entry = self.wait_for_entry(cache_key)
-        return None if entry is None else stored_trace(entry)
 
     # -- writes: every level ------------------------------------------------------------------------
     def publish(self, cache_key: str, entry: Entry, release_lease: bool = False) -> None:

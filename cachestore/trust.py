@@ -173,7 +173,7 @@ class TrustPolicy:
         self.writers = {writer.key_id: writer for writer in writers}
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.verifies = 0  # Ed25519 verifies this policy ran (the memos answer the others): `nkicache bench`
+        self.verifies = 0  # Ed25519 verifies this policy ran (the memo answers the others): `nkicache bench`
 
     def adding(self, writer: WriterKey, name: str) -> TrustPolicy:
         """This policy, trusting `writer` too."""
