@@ -132,7 +132,8 @@ class WriteBehind:
         self.start()
 
     def put_all(self, items: Iterable[Item]) -> None:
-        """Queue `items` for the next send, waking no one (the flusher's own collection, or a flush's)."""
+        """Queue `items` for the next send (the flusher's own collection, or a flush's): the flusher is woken, none
+        is started."""
         with self._lock:
             for item in items:
                 self._append(item)
