@@ -4,9 +4,9 @@ Each level is a whole `cachestore.client.TierClient`, with its own breaker, outb
 one level failing (Redis down, a remote whose credentials cannot write) never turns off another: a down Redis
 behind a healthy local file still serves everything the file holds.
 
-- A read asks the nearest level first and each farther level only for what the nearer ones missed; an entry
-  found farther down is written to every nearer level (through their outboxes), so the next pass finds it
-  near. Each level counts the verified entries it answered (`level_hits`).
+- A read (of entries or of the variant index) asks the nearest level first and each farther level only for
+  what the nearer ones missed; an entry found farther down is written to every nearer level (through their
+  outboxes), so the next pass finds it near. Each level counts the verified entries it answered (`level_hits`).
 - A write (a traced kernel, a pass's metrics batch) goes to every level that writes.
 - Single flight belongs to the shared level, the farthest: leases there are what machines see of each
   other, and a wait for another machine's trace polls that level.
@@ -122,14 +122,22 @@ class StackedTier(EntryReads):
             nearer.publish_copy(cache_key, entry)  # queued; a read-only or mirror-only level's is a no-op
 
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
-        """The shared level's index, which knows what the whole fleet stored; a nearer level's when it cannot
-        be read (it knows what this machine stored)."""
-        for level in reversed(self.levels):
-            if level.reads:
-                facts = level.variant_facts(misses)
-                if facts is not None:
-                    return facts
-        return None
+        """Each level's index, nearest first, asked only for the keys no nearer level says it stored: a warm
+        local level keeps the compile off the network. A farther level's answer replaces a nearer one's (the
+        shared index knows what the whole fleet stored); None when no level's index could be read."""
+        known: dict[str, VariantFacts] | None = None
+        asked = dict(misses)
+        for level in self.levels:
+            if not asked:
+                break
+            if not level.reads:
+                continue
+            facts = level.variant_facts(asked)
+            if facts is None:
+                continue
+            known = {**(known or {}), **facts}
+            asked = {key: parts for key, parts in asked.items() if not (key in facts and facts[key].stored_here_before)}
+        return known
 
     def reject(self, cache_key: str, reason: str) -> None:
         """Counted by the level that handed the entry over (the shared one when none did)."""

@@ -193,8 +193,9 @@ WRITE_COMMANDS = set(
 )
 
 
-def monitored_commands(url: str, run: Any) -> list[str]:
-    """The command names the server receives while `run()` runs (from a MONITOR connection of its own)."""
+def monitored_commands(url: str, run: Any, whole: bool = False) -> list[str]:
+    """The command names (`whole`: the whole commands) the server receives while `run()` runs (from a MONITOR
+    connection of its own)."""
     import threading
 
     import redis
@@ -210,7 +211,7 @@ def monitored_commands(url: str, run: Any) -> list[str]:
                 if words and words[0] == "PING" and len(words) > 1 and "sentinel-test-end" in words[1]:
                     done.set()
                     return
-                seen.append(words[0].upper() if words else "")
+                seen.append(command["command"] if whole else words[0].upper() if words else "")
 
         thread = threading.Thread(target=collect, daemon=True)
         thread.start()

@@ -322,3 +322,35 @@ def test_a_trusted_writers_entries_copied_near_still_verify_there(redis_url: str
         client = redis_module.Redis.from_url(redis_url)
         delete_namespace(client, namespace)
         client.close()
+
+
+def test_a_warm_stack_whose_near_level_holds_everything_reads_nothing_from_redis(
+    private_redis_server: Any, tmp_path: Path
+) -> None:
+    """Issue 44: a warm `--tier local:… --tier redis://…` compile with the default --workers (its plan reads the
+    variant index) sends Redis no read of an entry, a lease or the index; only the pass's metrics go there."""
+    from test_sentinel import monitored_commands
+
+    server = private_redis_server()
+    graphs = tmp_path / "graphs"
+    graphs.mkdir()
+    for rows in (64, 96, 128):
+        write_graph(graphs, mixed_graph(f"m{rows}", rows=rows))
+    tiers = ["--tier", f"local:{tmp_path}/l1.sqlite", "--tier", server.url]
+    env = {"NKICACHE_NAMESPACE": "stacked"}
+
+    def compile_to(out: str) -> dict:
+        done = CliRunner().invoke(nkicache, ["compile", str(graphs), "--out", str(tmp_path / out), "--json", *tiers],
+                                  env=env)  # fmt: skip
+        assert done.exit_code == 0, done.output
+        return json.loads(done.output)
+
+    cold = compile_to("cold")
+    runs: list[dict] = []
+    commands = monitored_commands(server.url, lambda: runs.append(compile_to("warm")), whole=True)
+    assert cold["traces"] > 0 and cold["workers"] > 1
+    assert runs[0]["traces"] == 0 and runs[0]["level_hits"][server.url] == 0
+    metrics = [command for command in commands if "metrics" in command]
+    others = [command for command in commands if "metrics" not in command and not command.startswith("HELLO")]
+    assert metrics, "MONITOR saw nothing of the passes' metrics batches, which go to every level"
+    assert not others, others[:5]
