@@ -95,6 +95,7 @@ class BirCodeGenLoop:
         # pass asks, counts and stores exactly what it would alone. What is left is the caller's to hand on.
         self.traced_ahead: dict[str, TracedVariant] = {}
         self.parallel_traces = 0  # of `traces`, those made in another process
+        self.traces_refused = 0  # handed-over traces another compiler made (bridge.port), traced here instead
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -168,11 +169,14 @@ class BirCodeGenLoop:
             self._cache_usage_counts[cache_key] += 1
 
     # -- the bridge -------------------------------------------------------------------------------
+    # The specification's docstring, verbatim and stale: the compiled dispatcher reads no environment and never
+    # branches. It always takes beta3.
     def _trace_internal_kernel_to_new_nki_frontend(self, inst: InternalNkiKernel, cache_key: str) -> dict:
         """Trace an internal NKI kernel using beta2 (KLIR) or beta3 (BIR) path.
-        Returns a dict with keys: 'binary', 'input_names', 'output_names', 'format' ('klir' or 'bir').
-
-        Whatever the docstring of the original says, the compiled dispatcher never branches: beta3 only."""
+        Environment variable NKI_FRONTEND controls the path:
+        - "beta2": Use beta2 KLIR tracing (default)
+        - "beta3": Use beta3 BIR compilation
+        Returns a dict with keys: 'binary', 'input_names', 'output_names', 'format' ('klir' or 'bir')."""
         return self._trace_kernel_beta3(inst, cache_key)
 
     def _resolve_kernel_config(self, inst: InternalNkiKernel) -> tuple[InternalKernelConfig, Any, dict, dict]:
@@ -280,7 +284,7 @@ class BirCodeGenLoop:
         a remote hit is taken, and counted apart: the tier did not hold it (when the tier reads, it was asked,
         for the whole compile at once, and missed: a tier lookup, whose cause the plan found), and the pass
         did not trace it."""
-        traced = self.traced_elsewhere.pop(cache_key, None)
+        traced = self._own_compilers(cache_key, self.traced_elsewhere.pop(cache_key, None))
         if traced is None:
             return None
         if self._tier_reads():
@@ -289,6 +293,20 @@ class BirCodeGenLoop:
         self._count_trace(traced)
         self._compile_seconds[cache_key] = traced.seconds
         return dict(traced.result)
+
+    def _own_compilers(self, cache_key: str, traced: TracedVariant | None) -> TracedVariant | None:
+        """`traced` when this very compiler made it, else None, counted in traces_refused: the process that
+        traced it ran other code than this one (imported from elsewhere), and the pass traces it itself."""
+        if traced is None or traced.toolchain == toolchain_id():
+            return traced
+        self.traces_refused += 1
+        logger.warning(
+            "Refused a trace of %s... handed over by toolchain %r, not this compiler's (%s): traced here",
+            cache_key[:CACHE_KEY_LOG_PREFIX],
+            traced.toolchain,
+            toolchain_id(),
+        )
+        return None
 
     def _count_trace(self, traced: TracedVariant) -> None:
         """A trace made for this pass by another process or ahead of it: counted as the pass's own trace."""
@@ -350,7 +368,7 @@ class BirCodeGenLoop:
     def _trace_and_publish(self, inst: InternalNkiKernel, cache_key: str, key_components: dict) -> dict:
         holds_lease = cache_key in self._leases
         self._leases.discard(cache_key)
-        ahead = self.traced_ahead.pop(cache_key, None)
+        ahead = self._own_compilers(cache_key, self.traced_ahead.pop(cache_key, None))
         started = time.perf_counter()
         try:
             result = dict(ahead.result) if ahead else self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
@@ -389,6 +407,7 @@ class BirCodeGenLoop:
             "tier_lookups": self.tier_lookups,
             "traces": self.traces,
             "parallel_traces": self.parallel_traces,
+            "traces_refused": self.traces_refused,
             "compile_seconds": round(self.trace_seconds, 6),
             "tier_saved_seconds": round(self.tier_saved_seconds, 6),
             "in_pass_saved_seconds": round(self.in_pass_saved_seconds, 6),
@@ -430,14 +449,13 @@ class BirCodeGenLoop:
             return
         if not logger.isEnabledFor(logging.DEBUG):
             return  # the same (no) output, without building every line of it at each pass's end
-        hit_rate = 100.0 * self.cache_hits / total if total else 0.0
         debug = logger.debug
         debug(BANNER)
         debug("New NKI Frontend Kernel Cache Statistics")
         debug(BANNER)
         debug("Total kernels processed: " + str(total))
-        debug("  Cache hits:   " + str(self.cache_hits) + " (" + format(hit_rate, ".1f") + "%)")
-        debug("  Cache misses: " + str(self.cache_misses) + " (" + format(100.0 - hit_rate, ".1f") + "%)")
+        debug("  Cache hits:   " + str(self.cache_hits) + " (" + _share(self.cache_hits, total) + ")")
+        debug("  Cache misses: " + str(self.cache_misses) + " (" + _share(self.cache_misses, total) + ")")
         debug("Unique cached variants: " + str(len(self._new_nki_frontend_kernel_cache)))
         types = self._kernel_types()
         debug("Distinct kernel types: " + str(len(types)))
@@ -497,6 +515,12 @@ class BirCodeGenLoop:
         self.afterStmtTransform()
         self.finish_pass(graph.name, started)
         return bb
+
+
+def _share(count: int, total: int) -> str:
+    """`count` as a percentage of `total` for the statistics, 'n/a' of none: a cache filled before anything was
+    looked up has processed nothing, which is no 100% miss rate."""
+    return format(100.0 * count / total, ".1f") + "%" if total else "n/a"
 
 
 class OpCodegenError(NkiCacheError):

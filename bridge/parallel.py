@@ -26,6 +26,7 @@ import msgspec
 from bridge.codegen import BirCodeGenLoop, stored_trace_problem
 from bridge.errors import NkiCacheError
 from bridge.graph import GraphError, load_graph
+from bridge.identity import toolchain_id
 from bridge.ir import InternalNkiKernel, Tensor
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.miss_causes import MissObservation, classify_miss, facts_of_absent
@@ -207,14 +208,15 @@ def trace_task(
         tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)
         if flush:
             tier.flush()  # a later pass reads it from the tier without a lease wait
-    return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds))
+    return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds, toolchain_id()))
 
 
 def _variant(task: TraceTask, stored: Any) -> TracedVariant | None:
     """A stored trace as a traced variant, when it is what tracing the task would give."""
     if stored is None or stored_trace_problem(task.cache_key, stored) is not None:
         return None
-    return TracedVariant(dict(stored.result), stored.compile_seconds, elsewhere=True)  # another process traced it
+    # another process traced it
+    return TracedVariant(dict(stored.result), stored.compile_seconds, stored.toolchain, elsewhere=True)
 
 
 # -- a task as JSON (fleet trace tasks travel on the job stream) -------------------------------------------

@@ -23,6 +23,8 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # that neither the in-pass cache nor the tier answered: every trace made for the pass, wherever it ran;
 # `parallel_traces` how many of those ran in another process (`nkicache compile --workers N`'s helpers, a fleet
 # job's trace tasks), so `traces` is the same with 1 or N workers and `parallel_traces` only says where.
+# `traces_refused` counts the traces another process handed over from another compiler than the pass's (code
+# imported from elsewhere): the pass traced those itself.
 # Saved time is counted apart for each cache, so that none reads as the other's: `tier_saved_seconds` is the
 # compile seconds stored with the entries the shared tier answered (its remote hits), `in_pass_saved_seconds`
 # what tracing the variants the pass's own cache answered cost (its cache hits), which a pass saves with no tier.
@@ -34,6 +36,7 @@ PASS_COUNTERS = (
     "remote_hits",
     "traces",
     "parallel_traces",
+    "traces_refused",
     "compile_seconds",
     "tier_saved_seconds",
     "in_pass_saved_seconds",
@@ -123,11 +126,13 @@ class StoredTrace(msgspec.Struct, frozen=True):
 
 
 class TracedVariant(msgspec.Struct, frozen=True):
-    """A kernel variant another process traced for a pass: the specification's trace-result dict and what
-    tracing it took."""
+    """A kernel variant another process traced for a pass: the specification's trace-result dict, what tracing
+    it took, and the id of the compiler that traced it, as that process computed it (bridge.identity): a pass
+    takes only its own compiler's traces."""
 
     result: dict
     seconds: float
+    toolchain: str
     miss_cause: str = "unknown"  # why the tier missed it when the compile's plan asked (bridge.miss_causes)
     elsewhere: bool = False  # traced in another process than the pass's (counted in parallel_traces)
 

@@ -178,10 +178,14 @@ def test_docstrings_are_the_specifications() -> None:
     )
     assert BirCodeGenLoop._compute_cache_key_from_components.__doc__ == "Compute a cache key from key components."
     assert BirCodeGenLoop._export_new_nki_fe_metrics.__doc__ == "Export new NKI FE kernel metrics to the collector."
-    dispatcher = BirCodeGenLoop._trace_internal_kernel_to_new_nki_frontend.__doc__
-    assert (
-        "Returns a dict with keys: 'binary', 'input_names', 'output_names', 'format' ('klir' or 'bir')." in dispatcher
-    )
+    dispatcher = inspect.getdoc(BirCodeGenLoop._trace_internal_kernel_to_new_nki_frontend)
+    assert dispatcher.splitlines() == [  # verbatim, stale NKI_FRONTEND paragraph included (indentation aside)
+        "Trace an internal NKI kernel using beta2 (KLIR) or beta3 (BIR) path.",
+        "Environment variable NKI_FRONTEND controls the path:",
+        '- "beta2": Use beta2 KLIR tracing (default)',
+        '- "beta3": Use beta3 BIR compilation',
+        "Returns a dict with keys: 'binary', 'input_names', 'output_names', 'format' ('klir' or 'bir').",
+    ]
 
 
 # -- the bridge -------------------------------------------------------------------------------------
@@ -767,6 +771,22 @@ def test_statistics_lines(caplog: pytest.LogCaptureFixture, loop: BirCodeGenLoop
         "    Result shapes:  [(32, 48)]",
         BANNER,
     ]
+
+
+def test_statistics_never_call_nothing_processed_a_100_percent_miss_rate(
+    caplog: pytest.LogCaptureFixture, loop: BirCodeGenLoop
+) -> None:
+    """A cache filled before any lookup (total 0) is reported, as the specification's short-circuit says, with
+    no rate: 0 misses of 0 kernels is not 100%."""
+    result = loop._trace_internal_kernel_to_new_nki_frontend(softmax(), "k")
+    loop._cache_new_nki_frontend_binary("k", result, {"kernel_name": "softmax", "operands": {"shapes": [(32, 48)]},
+                                                      "results": {"shapes": [(32, 48)]}})  # fmt: skip
+    caplog.set_level(logging.DEBUG, logger="bridge.codegen")
+    loop._print_new_nki_frontend_cache_statistics()
+    lines = debug_lines(caplog)
+    assert "Total kernels processed: 0" in lines
+    assert "  Cache hits:   0 (n/a)" in lines and "  Cache misses: 0 (n/a)" in lines
+    assert not any("100.0%" in line for line in lines), lines
 
 
 def test_statistics_silent_when_nothing_processed(caplog: pytest.LogCaptureFixture, loop: BirCodeGenLoop) -> None:

@@ -81,7 +81,8 @@ def compile_command(
     hit rate (the specification's cache_hits / kernels: the pass's own cache, which needs no tier).
 
     --json keys: passes, compiled, kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces (beta3
-    compiles actually run), compile_seconds, tier_saved_seconds,
+    compiles actually run), traces_refused (traces another process handed over from other code than this
+    compiler's, traced again here), compile_seconds, tier_saved_seconds,
     in_pass_saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, seconds, workers, tier, tier_mode,
     level_hits ({tier level: verified entries it answered}, nearest first), interrupted, artifacts,

@@ -31,6 +31,7 @@ import msgspec
 
 from bridge.errors import NkiCacheError
 from cachestore.settings import Settings
+from workers.own_code import own_code_environment
 from workers.passes import PassResult
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,9 @@ class CompileProcess:
         if self._process is not None and self._process.poll() is None:
             return
         self._reap()
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # each reserves address space
+        # The worker's own code, whatever its current directory holds (workers.own_code); and one BLAS thread:
+        # each reserves address space.
+        env = {**own_code_environment(), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "workers.job_process"],
             stdin=subprocess.PIPE,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
+from workers.own_code import own_code_launch
 
 if TYPE_CHECKING:
     import multiprocessing.context
@@ -66,17 +67,20 @@ def pool_context() -> multiprocessing.context.BaseContext:
     A terminal's Ctrl-C goes to the whole process group. The server is started with SIGINT ignored, which it
     and every process forked from it inherit, so Ctrl-C cannot kill one of them while it is still importing
     (before `init_process` ignores SIGINT itself) and print a traceback or break the pool: only this process
-    sees it, and stops the pool cleanly."""
+    sees it, and stops the pool cleanly. The server and so every pool process runs the command's own code, whatever
+    the current directory holds (workers.own_code)."""
     import multiprocessing.forkserver
 
     if sys.platform == "win32":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        with own_code_launch():  # the server imports its preload from where this process did (workers.own_code)
             multiprocessing.forkserver.ensure_running()
-        finally:
+    finally:
+        if in_main_thread:
             signal.signal(signal.SIGINT, previous)
     return context

@@ -24,6 +24,7 @@ from bridge.errors import NkiCacheError
 from bridge.graph import load_graph
 from bridge.identity import toolchain_id
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
+from bridge.port import TracedVariant
 from bridge.toolchain import compile_kernel
 from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
@@ -52,6 +53,8 @@ class WarmReport(msgspec.Struct):
     to_trace: int = 0  # of those, what this compiler had to trace (with --dry-run: would have)
     traced: int = 0
     present: int = 0  # already held by this toolchain, or being traced by another process right now
+    # Pool traces made by another compiler than this one (its process imported other code): traced here instead.
+    refused: int = 0
     skipped: list[dict] = msgspec.field(default_factory=list)  # [{key, reason}]: cannot be rebuilt into a call
     failed: list[dict] = msgspec.field(default_factory=list)  # [{key, reason}]: this compiler refuses the call
     seconds: float = 0.0
@@ -162,7 +165,7 @@ def warm(
         report.batch, report.jobs = submission.batch_id, list(submission.job_ids)
     elif not dry_run:
         for variant, call, outcome in _traced(calls, workers, limits.max_kernel_instructions):
-            _store(tier, report, variant, call, outcome)
+            _store(tier, report, variant, call, outcome, limits.max_kernel_instructions)
             on_progress()
     if not dry_run:
         # Names this compiler in the fleet metrics (with no pass), so that `report` compares the toolchains'
@@ -259,7 +262,7 @@ def _over_limits(variant: Variant, call: dict, limits: Limits) -> str | None:
 def _traced(
     calls: list[tuple[Variant, dict]], workers: int, max_instructions: int
 ) -> Iterator[tuple[Variant, dict, Any]]:
-    """(variant, call, (result, seconds) or the error message), as each trace finishes."""
+    """(variant, call, the traced variant or the error message), as each trace finishes."""
     if workers <= 1 or len(calls) <= 1:
         for variant, call in calls:
             yield variant, call, _trace(call, max_instructions)
@@ -272,7 +275,7 @@ def _traced(
             yield variant, call, future.result()
 
 
-def _trace(call: dict, max_instructions: int) -> tuple[dict, float] | str:
+def _trace(call: dict, max_instructions: int) -> TracedVariant | str:
     from bridge.targets import make_target
 
     started = time.perf_counter()
@@ -283,15 +286,19 @@ def _trace(call: dict, max_instructions: int) -> tuple[dict, float] | str:
             )
     except NkiCacheError as exc:
         return " ".join(str(exc).split())
-    return result, time.perf_counter() - started
+    return TracedVariant(result, time.perf_counter() - started, toolchain_id())
 
 
-def _store(tier: TierClient, report: WarmReport, variant: Variant, call: dict, outcome: Any) -> None:
+def _store(
+    tier: TierClient, report: WarmReport, variant: Variant, call: dict, outcome: Any, max_instructions: int
+) -> None:
+    if not isinstance(outcome, str) and outcome.toolchain != tier.toolchain:
+        report.refused += 1  # never stored under this compiler's toolchain: traced by this process instead
+        outcome = _trace(call, max_instructions)
     if isinstance(outcome, str):
         tier.release_lease(variant.cache_key)
         report.failed.append({"key": variant.cache_key, "reason": outcome})
         return
-    result, seconds = outcome
-    tier.publish_trace(variant.cache_key, result, call["components"], seconds, release_lease=True)
+    tier.publish_trace(variant.cache_key, outcome.result, call["components"], outcome.seconds, release_lease=True)
     report.traced += 1
-    report.trace_seconds += seconds
+    report.trace_seconds += outcome.seconds

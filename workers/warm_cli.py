@@ -90,7 +90,8 @@ def warm_command(
     --dry-run lists each variant it would trace (key, kernel, target, shapes) and traces nothing; with no other
     toolchain to warm from it says so and exits 0 (a warm exits 2: it was asked to warm and could not).
 
-    --json keys: source, toolchain, considered, to_trace, traced, present, skipped ([{key, reason}]), failed
+    --json keys: source, toolchain, considered, to_trace, traced, present, refused (pool traces another compiler
+    made, its processes having imported other code: traced here instead), skipped ([{key, reason}]), failed
     ([{key, reason}], with --fleet also [{job, reason}]), seconds, trace_seconds, batch, jobs (with --fleet),
     would_trace ([{key, kernel_name, target, operand_shapes, result_shapes}], with --dry-run), nothing_to_warm
     (with --dry-run: why there is nothing to warm from, else null).
