@@ -122,6 +122,13 @@ class TooLarge(msgspec.Struct, frozen=True):
         return self.size
 
 
+class Unreadable(TooLarge, frozen=True):
+    """An entry a store holds but cannot read (a link, a FIFO, another user's file planted under its name):
+    rejected with `reason`, as a corrupt entry is."""
+
+    reason: str
+
+
 class EntryRejected(Exception):
     """An entry failed to decode or verify; `reason` says why (for counters and `inspect verify`)."""
 
@@ -247,6 +254,8 @@ def _rejection(exc: EntryRejected) -> EntryRejected:
 def _intact(data: bytes | TooLarge, max_bytes: int) -> tuple[int, bytes | None, WriterSection | None, bytes, bytes]:
     """(flags, HMAC or None, writer section or None, payload, the payload's SHA-256) of stored bytes whose size,
     header and digest are checked; raises EntryRejected naming the first problem."""
+    if isinstance(data, Unreadable):
+        raise EntryRejected(f"entry cannot be read: {data.reason}")
     if isinstance(data, TooLarge):
         raise EntryRejected(f"entry of {data.size} bytes exceeds the {data.limit}-byte limit")
     if len(data) > max_bytes:

@@ -52,6 +52,7 @@ def open_backend(
             writable=writable,
             partition=partition,
             max_entry_bytes=settings.max_entry_bytes,
+            lease_ttl=settings.lease_ttl,
         )
     if url.startswith(REDIS_SCHEMES):
         from cachestore.backends.redis import RedisBackend

@@ -4,22 +4,22 @@ mount (NFS, FSx, a local disk), as AWS Neuron's compile cache and ccache's file 
 
     nkicache-dir-store                    marker: what tells this directory from any other
     entries/<hex partition>/<hex key>     an encoded entry as stored; its mtime is its expiry
-    leases/<hex partition>/<hex key>/<n>  JSON {"owner", "expires"}: generation n of the key's lease
+    leases/<hex partition>/<hex key>/<n>  JSON {"owner", "expires"}: generation n of the key's lease (file_leases)
     index/<sha256 kernel>/<sha256 field>  a field's value in the variant index; mtime: its expiry
     batches/<sha256 batch id>             an applied metrics batch (cachestore.metrics_fold), never rewritten
 
 Every file is written whole, and lease generations and batches exclusively (cachestore.backends.files): a
 reader sees a whole file or none, and of many processes creating one name, one does. Temp files a killed
-writer left are never read, and `purge_expired` (inspect gc) deletes them.
+writer left are never read, and `purge_expired` (inspect gc) deletes them. Whoever can write the directory can
+plant anything in it: nothing here follows a link or blocks on a file (files.SharedFolder), a planted entry is
+read as a corrupt one, and gc deletes what was planted; a lease lives `lease_ttl` from its file's creation at
+most, whatever it says.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
-import stat
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -28,6 +28,7 @@ from pathlib import Path
 from bridge.identity import toolchain_id
 from cachestore import api
 from cachestore.backends import files
+from cachestore.backends.file_leases import FileLease
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.metrics_fold import FoldedMetrics, batch_record, zero_record
 
@@ -74,11 +75,15 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         writable: bool = True,
         partition: str | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        lease_ttl: float = 6.0,
     ) -> None:
         """`create` (a compile): a missing directory is made; otherwise it is an error naming it, but for a
         read-only client (`writable=False`), to which it reads as an empty tier. `partition`: the partition of
-        entries and leases (default: this compiler's). Entries over `max_entry_bytes` are not read."""
+        entries and leases (default: this compiler's). Entries over `max_entry_bytes` are not read. A lease
+        lives `lease_ttl` seconds from its file's creation at most."""
         self.path = Path(path).expanduser()
+        self.files = files.SharedFolder(self.path)
+        self.lease_ttl = lease_ttl
         self.description = f"dir:{self.path}"
         self.partition = partition or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
@@ -89,6 +94,8 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         if create and writable:
             with files.tier_errors():
                 for folder in FOLDERS:
+                    if (planted := self.files.hostile_folder(self.path / folder)) is not None:
+                        raise api.TierUnavailable(f"dir tier {self.path}: {planted} is not a folder")
                     (self.path / folder).mkdir(parents=True, exist_ok=True)
                 if not os.access(self.path / "entries", os.W_OK | os.X_OK):
                     raise api.TierUnavailable(f"dir tier {self.path} is not writable")
@@ -98,7 +105,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
             if writable:
                 raise api.TierUnavailable(f"no dir tier at {self.path}")
             return
-        if files.read_small(self.path / MARKER) != MARKER_TEXT:
+        if self.files.read_small(self.path / MARKER) != MARKER_TEXT:
             raise api.TierUnavailable(f"{self.path} is no nkicache dir tier (its {MARKER} is missing or foreign)")
 
     def __repr__(self) -> str:
@@ -107,7 +114,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     def _write(self, path: Path, data: bytes, expires: float | None = None, *, exclusive: bool = False) -> bool:
         if self.read_only:
             raise api.TierError(f"dir tier {self.path} is opened read-only")
-        return files.write_whole(path, data, expires, exclusive=exclusive)
+        return self.files.write_whole(path, data, expires, exclusive=exclusive)
 
     def _entry(self, cache_key: str) -> Path:
         return self.path / "entries" / _hex(self.partition) / _hex(cache_key)
@@ -116,7 +123,7 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
         now, found = time.time(), {}
         for key in (key for key in cache_keys if len(key.encode()) <= MAX_NAME_BYTES):
-            if (read := files.read_bounded(self._entry(key), now, self.max_entry_bytes)) is None:
+            if (read := self.files.read_bounded(self._entry(key), now, self.max_entry_bytes)) is None:
                 continue
             found[key], expires = read
             if ttl is not None and isinstance(found[key], bytes) and expires < now + ttl * TTL_REFRESH_FRACTION:
@@ -133,79 +140,38 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
         now = time.time()
         for key, ttl in items:
-            with contextlib.suppress(OSError):  # gone, or another user's file: it keeps its expiry
-                os.utime(self._entry(key), (now, now + ttl))
+            self.files.set_expiry(self._entry(key), now + ttl)  # gone, planted or another user's: left as it is
 
     def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         now, answers = time.time(), []
         for kernel_name, fields in queries:
             folder = self.path / "index" / _sha(kernel_name)
-            if folder.exists() and not folder.is_dir():
-                answers.append(None)  # a foreign file where the kernel's folder goes
+            if self.files.hostile_folder(folder) is not None:
+                answers.append(None)  # a link or a file where the kernel's folder goes
                 continue
-            reads = [files.read_bounded(folder / _sha(name), now, MAX_SMALL_FILE) for name in fields]
+            reads = [self.files.read_bounded(folder / _sha(name), now, MAX_SMALL_FILE) for name in fields]
             answers.append([read[0] if read and isinstance(read[0], bytes) else None for read in reads])
         return answers
 
-    # -- leases: generations, each created exclusively -------------------------------------------
-    def _top(self, folder: Path) -> tuple[int, str, float]:
-        """(generation, owner, expiry) of a key's newest lease file; (0, "", 0.0) for none. A foreign or empty
-        file reads as released."""
-        for _ in range(3):  # the newest was replaced by a newer one between listing and reading: listed again
-            generations = sorted(int(name) for name in files.names(folder) if name.isdigit())
-            if not generations:
-                return 0, "", 0.0
-            if (data := files.read_small(folder / str(generations[-1]))) is not None:
-                try:
-                    lease = json.loads(data)
-                    return generations[-1], str(lease["owner"]), float(lease["expires"])
-                except (ValueError, TypeError, KeyError):
-                    break
-        return generations[-1], "", 0.0
-
-    def _claim(self, folder: Path, generation: int, owner: str, expires: float) -> bool:
-        """Create lease `generation` of a key: True when this call made it and it is the newest (a caller that
-        looked before a newer one was made loses), the older ones then deleted. Of all the processes that found
-        generation - 1 the newest, one creates this one: no lease file is ever rewritten."""
-        lease = json.dumps({"owner": owner, "expires": expires}).encode()
-        if not self._write(folder / str(generation), lease, expires, exclusive=True):
-            return False
-        generations = [int(name) for name in files.names(folder) if name.isdigit()]
-        if max(generations, default=generation) > generation:
-            return False
-        for older in (g for g in generations if g < generation):
-            files.unlink(folder / str(older))
-        return True
-
-    def _leases(self, cache_key: str) -> Path:
-        return self.path / "leases" / _hex(self.partition) / _hex(cache_key)
+    # -- leases: generations of files, each created exclusively (cachestore.backends.file_leases) ----------
+    def _leases(self, cache_key: str) -> FileLease:
+        return FileLease(self.files, self.path / "leases" / _hex(self.partition) / _hex(cache_key), self._write)
 
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        folder, now = self._leases(cache_key), time.time()
-        generation, holder, expires = self._top(folder)
-        if holder and expires > now:
-            return False
-        return self._claim(folder, generation + 1, owner, now + ttl)  # none, released, or expired: taken over
+        return self._leases(cache_key).acquire(owner, ttl, self.lease_ttl)
 
     def renew_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        folder, now = self._leases(cache_key), time.time()
-        generation, holder, expires = self._top(folder)
-        # A new generation, not a rewrite: a contender that found this one expired and the owner renewing it
-        # cannot both win.
-        return holder == owner and expires > now and self._claim(folder, generation + 1, owner, now + ttl)
+        return self._leases(cache_key).renew(owner, ttl, self.lease_ttl)
 
     def release_lease(self, cache_key: str, owner: str) -> None:
         self.release_leases([(cache_key, owner)])
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         for cache_key, owner in leases:
-            generation, holder, _ = self._top(folder := self._leases(cache_key))
-            if holder == owner:
-                self._claim(folder, generation + 1, "", 0.0)  # a released generation: owned by no one
+            self._leases(cache_key).release(owner, self.lease_ttl)
 
     def lease_holder(self, cache_key: str) -> str | None:
-        _, holder, expires = self._top(self._leases(cache_key))
-        return holder if holder and expires > time.time() else None
+        return self._leases(cache_key).holder(self.lease_ttl)
 
     # -- metrics: one file per batch, folded by cachestore.metrics_fold -----------------------------
     def apply_metrics(self, batch: api.MetricsBatch) -> bool:
@@ -218,22 +184,23 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         self._write(self.path / "batches" / f"zero-{uuid.uuid4().hex}", zero_record(record, time.time()))
 
     def _record_names(self) -> list[str]:
-        return files.names(self.path / "batches")
+        return self.files.names(self.path / "batches")
 
     def _record_bytes(self, name: str) -> bytes | None:
-        return files.read_small(self.path / "batches" / name)
+        return self.files.read_small(self.path / "batches" / name)
 
     # -- entries ----------------------------------------------------------------------------------
     def _live(self, partition: str) -> Iterator[str]:
-        """The cache key of every live entry of `partition`, in order."""
+        """The cache key of every live entry of `partition`, in order, and of every file planted under an entry's
+        name (read as a corrupt entry, so verify reports it)."""
         now, folder = time.time(), self.path / "entries" / _hex(partition)
-        for name in files.names(folder):
-            info = files.stat_of(folder / name)
-            if (key := _unhex(name)) is not None and info and stat.S_ISREG(info.st_mode) and info.st_mtime > now:
+        for name in self.files.names(folder):
+            info = self.files.stat_of(folder / name)
+            if (key := _unhex(name)) is not None and info and (files.planted(info.st_mode) or info.st_mtime > now):
                 yield key
 
     def entry_partitions(self) -> list[str]:
-        names = (_unhex(name) for name in files.names(self.path / "entries"))
+        names = (_unhex(name) for name in self.files.names(self.path / "entries"))
         return [name for name in names if name is not None and next(self._live(name), None) is not None]
 
     def entry_keys(self) -> Iterator[tuple[str, str]]:
@@ -243,8 +210,8 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
     def scan_entries(self, with_ttl: bool = True) -> Iterator[api.RawEntry]:
         for key in self._live(self.partition):
             now = time.time()
-            if (read := files.read_bounded(self._entry(key), now, self.max_entry_bytes)) is not None:
-                yield api.RawEntry(key, read[0], read[1] - now, self.partition)
+            if (read := self.files.read_bounded(self._entry(key), now, self.max_entry_bytes)) is not None:
+                yield api.RawEntry(key, read[0], max(read[1] - now, 0.0), self.partition)
 
     def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
         return self.fetch(cache_keys, None)
@@ -261,18 +228,23 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         if self.read_only:
             raise api.TierError(f"dir tier {self.path} is opened read-only")
         for key, _ in items:
-            files.unlink(self._entry(key))
+            self.files.unlink(self._entry(key))
 
     def _garbage(self) -> Iterator[tuple[Path, int]]:
-        """(path, bytes) of every expired entry and index field, and every temp file a dead writer left there."""
+        """(path, bytes) of every expired entry and index field, every temp file a dead writer left there, and
+        whatever was planted there (a link, a FIFO, a file where a folder goes)."""
         now = time.time()
         for top in ("entries", "index"):
-            for folder in files.names(self.path / top):
-                for name in files.names(self.path / top / folder, hidden=True):
-                    if (info := files.stat_of(path := self.path / top / folder / name)) is None:
+            for folder in self.files.names(self.path / top):
+                if (info := self.files.stat_of(self.path / top / folder)) is not None and files.removable(info.st_mode):
+                    yield self.path / top / folder, 0  # a link is removed, never what it points to
+                    continue
+                for name in self.files.names(self.path / top / folder, hidden=True):
+                    if (info := self.files.stat_of(path := self.path / top / folder / name)) is None:
                         continue
                     temp = name.startswith(".")
-                    if (temp and info.st_ctime < now - STALE_TEMP_SECONDS) or (not temp and info.st_mtime <= now):
+                    stale = info.st_ctime < now - STALE_TEMP_SECONDS if temp else info.st_mtime <= now
+                    if stale or files.removable(info.st_mode):
                         yield path, info.st_size
 
     def expired_count(self) -> tuple[int, int]:
@@ -285,9 +257,9 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         now = time.time()
         for path, _ in self._garbage():
             if path.name.startswith("."):
-                files.unlink(path)
+                self.files.unlink(path)
             else:
-                files.take(path, lambda aside: os.stat(aside).st_mtime <= now)
+                self.files.take(path, lambda info: files.removable(info.st_mode) or info.st_mtime <= now)
 
     def close(self) -> None:
         pass

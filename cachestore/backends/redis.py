@@ -276,6 +276,8 @@ def redis_errors(description: str) -> Iterator[None]:
         yield
     except rex.TimeoutError as exc:
         raise TierTimeout(f"{description}: timed out: {exc}") from None
+    except BrokenPipeError:
+        raise  # redis-py wraps its own sockets' errors: this one is the caller's (stdout closed under `| head`)
     except (rex.RedisError, rex.RedisClusterException, OSError) as exc:  # RedisClusterException is no RedisError
         raise TierUnavailable(f"{description}: {type(exc).__name__}: {exc}") from None
 
@@ -608,9 +610,21 @@ class RedisBackend(Backend, Reader):
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
-        return bool(
-            self._within_op_timeout(lambda: self.client.set(self._lease(cache_key), owner, nx=True, px=int(ttl * 1000)))
-        )
+        """SET NX with the lease's TTL, and in the same round trip PEXPIRE LT: a lease that would live longer
+        than `ttl` from now (one planted with no TTL, or a longer one) is cut to `ttl`, so no lease lasts for
+        ever. A holder renews to `ttl`, so its lease is never cut."""
+        key, milliseconds = self._lease(cache_key), int(ttl * 1000)
+
+        def acquire() -> bool:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(key, owner, nx=True, px=milliseconds)
+            pipe.pexpire(key, milliseconds, lt=True)
+            taken, _ = pipe.execute(raise_on_error=False)  # a server before 7.0 refuses LT: only the SET counts
+            if isinstance(taken, Exception):
+                raise taken
+            return taken is True
+
+        return self._within_op_timeout(acquire)
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         calls = [([self._lease(cache_key)], [owner]) for cache_key, owner in leases]
