@@ -336,6 +336,14 @@ def _tier_stack(levels: list | tuple, source: str) -> str:
     return " ".join(level.strip() for level in levels)
 
 
+# Settings whose positive values can still be too small to work: name -> (the least value, why).
+MINIMUMS = {
+    "lease_ttl": (0.1, "seconds; its holder renews it every third of that, in a round trip to the tier"),
+    "heartbeat_interval": (0.01, "seconds between a worker's heartbeats, each a round trip to Redis"),
+    "job_memory": (256 * 1024**2, "bytes; a compiling process needs more address space to import the compiler"),
+}
+
+
 def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     def fail(name: str, problem: str) -> None:
         raise SettingsError(f"{sources.get(name, 'default')}: {name} {problem}")
@@ -375,6 +383,9 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
     ):
         if getattr(settings, name) <= 0:
             fail(name, f"must be positive, got {getattr(settings, name)}")
+    for name, (least, why) in MINIMUMS.items():
+        if getattr(settings, name) < least:
+            fail(name, f"must be at least {least:g} ({why}), got {getattr(settings, name):g}")
     for name in SECONDS_SETTINGS:
         if getattr(settings, name) > MAX_SECONDS:  # Redis refuses such an expiry: every write would fail
             fail(name, f"must be at most {MAX_SECONDS} seconds (10 years), got {getattr(settings, name)}")

@@ -99,7 +99,7 @@ def tier_url_problem(url: str) -> str | None:
         return "holds a space; each level of a stack starts with off, local:, dir:, redis://, rediss://, unix:// or redis+cluster://"
     try:
         parts = urlsplit(url)
-        return _address_problem(parts) or _query_problem(parts.query)
+        return _address_problem(parts) or _database_problem(parts) or _query_problem(parts.query)
     except ValueError as exc:
         return f"is not a valid URL: {exc}"
 
@@ -126,6 +126,19 @@ def _address_problem(parts: SplitResult) -> str | None:
     if not parts.hostname:
         return f"{parts.scheme}:// needs a host ({parts.scheme}://HOST:PORT)"
     parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    return None
+
+
+def _database_problem(parts: SplitResult) -> str | None:
+    """A database number that redis-py would read otherwise than it is written: a path that is not one (it takes
+    `/abc` for db 0) or a `?db=` beside a path's (the query wins, silently)."""
+    if parts.scheme == "unix" or parts.scheme.endswith("+cluster"):
+        return None
+    path = parts.path.strip("/")
+    if path and not path.isdecimal():
+        return f"names database {path!r}; a database is a number (redis://HOST:PORT/0)"
+    if path and "db" in parse_qs(parts.query):
+        return "names its database twice (in the path and in ?db=); keep one"
     return None
 
 

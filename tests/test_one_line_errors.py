@@ -690,3 +690,32 @@ def test_a_newline_in_a_file_name_is_printed_escaped(tmp_path: Path) -> None:
         f"nkicache: error: {tmp_path}/bad\\nname.json: not valid JSON: "
         "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
     ]
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "1e999"])
+@pytest.mark.parametrize("command", [["submit", "GRAPHS", "--wait"], ["warm", "--fleet"]])
+def test_a_timeout_that_is_not_a_finite_number_is_a_usage_error(tmp_path: Path, command: list[str], value: str) -> None:
+    """Issue 45 F16 N9: `--timeout nan` or `1e999` would wait for ever; refused before anything runs."""
+    write_graph(tmp_path, mixed_graph())
+    argv = [str(tmp_path) if word == "GRAPHS" else word for word in command]
+    line = usage_error(nkicache(*argv, "--timeout", value, "--tier", "redis://127.0.0.1:1"))
+    assert "--timeout" in line, line
+
+
+def test_a_workload_of_more_models_than_any_disk_takes_is_a_usage_error(tmp_path: Path) -> None:
+    """Issue 45 F16 N8: `workload --models 10^23` wrote 755,017 files before it was killed."""
+    line = usage_error(nkicache("workload", "--out", tmp_path / "w", "--models", 10**23))
+    assert "--models" in line and "range" in line and not (tmp_path / "w").exists(), line
+
+
+def test_a_reader_that_closes_stdout_early_is_no_redis_error(redis_url: str) -> None:
+    """Issue 45 F16: `nkicache queue | head -1` blamed Redis for the closed pipe. Now it exits 1 quietly, as a
+    program whose reader went away does."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([NKICACHE, "queue", "--tier", redis_url], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=PROCESS_TIMEOUT)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and done.stderr == "", done.stderr

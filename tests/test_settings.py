@@ -183,7 +183,9 @@ def test_missing_config_file_named_in_the_environment(tmp_path: Path) -> None:
     [
         ("redis://127.0.0.1:6379/0?foo=1", "unknown query parameter 'foo'"),
         ("redis://127.0.0.1:6379/0?ssl_cert_reqs=bogus", "ssl_cert_reqs must be one of"),
-        ("redis://127.0.0.1:6379/0?db=zero", "'db' has an invalid value"),
+        ("redis://127.0.0.1:6379?db=zero", "'db' has an invalid value"),
+        ("redis://127.0.0.1:6379/abc", "names database 'abc'; a database is a number"),
+        ("redis://127.0.0.1:6379/0?db=3", "names its database twice"),
         ("redis://127.0.0.1:6379/0?socket_timeout=60", "use the op_timeout setting"),
         ("redis://", "needs a host"),
         ("rediss://:secret@/0", "needs a host"),
@@ -204,7 +206,8 @@ def test_a_bad_tier_url_is_one_error_naming_its_source(url: str, problem: str) -
 @pytest.mark.parametrize(
     "url",
     [
-        "redis://127.0.0.1:6379/0?password=x&db=2&client_name=w1",
+        "redis://127.0.0.1:6379?password=x&db=2&client_name=w1",
+        "redis://127.0.0.1:6379/3?client_name=w1",
         "rediss://h:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=true",
         "redis+cluster://u:p@a:7000,b:7001",
         "unix:///run/redis.sock?db=1",
@@ -250,3 +253,14 @@ def test_a_time_beyond_ten_years_is_refused(name: str) -> None:
 def test_a_setting_that_is_no_number_says_what_it_must_be(value: str, kind: str) -> None:
     with pytest.raises(SettingsError, match=f"must be {kind}, got 'soon'"):
         load_settings(environ={value: "soon"})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("NKICACHE_LEASE_TTL", "1e-9"), ("NKICACHE_HEARTBEAT_INTERVAL", "1e-300"), ("NKICACHE_JOB_MEMORY", "1")],
+)
+def test_a_positive_value_too_small_to_work_is_one_error(name: str, value: str) -> None:
+    """Issue 45 F16: a lease renewed every third of a nanosecond, a heartbeat every 1e-300 s, a job in one byte of
+    address space: refused when read, naming the least value and why."""
+    with pytest.raises(SettingsError, match=rf"^\${name}: .* must be at least .*\(.*\), got "):
+        load_settings(environ={name: value})

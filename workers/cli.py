@@ -8,11 +8,13 @@ the storage side, and `nkicache --help` works even when the compiler side is bro
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 import click
 
-from workers.cli_common import EXIT_INTERRUPTED, EXIT_PROJECT_ERROR, LOG_LEVELS, configure_logging
+from workers.cli_common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_PROJECT_ERROR, LOG_LEVELS, configure_logging
 
 # Every command: its name -> "module:attribute" of its click command.
 COMMANDS = {
@@ -59,6 +61,11 @@ class _Group(click.Group):
             # Ctrl-C anywhere else (click would print "Aborted!" and exit 1, like a failed check).
             click.echo("nkicache: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            # The reader of stdout went away (`nkicache queue | head -1`): nothing is wrong, and nothing more can
+            # be printed. Python's own advice: point stdout at devnull so the exit's flush cannot fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(EXIT_CHECK_FAILED)
         except Exception as exc:
             if not _is_project_error(exc):
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +26,23 @@ SEED = click.IntRange(min=0)
 # to use here.
 MAX_PROCESSES = 256
 PROCESS_COUNT = click.IntRange(min=1, max=MAX_PROCESSES)
+# Every --timeout: a wait of seconds, bounded as the settings' are (10 years); nan and inf pass a FloatRange
+# (every comparison with nan is false) and would wait for ever.
+MAX_WAIT_SECONDS = 10 * 365 * 24 * 3600
+
+
+class _Seconds(click.FloatRange):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
+
+
+WAIT_SECONDS = _Seconds(min=0, min_open=True, max=MAX_WAIT_SECONDS)
+# Every --models: graph files written at once; a million is past any workload and still fits a disk.
+MAX_MODELS = 1_000_000
+MODEL_COUNT = click.IntRange(min=1, max=MAX_MODELS)
 
 
 def tier_options(command: Callable) -> Callable:

@@ -13,6 +13,7 @@ import click
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_PROJECT_ERROR,
+    WAIT_SECONDS,
     echo_json,
     expand,
     load_cli_settings,
@@ -50,7 +51,7 @@ def _redis_errors(function):
 @click.option("--wait", is_flag=True, help="Return only when every job is completed or dead-lettered.")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=WAIT_SECONDS,
     default=None,
     help="With --wait: give up after this many seconds (default: the wait_timeout setting, 1 hour).",
 )

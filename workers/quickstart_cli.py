@@ -11,6 +11,7 @@ import click
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
+    MODEL_COUNT,
     PROCESS_COUNT,
     SEED,
     compile_and_summarize,
@@ -24,7 +25,7 @@ from workers.cli_common import (
 
 @click.command("workload")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the graphs.")
-@click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graph files to write.")
+@click.option("--models", type=MODEL_COUNT, default=12, show_default=True, help="Graph files to write.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="The same seed writes the same files.")
 @click.option("--json", "as_json", is_flag=True, help="Print {out, models, seed, graphs: [path]}.")
 def workload_command(out_dir: str, models: int, seed: int, as_json: bool) -> None:
@@ -48,7 +49,7 @@ def workload_command(out_dir: str, models: int, seed: int, as_json: bool) -> Non
     show_default=True,
     help="Folder for the graphs, the artifacts and the tier file.",
 )
-@click.option("--models", type=click.IntRange(min=1), default=12, show_default=True, help="Graphs to generate.")
+@click.option("--models", type=MODEL_COUNT, default=12, show_default=True, help="Graphs to generate.")
 @click.option("--workers", type=PROCESS_COUNT, default=2, show_default=True, help="Pool processes.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Workload and input seed.")
 @click.option(

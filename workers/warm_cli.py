@@ -10,7 +10,15 @@ from typing import Any
 import click
 
 from cachestore.tier_urls import REDIS_SCHEMES, shared_level
-from workers.cli_common import EXIT_CHECK_FAILED, PROCESS_COUNT, Progress, load_cli_settings, plural, refuse_read_only
+from workers.cli_common import (
+    EXIT_CHECK_FAILED,
+    PROCESS_COUNT,
+    WAIT_SECONDS,
+    Progress,
+    load_cli_settings,
+    plural,
+    refuse_read_only,
+)
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -53,7 +61,7 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=WAIT_SECONDS,
     default=None,
     metavar="S",
     help="With --fleet: stop waiting after S seconds (default: the wait_timeout setting).",
