@@ -119,15 +119,18 @@ class TierClient(EntryReads):
         settings: Settings,
         description: str = "tier",
         credentials: Credentials | None = None,
+        toolchain: str | None = None,
     ):
         """`credentials`: the writer key, trust policy and scope (default: loaded from the settings; the backend
-        must work in `partition(toolchain, credentials.scope)`, as open_tier's does)."""
+        must work in `partition(toolchain, credentials.scope)`, as open_tier's does). `toolchain`: the compiler
+        whose entries this client reads and writes (default: this package's, bridge.identity; another for a
+        foreign loop attached by workers.attach)."""
         self.settings = settings
         self.description = description
         self.stats = TierStats()
         self._rejections = RejectionLog(description)
         self.owner = f"{settings.host}:{settings.worker}:{uuid.uuid4().hex[:8]}"
-        self.toolchain = toolchain_id()  # the compiler whose entries this client reads and writes
+        self.toolchain = toolchain or toolchain_id()
         self.credentials = credentials or settings_credentials(settings)
         self.writer = self.credentials.writer
         self.policy = SignaturePolicy(
@@ -529,7 +532,7 @@ class TierClient(EntryReads):
     def _made(self, unbuilt: UnbuiltBatch) -> MetricsBatch:
         """A pass record made into its metrics batch, once (a send retried after an outage applies the same id)."""
         if unbuilt.made is None:
-            unbuilt.made = metrics_batch(unbuilt.record, self.settings.host, self.settings.worker)
+            unbuilt.made = metrics_batch(unbuilt.record, self.settings.host, self.settings.worker, self.toolchain)
             unbuilt.made.totals.update(unbuilt.writer_counts)
         return unbuilt.made
 
@@ -569,7 +572,7 @@ def stored_trace(entry: Entry) -> StoredTrace:
     return StoredTrace(entry.trace_result(), entry.compile_seconds, entry.key_components, entry.toolchain)
 
 
-def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
+def metrics_batch(record: PassRecord, host: str, worker: str, toolchain: str) -> MetricsBatch:
     """One batch per pass. Its id is the pass's id (a fresh one unless the caller named the pass): applying
     it twice (a retried flush) counts once, and the fleet names a pass after its job, so a job compiled to
     the end twice (reclaimed from a worker that was slow, not dead) still counts once."""
@@ -579,7 +582,7 @@ def metrics_batch(record: PassRecord, host: str, worker: str) -> MetricsBatch:
         kernel_calls[use.kernel_name] += use.usage
         keys[cache_key] = KeyUsage(use.kernel_name, use.usage, use.first_use, use.last_use)
     pass_id = record.pass_id or uuid.uuid4().hex
-    toolchain = toolchain_id()  # the compiler that ran the pass: reports break the fleet down by it
+    # `toolchain`: the compiler that ran the pass; reports break the fleet down by it.
     log_record = {
         "pass_id": pass_id,
         "graph": record.graph_name,

@@ -61,15 +61,18 @@ def open_backend(
     raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
 
 
-def open_tier(settings: Settings) -> TierClient | ReadOnlyTier | StackedTier | None:
+def open_tier(settings: Settings, toolchain: str | None = None) -> TierClient | ReadOnlyTier | StackedTier | None:
     """The tier client for these settings, or None for `off`; wrapped in a ReadOnlyTier for `read-only`; a
     StackedTier for a stack of levels (nearest first). Nothing connects until first used, so an unreachable
-    tier costs a compile only counted errors."""
+    tier costs a compile only counted errors. `toolchain`: the compiler whose entries it holds (default: this
+    package's)."""
     if settings.tier == "off" or settings.tier_mode == "off":
         return None
     levels = tier_levels(settings.tier)
     if len(levels) > 1:
-        return StackedTier([open_tier(level_settings(settings, levels, index)) for index in range(len(levels))])
+        return StackedTier(
+            [open_tier(level_settings(settings, levels, index), toolchain) for index in range(len(levels))]
+        )
     if not settings.tier.startswith((*PATH_SCHEMES, *REDIS_SCHEMES)):
         open_backend(settings)  # raises the clear error for an unknown scheme
     credentials = settings_credentials(settings)
@@ -77,9 +80,9 @@ def open_tier(settings: Settings) -> TierClient | ReadOnlyTier | StackedTier | N
         open_backend,
         settings,
         writable=settings.tier_mode != "read-only",
-        partition=partition(toolchain_id(), credentials.scope),
+        partition=partition(toolchain or toolchain_id(), credentials.scope),
     )
-    return tier_client(backend, settings, redact_url(settings.tier), credentials)
+    return tier_client(backend, settings, redact_url(settings.tier), credentials, toolchain)
 
 
 def tier_client(
@@ -87,8 +90,9 @@ def tier_client(
     settings: Settings,
     description: str = "tier",
     credentials: Credentials | None = None,
+    toolchain: str | None = None,
 ) -> TierClient | ReadOnlyTier:
     """The client of the store `backend_factory` opens, as these settings' tier_mode wants it: wrapped in a
     ReadOnlyTier for `read-only`."""
-    client = TierClient(backend_factory, settings, description, credentials)
+    client = TierClient(backend_factory, settings, description, credentials, toolchain)
     return ReadOnlyTier(client) if settings.tier_mode == "read-only" else client

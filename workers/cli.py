@@ -23,6 +23,7 @@ COMMANDS = {
     "compile": "workers.compile_cli:compile_command",
     "config": "workers.config_cli:config_command",
     "demo": "workers.demo_cli:demo",
+    "exec": "workers.exec_cli:exec_command",
     "inspect": "workers.report_cli:inspect_group",
     "job": "workers.fleet_cli:job_group",
     "keygen": "workers.trust_cli:keygen_command",

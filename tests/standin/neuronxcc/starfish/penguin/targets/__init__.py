@@ -1,0 +1,1 @@
+"""A stand-in of neuronx-cc for the tests of nkicache exec (tests/test_exec.py); not neuronx-cc."""
