@@ -240,3 +240,11 @@ def test_a_command_that_does_not_exist_is_one_line(tmp_path: Path) -> None:
         timeout=TIMEOUT,
     )
     assert done.returncode == 127 and done.stderr.startswith("nkicache: error: cannot run 'no-such-command-here'")
+
+
+def test_a_bad_tier_is_a_usage_error_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    done = subprocess.run([NKICACHE, "exec", "--tier", "redis://:secret@host/abc", "--", "touch", str(marker)],
+                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert done.returncode == 2 and "--tier" in done.stderr and "names database 'abc'" in done.stderr
+    assert "secret" not in done.stderr and not marker.exists()

@@ -11,8 +11,6 @@ from typing import Any
 
 import click
 
-from bridge.port import plural
-
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
 # one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
 # by Ctrl-C (what finished is kept and reported).
@@ -43,6 +41,14 @@ WAIT_SECONDS = _Seconds(min=0, min_open=True, max=MAX_WAIT_SECONDS)
 # Every --models: graph files written at once; a million is past any workload and still fits a disk.
 MAX_MODELS = 1_000_000
 MODEL_COUNT = click.IntRange(min=1, max=MAX_MODELS)
+
+
+def plural(count: float, word: str) -> str:
+    """bridge.port's wording rule, loaded when first used: a command that words no count (`exec`, `--version`)
+    does not import the compiler's port."""
+    from bridge.port import plural as worded
+
+    return worded(count, word)
 
 
 def tier_options(command: Callable) -> Callable:

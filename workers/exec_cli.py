@@ -70,28 +70,38 @@ def exec_command(
     --check imports each class here and says which seams it has and whether the tier would attach; it runs
     nothing. Turn the attachment off by running COMMAND without `nkicache exec` (or with --tier off).
     """
-    settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
     targets = (*DEFAULT_LOOPS, *loops)
     if check:
-        _check(targets, settings)
+        _check(targets, load_cli_settings(tier=tier, tier_mode=tier_mode))
         return
     if not command:
         raise click.UsageError("name the command to run after --: nkicache exec [OPTIONS] -- COMMAND [ARGS]...")
-    environment = dict(os.environ)
-    environment.update(
-        {
-            "NKICACHE_TIER": settings.tier,
-            "NKICACHE_TIER_MODE": settings.tier_mode,
-            "NKICACHE_EXEC_LOOPS": ",".join(targets),
-            "NKICACHE_EXEC_SUMMARY": "1" if summary else "0",
-        }
-    )
+    environment = {**os.environ, **_tier_environment(tier, tier_mode)}
+    environment["NKICACHE_EXEC_LOOPS"] = ",".join(targets)
+    environment["NKICACHE_EXEC_SUMMARY"] = "1" if summary else "0"
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), environment.get("PYTHONPATH")]))
     try:
         os.execvpe(command[0], list(command), environment)
     except OSError as exc:
         click.echo(f"nkicache: error: cannot run {command[0]!r}: {exc.strerror or exc}", err=True)
         sys.exit(EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_PROJECT_ERROR)
+
+
+def _tier_environment(tier: tuple[str, ...], tier_mode: str | None) -> dict[str, str]:
+    """The tier flags as the command's environment (its processes read their settings from it, as any nkicache
+    process does); a bad URL is a usage error here. The rest of the settings are checked where they are read:
+    this process only starts COMMAND, and loads no more than that needs."""
+    from cachestore.tier_urls import redact_url, tier_url_problem
+
+    environment = {}
+    if tier:
+        url = " ".join(level.strip() for level in tier)
+        if (problem := tier_url_problem(url)) is not None:
+            raise click.BadParameter(f"{redact_url(url)!r}: {problem}", param_hint="'--tier'")
+        environment["NKICACHE_TIER"] = url
+    if tier_mode:
+        environment["NKICACHE_TIER_MODE"] = tier_mode
+    return environment
 
 
 def _check(targets: tuple[str, ...], settings: object) -> None:

@@ -31,9 +31,10 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       warm_compile_local_vs_floor  warm `compile` of one graph, local tier / its floor       goal <= 2.0
       warm_compile_redis_vs_floor  the same on Redis / its floor (redis-py instead of sqlite3) goal <= 2.0
       version_vs_goal        `nkicache --version` / (3 x python_ms + 60 ms)                  goal <= 1.0
+      exec_startup_overhead_ms  `nkicache exec -- python -c pass` - `python -c pass`, in ms  goal <= 60
       broken_tier_overhead   `compile --workers 2` of the workload on a down, frozen or trickling
                              Redis (the worst) / the same with --tier off, alternated        goal <= 1.1
-      version_ms, help_ms, python_ms, floor_local_ms, floor_redis_ms, cold_compile_local_ms,
+      version_ms, help_ms, exec_python_ms, python_ms, floor_local_ms, floor_redis_ms, cold_compile_local_ms,
       warm_compile_local_ms, cold_compile_redis_ms, warm_compile_redis_ms, report_local_ms,
       warm_compile_local_workers2_ms (start-up of --workers 2), toolchain_id_ms (one call in a
       fresh process): the figures behind them, in milliseconds

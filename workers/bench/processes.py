@@ -117,6 +117,7 @@ def process_figures(graph: Path, redis_url: str, namespace: str, work: Path, rou
     commands.add("floor_redis_ms", lambda _: [*python, "-c", FLOOR_REDIS])
     commands.add("version_ms", lambda _: [*nkicache, "--version"])
     commands.add("help_ms", lambda _: [*nkicache, "--help"])
+    commands.add("exec_python_ms", lambda _: [*nkicache, "exec", "--tier", warm_local, "--", *python, "-c", "pass"])
     commands.add("toolchain_id_process_ms", lambda _: [*python, "-c", TOOLCHAIN_ID_PROBE])
     commands.add("cold_compile_local_ms", lambda n: compile_line(f"local:{work / f'cold-{n}.sqlite'}", "cold")(n))
     commands.add("warm_compile_local_ms", compile_line(warm_local, "warm"))
@@ -143,5 +144,7 @@ def process_figures(graph: Path, redis_url: str, namespace: str, work: Path, rou
     figures["warm_compile_redis_vs_floor"] = round(figures["warm_compile_redis_ms"] / figures["floor_redis_ms"], 3)
     figures["version_goal_ms"] = round(3 * figures["python_ms"] + 60, 1)  # 3 x a bare interpreter + 60 ms
     figures["version_vs_goal"] = round(figures["version_ms"] / figures["version_goal_ms"], 3)
+    # What `nkicache exec` adds to a Python command that creates no loop, beside that command in the same rounds.
+    figures["exec_startup_overhead_ms"] = round(figures["exec_python_ms"] - figures["python_ms"], 1)
     figures.update(graph=graph.name, kernels=warm_local_run["kernels"], rounds=rounds)
     return figures
