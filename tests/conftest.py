@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +26,8 @@ from workers.dev_redis import RedisServer, answers_ping, start_private_server
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
 REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}
 START_TIMEOUT_SECONDS = 10.0
+CONTROLLER_POLL_SECONDS = 1.0
+EXIT_CONTROLLER_GONE = 3
 
 
 def _unavailable(reason: str) -> None:
@@ -41,6 +45,21 @@ def _start_private_server() -> RedisServer:
     except RuntimeError as exc:
         _unavailable(str(exc))
         raise AssertionError("unreachable") from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker: exit as soon as the run's controller is gone (killed with -9, say), so the
+    servers this worker started, which die with it (workers.dev_redis.die_with_parent), do not outlive the run."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    controller = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == controller:
+            time.sleep(CONTROLLER_POLL_SECONDS)
+        os._exit(EXIT_CONTROLLER_GONE)
+
+    threading.Thread(target=watch, name="nkicache-controller-watch", daemon=True).start()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers.dev_redis import pings
+from workers.dev_redis import die_with_parent, pings
 
 START_TIMEOUT_SECONDS = 15.0
 MASTERS = 3
@@ -64,7 +64,9 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def start(self, ready: Callable[[], bool], timeout: float = START_TIMEOUT_SECONDS) -> ServerProcess:
-        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

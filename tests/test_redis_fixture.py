@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from urllib.parse import urlparse
 
 import pytest
@@ -68,3 +73,39 @@ def test_private_server_can_be_killed(private_redis_server) -> None:
         assert client.ping() is True
     finally:
         client.close()
+
+
+KEEPER = """
+import sys, time
+from workers.dev_redis import start_private_server
+server = start_private_server()
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "sigstopped"])
+def test_a_private_server_dies_with_the_process_that_started_it(stopped: bool) -> None:
+    """Issue 48: a test run killed with -9 left its private redis-servers running (some SIGSTOPped by the fault
+    tests). Each one is started to die with its parent: killing the parent ends it within 10 s."""
+    keeper = subprocess.Popen([sys.executable, "-c", KEEPER], stdout=subprocess.PIPE, text=True)
+    port = int(keeper.stdout.readline())
+    url = f"redis://127.0.0.1:{port}/0"
+    server_pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+    if stopped:
+        os.kill(server_pid, signal.SIGSTOP)
+    keeper.kill()
+    keeper.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(server_pid):
+        time.sleep(0.05)
+    assert not _alive(server_pid), f"redis-server {server_pid} outlived the process that started it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped by its new parent
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -34,7 +34,7 @@ from cachestore.client import TierClient
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.dev_redis import pings
+from workers.dev_redis import die_with_parent, pings
 
 HOST = "fault-host"
 STALL_BOUND_SECONDS = 3.0  # how much longer than `--tier off` a compile may take when Redis misbehaves
@@ -58,7 +58,7 @@ def start_durable(server: Any) -> None:
     server.process = subprocess.Popen(
         ["redis-server", "--port", str(server.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
          "--appendfsync", "always", "--dir", server.dir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
     )  # fmt: skip
     probe = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
     try:
