@@ -28,12 +28,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import ast
-
-PACKAGE = "bridge"
 COMPILE_ROOTS = ("bridge.codegen", "bridge.kernels")  # the loop, and every kernel it can trace
 LIBRARIES = ("numpy", "ml_dtypes", "msgpack")
 FINGERPRINT_HEX_DIGITS = 16
@@ -60,11 +55,11 @@ def toolchain_id() -> str:
 
 def fingerprint(root: Path) -> str:
     """The identity of the `bridge` package whose source folder is `root` (tests fingerprint copies)."""
-    import ast  # parsing: only when the id is computed, not when it is remembered
+    from bridge.source_closure import closure, meaning_of  # parsing: only when the id is computed, not remembered
 
     digest = hashlib.sha256()
-    for path, tree in sorted(_closure(root).items()):
-        meaning = ast.dump(_without_docstrings(tree)).encode()
+    for path, tree in sorted(closure(root, COMPILE_ROOTS).items()):
+        meaning = meaning_of(tree)
         digest.update(f"{path.relative_to(root).as_posix()}\0{len(meaning)}\0".encode())
         digest.update(meaning)
     for name in LIBRARIES:
@@ -79,7 +74,9 @@ def fingerprint(root: Path) -> str:
 def compile_sources(root: Path) -> list[Path]:
     """The source files of every `bridge` module a compile loads: the closure of COMPILE_ROOTS' imports
     within the package (module-level and function-level imports alike), sorted."""
-    return sorted(_closure(root))
+    from bridge.source_closure import closure
+
+    return sorted(closure(root, COMPILE_ROOTS))
 
 
 def source_stamp(root: Path) -> str:
@@ -136,72 +133,6 @@ def _remember_id(root: Path, stamp: str, identity: str) -> None:
         os.replace(temporary, path)
     except OSError:
         Path(temporary).unlink(missing_ok=True)
-
-
-def _closure(root: Path) -> dict[Path, ast.Module]:
-    """Every `bridge` module file a compile loads, with its parsed syntax tree."""
-    import ast
-
-    trees: dict[Path, ast.Module] = {}
-    pending = [path for name in COMPILE_ROOTS for path in _module_files(root, name)]
-    while pending:
-        path = pending.pop()
-        if path in trees:
-            continue
-        trees[path] = ast.parse(path.read_bytes(), filename=str(path))
-        pending.extend(_imported_files(root, trees[path]))
-    return trees
-
-
-def _imported_files(root: Path, tree: ast.Module) -> list[Path]:
-    import ast
-
-    files: list[Path] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                files.extend(_module_files(root, alias.name))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            files.extend(_module_files(root, node.module))
-            # `from bridge import dtypes` and `from bridge.kernels import softmax` name modules, not attributes.
-            for alias in node.names:
-                files.extend(_module_files(root, f"{node.module}.{alias.name}"))
-    return files
-
-
-def _without_docstrings(tree: ast.Module) -> ast.Module:
-    """`tree` with the docstring of the module and of every class and function removed (in place: each tree
-    is dumped once). A docstring is documentation; any other string in the code stays."""
-    import ast
-
-    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    for node in ast.walk(tree):
-        if isinstance(node, documented) and node.body and _is_docstring(node.body[0]):
-            node.body = node.body[1:] or [ast.Pass()]
-    return tree
-
-
-def _is_docstring(statement: ast.stmt) -> bool:
-    import ast
-
-    value = statement.value if isinstance(statement, ast.Expr) else None
-    return isinstance(value, ast.Constant) and isinstance(value.value, str)
-
-
-def _module_files(root: Path, module: str) -> list[Path]:
-    """The file of `module` (and of each package on the way to it, which Python runs first), when it is in
-    the `bridge` package."""
-    parts = module.split(".")
-    if parts[0] != PACKAGE:
-        return []
-    files = []
-    for depth in range(1, len(parts) + 1):
-        base = root.joinpath(*parts[1:depth])
-        for candidate in (base / "__init__.py", base.with_suffix(".py")):
-            if candidate.is_file():
-                files.append(candidate)
-                break
-    return files
 
 
 def _version(name: str) -> str:

@@ -152,3 +152,43 @@ def test_the_write_ahead_log_stays_within_max_size(tmp_path: Path) -> None:
     # The log is checkpointed at the trim's slack (a tenth of the cap), plus the one write that crossed it.
     assert largest_wal <= 0.15 * CAP, largest_wal
     assert largest_total <= 1.15 * CAP, largest_total
+
+
+class LockedOnce:
+    """A connection whose switch to WAL answers "database is locked" at once the first `times` times, as SQLite
+    does (without its busy handler) where waiting could deadlock: a reader of a file another process is
+    switching to WAL, as when several open the file one of them just replaced."""
+
+    refusals = 0
+
+    def __init__(self, connection: sqlite3.Connection, times: int) -> None:
+        self.connection, self.times = connection, times
+
+    def execute(self, sql: str, *args: object) -> object:
+        if sql == "PRAGMA journal_mode=WAL" and LockedOnce.refusals < self.times:
+            LockedOnce.refusals += 1
+            busy = sqlite3.OperationalError("database is locked")
+            busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
+            raise busy
+        return self.connection.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.connection, name)
+
+
+@pytest.mark.parametrize("refusals", [1, sqlite_module.SETUP_ATTEMPTS - 1])
+def test_a_set_up_answered_locked_without_waiting_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusals: int
+) -> None:
+    """Issue 48: the heal flake ("database is locked" from the connection's set-up while a replaced file is
+    opened by several processes) is a busy answer SQLite gives without waiting; the set-up is tried again."""
+    real_connect = sqlite3.connect
+    LockedOnce.refusals = 0
+    monkeypatch.setattr(sqlite3, "connect", lambda *args, **kwargs: LockedOnce(real_connect(*args, **kwargs), refusals))
+    store = SqliteBackend(tmp_path / "tier.sqlite")
+    try:
+        stored = request("k", 1024)
+        store.store([stored], 3600)
+        assert store.get_entries(["k"]) == {"k": stored.full} and LockedOnce.refusals == refusals
+    finally:
+        store.close()

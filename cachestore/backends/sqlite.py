@@ -105,6 +105,8 @@ TRIM_TO = 0.9  # past max_size, entries are deleted until the file would be 90% 
 ROW_OVERHEAD = 256  # bytes a row takes beyond its data (keys, index entries, page slack), for the trim's sums
 # SQLite's primary result codes of a file that is damaged or no database at all: such a file is replaced.
 CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+SETUP_ATTEMPTS = 5  # a connection's set-up answered "locked" without waiting is tried this often, 50 ms more each time
+SETUP_RETRY_SECONDS = 0.05
 
 
 class NotATier(TierUnavailable):
@@ -272,18 +274,7 @@ class SqliteBackend(Backend, Reader):
             self._local.generation = self._file.generation
             try:
                 if self.writable:
-                    # Set up waiting as long as a write may: processes that open a new file at once queue on its
-                    # lock here, and the switch to WAL is only needed (and only taken) by the first of them.
-                    db = sqlite3.connect(
-                        self.path, timeout=self.write_timeout, isolation_level=None, check_same_thread=False
-                    )
-                    db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
-                    if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                        db.execute("PRAGMA journal_mode=WAL")
-                    db.execute("PRAGMA synchronous=NORMAL")
-                    if self.max_size is not None:
-                        self._bound_wal(db, self.max_size)
-                    db.execute(f"PRAGMA busy_timeout = {int(1000 * self.timeout)}")
+                    db = self._writable_connection()
                 else:  # mode=ro: SQLite itself refuses every write, whatever a caller asks
                     db = sqlite3.connect(
                         f"{self.path.absolute().as_uri()}?mode=ro",
@@ -300,6 +291,33 @@ class SqliteBackend(Backend, Reader):
             with self._lock:
                 self._connections.append(db)
         return db
+
+    def _writable_connection(self) -> sqlite3.Connection:
+        """A connection set up for writing, waiting as long as a write may: processes that open a new file at once
+        queue on its lock here, and the switch to WAL is only needed (and only taken) by the first of them. SQLite
+        answers "database is locked" at once, without waiting, where waiting could deadlock (a reader of the file
+        while another process switches it to WAL, as when many open a file one of them just replaced): the set-up
+        is then tried again, a few times, before it is a failure."""
+        for attempt in range(SETUP_ATTEMPTS):
+            db = sqlite3.connect(self.path, timeout=self.write_timeout, isolation_level=None, check_same_thread=False)
+            try:
+                db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect in a new file (before any table)
+                if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                if self.max_size is not None:
+                    self._bound_wal(db, self.max_size)
+                db.execute(f"PRAGMA busy_timeout = {int(1000 * self.timeout)}")
+                return db
+            except sqlite3.OperationalError as exc:
+                db.close()
+                if (exc.sqlite_errorcode & 0xFF) != sqlite3.SQLITE_BUSY or attempt == SETUP_ATTEMPTS - 1:
+                    raise
+                time.sleep(SETUP_RETRY_SECONDS * (attempt + 1))
+            except BaseException:
+                db.close()
+                raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _bound_wal(db: sqlite3.Connection, max_size: int) -> None:
