@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bridge.errors import KernelCompileError, NkiCacheError
+from bridge.failures import FAILED, MAX_FAILURE_BYTES
 from bridge.graph import Graph
 from bridge.identity import toolchain_id
 from bridge.ir import (
@@ -96,6 +97,7 @@ class BirCodeGenLoop:
         self.traced_ahead: dict[str, TracedVariant] = {}
         self.parallel_traces = 0  # of `traces`, those made in another process
         self.traces_refused = 0  # handed-over traces another compiler made (bridge.port), traced here instead
+        self.known_failures = 0  # kernels the tier knew this compiler fails on (negative entries): failed at once
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -264,6 +266,9 @@ class BirCodeGenLoop:
         if stored is None:
             self._count_tier_miss(inst, cache_key, MissObservation(self._tier_down, held, lease_timed_out=waited))
             return None
+        if stored.result["format"] == FAILED:  # this compiler fails on it: the same error, without compiling it again
+            self.known_failures += 1
+            raise KernelCompileError(stored.result["binary"].decode())
         self.remote_hits += 1
         self.tier_saved_seconds += stored.compile_seconds
         self._compile_seconds[cache_key] = stored.compile_seconds
@@ -291,6 +296,8 @@ class BirCodeGenLoop:
             self.tier_lookups += 1
             self._count_cause(inst, cache_key, traced.miss_cause)
         self._count_trace(traced)
+        if traced.failure is not None:  # its trace task failed, and stored the failure: the pass fails the same way
+            raise KernelCompileError(traced.failure)
         self._compile_seconds[cache_key] = traced.seconds
         return dict(traced.result)
 
@@ -372,12 +379,20 @@ class BirCodeGenLoop:
         started = time.perf_counter()
         try:
             result = dict(ahead.result) if ahead else self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
+        except NkiCacheError as exc:  # the kernel cannot compile: remembered (a negative entry), the lease released
+            if self.tier is not None:
+                self.tier.publish_failure(cache_key, key_components, " ".join(str(exc).split()), holds_lease)
+            raise
         except BaseException:
             if holds_lease:
                 self.tier.release_lease(cache_key)
             raise
         if ahead is not None:
             self._count_trace(ahead)
+            if ahead.failure is not None:  # traced ahead and failed: remembered here, the pass fails the same way
+                if self.tier is not None:
+                    self.tier.publish_failure(cache_key, key_components, ahead.failure, holds_lease)
+                raise KernelCompileError(ahead.failure)
         seconds = self._compile_seconds[cache_key] = ahead.seconds if ahead else time.perf_counter() - started
         if self.tier is not None:
             self.tier.publish_trace(cache_key, result, key_components, seconds, release_lease=holds_lease)
@@ -408,6 +423,7 @@ class BirCodeGenLoop:
             "traces": self.traces,
             "parallel_traces": self.parallel_traces,
             "traces_refused": self.traces_refused,
+            "known_failures": self.known_failures,
             "compile_seconds": round(self.trace_seconds, 6),
             "tier_saved_seconds": round(self.tier_saved_seconds, 6),
             "in_pass_saved_seconds": round(self.in_pass_saved_seconds, 6),
@@ -556,6 +572,16 @@ def cache_key_of_stored(key_components: Mapping[str, Any]) -> str:
     return loop._compute_cache_key_from_components(components)
 
 
+def _failure_text(message: object) -> bool:
+    """Whether a negative entry's message is one line of text a pass can fail with."""
+    if not isinstance(message, bytes) or not 0 < len(message) <= MAX_FAILURE_BYTES:
+        return False
+    try:
+        return message.decode().isprintable()
+    except UnicodeDecodeError:
+        return False
+
+
 @functools.lru_cache(maxsize=64)
 def _key_loop(target_name: str) -> BirCodeGenLoop:
     """A loop for `target_name`, kept for the key rule alone (which reads only its target): verify recomputes
@@ -573,7 +599,10 @@ def stored_trace_problem(cache_key: str, stored: StoredTrace) -> str | None:
     through the loop's own key rule: otherwise it is another variant's binary."""
     if stored.toolchain != toolchain_id():
         return f"traced by toolchain {stored.toolchain!r}, not by this compiler ({toolchain_id()})"
-    if stored.result.get("format") != "bir":
+    if stored.result.get("format") == FAILED:
+        if not _failure_text(stored.result.get("binary")):
+            return "a failure entry without a readable message"
+    elif stored.result.get("format") != "bir":
         return f"format {stored.result.get('format')!r}: the bridge only emits 'bir'"
     if not isinstance(stored.compile_seconds, int | float) or not 0 <= stored.compile_seconds < math.inf:
         return f"compile_seconds {stored.compile_seconds!r} is not a finite number >= 0"  # it enters every sum

@@ -25,6 +25,7 @@ import msgspec
 
 from bridge.codegen import BirCodeGenLoop, stored_trace_problem
 from bridge.errors import NkiCacheError
+from bridge.failures import FAILED
 from bridge.graph import GraphError, load_graph
 from bridge.identity import toolchain_id
 from bridge.ir import InternalNkiKernel, Tensor
@@ -187,19 +188,28 @@ def trace_task(
         if not tier.acquire_lease(task.cache_key):
             if not wait:
                 return TraceOutcome(task.task_id, task.cache_key, busy=True)
-            return TraceOutcome(task.task_id, task.cache_key, found=_variant(task, tier.wait_for_trace(task.cache_key)))
+            found = _found(task, tier.wait_for_trace(task.cache_key))
+            return found or TraceOutcome(task.task_id, task.cache_key)
         # The holder before us may have published and released between the plan's lookup and our lease.
         traces, _ = tier.find_traces([task.cache_key])
-        found = _variant(task, traces.get(task.cache_key))
+        found = _found(task, traces.get(task.cache_key))
         if found is not None:
             tier.release_lease(task.cache_key)
-            return TraceOutcome(task.task_id, task.cache_key, found=found)
+            return found
     loop = BirCodeGenLoop(make_target(task.target))
     started = time.perf_counter()
     try:
         with kernel_instruction_limit(limits.max_kernel_instructions):
             result = loop._trace_internal_kernel_to_new_nki_frontend(task.op, task.cache_key)
-    except Exception as exc:  # any failure is the pass's to meet and report, as it would alone
+    except NkiCacheError as exc:  # the kernel cannot compile: remembered by the tier, handed to its pass as such
+        message = " ".join(str(exc).split())
+        if tier is not None:
+            tier.publish_failure(task.cache_key, task.key_components, message, release_lease=lease)
+            if flush:
+                tier.flush()
+        failed = TracedVariant({}, time.perf_counter() - started, toolchain_id(), failure=message)
+        return TraceOutcome(task.task_id, task.cache_key, failed, error=message)
+    except Exception as exc:  # any other failure is the pass's to meet and report, as it would alone
         if lease:
             tier.release_lease(task.cache_key)
         return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
@@ -211,12 +221,15 @@ def trace_task(
     return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds, toolchain_id()))
 
 
-def _variant(task: TraceTask, stored: Any) -> TracedVariant | None:
-    """A stored trace as a traced variant, when it is what tracing the task would give."""
+def _found(task: TraceTask, stored: Any) -> TraceOutcome | None:
+    """What the tier holds for the task as its outcome, when it is what tracing the task would give: another
+    process's trace, or its failure (a negative entry: the task's error, which its pass meets again)."""
     if stored is None or stored_trace_problem(task.cache_key, stored) is not None:
         return None
-    # another process traced it
-    return TracedVariant(dict(stored.result), stored.compile_seconds, stored.toolchain, elsewhere=True)
+    if stored.result["format"] == FAILED:
+        return TraceOutcome(task.task_id, task.cache_key, error=stored.result["binary"].decode())
+    variant = TracedVariant(dict(stored.result), stored.compile_seconds, stored.toolchain, elsewhere=True)
+    return TraceOutcome(task.task_id, task.cache_key, found=variant)
 
 
 # -- a task as JSON (fleet trace tasks travel on the job stream) -------------------------------------------

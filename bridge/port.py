@@ -24,7 +24,8 @@ from bridge.miss_causes import MISS_COUNTERS, VariantFacts
 # `parallel_traces` how many of those ran in another process (`nkicache compile --workers N`'s helpers, a fleet
 # job's trace tasks), so `traces` is the same with 1 or N workers and `parallel_traces` only says where.
 # `traces_refused` counts the traces another process handed over from another compiler than the pass's (code
-# imported from elsewhere): the pass traced those itself.
+# imported from elsewhere): the pass traced those itself. `known_failures` counts the kernels the tier knew this
+# compiler fails to compile (a negative entry): the pass failed at once on them instead of compiling them again.
 # Saved time is counted apart for each cache, so that none reads as the other's: `tier_saved_seconds` is the
 # compile seconds stored with the entries the shared tier answered (its remote hits), `in_pass_saved_seconds`
 # what tracing the variants the pass's own cache answered cost (its cache hits), which a pass saves with no tier.
@@ -37,6 +38,7 @@ PASS_COUNTERS = (
     "traces",
     "parallel_traces",
     "traces_refused",
+    "known_failures",
     "compile_seconds",
     "tier_saved_seconds",
     "in_pass_saved_seconds",
@@ -135,6 +137,7 @@ class TracedVariant(msgspec.Struct, frozen=True):
     toolchain: str
     miss_cause: str = "unknown"  # why the tier missed it when the compile's plan asked (bridge.miss_causes)
     elsewhere: bool = False  # traced in another process than the pass's (counted in parallel_traces)
+    failure: str | None = None  # the kernel failed to compile, with this one-line message (its result is empty)
 
 
 class VariantUse(msgspec.Struct, frozen=True):
@@ -194,6 +197,13 @@ class KernelStore(Protocol):
         release_lease: bool = False,
     ) -> None:
         """Store a kernel this process traced (write-behind), releasing its lease when it held one."""
+
+    def publish_failure(
+        self, cache_key: str, key_components: Mapping[str, Any], message: str, release_lease: bool = False
+    ) -> None:
+        """Store a negative entry (write-behind): the kernel failed to compile with this compiler, for this
+        one-line reason, releasing the lease when it held one. It lives failure_ttl; a pass that reads it fails
+        at once with the same message (bridge.codegen)."""
 
     def record_pass(self, record: PassRecord) -> None:
         """Hand over what a pass did, to be applied to the fleet metrics exactly once. The pass's last call: it

@@ -44,6 +44,8 @@ from cachestore.api import (
 from cachestore.breaker import Breaker
 from cachestore.credentials import Credentials, settings_credentials
 from cachestore.entry import (
+    FAILED,
+    MAX_FAILURE_BYTES,
     Entry,
     EntryRejected,
     SignaturePolicy,
@@ -233,8 +235,17 @@ class TierClient(EntryReads):
                 if refresh:
                     self._touch(key, entry, data)
                 entries[key] = entry
+        held = set(found) | set(own)
+        for key in [key for key, entry in entries.items() if entry.format == FAILED and not self._failure_known(entry)]:
+            del entries[key]  # traced again: to this pass the failure was never there
+            held.discard(key)
         self._count_found(entries.values())
-        return entries, set(found) | set(own)
+        return entries, held
+
+    def _failure_known(self, entry: Entry) -> bool:
+        """Whether a negative entry still stands: failure_ttl from when it was stored (its own time, which no
+        store's TTL refresh extends), and retry_failed not asked."""
+        return not self.settings.retry_failed and time.time() < entry.created + self.settings.failure_ttl
 
     def _count_found(self, entries: Collection[Entry]) -> None:
         """Entries handed to the loop: counted, and per writer that signed them."""
@@ -261,7 +272,7 @@ class TierClient(EntryReads):
         """A read found this entry on a store with value TTLs (Redis): its TTL is refreshed in the background, to
         entry_ttl or, for one worth more than the usual entry, longer. Only an append here: the flusher computes
         the TTLs and sends them together (`_collect_touched`)."""
-        if not self._value_ttls:
+        if not self._value_ttls or entry.format == FAILED:  # a negative entry keeps its own short TTL
             return
         self._touched.append((cache_key, entry.compile_seconds, len(data)))
         self._outbox.start()
@@ -406,6 +417,12 @@ class TierClient(EntryReads):
         if not pending.prepared:
             entry = pending.built()
             full = encode_entry(entry, self.settings.hmac_key, self.writer, pending.cache_key)
+            if entry.format == FAILED:  # a negative entry: its own short TTL, and no variant index (nothing stored)
+                pending.request = StoreRequest(
+                    pending.cache_key, entry.digest, full, "", 0.0, self.settings.failure_ttl, {}
+                )
+                pending.prepared = True
+                return pending.request
             size = len(full)
             problem = payload_problem(open_stored(full)[1], self.settings.max_entry_bytes)
             if size > self.settings.max_entry_bytes:
@@ -450,6 +467,27 @@ class TierClient(EntryReads):
             created=time.time(),
             compile_seconds=compile_seconds,
             toolchain=self.toolchain,  # the compiler that traced it: this one
+        )
+        self._publish(PendingStore(cache_key, build), release_lease)
+
+    def publish_failure(
+        self, cache_key: str, key_components: Mapping[str, Any], message: str, release_lease: bool = False
+    ) -> None:
+        """The port's negative entry: the kernel failed to compile with this compiler, for this one-line reason.
+        It lives failure_ttl, signed like any entry; passes that meet it fail at once with the same message."""
+        text = message.encode()[:MAX_FAILURE_BYTES].decode(errors="ignore")
+        build = partial(
+            Entry,
+            binary=text.encode(),
+            input_names=[],
+            output_names=[],
+            format=FAILED,
+            version_identifier=FAILED,
+            key_components=dict(key_components),
+            producer_host=self.settings.host,
+            producer_worker=self.settings.worker,
+            created=time.time(),
+            toolchain=self.toolchain,
         )
         self._publish(PendingStore(cache_key, build), release_lease)
 

@@ -55,6 +55,7 @@ import msgpack
 import msgspec
 import zstandard
 
+from bridge import failures
 from cachestore.signatures import KEY_ID_BYTES, SIGNATURE_BYTES, signed_message
 from cachestore.value import DAY, MAX_COMPILE_SECONDS
 
@@ -120,6 +121,11 @@ class TooLarge(msgspec.Struct, frozen=True):
 
     def __len__(self) -> int:
         return self.size
+
+
+# A negative entry (bridge.failures): the kernel failed to compile with this toolchain, and its "binary" is the
+# failure's one-line message. Signed, verified and keyed like any entry; it lives failure_ttl.
+FAILED, MAX_FAILURE_BYTES = failures.FAILED, failures.MAX_FAILURE_BYTES
 
 
 class Unreadable(TooLarge, frozen=True):
@@ -722,7 +728,7 @@ def _entry_from_fields(values: object) -> Entry:
         )
     if not 0 <= created <= time.time() + MAX_CLOCK_AHEAD:
         raise EntryRejected(f"body field 'created' is {created!r}, not a time from 0 (1970) to a day from now")
-    if form not in ("bir", "klir"):
+    if form not in ("bir", "klir", FAILED):
         raise EntryRejected(f"unknown binary format {form!r}")
     try:  # str.join takes strings alone, and checks them in C: no loop of isinstance calls here
         "".join(inputs)

@@ -22,6 +22,7 @@ from bridge.graph import nesting
 from bridge.ir import freeze_key_components
 from cachestore.api import RawEntry, Reader, WriteItem, batched
 from cachestore.entry import (
+    FAILED,
     MAX_ENTRY_BYTES,
     Entry,
     EntryRejected,
@@ -171,11 +172,15 @@ def partition_readers(reader: Reader) -> Iterator[Reader]:
 
 
 # -- ls ---------------------------------------------------------------------------------------------
-def list_entries(reader: Reader, kernel: str | None = None, target: str | None = None) -> Iterator[dict]:
+def list_entries(
+    reader: Reader, kernel: str | None = None, target: str | None = None, failed: bool = False
+) -> Iterator[dict]:
     """One row per entry of every partition (streamed), with what the metrics know about its use. An entry
-    that cannot be decoded is listed with its `error` unless a filter is given."""
+    that cannot be decoded is listed with its `error` unless a filter is given. `failed`: only the negative
+    entries (kernels that failed to compile), each with its `failure`."""
     for store in partition_readers(reader):
-        yield from _list_partition(store, kernel, target)
+        rows = _list_partition(store, kernel, target)
+        yield from (row for row in rows if row.get("failure") is not None) if failed else rows
 
 
 def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> Iterator[dict]:
@@ -215,6 +220,7 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
                 "writer": writer_of(raw.data),  # the key id its header names (checked by verify, not here)
                 "created": entry.created,
                 "ttl": raw.ttl,
+                "failure": entry.binary.decode(errors="replace") if entry.format == FAILED else None,
                 "error": None,
             }
 

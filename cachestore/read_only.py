@@ -83,6 +83,11 @@ class ReadOnlyTier(EntryReads):
     ) -> None:
         pass
 
+    def publish_failure(
+        self, cache_key: str, key_components: Mapping[str, Any], message: str, release_lease: bool = False
+    ) -> None:
+        pass
+
     def record_pass(self, record: PassRecord) -> None:
         pass
 

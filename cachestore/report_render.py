@@ -57,6 +57,7 @@ TOTAL_LABELS = {
     "traces": "traces (misses neither cache answered; beta3 compiles run)",
     "parallel_traces": "parallel traces (misses a trace task traced for the pass, compile --workers N)",
     "traces_refused": "handed-over traces refused (another compiler's: traced by the pass)",
+    "known_failures": "known failures (kernels the tier knew fail to compile: failed at once, not compiled again)",
     **{name: f"{HIT_RATE_WORDS[name]} ({HIT_RATE_FORMULAS[name]})" for name in RATES},
     "compile_seconds": "compile seconds spent",
     "tier_saved_seconds": "compile seconds the shared tier saved (its remote hits)",

@@ -39,6 +39,7 @@ SECONDS_SETTINGS = (
     "connect_timeout",
     "op_timeout",
     "entry_ttl",
+    "failure_ttl",
     "lease_ttl",
     "lease_wait",
     "breaker_cooldown",
@@ -77,6 +78,10 @@ class Settings(msgspec.Struct, frozen=True):
     # Larger entries, stored or decompressed, are neither read nor written (8 MiB: 100 times the default workload's
     # largest binary, cachestore.entry.MAX_ENTRY_BYTES); raise it for kernels with larger binaries.
     max_entry_bytes: int = MAX_ENTRY_BYTES
+    # Seconds a kernel that failed to compile is remembered (a negative entry): every pass that meets it before then
+    # fails at once with the same message instead of compiling it again; retry_failed (--retry-failed) traces it.
+    failure_ttl: int = 600
+    retry_failed: bool = False
     single_flight: bool = True  # one worker traces a key that several miss at once
     lease_ttl: float = 6.0  # seconds a trace lease lives unless renewed (its holder renews it every third of that)
     lease_wait: float = 30.0  # seconds a worker waits for another's trace before tracing itself
@@ -369,6 +374,7 @@ def _validate(settings: Settings, sources: Mapping[str, str]) -> None:
         "dead_letter_limit",
         "heartbeat_interval",
         "entry_ttl",
+        "failure_ttl",
         "max_entry_bytes",
         "outbox_limit",
         "max_graph_bytes",

@@ -179,6 +179,14 @@ class StackedTier(EntryReads):
                 cache_key, result, key_components, compile_seconds, release_lease=release_lease and level is self.shared
             )
 
+    def publish_failure(
+        self, cache_key: str, key_components: Mapping[str, Any], message: str, release_lease: bool = False
+    ) -> None:
+        for level in self.levels:
+            level.publish_failure(
+                cache_key, key_components, message, release_lease=release_lease and level is self.shared
+            )
+
     def record_pass(self, record: PassRecord) -> None:
         """Every level's metrics take the pass (the same id: each applies it once): the shared level's are the
         fleet's, a local level's are this machine's usage, which its retention ranks entries by."""

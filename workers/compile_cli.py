@@ -52,6 +52,12 @@ DEFAULT_OUT_DIR = "out"
     help="Compile for this target, overriding the graph files' own. Default: each graph's target, "
     "else $NKICACHE_TARGET, else Trn2.",
 )
+@click.option(
+    "--retry-failed",
+    is_flag=True,
+    help="Trace again the kernels the tier knows fail to compile (negative entries, kept failure_ttl seconds), "
+    "instead of failing at once with their message.",
+)
 @tier_options
 def compile_command(
     graphs: tuple[str, ...],
@@ -59,6 +65,7 @@ def compile_command(
     workers: int | None,
     as_json: bool,
     target_name: str | None,
+    retry_failed: bool,
     tier: tuple[str, ...],
     tier_mode: str | None,
 ) -> None:
@@ -74,7 +81,10 @@ def compile_command(
 
     A graph that fails (malformed file, unknown func_name, shapes a kernel cannot take) is reported as
     one line on stderr naming the file, the op and the cause; the other graphs are still compiled and
-    the exit code is 1. A tier that is down costs counted errors, never a failed compile.
+    the exit code is 1. A kernel that failed to compile is remembered by the tier for failure_ttl seconds
+    (a negative entry: `inspect ls --failed`), and every pass that meets it fails at once with the same
+    message (known_failures) instead of compiling it again; --retry-failed compiles it again. A tier that is
+    down costs counted errors, never a failed compile.
 
     Two hit rates, never mixed: the shared-cache hit rate (remote_hits / tier_lookups: what the tier answered
     of the in-pass misses that asked it; n/a, null in JSON, when none did, as with --tier off) and the in-pass
@@ -82,7 +92,7 @@ def compile_command(
 
     --json keys: passes, compiled, kernels, cache_hits, cache_misses, tier_lookups, remote_hits, traces (beta3
     compiles actually run), traces_refused (traces another process handed over from other code than this
-    compiler's, traced again here), compile_seconds, tier_saved_seconds,
+    compiler's, traced again here), known_failures, compile_seconds, tier_saved_seconds,
     in_pass_saved_seconds, lease_waits, tier_errors, tier_timeouts,
     tier_rejected, tier_dropped, shared_hit_rate, in_pass_hit_rate, seconds, workers, tier, tier_mode,
     level_hits ({tier level: verified entries it answered}, nearest first), interrupted, artifacts,
@@ -95,7 +105,7 @@ def compile_command(
     files = expand(graphs, GRAPH_SUFFIX)
     if not files:
         raise click.UsageError(f"no {GRAPH_SUFFIX} graph files in {', '.join(graphs)}")
-    settings = load_cli_settings(tier=tier, tier_mode=tier_mode)
+    settings = load_cli_settings(tier=tier, tier_mode=tier_mode, retry_failed=retry_failed or None)
     workers = workers or min(os.cpu_count() or 1, len(files))
     summary, failed = compile_and_summarize(
         files, settings=settings, workers=workers, out_dir=out_dir, target_name=target_name, as_json=as_json

@@ -365,23 +365,34 @@ def _when(value: float | None) -> str:
 @inspect_group.command("ls")
 @click.option("--kernel", default=None, metavar="NAME", help="Only entries of this kernel_name.")
 @click.option("--target", default=None, metavar="T", help="Only entries compiled for this target (Trn1, Trn2).")
+@click.option("--failed", is_flag=True, help="Only the kernels that failed to compile (negative entries).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of entries.")
 @source_options
 @click.pass_context
 def ls_command(
-    ctx: click.Context, kernel: str | None, target: str | None, as_json: bool, tier: str | None, snapshot: str | None
+    ctx: click.Context,
+    kernel: str | None,
+    target: str | None,
+    failed: bool,
+    as_json: bool,
+    tier: str | None,
+    snapshot: str | None,
 ) -> None:
     """List entries: key, kernel, target, operand and result shapes, stored bytes, usage, last use.
 
+    A kernel that failed to compile is kept as a negative entry (format "failed"): every pass that meets it
+    within failure_ttl of when it was recorded fails at once with its message; --failed lists only those, with
+    the message and when it was recorded (`compile --retry-failed` traces them again).
+
     --json: [{key, toolchain, kernel_name, target, num_neuroncores, operand_shapes, operand_dtypes, result_shapes,
-    result_dtypes, attrs, format, bytes, binary_bytes, usage, last_use, producer, writer, created, ttl, error}]
-    (writer: the key id in the entry's header, "" for none).
+    result_dtypes, attrs, format, bytes, binary_bytes, usage, last_use, producer, writer, created, ttl, failure,
+    error}] (writer: the key id in the entry's header, "" for none; failure: the message of a negative entry).
     """
     from cachestore.inspect import list_entries
     from cachestore.json_text import json_text
 
     with _source(ctx, tier, snapshot) as reader:
-        rows = list_entries(reader, kernel=kernel, target=target)
+        rows = list_entries(reader, kernel=kernel, target=target, failed=failed)
         if as_json:
             click.echo("[", nl=False)
             for i, row in enumerate(rows):
@@ -394,6 +405,12 @@ def ls_command(
             if row["error"]:
                 click.echo(
                     f"{row['key'][:16]}  {row['toolchain'][:8]}  UNREADABLE ({row['error']}), {row['bytes']} bytes"
+                )
+                continue
+            if row["failure"] is not None:
+                click.echo(
+                    f"{row['key'][:16]}  {row['toolchain'][:8]}  {row['kernel_name']:<32} {row['target']:<5} "
+                    f"FAILED ({row['failure']}), recorded {_when(row['created'])}"
                 )
                 continue
             dtypes = ",".join(sorted(set(row["operand_dtypes"] + row["result_dtypes"])))

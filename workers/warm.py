@@ -28,6 +28,7 @@ from bridge.port import TracedVariant
 from bridge.toolchain import compile_kernel
 from cachestore.api import MetricsBatch, Reader, batched
 from cachestore.client import TierClient
+from cachestore.entry import FAILED
 from cachestore.inspect import decode_or_reason, describe_components
 from cachestore.keys import partition, split_partition
 from workers.verify import rebuild_op
@@ -109,8 +110,8 @@ def _variants(store: Reader, metrics: Reader) -> Iterator[Variant]:
         records = metrics.key_records([raw.cache_key for raw in batch])
         for raw in batch:
             entry = decode_or_reason(raw.data)
-            if isinstance(entry, str):
-                continue  # unreadable: nothing to rebuild a call from
+            if isinstance(entry, str) or entry.format == FAILED:
+                continue  # unreadable, or a kernel the old compiler failed on: nothing worth rebuilding
             record = records.get(raw.cache_key)
             usage, last_use = (record.usage, record.last_use) if record else (0, entry.created)
             yield Variant(usage, last_use, raw.cache_key, dict(entry.key_components))

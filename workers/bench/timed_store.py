@@ -86,6 +86,12 @@ class TimedStore:
         with self._timed("publish_trace"):
             self.inner.publish_trace(cache_key, result, key_components, compile_seconds, release_lease)
 
+    def publish_failure(
+        self, cache_key: str, key_components: Mapping[str, Any], message: str, release_lease: bool = False
+    ) -> None:
+        with self._timed("publish_failure"):
+            self.inner.publish_failure(cache_key, key_components, message, release_lease)
+
     def record_pass(self, record: PassRecord) -> None:
         with self._timed("record_pass"):
             self.inner.record_pass(record)
