@@ -326,15 +326,17 @@ class BirCodeGenLoop:
         return self._accepted(cache_key, traces.get(cache_key)), cache_key in held
 
     def _accepted(self, cache_key: str, stored: StoredTrace | None) -> StoredTrace | None:
-        """`stored` when it is what a fresh trace under `cache_key` would give, else None (told to the tier,
-        which counts it in tier_rejected): a store's digest and signature say an entry is intact, not that it
-        belongs under the key it was read from."""
-        if stored is None:
-            return None
-        problem = stored_trace_problem(cache_key, stored)
-        if problem is None:
-            return stored
-        self.tier.reject(cache_key, problem)
+        """`stored` when it is what a fresh trace under `cache_key` would give, else the next copy the tier has
+        that is (a stack's farther level), else None. Each refused one is told to the tier, which counts it in
+        tier_rejected: a store's digest and signature say an entry is intact, not that it belongs under the key
+        it was read from."""
+        while stored is not None:
+            problem = stored_trace_problem(cache_key, stored)
+            if problem is None:
+                return stored
+            if not self.tier.reject(cache_key, problem):
+                return None
+            stored = self.tier.find_traces([cache_key])[0].get(cache_key)
         return None
 
     def _op_key(self, inst: InternalNkiKernel) -> tuple[dict[str, Any], str]:

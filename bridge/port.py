@@ -185,8 +185,9 @@ class KernelStore(Protocol):
         """What the store's variant index knows of each cache key the pass is about to miss on (its key
         components given), in one round trip; None when it cannot say. For the cause of each miss."""
 
-    def reject(self, cache_key: str, reason: str) -> None:
-        """Count (in tier_rejected) and log a trace the loop refused: not what it asked for under this key."""
+    def reject(self, cache_key: str, reason: str) -> bool:
+        """Count (in tier_rejected) and log a trace the loop refused: not what it asked for under this key. True
+        when another read of the key may find another copy (a stack's farther level), which the loop then asks."""
 
     def publish_trace(
         self,

@@ -332,9 +332,10 @@ class TierClient(EntryReads):
             found[key] = merged_facts(found[key], facts_of_stored(key, misses[key], queued))
         return found
 
-    def reject(self, cache_key: str, reason: str) -> None:
+    def reject(self, cache_key: str, reason: str) -> bool:
         self.stats.add("tier_rejected")
         self._rejections.add(cache_key, reason)
+        return False  # one store: a read would hand the same entry over again
 
     # -- single flight ----------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:

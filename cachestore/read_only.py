@@ -53,8 +53,8 @@ class ReadOnlyTier(EntryReads):
     def variant_facts(self, misses: Mapping[str, Mapping[str, Any]]) -> dict[str, VariantFacts] | None:
         return self.client.variant_facts(misses)
 
-    def reject(self, cache_key: str, reason: str) -> None:
-        self.client.reject(cache_key, reason)
+    def reject(self, cache_key: str, reason: str) -> bool:
+        return self.client.reject(cache_key, reason)
 
     # -- single flight: none ------------------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:

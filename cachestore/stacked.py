@@ -57,6 +57,7 @@ class StackedTier(EntryReads):
         self.mode = self.settings.tier_mode
         self.description = " ".join(level.description for level in self.levels)
         self._served: dict[str, Level] = {}  # cache key -> the level whose entry the loop was last handed
+        self._refused: dict[str, set[Level]] = {}  # cache key -> the levels whose entry for it the loop refused
 
     def __repr__(self) -> str:
         return f"StackedTier({self.description}, mode={self.mode})"
@@ -102,11 +103,12 @@ class StackedTier(EntryReads):
         held: set[str] = set()
         missing = list(cache_keys)
         for index, level in enumerate(self.levels):
-            if not missing:
-                break
+            asked = [key for key in missing if level not in self._refused.get(key, ())]
+            if not asked:
+                continue
             if not level.reads:
                 continue
-            found, level_held = level.find_many(missing)
+            found, level_held = level.find_many(asked)
             held |= level_held
             if len(self._served) > SERVED_KEPT:
                 self._served.clear()  # a long-lived worker's: only the current pass's rejections need it
@@ -139,9 +141,16 @@ class StackedTier(EntryReads):
             asked = {key: parts for key, parts in asked.items() if not (key in facts and facts[key].stored_here_before)}
         return known
 
-    def reject(self, cache_key: str, reason: str) -> None:
-        """Counted by the level that handed the entry over (the shared one when none did)."""
-        self._served.pop(cache_key, self.shared).reject(cache_key, reason)
+    def reject(self, cache_key: str, reason: str) -> bool:
+        """Counted by the level that handed the entry over (the shared one when none did). That level is not asked
+        for the key again by this process, so the next read goes on to the farther levels (True when there is
+        one): a forged or foreign entry near does not hide a good copy farther down."""
+        level = self._served.pop(cache_key, self.shared)
+        level.reject(cache_key, reason)
+        if len(self._refused) > SERVED_KEPT:
+            self._refused.clear()
+        self._refused.setdefault(cache_key, set()).add(level)
+        return any(other.reads and other not in self._refused[cache_key] for other in self.levels)
 
     # -- single flight: the shared level's ------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:

@@ -15,11 +15,11 @@ from test_read_only import WRITE_METHODS, RecordingBackend
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
-from cachestore.api import TierUnavailable
+from cachestore.api import TierUnavailable, WriteItem
 from cachestore.client import TierClient
 from cachestore.settings import Settings, SettingsError, load_settings
 from cachestore.stacked import StackedTier, level_settings
-from cachestore.stores import open_tier, tier_client
+from cachestore.stores import open_backend, open_tier, tier_client
 from cachestore.tier_urls import redact_url, shared_level, tier_levels
 from workers.cli import main as nkicache
 from workers.passes import compile_graph
@@ -354,3 +354,38 @@ def test_a_warm_stack_whose_near_level_holds_everything_reads_nothing_from_redis
     others = [command for command in commands if "metrics" not in command and not command.startswith("HELLO")]
     assert metrics, "MONITOR saw nothing of the passes' metrics batches, which go to every level"
     assert not others, others[:5]
+
+
+def test_an_entry_refused_at_the_near_level_is_read_from_the_far_one(tmp_path: Path) -> None:
+    """Issue 45 F15: a near level holding entries under the wrong keys (two swapped: each intact, each another
+    variant's) re-traced them although the far level held good copies. Now a refused entry's key is read from the
+    next level, and the good copy is written back near."""
+    graphs = tmp_path / "graphs"
+    graphs.mkdir()
+    write_graph(graphs, mixed_graph())
+    near, far = f"local:{tmp_path}/near.sqlite", f"local:{tmp_path}/far.sqlite"
+
+    def run(*tiers: str, out: str) -> dict:
+        flags = [arg for tier in tiers for arg in ("--tier", tier)]
+        done = CliRunner().invoke(nkicache, ["compile", str(graphs), "--out", str(tmp_path / out), "--workers", "1",
+                                             "--json", *flags])  # fmt: skip
+        assert done.exit_code == 0, done.output
+        return json.loads(done.output)
+
+    run(far, out="far")
+    run(near, out="near")
+    backend = open_backend(load_settings({"tier": near}, environ={}))
+    try:
+        entries = stored_entries(backend)
+        first, second = sorted(entries)[:2]
+        backend.put_entries(
+            [WriteItem(first, entries[second], None, 3600), WriteItem(second, entries[first], None, 3600)]
+        )
+    finally:
+        backend.close()
+    stacked = run(near, far, out="stacked")
+    assert stacked["traces"] == 0 and stacked["tier_rejected"] == 2
+    assert stacked["level_hits"][far] == 2 and stacked["remote_hits"] == MIXED_DISTINCT_KEYS
+    assert (tmp_path / "stacked" / "mixed.nkibb").read_bytes() == (tmp_path / "far" / "mixed.nkibb").read_bytes()
+    again = run(near, far, out="again")
+    assert again["tier_rejected"] == 0 and again["level_hits"] == {near: MIXED_DISTINCT_KEYS, far: 0}

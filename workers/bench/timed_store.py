@@ -71,9 +71,9 @@ class TimedStore:
         with self._timed("variant_facts"):
             return self.inner.variant_facts(misses)
 
-    def reject(self, cache_key: str, reason: str) -> None:
+    def reject(self, cache_key: str, reason: str) -> bool:
         with self._timed("reject"):
-            self.inner.reject(cache_key, reason)
+            return self.inner.reject(cache_key, reason)
 
     def publish_trace(
         self,
