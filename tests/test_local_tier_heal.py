@@ -192,3 +192,24 @@ def test_a_set_up_answered_locked_without_waiting_is_tried_again(
         assert store.get_entries(["k"]) == {"k": stored.full} and LockedOnce.refusals == refusals
     finally:
         store.close()
+
+
+def test_writes_after_the_tier_file_is_deleted_go_to_a_new_file_not_nowhere(tmp_path: Path) -> None:
+    """Issue 45 F13: the tier file deleted mid-compile (by hand, a cleanup job) took every later write of the
+    open connection with it, silently. The next write notices and goes to a new file at the path."""
+    path = tmp_path / "tier.sqlite"
+    store = SqliteBackend(path)
+    try:
+        before = request("before", 1024)
+        store.store([before], 3600)
+        for leftover in tmp_path.glob("tier.sqlite*"):
+            leftover.unlink()
+        after = request("after", 1024)
+        store.store([after], 3600)
+    finally:
+        store.close()
+    reader = SqliteBackend(path)
+    try:
+        assert reader.get_entries(["before", "after"]) == {"after": after.full}
+    finally:
+        reader.close()

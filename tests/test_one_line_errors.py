@@ -4,6 +4,7 @@ process of its own, so that what is checked is exactly what a user sees."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -719,3 +720,29 @@ def test_a_reader_that_closes_stdout_early_is_no_redis_error(redis_url: str) -> 
     finally:
         os.close(write_end)
     assert done.returncode == 1 and done.stderr == "", done.stderr
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB file system of its own (tmpfs; mounting needs root, as the suite runs here), to fill up."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_gc_on_a_full_disk_is_one_line_naming_the_disk(full_disk: Path, tmp_path: Path) -> None:
+    """Issue 45 F13: SQLite says only "disk I/O error" when it cannot grow its files on a full disk."""
+    write_graph(tmp_path, mixed_graph())
+    tier = f"local:{full_disk / 'tier.sqlite'}"
+    assert nkicache("compile", tmp_path, "--tier", tier, "--out", tmp_path / "out").returncode == 0
+    with open(full_disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 65536)
+    line = one_line_error(nkicache("inspect", "gc", "--tier", tier))
+    assert f"the disk is full: the file system mounted at {full_disk} has" in line, line

@@ -105,6 +105,7 @@ TRIM_TO = 0.9  # past max_size, entries are deleted until the file would be 90% 
 ROW_OVERHEAD = 256  # bytes a row takes beyond its data (keys, index entries, page slack), for the trim's sums
 # SQLite's primary result codes of a file that is damaged or no database at all: such a file is replaced.
 CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+FULL_DISK_BYTES = 1 << 20  # less room than this on the tier's file system, and an I/O error is a full disk
 SETUP_ATTEMPTS = 5  # a connection's set-up answered "locked" without waiting is tried this often, 50 ms more each time
 SETUP_RETRY_SECONDS = 0.05
 
@@ -127,6 +128,24 @@ def _identity(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return stat.st_dev, stat.st_ino
+
+
+def _full_disk(path: Path, exc: sqlite3.Error) -> str:
+    """For an I/O error or a full database: the file system holding `path` when it has no room left, named by
+    its mount point (SQLite says only "disk I/O error" when it cannot grow its write-ahead log); else ""."""
+    if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in (sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL):
+        return ""
+    folder = path.absolute().parent
+    try:
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    except OSError:
+        return ""
+    if free > FULL_DISK_BYTES:
+        return ""
+    mount = folder
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return f" (the disk is full: the file system mounted at {mount} has {free} bytes free)"
 
 
 class SqliteBackend(Backend, Reader):
@@ -344,7 +363,7 @@ class SqliteBackend(Backend, Reader):
         once), TierUnavailable otherwise."""
         if self._recovered(exc):
             return _Replaced(f"local tier {self.path}: {exc}; replaced by a fresh tier")
-        return TierUnavailable(f"local tier {self.path}: {exc}")
+        return TierUnavailable(f"local tier {self.path}: {exc}{_full_disk(self.path, exc)}")
 
     def _recovered(self, exc: sqlite3.Error) -> bool:
         """After `exc` from this thread's connection: True when the operation may be tried again on a fresh file,
@@ -400,7 +419,16 @@ class SqliteBackend(Backend, Reader):
     def _write(self, wait: float | None = None) -> Iterator[sqlite3.Connection]:
         """One write transaction, taking SQLite's write lock within `wait` seconds (default: write_timeout);
         SQLite's busy handler retries the lock until then. A broken file is replaced (_Replaced): the write is
-        lost, as its body cannot be run again, and the next one lands in the fresh file."""
+        lost, as its body cannot be run again, and the next one lands in the fresh file. A file deleted or replaced
+        by another process since this thread opened it is let go first: the write goes to the file at the path."""
+        if self._file_gone():
+            logger.warning("local tier %s was deleted or replaced by another process; writing to a new file", self.path)
+            self._drop_connection()
+            self._local.replacing = True
+            try:
+                self._create_tables()  # (its own write opens the file at the path, made if missing)
+            finally:
+                self._local.replacing = False
         db = self._db()
         try:
             db.execute(f"PRAGMA busy_timeout = {int(1000 * (self.write_timeout if wait is None else wait))}")
@@ -417,6 +445,13 @@ class SqliteBackend(Backend, Reader):
             raise self._failure(exc) from None
         except sqlite3.Error as exc:
             raise self._failure(exc) from None
+
+    def _file_gone(self) -> bool:
+        """Whether this thread's connection writes to a file that is no longer the one at the path (deleted, or
+        another file put there): what it wrote would be lost with it."""
+        if getattr(self._local, "db", None) is None or getattr(self._local, "replacing", False):
+            return False
+        return _identity(self.path) != self._local.identity
 
     def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
         try:
