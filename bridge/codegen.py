@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from bridge import tier_seam
 from bridge.errors import KernelCompileError, NkiCacheError
 from bridge.failures import FAILED, MAX_FAILURE_BYTES
 from bridge.graph import Graph
@@ -34,8 +35,7 @@ from bridge.kernels import get_internal_kernel_registry
 from bridge.key_rule import key_digest
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.metrics import KernelCategory, KernelMetricsCollector
-from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
-from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, TracedVariant, VariantUse
+from bridge.port import KernelStore, PassRecord, StoredTrace
 from bridge.registry import InternalKernelConfig, KernelCall
 from bridge.targets import Target, get_platform_target, make_target
 
@@ -53,51 +53,25 @@ class BirCodeGenLoop:
 
     def __init__(self, target: Target | None = None, tier: KernelStore | None = None):
         self.target = target if target is not None else get_platform_target()
-        self.tier = tier
         self._new_nki_frontend_kernel_cache: dict[str, dict] = {}
         self._cache_key_components: dict[str, dict] = {}
         self._cache_usage_counts: dict[str, int] = {}
         self.cache_hits = 0
         self.cache_misses = 0
-        # Beyond the specification: what the bridge actually did, for reports.
-        self.traces = 0
-        self.trace_seconds = 0.0
+        # Beyond the specification: the env value the orchestrator reads (as data, for diagnostics), and the
+        # tier, which reaches the loop only through the specification's seams (bridge.tier_seam), as it reaches
+        # any other loop; the pass's own counters are its seam's (`PASS_ATTRIBUTES`).
         self.nki_frontend_setting: str | None = None
-        # The persistent tier (a bridge.port.KernelStore): read-through before tracing, mirror after.
-        self.remote_hits = 0
-        self.tier_lookups = 0  # in-pass misses that asked the tier: the shared-cache hit rate's denominator
-        self.lease_waits = 0
-        # Compile seconds saved, per cache that answered (bridge.port): the tier's remote hits, the pass's own hits.
-        self.tier_saved_seconds = 0.0
-        self.in_pass_saved_seconds = 0.0
-        self.key_use_times: dict[str, tuple[float, float]] = {}
-        self._compile_seconds: dict[str, float] = {}
-        self._leases: set[str] = set()
-        # The tier's answers for a whole graph, fetched at once: key -> verified trace or None (a miss).
-        self._prefetched: dict[str, StoredTrace | None] = {}
-        self._prefetch_stored: set[str] = set()  # keys the tier held something under, rejected or not
-        # For the cause of each tier miss (bridge.miss_causes): was the tier down for the prefetch, and what its
-        # variant index knows of the keys the prefetch found absent (None: it could not say).
-        self._tier_down = False
-        self._variant_facts: dict[str, VariantFacts] | None = None
-        self.miss_causes: dict[str, int] = dict.fromkeys(MISS_CAUSES, 0)
-        self.kernel_miss_causes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        # The prefetch computes every op's key once: id(op) -> (op, key components, cache key), for the orchestrator.
-        self._op_keys: dict[int, tuple[InternalNkiKernel, dict[str, Any], str]] = {}
-        # The tier's counts this pass's are counted from (`tier_counts`); a caller that asked the tier on the
-        # pass's behalf before it began sets it earlier.
-        self.tier_counts_at_start = tier.counts() if tier is not None else {}
-        self.pass_id: str | None = None  # names this pass's metrics batch in the tier (default: a fresh id)
-        # Variants a fleet job's trace tasks traced and published for this pass (workers/trace_tasks.py): key ->
-        # trace. A miss on one is answered before the tier is asked, and counted in traces.
-        self.traced_elsewhere: dict[str, TracedVariant] = {}
-        # Variants `compile --workers N` traced ahead for this pass (workers/variant_pool.py), published by no one:
-        # a miss the tier does not answer takes the one traced for it instead of tracing, and publishes it, so the
-        # pass asks, counts and stores exactly what it would alone. What is left is the caller's to hand on.
-        self.traced_ahead: dict[str, TracedVariant] = {}
-        self.parallel_traces = 0  # of `traces`, those made in another process
-        self.traces_refused = 0  # handed-over traces another compiler made (bridge.port), traced here instead
-        self.known_failures = 0  # kernels the tier knew this compiler fails on (negative entries): failed at once
+        self.tier = tier
+        tier_seam.begin_pass(self, tier, _verify)
+
+    def __getattr__(self, name: str) -> Any:
+        """The pass's counters and hand-overs (traces, remote_hits, traced_ahead, pass_id, ...), its seam's."""
+        if name in PASS_ATTRIBUTES:
+            seam = tier_seam.of(self)
+            if seam is not None:
+                return getattr(seam, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- the orchestrator -------------------------------------------------------------------------
     def codegenInternalNativeNkiKernel(self, inst: InternalNkiKernel, bb: BasicBlock) -> None:
@@ -110,25 +84,19 @@ class BirCodeGenLoop:
         self.nki_frontend_setting = os.environ.get(NKI_FRONTEND_ENV_KEY, NKI_FRONTEND_ENV_DEFAULT)
 
         # kernel_name, operands and results (_extract_tensor_info), attrs, and out_shape for ResizeNearest.
-        key_components, cache_key = self._op_key(inst)
+        key_components = self._key_components(inst)
+        cache_key = self._compute_cache_key_from_components(key_components)
         cached = self._get_cached_new_nki_frontend_binary(cache_key)
         if cached is not None:
             self.cache_hits += 1
             logger.info("Cache hit for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
             self._record_cache_usage(cache_key)
-            self.in_pass_saved_seconds += self._compile_seconds.get(cache_key, 0.0)
-            self._note_use(cache_key)
             result = cached
         else:
             self.cache_misses += 1
             logger.info("Cache miss for %s (cache key: %s...)", func_name, cache_key[:CACHE_KEY_LOG_PREFIX])
-            result = self._take_traced_elsewhere(inst, cache_key)
-            if result is None:
-                result = self._read_through_tier(inst, cache_key)
-            if result is None:
-                result = self._trace_and_publish(inst, cache_key, key_components)
+            result = self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
             self._cache_new_nki_frontend_binary(cache_key, result, key_components)
-            self._note_use(cache_key)
 
         kernel = NKIKLIRKernel(kernel_name, [t.name for t in inst.operands], [t.name for t in inst.results])
         kernel.set_klir_binary(result["binary"])
@@ -205,11 +173,7 @@ class BirCodeGenLoop:
         )
         from bridge.frontends.beta3 import trace_beta3  # the frontends load with the first trace, not on a warm hit
 
-        started = time.perf_counter()
-        result = trace_beta3(call, self.target)
-        self.trace_seconds += time.perf_counter() - started
-        self.traces += 1
-        return result
+        return trace_beta3(call, self.target)
 
     def _trace_kernel_beta2(self, inst: InternalNkiKernel, cache_key: str) -> dict:
         """The dormant leaf: TraceKernel.trace, format 'klir'. Complete, and called by nothing in the bridge."""
@@ -231,138 +195,7 @@ class BirCodeGenLoop:
             "format": "klir",
         }
 
-    # -- the persistent tier (beyond the specification) --------------------------------------------
-    def _tier_reads(self) -> bool:
-        return self.tier is not None and self.tier.reads
-
-    def _read_through_tier(self, inst: InternalNkiKernel, cache_key: str) -> dict | None:
-        """On a local miss, the tier's verified entry (counted in remote_hits), else None: trace it."""
-        if not self._tier_reads():
-            return None
-        # The key names the kernel, not the func_name: resolve the op first so that an unknown func_name
-        # or a kernel_name the registry would not select fails as it would without a tier.
-        self._resolve_kernel_config(inst)
-        self.tier_lookups += 1
-        if cache_key in self._prefetched:
-            stored = self._accepted(cache_key, self._prefetched.pop(cache_key))
-            held = cache_key in self._prefetch_stored
-        else:
-            stored, held = self._find_trace(cache_key)
-        waited = False
-        if stored is None and self.tier.single_flight:
-            if self.tier.acquire_lease(cache_key):
-                # On a plain miss, the previous holder may have published and released between our lookup and
-                # our lease: look once more (an entry just rejected is not read, nor counted, twice).
-                stored = None if held else self._find_trace(cache_key)[0]
-                if stored is None:
-                    self._leases.add(cache_key)
-                    self._count_tier_miss(inst, cache_key, MissObservation(self._tier_down, rejected=held))
-                    return None
-                self.tier.release_lease(cache_key)
-            else:
-                self.lease_waits += 1
-                waited = True
-                stored = self._accepted(cache_key, self.tier.wait_for_trace(cache_key))
-        if stored is None:
-            self._count_tier_miss(inst, cache_key, MissObservation(self._tier_down, held, lease_timed_out=waited))
-            return None
-        if stored.result["format"] == FAILED:  # this compiler fails on it: the same error, without compiling it again
-            self.known_failures += 1
-            raise KernelCompileError(stored.result["binary"].decode())
-        self.remote_hits += 1
-        self.tier_saved_seconds += stored.compile_seconds
-        self._compile_seconds[cache_key] = stored.compile_seconds
-        return dict(stored.result)
-
-    def _count_tier_miss(self, inst: InternalNkiKernel, cache_key: str, seen: MissObservation) -> None:
-        """Count a tier miss under its cause (bridge.miss_causes), for the pass and for its kernel."""
-        facts = None if self._variant_facts is None else self._variant_facts.get(cache_key)
-        self._count_cause(inst, cache_key, classify_miss(seen, facts))
-
-    def _count_cause(self, inst: InternalNkiKernel, cache_key: str, cause: str) -> None:
-        self.miss_causes[cause] += 1
-        self.kernel_miss_causes[inst.kernel_name][cause] += 1
-        logger.debug("Tier miss for %s (cache key: %s...): %s", inst.func_name, cache_key[:CACHE_KEY_LOG_PREFIX], cause)
-
-    def _take_traced_elsewhere(self, inst: InternalNkiKernel, cache_key: str) -> dict | None:
-        """On a local miss, the trace a trace task made of this variant for this pass, else None. It is taken as
-        a remote hit is taken, and counted apart: the tier did not hold it (when the tier reads, it was asked,
-        for the whole compile at once, and missed: a tier lookup, whose cause the plan found), and the pass
-        did not trace it."""
-        traced = self._own_compilers(cache_key, self.traced_elsewhere.pop(cache_key, None))
-        if traced is None:
-            return None
-        if self._tier_reads():
-            self.tier_lookups += 1
-            self._count_cause(inst, cache_key, traced.miss_cause)
-        self._count_trace(traced)
-        if traced.failure is not None:  # its trace task failed, and stored the failure: the pass fails the same way
-            raise KernelCompileError(traced.failure)
-        self._compile_seconds[cache_key] = traced.seconds
-        return dict(traced.result)
-
-    def _own_compilers(self, cache_key: str, traced: TracedVariant | None) -> TracedVariant | None:
-        """`traced` when this very compiler made it, else None, counted in traces_refused: the process that
-        traced it ran other code than this one (imported from elsewhere), and the pass traces it itself."""
-        if traced is None or traced.toolchain == toolchain_id():
-            return traced
-        self.traces_refused += 1
-        logger.warning(
-            "Refused a trace of %s... handed over by toolchain %r, not this compiler's (%s): traced here",
-            cache_key[:CACHE_KEY_LOG_PREFIX],
-            traced.toolchain,
-            toolchain_id(),
-        )
-        return None
-
-    def _count_trace(self, traced: TracedVariant) -> None:
-        """A trace made for this pass by another process or ahead of it: counted as the pass's own trace."""
-        self.traces += 1
-        self.parallel_traces += int(traced.elsewhere)
-        self.trace_seconds += traced.seconds
-
-    def _find_trace(self, cache_key: str) -> tuple[StoredTrace | None, bool]:
-        traces, held = self.tier.find_traces([cache_key])
-        return self._accepted(cache_key, traces.get(cache_key)), cache_key in held
-
-    def _accepted(self, cache_key: str, stored: StoredTrace | None) -> StoredTrace | None:
-        """`stored` when it is what a fresh trace under `cache_key` would give, else the next copy the tier has
-        that is (a stack's farther level), else None. Each refused one is told to the tier, which counts it in
-        tier_rejected: a store's digest and signature say an entry is intact, not that it belongs under the key
-        it was read from."""
-        while stored is not None:
-            problem = stored_trace_problem(cache_key, stored)
-            if problem is None:
-                return stored
-            if not self.tier.reject(cache_key, problem):
-                return None
-            stored = self.tier.find_traces([cache_key])[0].get(cache_key)
-        return None
-
-    def _op_key(self, inst: InternalNkiKernel) -> tuple[dict[str, Any], str]:
-        """(key components, cache key) of `inst`: the prefetch's when it computed them, else computed now."""
-        known = self._op_keys.pop(id(inst), None)
-        if known is not None and known[0] is inst:
-            return known[1], known[2]
-        key_components = self._key_components(inst)
-        return key_components, self._compute_cache_key_from_components(key_components)
-
-    def _prefetch_from_tier(self, graph: Graph) -> None:
-        """Ask the tier for every kernel variant of the graph in one round trip, instead of one per miss.
-        Entries are used (and counted as remote hits) only when the orchestrator misses on them. Each op's key
-        is kept for the orchestrator, which would otherwise compute it a second time."""
-        if not self._tier_reads():
-            return
-        for op in graph.ops:
-            if isinstance(op, InternalNkiKernel):
-                key_components = self._key_components(op)
-                self._op_keys[id(op)] = (op, key_components, self._compute_cache_key_from_components(key_components))
-        components = {cache_key: key_components for _, key_components, cache_key in self._op_keys.values()}
-        traces, self._prefetch_stored = self.tier.find_traces(sorted(components))
-        self._prefetched = {key: traces.get(key) for key in components}
-        # For a pass that will miss, one more round trip: what the tier's index knows of the absent keys.
-        self._tier_down, self._variant_facts = facts_of_absent(self.tier, components, self._prefetch_stored)
-
+    # -- beyond the specification: the pass as nkicache's driver runs it ------------------------------
     def _key_components(self, inst: InternalNkiKernel) -> dict[str, Any]:
         """The key components the orchestrator builds for `inst` (before target and neuroncores are folded)."""
         key_components: dict[str, Any] = {}
@@ -374,83 +207,24 @@ class BirCodeGenLoop:
             key_components["out_shape"] = self._extract_tensor_info(inst.results[:1])["shapes"][0]
         return key_components
 
-    def _trace_and_publish(self, inst: InternalNkiKernel, cache_key: str, key_components: dict) -> dict:
-        holds_lease = cache_key in self._leases
-        self._leases.discard(cache_key)
-        ahead = self._own_compilers(cache_key, self.traced_ahead.pop(cache_key, None))
-        started = time.perf_counter()
-        try:
-            result = dict(ahead.result) if ahead else self._trace_internal_kernel_to_new_nki_frontend(inst, cache_key)
-        except NkiCacheError as exc:  # the kernel cannot compile: remembered (a negative entry), the lease released
-            if self.tier is not None:
-                self.tier.publish_failure(cache_key, key_components, " ".join(str(exc).split()), holds_lease)
-            raise
-        except BaseException:
-            if holds_lease:
-                self.tier.release_lease(cache_key)
-            raise
-        if ahead is not None:
-            self._count_trace(ahead)
-            if ahead.failure is not None:  # traced ahead and failed: remembered here, the pass fails the same way
-                if self.tier is not None:
-                    self.tier.publish_failure(cache_key, key_components, ahead.failure, holds_lease)
-                raise KernelCompileError(ahead.failure)
-        seconds = self._compile_seconds[cache_key] = ahead.seconds if ahead else time.perf_counter() - started
-        if self.tier is not None:
-            self.tier.publish_trace(cache_key, result, key_components, seconds, release_lease=holds_lease)
-        return result
-
-    def _note_use(self, cache_key: str) -> None:
-        now = time.time()
-        first, _ = self.key_use_times.get(cache_key, (now, now))
-        self.key_use_times[cache_key] = (first, now)
-
     def tier_counts(self) -> dict[str, int]:
         """Tier errors, timeouts, rejections and drops during this pass."""
-        if self.tier is None:
-            return dict.fromkeys(TIER_COUNTERS, 0)
-        now = self.tier.counts()
-        return {name: now.get(name, 0) - self.tier_counts_at_start.get(name, 0) for name in TIER_COUNTERS}
+        return tier_seam.of(self).tier_counts()
 
     def pass_summary(self) -> dict[str, float]:
         """This pass's counters (bridge.port.PASS_COUNTERS), as `nkicache compile --json` and the reports
         name them."""
-        return {
-            "passes": 1,
-            "kernels": self.cache_hits + self.cache_misses,
-            "cache_hits": self.cache_hits,
-            "cache_misses": self.cache_misses,
-            "remote_hits": self.remote_hits,
-            "tier_lookups": self.tier_lookups,
-            "traces": self.traces,
-            "parallel_traces": self.parallel_traces,
-            "traces_refused": self.traces_refused,
-            "known_failures": self.known_failures,
-            "compile_seconds": round(self.trace_seconds, 6),
-            "tier_saved_seconds": round(self.tier_saved_seconds, 6),
-            "in_pass_saved_seconds": round(self.in_pass_saved_seconds, 6),
-            "lease_waits": self.lease_waits,
-            **self.tier_counts(),
-            **{f"misses_{cause}": count for cause, count in self.miss_causes.items()},
-        }
+        return tier_seam.of(self).summary(self)
 
     def pass_record(self, graph_name: str, started: float, finished: float) -> PassRecord:
         """What this pass tells the store: its counts and how it used each kernel variant."""
-        variants = {}
-        for cache_key, components in self._cache_key_components.items():
-            first, last = self.key_use_times.get(cache_key, (started, finished))
-            usage = self._cache_usage_counts.get(cache_key, 0)
-            variants[cache_key] = VariantUse(components["kernel_name"], usage, first, last)
-        kernel_misses = {kernel: dict(causes) for kernel, causes in sorted(self.kernel_miss_causes.items())}
-        return PassRecord(graph_name, self.pass_id, started, finished, self.pass_summary(), variants, kernel_misses)
+        return tier_seam.of(self).record(self, graph_name, started, finished)
 
     def finish_pass(self, graph_name: str, started: float) -> None:
-        """Hand this pass's metrics to the tier, without waiting for the tier to store them (nor the pass's
+        """Hand this pass's metrics to the tier (once), without waiting for the tier to store them (nor the pass's
         entries): the store writes behind, and a caller that needs them stored when it goes on (a fleet job
         acknowledged, a process about to exit) calls the store's `flush` or `close` itself."""
-        if self.tier is None:
-            return
-        self.tier.record_pass(self.pass_record(graph_name, started, time.time()))
+        tier_seam.of(self).finish(self, graph_name, started)
 
     # -- statistics and metrics -------------------------------------------------------------------
     def _kernel_types(self) -> dict[str, dict]:
@@ -520,8 +294,9 @@ class BirCodeGenLoop:
         dispatch = {"InternalNkiKernel": self.codegenInternalNativeNkiKernel}
         dispatch.update(dict.fromkeys(ORDINARY_OPS, self.codegenElementwise))
         bb = BasicBlock(graph.name)
-        started = time.time()
-        self._prefetch_from_tier(graph)
+        seam = tier_seam.of(self)
+        seam.label, seam.started = graph.name, time.time()  # recorded by the teardown (afterStmtTransform)
+        seam.prefetch(self, (op for op in graph.ops if isinstance(op, InternalNkiKernel)), self._built_key)
         for index, op in enumerate(graph.ops):
             codegen = dispatch.get(type(op).__name__)
             if codegen is None:
@@ -531,14 +306,45 @@ class BirCodeGenLoop:
             except NkiCacheError as exc:
                 raise OpCodegenError(graph.source, index, op, exc) from exc
         self.afterStmtTransform()
-        self.finish_pass(graph.name, started)
         return bb
+
+    def _built_key(self, inst: InternalNkiKernel) -> tuple[dict[str, Any], str]:
+        """(key components, cache key) of `inst` through the key builder as the class defines it (not counted as
+        a use of the key: the prefetch's)."""
+        key_components = self._key_components(inst)
+        builder = tier_seam.original(type(self), tier_seam.KEY_BUILDER)
+        return key_components, builder(self, key_components)
 
 
 def _share(count: int, total: int) -> str:
     """`count` as a percentage of `total` for the statistics, 'n/a' of none: a cache filled before anything was
     looked up has processed nothing, which is no 100% miss rate."""
     return format(100.0 * count / total, ".1f") + "%" if total else "n/a"
+
+
+# The pass's own counters and hand-overs, its seam's (bridge.tier_seam.PassSeam), read as the loop's.
+PASS_ATTRIBUTES = frozenset(
+    {
+        "traces",
+        "trace_seconds",
+        "remote_hits",
+        "tier_lookups",
+        "lease_waits",
+        "parallel_traces",
+        "traces_refused",
+        "known_failures",
+        "tier_saved_seconds",
+        "in_pass_saved_seconds",
+        "miss_causes",
+        "kernel_miss_causes",
+        "key_use_times",
+        "tier_counts_at_start",
+        "traced_elsewhere",
+        "traced_ahead",
+        "pass_id",
+    }
+)
+tier_seam.install(BirCodeGenLoop)
 
 
 class OpCodegenError(NkiCacheError):
@@ -592,6 +398,10 @@ def _key_loop(target_name: str) -> BirCodeGenLoop:
         return BirCodeGenLoop(make_target(target_name))
     except NkiCacheError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _verify(loop: BirCodeGenLoop, cache_key: str, stored: StoredTrace) -> str | None:
+    return stored_trace_problem(cache_key, stored)
 
 
 def stored_trace_problem(cache_key: str, stored: StoredTrace) -> str | None:

@@ -199,6 +199,14 @@ def trace_task(
     loop = BirCodeGenLoop(make_target(task.target))
     started = time.perf_counter()
     try:
+        # First the registry (its func_name is not in the key: its failure is the op's, never the key's), then
+        # the trace, whose failure is the variant's.
+        loop._resolve_kernel_config(task.op)
+    except Exception as exc:
+        if lease:
+            tier.release_lease(task.cache_key)
+        return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
+    try:
         with kernel_instruction_limit(limits.max_kernel_instructions):
             result = loop._trace_internal_kernel_to_new_nki_frontend(task.op, task.cache_key)
     except NkiCacheError as exc:  # the kernel cannot compile: remembered by the tier, handed to its pass as such

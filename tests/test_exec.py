@@ -248,3 +248,29 @@ def test_a_bad_tier_is_a_usage_error_and_runs_nothing(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
     assert done.returncode == 2 and "--tier" in done.stderr and "names database 'abc'" in done.stderr
     assert "secret" not in done.stderr and not marker.exists()
+
+
+OUR_DRIVER = """
+import json
+import sys
+
+from bridge.codegen import BirCodeGenLoop
+from bridge.graph import load_graph
+from bridge.targets import make_target
+
+loop = BirCodeGenLoop(make_target("Trn2"))
+loop.run(load_graph(sys.argv[1]))
+print(json.dumps([loop.cache_hits, loop.cache_misses, sorted(loop._new_nki_frontend_kernel_cache)]))
+"""
+
+
+def test_our_own_loop_made_without_a_tier_gets_the_exec_tier(graph: Path, tmp_path: Path) -> None:
+    """A program that makes nkicache's own loop with no tier, under `nkicache exec`: the same seam attaches it."""
+    (tmp_path / "ours.py").write_text(OUR_DRIVER)
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    runs = [subprocess.run([NKICACHE, "exec", "--tier", tier, "--summary", "--", sys.executable,
+                            str(tmp_path / "ours.py"), str(graph)], capture_output=True, text=True, timeout=TIMEOUT)
+            for _ in range(2)]  # fmt: skip
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
+    assert f"1 passes, {DISTINCT} traces" in runs[0].stderr and f"0 traces, {DISTINCT} remote hits" in runs[1].stderr

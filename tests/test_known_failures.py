@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_graphs import write_graph
+from helpers_graphs import mixed_graph, write_graph
 
 from bridge.codegen import stored_trace_problem
 from bridge.failures import FAILED
@@ -152,3 +152,20 @@ def test_a_negative_entry_whose_message_is_not_one_line_of_text_is_refused(messa
     stored = StoredTrace({"binary": message, "input_names": [], "output_names": [], "format": FAILED}, 0.0,
                          {"kernel_name": "matmul_tiled"}, toolchain_id())  # fmt: skip
     assert stored_trace_problem("k" * 64, stored) == "a failure entry without a readable message"
+
+
+def test_an_unknown_func_name_is_the_ops_failure_never_its_variants(tmp_path: Path) -> None:
+    """The key names the kernel, not the func_name: an op naming no registered func_name but a kernel and shapes
+    another graph compiles must not leave a negative entry under that variant's key (a pool's or a fleet's
+    trace task resolves the op first, and only a trace's own failure is remembered)."""
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    good = mixed_graph("good")
+    broken = mixed_graph("broken")
+    broken["ops"][0]["func_name"] = "FlashAttention"
+    write_graph(folder, broken)
+    write_graph(folder, good)
+    tier = f"local:{tmp_path / 'tier.sqlite'}"
+    done = compile_json(folder, tier, "--workers", "2")
+    assert [failure["file"] for failure in done["failed"]] == [str(folder / "broken.json")]
+    assert "FlashAttention" in done["failed"][0]["error"] and failures(tier) == []

@@ -155,7 +155,7 @@ def test_an_entry_that_fails_its_checks_is_a_rejected_miss(tier: Tier, caplog: p
     from cachestore.api import WriteItem
 
     tier.backend.put_entries([WriteItem(cache_key, b"NKC\x03 not an entry", None, 3600)])
-    with caplog.at_level(logging.DEBUG, logger="bridge.codegen"):
+    with caplog.at_level(logging.DEBUG, logger="bridge.tier_seam"):
         loop = compile_with(client, graph)
     assert causes(loop) == {"rejected": 1}
     assert loop.pass_summary()["tier_rejected"] == 1

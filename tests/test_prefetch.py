@@ -51,25 +51,3 @@ def test_a_cold_pass_does_not_look_again_for_what_the_prefetch_missed(tmp_path: 
     loop.run(load_graph(mixed_graph()))
     assert backend.fetches == [MIXED_DISTINCT_KEYS]
     assert loop.traces == MIXED_DISTINCT_KEYS
-
-
-def test_each_op_key_is_computed_once_per_pass_with_the_prefetch(tmp_path: Path, monkeypatch) -> None:
-    """The prefetch computes every op's key; the orchestrator takes it from there instead of computing it again.
-    (A remote hit also hashes the entry's stored components, to check it belongs under its key: those already
-    name their target, which the loop adds to an op's own components as it computes the key.)"""
-    computed = []
-    compute = BirCodeGenLoop._compute_cache_key_from_components
-
-    def counting(self, key_components):
-        if "target" not in key_components:  # an op's components, not an entry's
-            computed.append(dict(key_components))
-        return compute(self, key_components)
-
-    monkeypatch.setattr(BirCodeGenLoop, "_compute_cache_key_from_components", counting)
-    graph = load_graph(mixed_graph())
-    for _ in range(2):  # cold (every variant traced), then warm (every variant a remote hit)
-        computed.clear()
-        client = _client(SqliteBackend(tmp_path / "tier.sqlite"))
-        BirCodeGenLoop(tier=client).run(graph)
-        client.close()
-        assert len(computed) == MIXED_KERNEL_OPS

@@ -105,7 +105,8 @@ def _tier_environment(tier: tuple[str, ...], tier_mode: str | None) -> dict[str,
 
 
 def _check(targets: tuple[str, ...], settings: object) -> None:
-    from workers.attach import SEAMS, loop_toolchain, missing_seams
+    from bridge.tier_seam import SEAMS, missing_seams
+    from workers.attach import loop_toolchain
 
     click.echo(f"tier: {settings.tier} ({settings.tier_mode})")
     for target in targets:

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from bridge import tier_seam
 from bridge.artifact import build_artifact, encode_artifact, write_artifact
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
@@ -90,11 +91,12 @@ def compile_graph(
         # process runs thousands, and the fleet metrics already carry every pass's counts: keep one pass's.
         KernelMetricsCollector.get_instance().reset()
         loop = BirCodeGenLoop(target, tier=tier)
-        loop.pass_id = pass_id
-        loop.traced_elsewhere = dict(traced_elsewhere or {})
-        loop.traced_ahead = traced_ahead if traced_ahead is not None else {}
+        seam = tier_seam.of(loop)  # what only this driver hands the pass, through the seam the tier attaches by
+        seam.pass_id = pass_id
+        seam.traced_elsewhere = dict(traced_elsewhere or {})
+        seam.traced_ahead = traced_ahead if traced_ahead is not None else {}
         if tier_counts_from is not None:
-            loop.tier_counts_at_start = dict(tier_counts_from)
+            seam.tier_counts_at_start = dict(tier_counts_from)
         with kernel_instruction_limit(limits.max_kernel_instructions):
             bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)
