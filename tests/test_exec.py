@@ -274,3 +274,34 @@ def test_our_own_loop_made_without_a_tier_gets_the_exec_tier(graph: Path, tmp_pa
     assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
     assert f"1 passes, {DISTINCT} traces" in runs[0].stderr and f"0 traces, {DISTINCT} remote hits" in runs[1].stderr
+
+
+@pytest.mark.parametrize(
+    ("result", "problem"),
+    [
+        ({"binary": "text, not bytes", "input_names": ["x"], "output_names": ["y"], "format": "bir"}, "not bytes"),
+        ({"binary": b"bir", "input_names": [object()], "output_names": ["y"], "format": "bir"}, "list of strings"),
+    ],
+)
+def test_a_trace_the_tier_cannot_store_without_pickling_is_counted_and_the_compile_goes_on(
+    result: dict, problem: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46: a loop's bridge may return what the entry format cannot hold (a foreign compiler's objects): it
+    is not stored (never pickled), it is counted in tier_dropped, and the pass goes on with it."""
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.graph import load_graph
+    from cachestore.settings import Settings
+    from cachestore.stores import open_tier
+
+    monkeypatch.setattr(BirCodeGenLoop, "_trace_kernel_beta3", lambda self, inst, cache_key: dict(result))
+    tier = open_tier(Settings(tier=f"local:{tmp_path / 'tier.sqlite'}"))
+    try:
+        loop = BirCodeGenLoop(tier=tier)
+        softmax = {**mixed_graph(), "ops": [op for op in mixed_graph()["ops"] if op.get("func_name") == "Softmax"][:1]}
+        loop.run(load_graph(softmax))
+        tier.flush()
+        assert loop.pass_summary()["tier_dropped"] == 1 and loop.cache_misses == 1
+        assert tier.find_traces(list(loop._cache_key_components))[0] == {}
+        assert any(problem in record.getMessage() for record in caplog.records)
+    finally:
+        tier.close()
