@@ -31,7 +31,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import msgspec
+
+from bridge.errors import KernelCompileError, NkiCacheError
 from bridge.failures import FAILED
+from bridge.identity import toolchain_id
+from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
 from bridge.port import PASS_COUNTERS, TIER_COUNTERS, KernelStore, PassRecord, StoredTrace, TracedVariant, VariantUse
 
@@ -246,13 +251,13 @@ class PassSeam:
             self._compile_seconds[cache_key] = ahead.seconds
             if ahead.failure is not None:  # traced ahead and failed: remembered here, the pass fails the same way
                 self._failed(cache_key, ahead.failure)
-                raise _failure(ahead.failure)
+                raise KernelCompileError(ahead.failure)
             return dict(ahead.result)
         started = time.perf_counter()
         try:
             result = trace(inst, cache_key)
         except Exception as exc:
-            if _compile_error(exc):  # the kernel cannot compile: remembered (a negative entry), its lease released
+            if isinstance(exc, NkiCacheError):  # the kernel cannot compile: a negative entry, the lease released
                 self._failed(cache_key, " ".join(str(exc).split()))
             elif cache_key in self._leases:
                 self._leases.discard(cache_key)
@@ -397,7 +402,7 @@ class PassSeam:
             return None
         if stored.result["format"] == FAILED:  # this compiler fails on it: the same error, without compiling it again
             self.known_failures += 1
-            raise _failure(stored.result["binary"].decode())
+            raise KernelCompileError(stored.result["binary"].decode())
         self.remote_hits += 1
         self.tier_saved_seconds += stored.compile_seconds
         self._compile_seconds[cache_key] = stored.compile_seconds
@@ -455,15 +460,13 @@ class PassSeam:
             self._count_cause(inst, cache_key, traced.miss_cause)
         self._count_trace(traced)
         if traced.failure is not None:  # its trace task failed, and stored the failure: the pass fails the same way
-            raise _failure(traced.failure)
+            raise KernelCompileError(traced.failure)
         self._compile_seconds[cache_key] = traced.seconds
         return dict(traced.result)
 
     def _own_compilers(self, cache_key: str, traced: TracedVariant | None) -> TracedVariant | None:
         """`traced` when the loop's own compiler made it, else None, counted in traces_refused: the process that
         traced it ran other code (imported from elsewhere), and the pass traces it itself."""
-        from bridge.identity import toolchain_id
-
         if traced is None or traced.toolchain == toolchain_id():
             return traced
         self.traces_refused += 1
@@ -482,25 +485,9 @@ class PassSeam:
         self.trace_seconds += traced.seconds
 
 
-def _compile_error(exc: BaseException) -> bool:
-    from bridge.errors import NkiCacheError
-
-    return isinstance(exc, NkiCacheError)
-
-
-def _failure(message: str) -> Exception:
-    from bridge.errors import KernelCompileError
-
-    return KernelCompileError(message)
-
-
 def unstorable(result: Any, key_components: Any) -> str | None:
     """Why a trace result cannot be stored without pickling, or None: the specification's dict with a bytes
     binary, lists of names, a known format, and components msgpack can encode."""
-    import msgspec
-
-    from bridge.klir import VERSION_IDENTIFIERS
-
     if not isinstance(result, Mapping):
         return f"the trace result is a {type(result).__name__}, not a dict"
     if not isinstance(result.get("binary"), bytes):
