@@ -711,7 +711,7 @@ class Worker:
             )
         finally:
             self.current, self._current_message = None, None
-        job_id = _trace_task_job(raw)
+        job_id = result.traced_for  # (the compiling process read the message: what job it names, if any)
         if result.traced_keys and job_id is not None:
             # Told before the acknowledgement, which the job waits for before it reads this (workers/trace_tasks.py).
             traced_for = self.keys.job_traced(job_id)
@@ -881,15 +881,3 @@ def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
     for shard in range(job_shards(client, keys)):
         for message_id, fields in client.xrange(keys.job_shard(shard).dead_letters):
             yield {"id": text(message_id), **{text(k): text(v) for k, v in fields.items() if text(k) != "payload"}}
-
-
-MAX_JOB_ID_CHARS = 128
-
-
-def _trace_task_job(raw: bytes | str) -> str | None:
-    """The id of the job a trace task message is for, or None when it names none a key can be made of."""
-    try:
-        job_id = json.loads(raw).get("job")
-    except (TypeError, ValueError, AttributeError, RecursionError):
-        return None
-    return job_id if isinstance(job_id, str) and 0 < len(job_id) <= MAX_JOB_ID_CHARS else None

@@ -37,12 +37,16 @@ class PassResult(msgspec.Struct):
     error: str | None = None
     # {tier level: verified entries it answered during the pass}, nearest first (one item for a single tier).
     level_hits: dict[str, int] = msgspec.field(default_factory=dict)
-    # A fleet trace task's answer (workers/trace_tasks.py): the cache keys it traced, told to the job they are for.
+    # A fleet trace task's answer (workers/trace_tasks.py): the cache keys it traced, told to the job they are for
+    # (`traced_for`: the job its message names, when a key can be made of it).
     traced_keys: list[str] = msgspec.field(default_factory=list)
+    traced_for: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         shown = {
-            key: value for key, value in msgspec.structs.asdict(self).items() if key not in ("counts", "traced_keys")
+            key: value
+            for key, value in msgspec.structs.asdict(self).items()
+            if key not in ("counts", "traced_keys", "traced_for")
         }
         return shown | self.counts
 

@@ -54,6 +54,7 @@ BUSY_POLL_LIMIT = 30.0  # seconds of polling a variant traced elsewhere before t
 # How long a job waits, once its variants are all traced, for the workers still answering its messages: they
 # record what they traced just after their last trace is stored, so only a worker that died waits this long.
 ANSWER_WAIT_SECONDS = 1.0
+MAX_JOB_ID_CHARS = 128  # a job id a trace task may name: the key of the job's traced set is made of it
 
 
 def enqueue_tasks(
@@ -217,7 +218,9 @@ def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
     except (ValueError, TypeError, RecursionError, NkiCacheError) as exc:
         result.error = f"trace task: not a trace task: {' '.join(str(exc).split())}"
         return result
-    result.file = f"trace task {tasks[0].cache_key[:16]}... (+{len(tasks) - 1}) of job {document.get('job')}"
+    job = document.get("job") if isinstance(document, Mapping) else None
+    result.traced_for = job if isinstance(job, str) and 0 < len(job) <= MAX_JOB_ID_CHARS else None
+    result.file = f"trace task {tasks[0].cache_key[:16]}... (+{len(tasks) - 1}) of job {job}"
     for task in tasks:
         # Stored before the answer: the job's process waits for it on the lease, which the write-behind would
         # keep for up to flush_interval after the trace (the job's last variants waited that long for it).
