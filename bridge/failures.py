@@ -5,3 +5,21 @@ The names live here, with the compiler, because the loop reads them; the tier's 
 
 FAILED = "failed"
 MAX_FAILURE_BYTES = 4096
+
+
+def lasting(exc: BaseException) -> bool:
+    """Whether a failure to compile is the variant's own, the same each time this compiler compiles it: one of
+    the project's errors, not one that running out of memory or of stack caused (a job's memory limit, a deep
+    recursion), which another process may not meet."""
+    from bridge.errors import NkiCacheError
+
+    if not isinstance(exc, NkiCacheError):
+        return False
+    seen: BaseException | None = exc
+    for _ in range(32):  # the chain of causes, bounded
+        if seen is None:
+            return True
+        if isinstance(seen, MemoryError | RecursionError):
+            return False
+        seen = seen.__cause__ or seen.__context__
+    return True

@@ -25,7 +25,7 @@ import msgspec
 
 from bridge.codegen import BirCodeGenLoop, stored_trace_problem
 from bridge.errors import NkiCacheError
-from bridge.failures import FAILED
+from bridge.failures import FAILED, lasting
 from bridge.graph import GraphError, load_graph
 from bridge.identity import toolchain_id
 from bridge.ir import InternalNkiKernel, Tensor
@@ -209,7 +209,12 @@ def trace_task(
     try:
         with kernel_instruction_limit(limits.max_kernel_instructions):
             result = loop._trace_internal_kernel_to_new_nki_frontend(task.op, task.cache_key)
-    except NkiCacheError as exc:  # the kernel cannot compile: remembered by the tier, handed to its pass as such
+    except NkiCacheError as exc:
+        if not lasting(exc):  # out of memory or stack here: the pass meets it, or not, itself
+            if lease:
+                tier.release_lease(task.cache_key)
+            return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
+        # The kernel cannot compile: remembered by the tier, handed to its pass as such.
         message = " ".join(str(exc).split())
         if tier is not None:
             tier.publish_failure(task.cache_key, task.key_components, message, release_lease=lease)

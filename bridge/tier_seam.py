@@ -33,8 +33,8 @@ from typing import Any
 
 import msgspec
 
-from bridge.errors import KernelCompileError, NkiCacheError
-from bridge.failures import FAILED
+from bridge.errors import KernelCompileError
+from bridge.failures import FAILED, lasting
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
@@ -257,7 +257,7 @@ class PassSeam:
         try:
             result = trace(inst, cache_key)
         except Exception as exc:
-            if isinstance(exc, NkiCacheError):  # the kernel cannot compile: a negative entry, the lease released
+            if lasting(exc):  # the kernel cannot compile: a negative entry (the lease released with it)
                 self._failed(cache_key, " ".join(str(exc).split()))
             elif cache_key in self._leases:
                 self._leases.discard(cache_key)

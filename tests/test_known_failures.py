@@ -18,6 +18,7 @@ import pytest
 from helpers_graphs import mixed_graph, write_graph
 
 from bridge.codegen import stored_trace_problem
+from bridge.errors import BinaryFormatError, NkiCacheError
 from bridge.failures import FAILED
 from bridge.identity import toolchain_id
 from bridge.port import StoredTrace
@@ -169,3 +170,34 @@ def test_an_unknown_func_name_is_the_ops_failure_never_its_variants(tmp_path: Pa
     done = compile_json(folder, tier, "--workers", "2")
     assert [failure["file"] for failure in done["failed"]] == [str(folder / "broken.json")]
     assert "FlashAttention" in done["failed"][0]["error"] and failures(tier) == []
+
+
+def out_of_memory_in_the_trace(self: object, inst: object, cache_key: str) -> dict:
+    try:
+        raise MemoryError
+    except MemoryError as exc:  # what bridge.program makes of msgpack running out of memory under a job's limit
+        raise BinaryFormatError(f"BIR binary is truncated or malformed: {type(exc).__name__}") from None
+
+
+def test_a_failure_that_running_out_of_memory_caused_is_not_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F10's case: under a job's memory limit a trace fails with a project error whose cause is a MemoryError. That
+    is the process's limit, not the variant's: no negative entry, and the next pass (with room) compiles it."""
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.graph import load_graph
+    from cachestore.stores import open_tier
+
+    tier = open_tier(Settings(tier=f"local:{tmp_path / 'tier.sqlite'}"))
+    graph = load_graph(failing_graph("bad") | {"ops": failing_graph("bad")["ops"][:1]})  # the softmax alone
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(BirCodeGenLoop, "_trace_kernel_beta3", out_of_memory_in_the_trace)
+            with pytest.raises(NkiCacheError, match="MemoryError"):
+                BirCodeGenLoop(tier=tier).run(graph)
+        tier.flush()
+        loop = BirCodeGenLoop(tier=tier)
+        loop.run(graph)
+        assert (loop.known_failures, loop.traces) == (0, 1)
+    finally:
+        tier.close()
