@@ -91,7 +91,10 @@ class Fleet:
         wait_until(lambda: set(names) <= set(self.heartbeats()))
 
     def busy_job(self, name: str) -> str | None:
-        return self.heartbeats().get(name, {}).get("job")
+        """The job the worker is compiling now, None when it compiles none (it may be tracing another job's trace
+        task: its heartbeat then names `trace-<message id>`, which is no job)."""
+        job = self.heartbeats().get(name, {}).get("job")
+        return None if job is None or job.startswith("trace-") else job
 
     def shards(self) -> list[JobKeys]:
         """The namespace's job shards (shard 0 alone before a submit or worker fixed their count)."""
