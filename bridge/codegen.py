@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from collections import defaultdict
@@ -19,7 +18,6 @@ from typing import Any
 
 from bridge import tier_seam
 from bridge.errors import KernelCompileError, NkiCacheError
-from bridge.failures import FAILED, MAX_FAILURE_BYTES
 from bridge.graph import Graph
 from bridge.identity import toolchain_id
 from bridge.ir import (
@@ -380,16 +378,6 @@ def cache_key_of_stored(key_components: Mapping[str, Any]) -> str:
     return loop._compute_cache_key_from_components(components)
 
 
-def _failure_text(message: object) -> bool:
-    """Whether a negative entry's message is one line of text a pass can fail with."""
-    if not isinstance(message, bytes) or not 0 < len(message) <= MAX_FAILURE_BYTES:
-        return False
-    try:
-        return message.decode().isprintable()
-    except UnicodeDecodeError:
-        return False
-
-
 @functools.lru_cache(maxsize=64)
 def _key_loop(target_name: str) -> BirCodeGenLoop:
     """A loop for `target_name`, kept for the key rule alone (which reads only its target): verify recomputes
@@ -409,19 +397,4 @@ def stored_trace_problem(cache_key: str, stored: StoredTrace) -> str | None:
     very compiler (another toolchain's binary is what that compiler made), the bridge emits only 'bir' (the
     dispatcher never takes beta2), and an entry's key components must hash to the key it was read under,
     through the loop's own key rule: otherwise it is another variant's binary."""
-    if stored.toolchain != toolchain_id():
-        return f"traced by toolchain {stored.toolchain!r}, not by this compiler ({toolchain_id()})"
-    if stored.result.get("format") == FAILED:
-        if not _failure_text(stored.result.get("binary")):
-            return "a failure entry without a readable message"
-    elif stored.result.get("format") != "bir":
-        return f"format {stored.result.get('format')!r}: the bridge only emits 'bir'"
-    if not isinstance(stored.compile_seconds, int | float) or not 0 <= stored.compile_seconds < math.inf:
-        return f"compile_seconds {stored.compile_seconds!r} is not a finite number >= 0"  # it enters every sum
-    try:
-        actual = cache_key_of_stored(stored.key_components)
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        return f"key components are malformed: {exc}"
-    if actual != cache_key:
-        return f"key components hash to {actual[:16]}..., not to the key it was read under"
-    return None
+    return tier_seam.trace_problem(stored, toolchain_id(), cache_key, cache_key_of_stored)

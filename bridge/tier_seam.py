@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 import weakref
 from collections import defaultdict
@@ -34,7 +35,7 @@ from typing import Any
 import msgspec
 
 from bridge.errors import KernelCompileError
-from bridge.failures import FAILED, lasting
+from bridge.failures import FAILED, MAX_FAILURE_BYTES, lasting
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import MISS_CAUSES, MissObservation, VariantFacts, classify_miss, facts_of_absent
@@ -483,6 +484,42 @@ class PassSeam:
         self.traces += 1
         self.parallel_traces += int(traced.elsewhere)
         self.trace_seconds += traced.seconds
+
+
+def trace_problem(
+    stored: StoredTrace, toolchain: str, cache_key: str, key_of: Callable[[Mapping[str, Any]], str]
+) -> str | None:
+    """Why a stored trace is not what a loop of `toolchain` would return under `cache_key`, or None: it must come
+    from that very compiler, be BIR (or a negative entry with one readable line), its compile seconds a finite
+    number, and its key components must hash to the key through the loop's key rule (`key_of`, raising
+    TypeError, ValueError, KeyError or AttributeError for components it cannot have built)."""
+    if stored.toolchain != toolchain:
+        return f"traced by toolchain {stored.toolchain!r}, not by this compiler ({toolchain})"
+    binary, form = stored.result.get("binary"), stored.result.get("format")
+    if form == FAILED:
+        if not readable(binary):
+            return "a failure entry without a readable message"
+    elif form != "bir" or not isinstance(binary, bytes):
+        return f"format {form!r} with a {type(binary).__name__}: the bridge only emits 'bir' bytes"
+    if not isinstance(stored.compile_seconds, int | float) or not 0 <= stored.compile_seconds < math.inf:
+        return f"compile_seconds {stored.compile_seconds!r} is not a finite number >= 0"  # it enters every sum
+    try:
+        actual = key_of(stored.key_components)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        return f"key components are malformed: {exc}"
+    if actual != cache_key:
+        return f"key components hash to {actual[:16]}..., not to the key it was read under"
+    return None
+
+
+def readable(message: object) -> bool:
+    """Whether a negative entry's message is one line of text a pass can fail with."""
+    if not isinstance(message, bytes) or not 0 < len(message) <= MAX_FAILURE_BYTES:
+        return False
+    try:
+        return message.decode().isprintable()
+    except UnicodeDecodeError:
+        return False
 
 
 def unstorable(result: Any, key_components: Any) -> str | None:

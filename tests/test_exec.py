@@ -305,3 +305,18 @@ def test_a_trace_the_tier_cannot_store_without_pickling_is_counted_and_the_compi
         assert any(problem in record.getMessage() for record in caplog.records)
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("message", [b"\xff\xfe not UTF-8", b"two\nlines", b""])
+def test_a_foreign_loop_refuses_a_negative_entry_it_could_not_fail_with(message: bytes) -> None:
+    """The foreign verifier is the loop's own (tier_seam.trace_problem): a planted negative entry whose message is
+    not one readable line is refused, never decoded in the middle of the user's compile."""
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.failures import FAILED
+    from bridge.port import StoredTrace
+    from workers.attach import foreign_trace_problem
+
+    loop = BirCodeGenLoop()
+    stored = StoredTrace({"binary": message, "input_names": [], "output_names": [], "format": FAILED}, 0.0,
+                         {"kernel_name": "softmax"}, "f" * 16)  # fmt: skip
+    assert foreign_trace_problem("f" * 16)(loop, "k" * 64, stored) == "a failure entry without a readable message"

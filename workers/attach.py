@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import importlib.metadata
-import math
 import os
 import sys
 from collections import Counter
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from bridge import tier_seam
-from bridge.failures import FAILED
 from bridge.identity import toolchain_id
 from bridge.ir import freeze_key_components
 from bridge.port import KernelStore, StoredTrace
@@ -46,25 +44,21 @@ def loop_toolchain(cls: type) -> str:
 
 
 def foreign_trace_problem(toolchain: str) -> tier_seam.Verifier:
-    """Why a stored trace is not what a foreign loop's bridge would return under a key: not from its compiler,
-    not BIR, or components that do not hash to the key through the class's own key builder (as stored, or with
-    msgpack's lists made tuples again, as a Python IR keeps shapes)."""
+    """Why a stored trace is not what a foreign loop's bridge would return under a key (tier_seam.trace_problem),
+    its components hashed through the class's own key builder: as stored, or with msgpack's lists made tuples
+    again, as a Python IR keeps shapes."""
 
     def problem(loop: Any, cache_key: str, stored: StoredTrace) -> str | None:
-        if stored.toolchain != toolchain:
-            return f"traced by toolchain {stored.toolchain!r}, not by this compiler ({toolchain})"
-        if stored.result.get("format") not in ("bir", FAILED) or not isinstance(stored.result.get("binary"), bytes):
-            return "not a BIR binary"
-        if not isinstance(stored.compile_seconds, int | float) or not 0 <= stored.compile_seconds < math.inf:
-            return f"compile_seconds {stored.compile_seconds!r} is not a finite number >= 0"
         build = tier_seam.original(type(loop), tier_seam.KEY_BUILDER)
-        for components in (dict(stored.key_components), freeze_key_components(stored.key_components)):
+
+        def key_of(components: Any) -> str:
             try:
-                if build(loop, components) == cache_key:
-                    return None
+                as_stored = build(loop, dict(components))
+                return as_stored if as_stored == cache_key else build(loop, freeze_key_components(components))
             except Exception as exc:  # the class's own builder refusing them: not its components
-                return f"key components are malformed: {type(exc).__name__}: {exc}"
-        return "key components hash to another key through the class's own key builder"
+                raise ValueError(f"{type(exc).__name__}: {exc}") from None
+
+        return tier_seam.trace_problem(stored, toolchain, cache_key, key_of)
 
     return problem
 
