@@ -198,19 +198,15 @@ def trace_task(
             return found
     loop = BirCodeGenLoop(make_target(task.target))
     started = time.perf_counter()
+    resolved = False
     try:
-        # First the registry (its func_name is not in the key: its failure is the op's, never the key's), then
-        # the trace, whose failure is the variant's.
+        # First the registry: its func_name is not in the key, so its failure is the op's, never the variant's.
         loop._resolve_kernel_config(task.op)
-    except Exception as exc:
-        if lease:
-            tier.release_lease(task.cache_key)
-        return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
-    try:
+        resolved = True
         with kernel_instruction_limit(limits.max_kernel_instructions):
             result = loop._trace_internal_kernel_to_new_nki_frontend(task.op, task.cache_key)
-    except NkiCacheError as exc:
-        if not lasting(exc):  # out of memory or stack here: the pass meets it, or not, itself
+    except Exception as exc:
+        if not (resolved and lasting(exc)):  # the pass meets it (or, out of memory here, not) itself, as alone
             if lease:
                 tier.release_lease(task.cache_key)
             return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
@@ -222,10 +218,6 @@ def trace_task(
                 tier.flush()
         failed = TracedVariant({}, time.perf_counter() - started, toolchain_id(), failure=message)
         return TraceOutcome(task.task_id, task.cache_key, failed, error=message)
-    except Exception as exc:  # any other failure is the pass's to meet and report, as it would alone
-        if lease:
-            tier.release_lease(task.cache_key)
-        return TraceOutcome(task.task_id, task.cache_key, error=f"{type(exc).__name__}: {exc}")
     seconds = time.perf_counter() - started
     if tier is not None:
         tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)

@@ -61,7 +61,7 @@ Verifier = Callable[[Any, str, StoredTrace], "str | None"]
 _originals: dict[type, dict[str, Any]] = {}  # class -> its four original methods, once installed
 _passes: weakref.WeakKeyDictionary[Any, PassSeam] = weakref.WeakKeyDictionary()  # loop -> its pass
 # class -> a factory of the pass of each loop of it that has none yet (`nkicache exec`: the process's tier).
-_defaults: dict[type, Callable[[Any], PassSeam | None]] = {}
+_defaults: dict[type, Callable[[Any], PassSeam]] = {}
 
 
 def missing_seams(cls: type) -> list[str]:
@@ -147,22 +147,18 @@ def of(loop: Any) -> PassSeam | None:
     """The pass attached to `loop`; for a loop of a class with a default (`nkicache exec`), made on first use."""
     seam = _passes.get(loop)
     if seam is None and type(loop) in _defaults:
-        seam = _defaults[type(loop)](loop)
-        if seam is not None:
-            _passes[loop] = seam
+        seam = _passes[loop] = _defaults[type(loop)](loop)
     return seam
 
 
 def begin_pass(loop: Any, tier: KernelStore | None, verify: Verifier) -> PassSeam:
     """The pass of a loop that attaches its own seam as it is made (nkicache's, `BirCodeGenLoop(tier=...)`): on
     `tier`; with none, its class's default tier when there is one (`nkicache exec`), else none."""
-    seam = None
-    if tier is None and type(loop) in _defaults:
-        seam = _defaults[type(loop)](loop)
-    return attach(loop, seam or PassSeam(tier, verify))
+    default = _defaults.get(type(loop)) if tier is None else None
+    return attach(loop, default(loop) if default is not None else PassSeam(tier, verify))
 
 
-def set_default(cls: type, factory: Callable[[Any], PassSeam | None]) -> None:
+def set_default(cls: type, factory: Callable[[Any], PassSeam]) -> None:
     """Every loop of `cls` gets `factory(loop)` as its pass when first used (its seams installed now)."""
     install(cls)
     _defaults[cls] = factory
@@ -257,15 +253,10 @@ class PassSeam:
         started = time.perf_counter()
         try:
             result = trace(inst, cache_key)
-        except Exception as exc:
+        except BaseException as exc:
             if lasting(exc):  # the kernel cannot compile: a negative entry (the lease released with it)
                 self._failed(cache_key, " ".join(str(exc).split()))
             elif cache_key in self._leases:
-                self._leases.discard(cache_key)
-                self.tier.release_lease(cache_key)
-            raise
-        except BaseException:
-            if cache_key in self._leases:
                 self._leases.discard(cache_key)
                 self.tier.release_lease(cache_key)
             raise

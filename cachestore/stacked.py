@@ -150,7 +150,8 @@ class StackedTier(EntryReads):
         if len(self._refused) > SERVED_KEPT:
             self._refused.clear()
         self._refused.setdefault(cache_key, set()).add(level)
-        return any(other.reads and other not in self._refused[cache_key] for other in self.levels)
+        farther = self.levels[self.levels.index(level) + 1 :]
+        return any(other.reads and other not in self._refused[cache_key] for other in farther)
 
     # -- single flight: the shared level's ------------------------------------------------------------
     def acquire_lease(self, cache_key: str) -> bool:

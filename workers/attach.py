@@ -78,9 +78,7 @@ def attach(cls: type, tier: KernelStore, toolchain: str, label: str) -> bool:
     else:
         verify = foreign_trace_problem(toolchain)
 
-    def own_pass(loop: Any) -> tier_seam.PassSeam | None:
-        if getattr(loop, "tier", None) is not None:
-            return None
+    def own_pass(loop: Any) -> tier_seam.PassSeam:
         _seams.append(tier_seam.PassSeam(tier, verify, label))
         return _seams[-1]
 
