@@ -85,6 +85,8 @@ def unpack_limited(binary: object, fmt: str) -> object:
         raise BinaryFormatError(f"{fmt} binary of {len(binary)} bytes exceeds the {MAX_BINARY_BYTES}-byte limit")
     try:
         return msgpack.unpackb(bytes(binary), raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except MemoryError:  # the process's memory limit, not the binary's fault
+        raise
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise BinaryFormatError(f"{fmt} binary is truncated or malformed: {type(exc).__name__}: {exc}") from None
 

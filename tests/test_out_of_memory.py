@@ -49,3 +49,34 @@ def test_a_pass_whose_tier_cannot_start_its_writer_thread_reports_out_of_memory(
     tier.close(timeout=5)
     assert artifact is None and result.error is not None
     assert "out of memory compiling the graph" in result.error and "internal error" not in result.error
+
+
+def test_a_project_error_that_running_out_of_memory_caused_is_out_of_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F10: a MemoryError that surfaced as one of the project's errors (a binary read under the job's limit) is
+    still the job's memory limit: the pass says so, and the fleet's compiling process exits on that line."""
+    from bridge.codegen import BirCodeGenLoop
+    from bridge.errors import BinaryFormatError
+
+    def fail(self: object, graph: object) -> None:
+        try:
+            raise MemoryError
+        except MemoryError as exc:
+            raise BinaryFormatError("BIR binary is truncated or malformed") from exc
+
+    monkeypatch.setattr(BirCodeGenLoop, "run", fail)
+    result, artifact = compile_graph(write_graph(tmp_path, mixed_graph()))
+    assert artifact is None and result.error is not None
+    assert "out of memory compiling the graph (a job's limit is the job_memory setting)" in result.error
+
+
+def test_a_binary_read_that_runs_out_of_memory_is_not_a_malformed_binary(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bridge.program
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(bridge.program.msgpack, "unpackb", no_room)
+    with pytest.raises(MemoryError):
+        bridge.program.unpack_limited(b"\x80", "BIR")

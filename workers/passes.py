@@ -107,13 +107,13 @@ def compile_graph(
         encoded = encode_artifact(artifact)
         if out_dir is not None:
             result.artifact = str(write_artifact(artifact, out_dir))
-    except NkiCacheError as exc:
-        result.error = " ".join(str(exc).split())
-        encoded = None
     except Exception as exc:  # a bug in one pass must not cost the other graphs their compile
         if out_of_memory(exc):
-            # Under a job's memory limit (RLIMIT_AS) this is the graph's doing, not a bug: say so in one line.
+            # Under a job's memory limit (RLIMIT_AS) this is the graph's doing, not a bug: say so in one line (the
+            # fleet's compiling process exits on it: its heap is suspect).
             result.error = f"{result.file}: out of memory compiling the graph (a job's limit is the job_memory setting)"
+        elif isinstance(exc, NkiCacheError):
+            result.error = " ".join(str(exc).split())
         else:
             error = f"{result.file}: internal error (a bug, please report): {type(exc).__name__}: {exc}"
             result.error = " ".join(error.split())
@@ -155,5 +155,13 @@ def add_counts(results: list[PassResult]) -> dict[str, float]:
 
 def out_of_memory(exc: BaseException) -> bool:
     """A MemoryError, or a thread that could not start (what CPython raises when the memory limit leaves no room
-    for a thread's stack: the tier client starts its writer thread in the first pass that writes)."""
-    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and str(exc) == "can't start new thread")
+    for a thread's stack: the tier client starts its writer thread in the first pass that writes), whether
+    raised as it is or as the cause of a project error."""
+    seen: BaseException | None = exc
+    for _ in range(32):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, MemoryError) or (isinstance(seen, RuntimeError) and str(seen) == "can't start new thread"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
