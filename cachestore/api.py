@@ -266,6 +266,10 @@ class Backend(Protocol):
     def lease_holder(self, cache_key: str) -> str | None:
         """On the compile path, like fetch: bounded as a whole by the operation timeout."""
 
+    def abort_calls(self) -> None:
+        """Make the calls in flight on other threads fail at once (a read blocked on a socket included), as the
+        operation timeout does. A store whose calls never wait on a server has none to cut short."""
+
     def close(self) -> None: ...
 
 

@@ -199,6 +199,16 @@ class TierClient(EntryReads):
         """False while the breaker keeps the tier off after a failure, or another call is probing it."""
         return self._breaker.available()
 
+    def waiting_seconds(self, caller: int) -> float:
+        """How long thread `caller`'s call to the store (if any) has waited: a store that takes calls and does
+        not answer (a frozen server) is seen here long before the call times out."""
+        return self._guard.waiting_seconds(caller)
+
+    def give_up(self, why: str) -> None:
+        """The tier failed in a caller's eyes (it left a call unanswered for longer than the caller can wait):
+        counted as a timeout, not asked again for breaker_cooldown, and the calls waiting on it cut short."""
+        self._guard.give_up(why)
+
     def level_hits(self) -> dict[str, int]:
         """{this tier: verified entries it answered so far}: one level (cachestore.stacked has several)."""
         return {self.description: self.stats.snapshot()["entries_found"]}

@@ -6,6 +6,8 @@ compile fail. The deadline of one call is the backend's own (`Backend`'s operati
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 from cachestore.api import Backend, BatchRefused, ConnectionsDropped, TierBusy, TierError, TierTimeout
@@ -25,6 +27,7 @@ class Guard:
         self._count = count
         self.description = description
         self.store: Backend | None = None  # opened by the first call let through
+        self._calls: dict[int, float] = {}  # thread id -> when its call to the store started (one per thread)
 
     def open(self) -> bool:
         """Open the store now, if it is not open yet; False when it cannot be (counted, and the breaker opens).
@@ -39,10 +42,27 @@ class Guard:
             if what == "lookup":
                 self._count("tier_skipped")
             return False, None
+        caller = threading.get_ident()
+        self._calls[caller] = time.monotonic()
         try:
             return self._attempt(operation, what, answers)
         finally:
+            self._calls.pop(caller, None)
             self.breaker.done(probe)
+
+    def waiting_seconds(self, caller: int) -> float:
+        """How long the call thread `caller` (a threading.get_ident()) makes to the store has waited (0.0 when
+        it makes none)."""
+        started = self._calls.get(caller)
+        return 0.0 if started is None else time.monotonic() - started
+
+    def give_up(self, why: str) -> None:
+        """Take the store as failed now, as a timeout would (counted, the breaker opens), and cut short the calls
+        still waiting on it: a caller that cannot afford to wait for the operation timeout saw it not answer."""
+        self._count("tier_timeouts")
+        self._trip("a read", TierTimeout(why), reachable=True)
+        if self.store is not None:
+            self.store.abort_calls()
 
     def _attempt(self, operation: Callable[[Backend], object], what: str, answers: bool) -> tuple[bool, object]:
         try:

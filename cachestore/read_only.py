@@ -40,6 +40,12 @@ class ReadOnlyTier(EntryReads):
     def available(self) -> bool:
         return self.client.available
 
+    def waiting_seconds(self, caller: int) -> float:
+        return self.client.waiting_seconds(caller)
+
+    def give_up(self, why: str) -> None:
+        self.client.give_up(why)
+
     def counts(self) -> dict[str, int]:
         return self.client.counts()
 

@@ -80,6 +80,12 @@ class StackedTier(EntryReads):
         entry), whatever the nearer levels answer."""
         return self.shared.available
 
+    def waiting_seconds(self, caller: int) -> float:
+        return self.shared.waiting_seconds(caller)
+
+    def give_up(self, why: str) -> None:
+        self.shared.give_up(why)
+
     def counts(self) -> dict[str, int]:
         """Every level's counts summed: a pass reports the stack's errors, timeouts, rejections and drops."""
         totals = dict.fromkeys(TierStats.NAMES, 0)

@@ -177,7 +177,8 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
 
 @pytest.mark.redis  # a redis-server of its own, stopped with SIGSTOP
 def test_broken_tier_measurement(tmp_path: Path) -> None:
-    """A down, a frozen and a trickling Redis each give tier off's artifacts; the figure is the worst over off."""
+    """A Redis down, frozen or trickling from the start, or frozen or killed mid-compile, each gives tier off's
+    artifacts; each figure is the worst of its kind over off."""
     from workers.bench.broken_tier import broken_tier_overhead
     from workers.workload import generate_workload
 
@@ -185,8 +186,11 @@ def test_broken_tier_measurement(tmp_path: Path) -> None:
     figures = broken_tier_overhead(tmp_path / "graphs", tmp_path / "work", rounds=1)
     worse = max(figures["down_ms"], figures["frozen_ms"], figures["trickling_ms"])
     assert figures["broken_tier_overhead"] == round(worse / figures["off_ms"], 3) > 0
+    mid = max(figures["frozen_mid_ms"], figures["killed_mid_ms"])
+    assert figures["mid_compile_fault_overhead"] == round(mid / figures["off_ms"], 3) > 0
     traces = figures["traces"]
     assert traces["down"] == traces["frozen"] == traces["trickling"] == traces["off"] > 0
+    assert 0 < traces["frozen_mid"] <= traces["off"] and 0 < traces["killed_mid"] <= traces["off"]
 
 
 def test_a_timed_store_times_the_loops_calls_and_changes_nothing(tiny, tmp_path: Path) -> None:

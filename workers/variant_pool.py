@@ -11,9 +11,12 @@ With a tier that reads, a thread of this process asks the tier's index for the c
 fork (a forked process must not inherit a tier client in use), and the tasks it answers for are skipped (a
 pass reads them). Tracing waits for that answer PLAN_PATIENCE_SECONDS at most, and the passes wait for it
 while there is anything left to trace: a tier that is down, frozen or slow costs the compile what no tier
-would, not its timeouts. Helpers are forked when this process runs no other thread (they start in
-milliseconds, the compiler already imported), otherwise they start from the forkserver
-(`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this process, which
+would, not its timeouts. Later in the compile, a thread (`TierWatch`) gives up on a tier that leaves a pass
+waiting TIER_PATIENCE_SECONDS (a frozen server, long before the operation timeout: the pass goes on as on a
+tier that failed), and once the tier failed, puts the skipped tasks of the passes still to run back in the
+pool and wakes the helpers: those passes wait for them as without a tier. Helpers are forked when this process
+runs no other thread (they start in milliseconds, the compiler already imported), otherwise they start from the
+forkserver (`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this process, which
 traces them; the others keep taking tasks, and each pass completes as without helpers.
 """
 
@@ -24,7 +27,7 @@ import gc
 import multiprocessing
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -45,6 +48,11 @@ STOPPED = 1 << 62  # the counter once the compile stops: no task is taken any mo
 # A healthy tier's index answers within milliseconds: tracing waits this long for it, then starts without it
 # (what it answers for later is skipped from then on).
 PLAN_PATIENCE_SECONDS = 0.05
+# A pass's read of a healthy tier returns within milliseconds; one still waiting after this long is taken as a
+# tier that stopped answering (the pass's process is idle meanwhile, while the helpers trace on).
+TIER_PATIENCE_SECONDS = 0.15
+WATCH_SECONDS = 0.02  # how often TierWatch looks at the tier
+FREE, SKIPPED, TAKEN = 0, 1, 2  # a task's state in Claims
 
 
 def pool_start_context() -> multiprocessing.context.BaseContext:
@@ -60,36 +68,50 @@ class ClaimsBroken(Exception):
 
 
 class Claims:
-    """The next task to take, in shared memory, which process took each (so a dead helper's are known), and
-    which need no trace ahead (`skip`: set by this process once the tier answered, read under the lock)."""
+    """In shared memory: each task's state (FREE to take, SKIPPED: its pass reads the tier, TAKEN), which process
+    took it (so a dead helper's are known), and the first position that may be FREE. Changed under the lock."""
 
     def __init__(self, context: multiprocessing.context.BaseContext, tasks: int):
         self.next = context.Value("q", 0)
         self.taken_by = context.Array("i", max(tasks, 1), lock=False)
-        self.skip = context.Array("b", max(tasks, 1), lock=False)
+        self.state = context.Array("b", max(tasks, 1), lock=False)
 
     def take(self, who: int, count: int) -> int | None:
-        """The position (in the list of tasks to trace) this process takes next, None when all are taken."""
+        """The position (in the list of tasks to trace) this process takes next, None when none is free."""
+        with self._locked() as counter:
+            position = counter.value
+            while position < count and self.state[position] != FREE:
+                position += 1
+            if position >= count:
+                return None
+            counter.value = position + 1
+            self.state[position], self.taken_by[position] = TAKEN, who
+            return position
+
+    def skip(self, positions: Collection[int], skipped: bool = True) -> None:
+        """Mark free tasks SKIPPED, or (`skipped=False`) skipped ones FREE again; a TAKEN task stays taken."""
+        if not positions:
+            return
+        with self._locked() as counter:
+            for position in positions:
+                if self.state[position] == (SKIPPED if not skipped else FREE):
+                    self.state[position] = SKIPPED if skipped else FREE
+            if not skipped and counter.value < STOPPED:
+                counter.value = min(counter.value, *positions)
+
+    def taken_by_one(self, who: int) -> list[int]:
+        """The positions `who` took, read without the lock (a dead helper may hold it for ever)."""
+        return [p for p, state in enumerate(self.state) if state == TAKEN and self.taken_by[p] == who]
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[Any]:
         lock = self.next.get_lock()
         if not lock.acquire(timeout=CLAIM_LOCK_SECONDS):
             raise ClaimsBroken
         try:
-            counter = self.next.get_obj()  # under the lock already
-            position = counter.value
-            while position < count and self.skip[position]:
-                position += 1
-            if position >= count:
-                counter.value = position  # past the skipped tasks
-                return None
-            counter.value = position + 1
-            self.taken_by[position] = who
-            return position
+            yield self.next.get_obj()  # under the lock already
         finally:
             lock.release()
-
-    def taken(self) -> int:
-        """How many tasks were taken, read without the lock (a dead helper may hold it for ever)."""
-        return self.next.get_obj().value
 
     def stop(self) -> None:
         lock = self.next.get_lock()
@@ -107,15 +129,16 @@ def _helper(
     settings: Settings,
     dropped_outside_passes: Any,
 ) -> None:
-    """A helper process: take tasks until none is left, sending back each outcome (once this compile's parent
-    says go: it has the tier's answer, or waited PLAN_PATIENCE_SECONDS for it)."""
+    """A helper process: each time this compile's parent says go (it has the tier's answer, or waited
+    PLAN_PATIENCE_SECONDS for it; or it put tasks back), take tasks until none is free, sending back each
+    outcome. It ends when the parent closes its pipe."""
     for other in others:  # the other pipes' ends: a pipe whose process dies must read as closed
         other.close()
     init_process(settings, dropped_outside_passes)
     try:
-        connection.recv()
-        while (position := claims.take(who, len(tasks))) is not None:
-            connection.send(trace_in_process([tasks[position]])[0])
+        while connection.recv():
+            while (position := claims.take(who, len(tasks))) is not None:
+                connection.send(trace_in_process([tasks[position]])[0])
     except (EOFError, OSError, ClaimsBroken):  # the parent is gone or stopped the compile
         pass
     finally:
@@ -151,8 +174,9 @@ class Helpers:
             self.processes[who], self.pipes[who] = process, parent_end
 
     def go(self) -> None:
-        """Tell the helpers to start tracing (one that cannot be told is dead: `receive` sees it)."""
-        for pipe in self.pipes.values():
+        """Tell the helpers to take tasks (one that cannot be told is dead: `receive` sees it). Called from
+        TierWatch's thread too: a pipe closed meanwhile is skipped."""
+        for pipe in list(self.pipes.values()):
             with contextlib.suppress(OSError):
                 pipe.send(True)
 
@@ -214,7 +238,10 @@ def compile_in_parallel(
         answer = TierAnswer(plan, tier)
         try:
             scheduler = Scheduler(plan, answer, claims, helpers, tier, limits)
-            results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
+            try:
+                results = scheduler.run(paths, out_dir, target_name, on_result, ctrl_c)
+            finally:
+                scheduler.close()
         finally:
             claims.stop()
             answer.close()  # (its read is bounded by the tier's timeouts) before the tier client closes
@@ -281,6 +308,31 @@ class TierAnswer:
         self.ready.close()
 
 
+class TierWatch:
+    """A thread that watches the tier for the compile: it gives up on the tier when a read made by the passes'
+    thread (`passes`) has waited TIER_PATIENCE_SECONDS, and calls `failed` once the tier failed (whichever call
+    saw it). Ends with the compile (`stop`)."""
+
+    def __init__(self, tier: Any, passes: int, failed: Callable[[], None]):
+        self._stopped = threading.Event()
+        args = (tier, passes, failed)
+        self._thread = threading.Thread(target=self._watch, args=args, name="nkicache-tier-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self, tier: Any, passes: int, failed: Callable[[], None]) -> None:
+        told = False
+        while not self._stopped.wait(WATCH_SECONDS):
+            if tier.waiting_seconds(passes) > TIER_PATIENCE_SECONDS:
+                tier.give_up(f"no answer within {TIER_PATIENCE_SECONDS} s, longer than compile --workers waits")
+            if not told and not tier.available:
+                failed()
+                told = True
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
 class Scheduler:
     """Runs each pass once every task it needs is answered, and takes the next task to trace in between."""
 
@@ -296,6 +348,11 @@ class Scheduler:
         self.orphans: deque[int] = deque()  # tasks a dead helper took: traced here
         self.broken = False  # the counter's lock is lost: every task not answered is traced here
         self.answer: TierAnswer | None = answer  # None once its skips are applied
+        self.passes_done = 0
+        self.skips = threading.Lock()  # skipping the tier's answer and putting tasks back, one at a time
+        self.put_back: set[int] | None = None  # once the tier failed: the tasks of the passes after the one running
+        self.put_back_applied = False
+        self.watch = TierWatch(tier, threading.get_ident(), self._put_back) if tier is not None else None
         # The plan's read is the compile's first contact with the tier, which a sequential compile's first pass
         # makes itself: what it counted (a tier down: its error) is the first pass's that runs the loop.
         self.first_counts_from = answer.counts_before
@@ -308,11 +365,35 @@ class Scheduler:
         if self.answer is None or not self.answer.known(timeout):
             return
         skipped, self.answer = self.answer.skipped, None
-        for position, task in enumerate(self.tasks):
-            if task.task_id in skipped:
-                self.claims.skip[position] = 1
+        with self.skips:
+            if self.put_back is not None:  # the tier failed since: it answers for nothing
+                return
+            self.claims.skip([position for position, task in enumerate(self.tasks) if task.task_id in skipped])
         for needed in self.needs.values():
             needed -= skipped
+
+    def _put_back(self) -> None:
+        """(TierWatch's thread, once the tier failed) The skipped tasks of the passes after the one running now
+        (which traces its own) back in the pool, and the helpers woken to take them."""
+        with self.skips:
+            later = [position for position, task in enumerate(self.tasks) if task.graph > self.passes_done]
+            self.claims.skip(later, skipped=False)
+            self.put_back = {self.tasks[position].task_id for position in later}
+        self.helpers.go()
+
+    def _wait_for_put_back(self) -> None:
+        """Once TierWatch put tasks back (and the tier's answer is applied): the passes still to run wait for
+        theirs."""
+        if self.put_back is None or self.put_back_applied or self.answer is not None:
+            return
+        self.put_back_applied = True
+        for graph, tasks in self.plan.needs.items():
+            if graph >= self.passes_done:
+                self.needs[graph] |= tasks & self.put_back
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
 
     def run(
         self,
@@ -326,7 +407,8 @@ class Scheduler:
         while len(results) < len(paths) and not ctrl_c.pressed:
             self._receive(0)
             self._apply_answer()
-            index = len(results)
+            self._wait_for_put_back()
+            index = self.passes_done = len(results)
             ready = self.needs[index] <= self.outcomes.keys()
             # While the tier has not answered, tracing comes first; a pass asks it only when nothing is left to
             # trace (and finds it busy, if it is still being asked: cachestore.breaker).
@@ -359,8 +441,7 @@ class Scheduler:
 
     def _helper_died(self, who: int) -> None:
         """The tasks a dead helper took and did not answer are traced here."""
-        taken = min(self.claims.taken(), len(self.tasks))
-        lost = [self.tasks[p].task_id for p in range(taken) if self.claims.taken_by[p] == who]
+        lost = [self.tasks[p].task_id for p in self.claims.taken_by_one(who)]
         self.orphans.extend(task_id for task_id in lost if task_id not in self.outcomes)
 
     def _next_task(self) -> TraceTask | None:
@@ -374,8 +455,8 @@ class Scheduler:
                 return None if position is None else self.tasks[position]
             except ClaimsBroken:
                 self.broken = True
-        skip = self.claims.skip
-        pending = [task for p, task in enumerate(self.tasks) if task.task_id not in self.outcomes and not skip[p]]
+        state = self.claims.state
+        pending = [t for p, t in enumerate(self.tasks) if t.task_id not in self.outcomes and state[p] != SKIPPED]
         return pending[-1] if pending else None  # from the end: a helper may be tracing the next one
 
     def _run_pass(self, path: str, index: int, out_dir: str, target_name: str | None) -> PassResult:

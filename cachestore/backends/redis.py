@@ -323,7 +323,7 @@ class RedisBackend(Backend, Reader):
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
         self._shards: int | None = None
         self.cluster = isinstance(client, RedisCluster)
-        self._drops = 0  # how often the watchdog closed the client's connections (_drop_connections)
+        self._drops = 0  # how often the watchdog closed the client's connections (abort_calls)
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
         self._renew_lease = client.register_script(RENEW_LEASE_LUA)
@@ -387,7 +387,7 @@ class RedisBackend(Backend, Reader):
         if self.op_timeout is None:
             return self._call(operation)
         dog = watchdog()
-        watch = dog.watch(self.op_timeout if seconds is None else max(seconds, 0.0), self._drop_connections)
+        watch = dog.watch(self.op_timeout if seconds is None else max(seconds, 0.0), self.abort_calls)
         try:
             return self._call(operation)
         except Exception:
@@ -397,7 +397,7 @@ class RedisBackend(Backend, Reader):
             dog.unwatch(watch)
         raise TierTimeout(f"{self.description}: no whole answer within the {self.op_timeout} s operation timeout")
 
-    def _drop_connections(self) -> None:
+    def abort_calls(self) -> None:
         """Close every connection of the client, those in use by other threads included (redis-py supports it):
         a read blocked on one of them fails at once. A background write on one fails too, with
         ConnectionsDropped: the timed-out call counts the one timeout, and the write stays queued."""

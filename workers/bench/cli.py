@@ -34,6 +34,8 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       exec_startup_overhead_ms  `nkicache exec -- python -c pass` - `python -c pass`, in ms  goal <= 60
       broken_tier_overhead   `compile --workers 2` of the workload on a down, frozen or trickling
                              Redis (the worst) / the same with --tier off, alternated        goal <= 1.1
+      mid_compile_fault_overhead  the same on a Redis frozen or killed once the compile stored 20
+                             entries (the worse) / --tier off, in the same rounds            goal <= 1.15
       version_ms, help_ms, exec_python_ms, python_ms, floor_local_ms, floor_redis_ms, cold_compile_local_ms,
       warm_compile_local_ms, cold_compile_redis_ms, warm_compile_redis_ms, report_local_ms,
       warm_compile_local_workers2_ms (start-up of --workers 2), toolchain_id_ms (one call in a

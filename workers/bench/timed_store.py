@@ -47,6 +47,12 @@ class TimedStore:
     def available(self) -> bool:
         return self.inner.available
 
+    def waiting_seconds(self, caller: int) -> float:
+        return self.inner.waiting_seconds(caller)
+
+    def give_up(self, why: str) -> None:
+        self.inner.give_up(why)
+
     @property
     def single_flight(self) -> bool:
         return self.inner.single_flight

@@ -1,0 +1,141 @@
+"""A tier that fails after a parallel compile's plan was made (issue 45): a frozen server does not hold a pass for
+its operation timeout, and the variants the plan left to the tier go back to the pool."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_graphs import unique_namespace, wait_until
+
+from bridge.limits import Limits
+from bridge.parallel import key_variants
+from cachestore.settings import Settings
+from cachestore.stores import open_tier
+from workers.bench.broken_tier import MidCompileFault
+from workers.variant_pool import FREE, SKIPPED, TAKEN, Claims, Scheduler
+from workers.workload import generate_workload
+
+NKICACHE = str(Path(sys.executable).with_name("nkicache"))
+
+
+def test_claims_put_back_skipped_tasks_and_keep_taken_ones() -> None:
+    claims = Claims(multiprocessing.get_context("fork"), 4)
+    claims.skip([1, 2])
+    assert claims.take(0, 4) == 0 and claims.take(7, 4) == 3 and claims.take(0, 4) is None
+    claims.skip([0, 1, 2, 3], skipped=False)  # a taken task stays taken
+    assert list(claims.state) == [TAKEN, FREE, FREE, TAKEN]
+    assert claims.take(7, 4) == 1 and claims.take(0, 4) == 2 and claims.take(0, 4) is None
+    assert claims.taken_by_one(7) == [1, 3]
+    claims.stop()
+    claims.skip([0], skipped=False)
+    assert claims.take(0, 4) is None  # a stopped compile takes nothing, whatever is put back
+
+
+class Answer:
+    """A TierAnswer: the tier holds every variant but the first graph's (`skipped`), once `ready`."""
+
+    def __init__(self, skipped: set[int], ready: bool):
+        self.skipped, self.ready, self.counts_before = skipped, ready, None
+
+    def known(self, timeout: float = 0.0) -> bool:
+        return self.ready
+
+
+class Woken:
+    def __init__(self) -> None:
+        self.times = 0
+
+    def go(self) -> None:
+        self.times += 1
+
+
+def scheduler_of(tmp_path: Path, answered: bool = True) -> tuple[Scheduler, Woken, Answer]:
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 3, seed=2)]
+    plan = key_variants(paths, shared=False, target_name=None, limits=Limits())
+    answer, helpers = Answer({task.task_id for task in plan.tasks if task.graph > 0}, answered), Woken()
+    claims = Claims(multiprocessing.get_context("fork"), len(plan.tasks))
+    return Scheduler(plan, answer, claims, helpers, None, Limits()), helpers, answer
+
+
+def test_a_tier_failing_after_the_plan_puts_the_later_passes_tasks_back(tmp_path: Path) -> None:
+    scheduler, helpers, answer = scheduler_of(tmp_path)
+    skipped = answer.skipped
+    assert all(not scheduler.needs[graph] & skipped for graph in scheduler.needs)
+    state = scheduler.claims.state
+    assert {p for p, task in enumerate(scheduler.tasks) if state[p] == SKIPPED} == skipped
+    scheduler.passes_done = 1  # the tier fails during the second pass: it traces its own
+    scheduler._put_back()
+    scheduler._wait_for_put_back()
+    assert helpers.times == 2  # the start, and the tasks put back
+    for position, task in enumerate(scheduler.tasks):
+        assert state[position] == (SKIPPED if task.graph == 1 else FREE), task
+        if task.graph == 2:
+            assert task.task_id in scheduler.needs[2]  # the last pass waits for its variants as with no tier
+    assert not scheduler.needs[1] & skipped
+
+
+def test_a_tier_failing_before_its_answer_is_applied_answers_for_nothing(tmp_path: Path) -> None:
+    scheduler, _, answer = scheduler_of(tmp_path, answered=False)
+    scheduler._put_back()  # during the first pass, before the tier's answer is applied
+    answer.ready = True
+    scheduler._apply_answer()
+    scheduler._wait_for_put_back()
+    assert list(scheduler.claims.state) == [FREE] * len(scheduler.tasks)
+    assert scheduler.needs == {graph: set(tasks) for graph, tasks in scheduler.plan.needs.items()}
+
+
+def test_give_up_cuts_short_a_read_waiting_on_a_frozen_server(private_redis_server: Any) -> None:
+    server = private_redis_server()
+    client = open_tier(Settings(tier=server.url, namespace=unique_namespace(), op_timeout=60.0))
+    assert client.find_many(["ab" * 32]) == ({}, set())  # connected and proven
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        reader = threading.Thread(target=client.find_many, args=(["cd" * 32],))
+        reader.start()
+        wait_until(lambda: client.waiting_seconds(reader.ident) > 0.1, timeout=10)
+        client.give_up("the test's patience")
+        reader.join(timeout=10)
+        assert not reader.is_alive()  # long before the 60 s operation timeout
+        assert client.waiting_seconds(reader.ident) == 0.0
+        assert client.counts()["tier_timeouts"] == 1 and not client.available
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        client.close(timeout=1)
+
+
+def compile_json(graphs: Path, out: Path, tier: str, env: dict[str, str]) -> dict:
+    line = [NKICACHE, "compile", str(graphs), "--workers", "2", "--tier", tier, "--out", str(out), "--json"]
+    done = subprocess.run(line, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout) | {"stderr": done.stderr}
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_a_tier_failing_mid_compile_costs_no_pass_its_timeout(tmp_path: Path, fault: int) -> None:
+    """Redis stopped or killed once the compile stored 20 entries, with a 60 s operation timeout: no pass waits
+    for it longer than the compile's patience, and the artifacts are tier off's."""
+    graphs = tmp_path / "graphs"
+    generate_workload(graphs, 6, 0)
+    env = {**os.environ, "NKICACHE_OP_TIMEOUT": "60", "NKICACHE_NAMESPACE": unique_namespace()}
+    injector = MidCompileFault(fault)
+    try:
+        run = compile_json(graphs, tmp_path / "out", injector.url(), env)
+        assert injector.faults == 1  # the fault came mid-compile
+    finally:
+        injector.close()
+    off = compile_json(graphs, tmp_path / "off", "off", env)
+    assert [(g["file"], g["error"]) for g in run["graphs"]] == [(g["file"], None) for g in off["graphs"]]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "off").iterdir()
+    }
+    assert run["tier_timeouts"] + run["tier_errors"] >= 1
+    assert max(graph["seconds"] for graph in run["graphs"]) < 30, run["stderr"]
