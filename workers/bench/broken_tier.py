@@ -87,10 +87,10 @@ def closed_port() -> int:
 
 
 def fault_point(graphs: Path) -> int:
-    """FAULT_AFTER_ENTRIES, or a third of the workload's variants for a workload too small to store that many."""
+    """FAULT_AFTER_ENTRIES, or half the workload's variants for a workload too small to store that many."""
     paths = sorted(str(path) for path in graphs.glob("*.json"))
     plan = key_variants(paths, shared=True, target_name=None, limits=Limits())
-    return max(1, min(FAULT_AFTER_ENTRIES, len(plan.tasks) // 3))
+    return max(1, min(FAULT_AFTER_ENTRIES, len(plan.tasks) // 2))
 
 
 def broken_tier_overhead(graphs: Path, work: Path, rounds: int = ROUNDS) -> dict[str, Any]:
