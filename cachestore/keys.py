@@ -15,7 +15,8 @@ Layout (NS = namespace, V = layout version, TC = toolchain id, see `bridge.ident
                                holds a stream with a consumer group per toolchain, and the results, failures,
                                counts and dead letters of its jobs, in one slot so job scripts are atomic. A
                                job goes to shard crc32(job id) % J. Shard 0 also holds the hash of toolchains,
-                               the worker heartbeats and the batches' job lists
+                               the worker heartbeats, the batches' job lists, the lists of each batch's
+                               finished jobs and each toolchain's wake-up tokens (workers/fleet_wakeups.py)
     NS:vV:artifact:{JOB}       string   a finished job's artifact (TTL job_ttl), in the slot of its job id
 
 K, an entry's and its lease's tag, is the 32 bytes of the cache key (a SHA-256 in hex, as the codegen loop makes
@@ -176,6 +177,15 @@ class KeySpace(msgspec.Struct, frozen=True):
 
     def job_batch(self, batch_id: str) -> str:
         return self.jobs(f"batch:{batch_id}")
+
+    def job_batch_done(self, batch_id: str) -> str:
+        """The ids of a batch's jobs as they finish (a list, TTL `job_ttl`): what `submit --wait` blocks on."""
+        return self.jobs(f"batch-done:{batch_id}")
+
+    def job_wake(self, toolchain: str) -> str:
+        """Wake-up tokens for a toolchain's idle workers (a short list): pushed with each job queued, popped by
+        a worker that found no job and blocks for one."""
+        return self.jobs(f"wake:{toolchain}")
 
     def job_traced(self, job_id: str) -> str:
         """The cache keys other workers traced from a job's trace tasks (a set, TTL `job_ttl`): how the job tells

@@ -71,6 +71,10 @@ def test_bench_scripts_answer_json() -> None:
     """The scripts behind `nkicache bench` print one JSON object with their keys."""
     report = bench.bench_script("report_scale", "--sizes", "300", "--quick")
     assert {"report_seconds_300", "verify_seconds_300", "peak_rss_mib"} <= set(report)
+    flood = bench.bench_script("fleet_flood", "--jobs", "20")
+    assert flood["jobs"] == 20 and flood["flood_jobs_per_second"] > 0 and flood["floor_jobs_per_second"] > 0
+    latency = bench.bench_script("fleet_latency", "--rounds", "1")
+    assert latency["fleet_job_latency_vs_local"] == round(latency["submit_wait_ms"] / latency["local_ms"], 3) > 0
 
 
 def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
@@ -90,6 +94,8 @@ def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
         "pool_scaling": "needs bench/pool_scaling.py from a source checkout",
         "single_graph_scaling": "measured with pool_scaling, which was not",
         "fleet_single_graph_scaling": "needs bench/fleet_single_graph.py from a source checkout",
+        "fleet_job_latency_vs_local": "needs bench/fleet_latency.py from a source checkout",
+        "flood_jobs_per_second": "needs bench/fleet_flood.py from a source checkout",
         "report_seconds_100k": "needs bench/report_scale.py from a source checkout",
     }
     assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results

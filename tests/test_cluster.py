@@ -206,8 +206,8 @@ def test_fleet_run_on_the_cluster(redis_cluster: str, tmp_path: Path) -> None:
     env = {**os.environ, "NKICACHE_TIER": redis_cluster, "NKICACHE_NAMESPACE": namespace,
            "NKICACHE_HEARTBEAT_INTERVAL": "0.5"}  # fmt: skip
     graphs = fleet_graphs(tmp_path / "graphs")
-    # Half the jobs each: an idle worker blocks on one job shard at a time, so without a bound the first to
-    # wake could take all six small jobs before the other's one-second BLOCK ends.
+    # Half the jobs each: without a bound the first worker woken could take all six small jobs before the other
+    # one looks.
     half = str(len(graphs) // 2)
     argv = [nkicache_argv("worker", "--name", f"cluster-w{i}", "--max-jobs", half) for i in range(2)]
     workers = [subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True) for args in argv]

@@ -324,7 +324,8 @@ def test_a_result_seen_once_is_kept_though_it_expires_before_the_batch_ends(monk
 
     monkeypatch.setattr(fleet, "results_of", results_of)
     monkeypatch.setattr(fleet, "lost_jobs", lambda client, keys, unfinished, keep_for: [])
-    monkeypatch.setattr(fleet.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(fleet, "LOOK_SECONDS", 0.0)  # every round reads every result still missing
+    monkeypatch.setattr(fleet, "finished_jobs", lambda client, keys, batches, seconds: [])
     waited = fleet.wait_for(None, None, ["b-00000", "b-00001"], timeout=60, on_progress=lambda done: None, job_ttl=5)
     assert set(waited.results) == {"b-00000", "b-00001"} and waited.lost == []
     assert asked == [["b-00000", "b-00001"], ["b-00001"], ["b-00001"]]  # a finished job is not asked for again

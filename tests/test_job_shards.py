@@ -56,16 +56,22 @@ def test_job_shards_is_validated() -> None:
 
 
 class CountingClient:
-    """A client that records each XREADGROUP's stream and BLOCK, and passes every call on."""
+    """A client that records each XREADGROUP's stream and BLOCK and each BLPOP's keys and timeout, and passes
+    every call on."""
 
     def __init__(self, client: Any):
         self.client = client
-        self.reads: list[tuple[str, int | None]] = []
+        self.reads: list[tuple[str, int | float | None]] = []
 
     def xreadgroup(self, group: str, consumer: str, streams: dict, count: int, block: int | None = None) -> Any:
         [stream] = streams
         self.reads.append((stream, block))
         return self.client.xreadgroup(group, consumer, streams, count=count, block=block)
+
+    def blpop(self, keys: list[str], timeout: float) -> Any:
+        [key] = keys
+        self.reads.append((key, timeout))
+        return self.client.blpop(keys, timeout=timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -79,16 +85,17 @@ def reading_worker(client: Any, keys: KeySpace, shards: int) -> Worker:
     return worker
 
 
-def test_an_idle_worker_reads_each_shard_once_then_blocks_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_idle_worker_reads_each_shard_once_then_blocks_for_a_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
     client, keys = fakeredis.FakeRedis(), KeySpace(f"js{uuid.uuid4().hex[:8]}")
     worker = reading_worker(client, keys, 8)
     monkeypatch.setattr(fleet_module, "BLOCK_MS", 10)
     assert worker._read_new() is None and worker._read_new() is None
     streams = [keys.job_shard(i).stream(worker.toolchain) for i in range(8)]
     first, second = worker.client.reads[:9], worker.client.reads[9:]
-    # Non-blocking over all 8 from a rotating start, then one short BLOCK: 9 commands per BLOCK_MS.
-    assert first == [(s, None) for s in streams] + [(streams[0], 10)]
-    assert second == [(s, None) for s in streams[1:] + streams[:1]] + [(streams[1], 10)]
+    # Non-blocking over all 8 from a rotating start, then one short block on the wake-ups: 9 commands per BLOCK_MS.
+    wake = (keys.job_wake(worker.toolchain), 0.01)
+    assert first == [(s, None) for s in streams] + [wake]
+    assert second == [(s, None) for s in streams[1:] + streams[:1]] + [wake]
 
 
 def test_a_worker_takes_one_job_at_a_time_from_every_shard_in_turn() -> None:
@@ -114,8 +121,8 @@ def test_a_worker_takes_one_job_at_a_time_from_every_shard_in_turn() -> None:
 def test_two_workers_do_every_job_of_a_sharded_batch_exactly_once(fleet, tmp_path: Path) -> None:
     f = fleet(job_shards=8)
     graphs = generate_workload(tmp_path / "graphs", 12, seed=41)
-    # Six jobs each at most: both must take jobs (an idle worker blocks on one shard at a time, so the first to
-    # wake could otherwise take them all); a job done twice would leave another undone.
+    # Six jobs each at most: both must take jobs (the first to wake could otherwise take them all); a job done
+    # twice would leave another undone.
     f.start_worker("w1", "--max-jobs", "6")
     f.start_worker("w2", "--max-jobs", "6")
     f.wait_live("w1", "w2")

@@ -58,6 +58,7 @@ from cachestore.backends.redis import text
 from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, shard_count_or
 from cachestore.settings import Settings
 from workers.fleet_connection import BLOCK_MS, FleetError, fleet_client
+from workers.fleet_wakeups import finished_jobs, tell_finished, wait_for_job, wake_workers
 from workers.job_process import CompileProcess
 from workers.passes import PassResult
 
@@ -254,6 +255,7 @@ def submit_texts(
     if submission.job_ids:
         client.rpush(keys.job_batch(submission.batch_id), *submission.job_ids)
         client.expire(keys.job_batch(submission.batch_id), ttl)
+        wake_workers(client, keys, toolchain, len(submission.job_ids), ttl)
     return submission
 
 
@@ -326,6 +328,11 @@ def retrying(call: Callable[[], T]) -> T:
             time.sleep(0.2)
 
 
+# How often a wait reads every result still missing and looks for lost batches, whatever it was told.
+LOOK_SECONDS = 1.0
+MIN_BLOCK_SECONDS = 0.01  # (BLPOP's timeout 0 would block for ever)
+
+
 class Waited(msgspec.Struct):
     results: dict[str, dict]  # job id -> result, for the jobs that finished
     lost: list[str]  # jobs with no result whose batch is gone from Redis: they will never finish
@@ -352,21 +359,35 @@ def wait_for(
     on_progress: Callable[[int], None],
     job_ttl: int,
 ) -> Waited:
-    """Poll until every job finished or is lost, or `timeout` passed; a short restart or failover is ridden out
-    (`retrying`), a longer one raises redis-py's error. The batches waited on are kept job_ttl from each poll."""
+    """Wait until every job finished or is lost, or `timeout` passed. It blocks on the batches' lists of
+    finished jobs (workers.fleet_wakeups) and reads each job's result as its id comes; every LOOK_SECONDS it
+    reads every result still missing and looks for lost batches, whatever came (a worker killed between its
+    result and its push, or another waiter on the batch, takes a push from this one). A short restart or
+    failover is ridden out (`retrying`), a longer one raises redis-py's error. The batches waited on are kept
+    job_ttl from each look."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    batches = sorted({batch_of(job) for job in job_ids})
+    wanted = set(job_ids)
     results: dict[str, dict] = {}
+    finished: list[str] = []
+    look_at = 0.0
     while True:
+        looking = time.monotonic() >= look_at
         # Only the jobs not seen finished are asked for: a result read once is kept, since it expires job_ttl
         # after its job finished, which a long batch's first jobs can reach before its last one finishes.
-        waiting = [job for job in job_ids if job not in results]
-        results.update(retrying(lambda waiting=waiting: results_of(client, keys, waiting)))
+        asked = [job for job in (job_ids if looking else finished) if job in wanted and job not in results]
+        results.update(retrying(lambda asked=asked: results_of(client, keys, asked)) if asked else {})
         on_progress(len(results))
         unfinished = [job for job in job_ids if job not in results]
-        lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending, job_ttl)) if unfinished else []
+        lost: list[str] = []
+        if looking and unfinished:
+            look_at = time.monotonic() + LOOK_SECONDS
+            lost = retrying(lambda pending=unfinished: lost_jobs(client, keys, pending, job_ttl))
         if len(lost) == len(unfinished) or (deadline is not None and time.monotonic() > deadline):
             return Waited(results, lost)
-        time.sleep(0.2)
+        until = look_at if deadline is None else min(look_at, deadline)
+        seconds = max(until - time.monotonic(), MIN_BLOCK_SECONDS)
+        finished = retrying(lambda seconds=seconds: finished_jobs(client, keys, batches, seconds))
 
 
 def download_artifacts(client: Any, keys: KeySpace, results: dict[str, dict], out_dir: str) -> list[str]:
@@ -627,13 +648,19 @@ class Worker:
         return None
 
     def _read_new(self) -> tuple[JobKeys, str, dict] | None:
-        """A new job: a non-blocking read of each shard, starting at a rotating one, then a blocking read of
-        that one when all were empty, so an idle worker costs one command per shard and BLOCK_MS."""
+        """A new job: a non-blocking read of each shard, starting at a rotating one; when all were empty, a wait
+        for a wake-up token (workers.fleet_wakeups) of at most BLOCK_MS, and a second look. An idle worker costs
+        one command per shard and BLOCK_MS, and takes a job as soon as it is queued."""
+        message = self._look_for_job()
+        if message is None and wait_for_job(self.client, self.keys, self.toolchain, BLOCK_MS / 1000):
+            message = self._look_for_job()
+        return message
+
+    def _look_for_job(self) -> tuple[JobKeys, str, dict] | None:
         first = self._next_shard
         self._next_shard = (first + 1) % len(self.shards)
-        order = [self.shards[(first + k) % len(self.shards)] for k in range(len(self.shards))]
-        for shard, block in [(shard, None) for shard in order if len(order) > 1] + [(order[0], BLOCK_MS)]:
-            reply = self.client.xreadgroup(GROUP, self.name, {self._stream(shard): ">"}, count=1, block=block)
+        for shard in [self.shards[(first + k) % len(self.shards)] for k in range(len(self.shards))]:
+            reply = self.client.xreadgroup(GROUP, self.name, {self._stream(shard): ">"}, count=1)
             for _stream, messages in reply or []:
                 for message_id, fields in messages:
                     return shard, text(message_id), fields
@@ -750,6 +777,7 @@ class Worker:
             self.client.set(self.keys.job_artifact(job["id"]), artifact, nx=True, ex=ttl)
             keys = [shard.result(job["id"]), shard.counts, self._stream(shard), shard.failures]
             self._complete(keys=keys, args=[job["id"], json.dumps(record), ttl, message_id])
+            tell_finished(self.client, self.keys, batch_of(job["id"]), job["id"], ttl)
             c = result.counts
             logger.info(
                 "worker %s: job %s (%s) finished in %.2f s: %s, %s, %s, %s, %s, %s",
@@ -784,7 +812,12 @@ class Worker:
                 ],
             )
             self.failed += 1
-            verdict = "dead-lettered" if attempts >= self.settings.job_max_attempts else "to be retried"
+            finished = attempts >= self.settings.job_max_attempts
+            if finished:
+                tell_finished(self.client, self.keys, batch_of(job["id"]), job["id"], ttl)
+            elif attempts:  # (0: another worker finished it first)
+                wake_workers(self.client, self.keys, self.toolchain, 1, ttl)
+            verdict = "dead-lettered" if finished else "to be retried"
             logger.warning(
                 "worker %s: job %s failed (attempt %s of %d, %s) after %.2f s: %s",
                 self.name,

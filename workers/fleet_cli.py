@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -28,7 +29,11 @@ def _fleet(tier: tuple[str, ...], tier_mode: str | None = None, **extra) -> tupl
     from workers.fleet import fleet_client
 
     settings = load_cli_settings(tier=tier, tier_mode=tier_mode, **extra)
-    return settings, fleet_client(settings), KeySpace(settings.namespace)
+    client = fleet_client(settings)
+    # What the imports made (redis-py's alone is most of a submit's start) lives until the process exits: frozen,
+    # no full collection walks it again (the one a submit's artifact download set off cost 15 ms here).
+    gc.freeze()
+    return settings, client, KeySpace(settings.namespace)
 
 
 def _redis_errors(function):
@@ -494,7 +499,7 @@ def requeue_command(job_ids, everything, tier, tier_mode) -> None:
         raise click.UsageError("name the jobs to requeue, or give --all (not both)")
     settings, client, keys = _fleet(tier, tier_mode)
     refuse_read_only(settings, "requeue", "queues jobs again")
-    requeued, problems = fleet_ops.requeue(client, keys, list(job_ids) or None)
+    requeued, problems = fleet_ops.requeue(client, keys, list(job_ids) or None, settings.job_ttl)
     click.echo(f"{plural(len(requeued), 'job')} requeued" + (": " + ", ".join(requeued) if requeued else ""))
     for problem in problems:
         click.echo(f"nkicache: error: {problem}", err=True)

@@ -13,6 +13,7 @@ from cachestore.api import stored_number
 from cachestore.backends.redis import text
 from cachestore.keys import JobKeys, KeySpace
 from workers.fleet import GROUP, REQUEUE_LUA, FleetError, _heartbeat, _job, home_shards, job_shards, results_of
+from workers.fleet_wakeups import wake_workers
 
 JOB_FIELDS = ("status", "file", "error", "worker", "seconds")  # of each job in `batch show`
 STREAM_SCAN_LIMIT = 10_000  # jobs of a stream looked through to find a waiting one (finished jobs leave it)
@@ -67,11 +68,11 @@ def batch_info(client: Any, keys: KeySpace, batch_id: str) -> dict[str, Any]:
     }
 
 
-def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None) -> tuple[list[str], list[str]]:
+def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None, ttl: int) -> tuple[list[str], list[str]]:
     """Put dead-lettered jobs (all, or those of `job_ids`) back on their toolchain's stream as new jobs (attempt
-    1, their result and failure count cleared). Returns (requeued job ids, problems): a dead letter that holds
-    no job (a malformed message) or names no toolchain is not requeued, and neither is an id with no dead
-    letter."""
+    1, their result and failure count cleared), each with a wake-up for an idle worker (kept `ttl` seconds).
+    Returns (requeued job ids, problems): a dead letter that holds no job (a malformed message) or names no
+    toolchain is not requeued, and neither is an id with no dead letter."""
     wanted = set(job_ids) if job_ids else None
     script = client.register_script(REQUEUE_LUA)
     requeued: list[str] = []
@@ -83,7 +84,7 @@ def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None) -> tuple
             if wanted is not None and job_id not in wanted:
                 continue
             seen.add(job_id)
-            problem = _requeue_one(client, shard, script, text(entry_id), job_id, fields.get(b"payload"))
+            problem = _requeue_one(client, keys, shard, script, (text(entry_id), job_id), fields.get(b"payload"), ttl)
             if problem is None:
                 requeued.append(job_id)
             elif problem:
@@ -93,9 +94,12 @@ def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None) -> tuple
     return requeued, problems
 
 
-def _requeue_one(client: Any, shard: JobKeys, script: Any, entry_id: str, job_id: str, payload: Any) -> str | None:
-    """Requeue one dead letter onto its toolchain's stream in its own shard (the script's keys share its slot):
-    None when requeued, "" when another requeue took it first, else the problem."""
+def _requeue_one(
+    client: Any, keys: KeySpace, shard: JobKeys, script: Any, entry: tuple[str, str], payload: Any, ttl: int
+) -> str | None:
+    """Requeue one dead letter (its entry id and job id) onto its toolchain's stream in its own shard (the
+    script's keys share its slot): None when requeued, "" when another requeue took it first, else the problem."""
+    entry_id, job_id = entry
     job = _job(payload)
     if isinstance(job, str) or not isinstance(job.get("toolchain"), str):
         return f"dead letter {entry_id} ({job_id}) holds no job that names a toolchain; left"
@@ -105,7 +109,10 @@ def _requeue_one(client: Any, shard: JobKeys, script: Any, entry_id: str, job_id
     if ensure is not None:
         return ensure
     script_keys = [shard.dead_letters, stream, shard.result(job["id"]), shard.failures]
-    return None if script(keys=script_keys, args=[entry_id, json.dumps(job), job["id"]]) else ""
+    if not script(keys=script_keys, args=[entry_id, json.dumps(job), job["id"]]):
+        return ""
+    wake_workers(client, keys, job["toolchain"], 1, ttl)
+    return None
 
 
 def _ensure_group(client: Any, stream: str) -> str | None:

@@ -266,7 +266,9 @@ def _trace_task_queue(settings: Settings) -> Any:
     connection opened on the first job that has tasks to share."""
     from functools import partial
 
+    from bridge.identity import toolchain_id
     from cachestore.keys import KeySpace
+    from workers.fleet_wakeups import wake_workers
     from workers.trace_tasks import enqueue_tasks
 
     clients: list[Any] = []
@@ -276,8 +278,9 @@ def _trace_task_queue(settings: Settings) -> Any:
             from workers.fleet_connection import fleet_client
 
             clients.append(fleet_client(settings))
-        traced_for = KeySpace(settings.namespace).job_traced(job_id)
-        return enqueue_tasks(clients[0], streams, job_id, tasks, traced_for)
+        keys = KeySpace(settings.namespace)
+        wake = partial(wake_workers, clients[0], keys, toolchain_id(), ttl=settings.job_ttl)
+        return enqueue_tasks(clients[0], streams, job_id, tasks, keys.job_traced(job_id), wake)
 
     def queue_for(job: dict) -> Any:
         streams = job.get("streams")

@@ -58,14 +58,20 @@ MAX_JOB_ID_CHARS = 128  # a job id a trace task may name: the key of the job's t
 
 
 def enqueue_tasks(
-    client: Any, streams: Sequence[str], job_id: str, tasks: Sequence[TraceTask], traced_for: str
+    client: Any,
+    streams: Sequence[str],
+    job_id: str,
+    tasks: Sequence[TraceTask],
+    traced_for: str,
+    wake: Callable[[int], None] = lambda messages: None,
 ) -> Callable[[], set[str]]:
     """The trace tasks as messages of a few consecutive variants each (`message_size`), dealt over the
-    toolchain's job streams (one per shard) in the pass's order, in one round trip: an idle worker blocks on one
-    shard at a time, so every idle worker wakes at once. Returns how to withdraw them once the job's variants
-    are all traced: the messages a worker is still answering are waited for (at most ANSWER_WAIT_SECONDS), then
-    all are acknowledged and deleted, so no worker takes one any more, nor takes over one a dead worker held;
-    it returns the cache keys other workers traced from them (the set `traced_for`, KeySpace.job_traced)."""
+    toolchain's job streams (one per shard) in the pass's order, in one round trip, then `wake(messages)`: a
+    wake-up per message for the idle workers (workers.fleet_wakeups). Returns how to withdraw them once the
+    job's variants are all traced: the messages a worker is still answering are waited for (at most
+    ANSWER_WAIT_SECONDS), then all are acknowledged and deleted, so no worker takes one any more, nor takes over
+    one a dead worker held; it returns the cache keys other workers traced from them (the set `traced_for`,
+    KeySpace.job_traced)."""
     size = message_size(len(tasks))
     groups = [tasks[start : start + size] for start in range(0, len(tasks), size)]
     dealt = [streams[index % len(streams)] for index in range(len(groups))]
@@ -73,6 +79,7 @@ def enqueue_tasks(
         for stream, group in zip(dealt, groups, strict=True):
             pipe.xadd(stream, {TRACE_FIELD: json.dumps({"job": job_id, "tasks": [task_document(t) for t in group]})})
         message_ids = pipe.execute()
+    wake(len(message_ids))
 
     messages = list(zip(dealt, message_ids, strict=True))
 

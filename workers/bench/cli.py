@@ -36,6 +36,10 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
                              Redis (the worst) / the same with --tier off, alternated        goal <= 1.1
       mid_compile_fault_overhead  the same on a Redis frozen or killed once the compile stored 20
                              entries (the worse) / --tier off, in the same rounds            goal <= 1.15
+      fleet_job_latency_vs_local  `submit --wait` of one warm graph to 2 idle workers / a local warm
+                             `compile` of it on the same Redis, alternated (bench/ script)   goal <= 1.2
+      flood_jobs_per_second  2,000 tiny warm jobs through 2 workers, printed beside the floor: a
+                             bare XADD/XREADGROUP/XACK loop on the same server (bench/)     goal >= 231
       version_ms, help_ms, exec_python_ms, python_ms, floor_local_ms, floor_redis_ms, cold_compile_local_ms,
       warm_compile_local_ms, cold_compile_redis_ms, warm_compile_redis_ms, report_local_ms,
       warm_compile_local_workers2_ms (start-up of --workers 2), toolchain_id_ms (one call in a
@@ -75,9 +79,10 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
       miss_classification_overhead  1 + seconds finding the causes / cold compile seconds    goal <= 1.02
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
-    pool_scaling (with single_graph_scaling), fleet_single_graph_scaling and report_seconds_100k run scripts
-    from bench/ in the source checkout; an installed package has none, so they are reported as skipped and
-    the command exits 1 (the others still run). Each scaling figure is printed beside its CPU control.
+    pool_scaling (with single_graph_scaling), fleet_single_graph_scaling, fleet_job_latency_vs_local,
+    flood_jobs_per_second and report_seconds_100k run scripts from bench/ in the source checkout; an installed
+    package has none, so they are reported as skipped and the command exits 1 (the others still run). Each
+    scaling figure is printed beside its CPU control.
     """
     from bridge.errors import NkiCacheError
     from cachestore.tier_urls import redact_url, tier_url_problem
@@ -130,6 +135,9 @@ def _print_figures(results: dict) -> None:
         control = (results.get(f"{name}_detail") or {}).get("cpu_control")
         if isinstance(control, int | float):  # what two processes got from the machine at that moment
             verdict += f"  (CPU control {control:.2f})"
+        floor = (results.get(f"{name}_detail") or {}).get("floor_jobs_per_second")
+        if isinstance(floor, int | float):  # the most Redis Streams allow here, at that moment
+            verdict += f"  (floor {floor:.0f} jobs/s)"
         verifies = (results.get(f"{name}_detail") or {}).get("verifies_per_hit")
         if isinstance(verifies, int | float):  # signature_overhead: what its ratio is made of
             verdict += f"  ({verifies:.3f} Ed25519 verifies per hit)"

@@ -40,6 +40,8 @@ GOALS = {
     "exec_startup_overhead_ms": ("max", 60.0),
     "broken_tier_overhead": ("max", 1.1),
     "mid_compile_fault_overhead": ("max", 1.15),
+    "fleet_job_latency_vs_local": ("max", 1.2),
+    "flood_jobs_per_second": ("min", 231.0),  # 2 workers, f84cae3's 10,000-job flood: no lower than then
     # In-process ratios: diagnostics of where time goes inside one process.
     "warm_speedup": ("min", 100.0),
     "warm_speedup_redis": ("min", 50.0),
@@ -607,6 +609,17 @@ def fleet_single_graph_scaling(config: BenchConfig) -> dict:
     return bench_script("fleet_single_graph", "--repeats", "2" if config.quick else "5")
 
 
+def fleet_latency(config: BenchConfig) -> dict:
+    """`submit --wait` of one warm graph to 2 idle workers vs a local warm compile of it on the same Redis tier,
+    alternated (bench/fleet_latency.py)."""
+    return bench_script("fleet_latency", "--rounds", "3" if config.quick else "9")
+
+
+def fleet_flood(config: BenchConfig) -> dict:
+    """Tiny warm jobs through 2 workers, beside a bare XADD / XREADGROUP / XACK loop (bench/fleet_flood.py)."""
+    return bench_script("fleet_flood", "--jobs", "500" if config.quick else "2000")
+
+
 def report_scale(config: BenchConfig) -> dict:
     return bench_script("report_scale", "--sizes", "100000", *(["--quick"] if config.quick else []))
 
@@ -933,6 +946,8 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
             ("pool_scaling", lambda: pool_scaling(config)),
             ("single_graph_scaling", lambda: _from_pool(results)),
             ("fleet_single_graph_scaling", lambda: fleet_single_graph_scaling(config)),
+            ("fleet_job_latency_vs_local", lambda: fleet_latency(config)),
+            ("flood_jobs_per_second", lambda: fleet_flood(config)),
             ("report_seconds_100k", lambda: report_scale(config)),
             ("upgrade_first_pass_hit_rate", lambda: upgrade(config, work)),
             ("miss_cause_coverage", lambda: miss_cause_coverage(graphs, redis_url)),
