@@ -143,8 +143,6 @@ def _database_problem(parts: SplitResult) -> str | None:
 
 
 def _query_problem(query: str) -> str | None:
-    if not query:  # (redis-py takes 90 ms to import: a compile imports it when it first connects, on a thread)
-        return None
     from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 
     for name, values in parse_qs(query, keep_blank_values=True).items():
