@@ -199,10 +199,10 @@ class TierClient(EntryReads):
         """False while the breaker keeps the tier off after a failure, or another call is probing it."""
         return self._breaker.available()
 
-    def waiting_seconds(self, caller: int) -> float:
-        """How long thread `caller`'s call to the store (if any) has waited: a store that takes calls and does
-        not answer (a frozen server) is seen here long before the call times out."""
-        return self._guard.waiting_seconds(caller)
+    def overdue(self, caller: int, patience: float) -> bool:
+        """Whether thread `caller`'s call to the store has waited past `patience` (cachestore.guard): a store
+        that takes calls and does not answer (a frozen server) is seen here long before the call times out."""
+        return self._guard.overdue(caller, patience)
 
     def give_up(self, why: str) -> None:
         """The tier failed in a caller's eyes (it left a call unanswered for longer than the caller can wait):

@@ -14,6 +14,7 @@ from cachestore.api import Backend, BatchRefused, ConnectionsDropped, TierBusy, 
 from cachestore.breaker import Breaker
 
 logger = logging.getLogger(__name__)
+SLOW_ANSWERS = 10  # a call is overdue once it waited this many times the slowest answer (and its caller's patience)
 
 
 class Guard:
@@ -28,6 +29,7 @@ class Guard:
         self.description = description
         self.store: Backend | None = None  # opened by the first call let through
         self._calls: dict[int, float] = {}  # thread id -> when its call to the store started (one per thread)
+        self._slowest: float | None = None  # seconds of the slowest call the store answered so far
 
     def open(self) -> bool:
         """Open the store now, if it is not open yet; False when it cannot be (counted, and the breaker opens).
@@ -43,18 +45,26 @@ class Guard:
                 self._count("tier_skipped")
             return False, None
         caller = threading.get_ident()
-        self._calls[caller] = time.monotonic()
+        started = self._calls[caller] = time.monotonic()
         try:
-            return self._attempt(operation, what, answers)
+            ok, result = self._attempt(operation, what, answers)
+            if ok and answers:
+                self._slowest = max(self._slowest or 0.0, time.monotonic() - started)
+            return ok, result
         finally:
             self._calls.pop(caller, None)
             self.breaker.done(probe)
 
-    def waiting_seconds(self, caller: int) -> float:
-        """How long the call thread `caller` (a threading.get_ident()) makes to the store has waited (0.0 when
-        it makes none)."""
+    def overdue(self, caller: int, patience: float) -> bool:
+        """Whether the call thread `caller` (a threading.get_ident()) makes to the store has waited longer than
+        `patience`, and longer than SLOW_ANSWERS times the slowest answer the store gave so far: on a loaded
+        machine, whose every answer is slow, the wait stretches. Never before the store first answered: until
+        then the breaker lets one call at a time wait on it, and the first includes connecting (and importing
+        the client library)."""
         started = self._calls.get(caller)
-        return 0.0 if started is None else time.monotonic() - started
+        if started is None or self._slowest is None:
+            return False
+        return time.monotonic() - started > max(patience, SLOW_ANSWERS * self._slowest)
 
     def give_up(self, why: str) -> None:
         """Take the store as failed now, as a timeout would (counted, the breaker opens), and cut short the calls

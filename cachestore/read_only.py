@@ -40,8 +40,8 @@ class ReadOnlyTier(EntryReads):
     def available(self) -> bool:
         return self.client.available
 
-    def waiting_seconds(self, caller: int) -> float:
-        return self.client.waiting_seconds(caller)
+    def overdue(self, caller: int, patience: float) -> bool:
+        return self.client.overdue(caller, patience)
 
     def give_up(self, why: str) -> None:
         self.client.give_up(why)

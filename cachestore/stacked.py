@@ -80,8 +80,8 @@ class StackedTier(EntryReads):
         entry), whatever the nearer levels answer."""
         return self.shared.available
 
-    def waiting_seconds(self, caller: int) -> float:
-        return self.shared.waiting_seconds(caller)
+    def overdue(self, caller: int, patience: float) -> bool:
+        return self.shared.overdue(caller, patience)
 
     def give_up(self, why: str) -> None:
         self.shared.give_up(why)

@@ -12,12 +12,13 @@ fork (a forked process must not inherit a tier client in use), and the tasks it 
 pass reads them). Tracing waits for that answer PLAN_PATIENCE_SECONDS at most, and the passes wait for it
 while there is anything left to trace: a tier that is down, frozen or slow costs the compile what no tier
 would, not its timeouts. Later in the compile, a thread (`TierWatch`) gives up on a tier that leaves a pass
-waiting TIER_PATIENCE_SECONDS (a frozen server, long before the operation timeout: the pass goes on as on a
-tier that failed), and once the tier failed, puts the skipped tasks of the passes still to run back in the
-pool and wakes the helpers: those passes wait for them as without a tier. Helpers are forked when this process
-runs no other thread (they start in milliseconds, the compiler already imported), otherwise they start from the
-forkserver (`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this process, which
-traces them; the others keep taking tasks, and each pass completes as without helpers.
+waiting TIER_PATIENCE_SECONDS and ten times the tier's slowest answer so far (a frozen server, long before the
+operation timeout: the pass goes on as on a tier that failed), and once the tier failed, puts the skipped tasks
+of the passes still to run back in the pool and wakes the helpers: those passes wait for them as without a
+tier. Helpers are forked when this process runs no other thread (they start in milliseconds, the compiler
+already imported), otherwise they start from the forkserver (`workers.pool_process.pool_context`). A helper
+that dies leaves the tasks it took to this process, which traces them; the others keep taking tasks, and each
+pass completes as without helpers.
 """
 
 from __future__ import annotations
@@ -310,8 +311,8 @@ class TierAnswer:
 
 class TierWatch:
     """A thread that watches the tier for the compile: it gives up on the tier when a read made by the passes'
-    thread (`passes`) has waited TIER_PATIENCE_SECONDS, and calls `failed` once the tier failed (whichever call
-    saw it). Ends with the compile (`stop`)."""
+    thread (`passes`) is overdue (cachestore.guard; TIER_PATIENCE_SECONDS at least), and calls `failed` once the
+    tier failed (whichever call saw it). Ends with the compile (`stop`)."""
 
     def __init__(self, tier: Any, passes: int, failed: Callable[[], None]):
         self._stopped = threading.Event()
@@ -322,8 +323,8 @@ class TierWatch:
     def _watch(self, tier: Any, passes: int, failed: Callable[[], None]) -> None:
         told = False
         while not self._stopped.wait(WATCH_SECONDS):
-            if tier.waiting_seconds(passes) > TIER_PATIENCE_SECONDS:
-                tier.give_up(f"no answer within {TIER_PATIENCE_SECONDS} s, longer than compile --workers waits")
+            if tier.overdue(passes, TIER_PATIENCE_SECONDS):
+                tier.give_up(f"a pass's read outwaited compile --workers ({TIER_PATIENCE_SECONDS} s at least)")
             if not told and not tier.available:
                 failed()
                 told = True

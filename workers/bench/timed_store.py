@@ -47,8 +47,8 @@ class TimedStore:
     def available(self) -> bool:
         return self.inner.available
 
-    def waiting_seconds(self, caller: int) -> float:
-        return self.inner.waiting_seconds(caller)
+    def overdue(self, caller: int, patience: float) -> bool:
+        return self.inner.overdue(caller, patience)
 
     def give_up(self, why: str) -> None:
         self.inner.give_up(why)
