@@ -29,7 +29,7 @@ class Guard:
         self.description = description
         self.store: Backend | None = None  # opened by the first call let through
         self._calls: dict[int, float] = {}  # thread id -> when its call to the store started (one per thread)
-        self._slowest: float | None = None  # seconds of the slowest call the store answered so far
+        self._slowest: dict[int, float] = {}  # thread id -> seconds of its slowest call the store answered
 
     def open(self) -> bool:
         """Open the store now, if it is not open yet; False when it cannot be (counted, and the breaker opens).
@@ -49,7 +49,7 @@ class Guard:
         try:
             ok, result = self._attempt(operation, what, answers)
             if ok and answers:
-                self._slowest = max(self._slowest or 0.0, time.monotonic() - started)
+                self._slowest[caller] = max(self._slowest.get(caller, 0.0), time.monotonic() - started)
             return ok, result
         finally:
             self._calls.pop(caller, None)
@@ -57,14 +57,14 @@ class Guard:
 
     def overdue(self, caller: int, patience: float) -> bool:
         """Whether the call thread `caller` (a threading.get_ident()) makes to the store has waited longer than
-        `patience`, and longer than SLOW_ANSWERS times the slowest answer the store gave so far: on a loaded
-        machine, whose every answer is slow, the wait stretches. Never before the store first answered: until
-        then the breaker lets one call at a time wait on it, and the first includes connecting (and importing
-        the client library)."""
-        started = self._calls.get(caller)
-        if started is None or self._slowest is None:
+        `patience`, and longer than SLOW_ANSWERS times the slowest of its calls the store answered (a thread's
+        calls are alike: a pass's reads, or the flusher's batches; on a loaded machine all are slow, and the
+        wait stretches). Never before the store first answered the thread: until then the breaker lets one
+        call at a time wait on an unproven store, and a thread's first call includes connecting."""
+        started, slowest = self._calls.get(caller), self._slowest.get(caller)
+        if started is None or slowest is None:
             return False
-        return time.monotonic() - started > max(patience, SLOW_ANSWERS * self._slowest)
+        return time.monotonic() - started > max(patience, SLOW_ANSWERS * slowest)
 
     def give_up(self, why: str) -> None:
         """Take the store as failed now, as a timeout would (counted, the breaker opens), and cut short the calls

@@ -12,7 +12,7 @@ fork (a forked process must not inherit a tier client in use), and the tasks it 
 pass reads them). Tracing waits for that answer PLAN_PATIENCE_SECONDS at most, and the passes wait for it
 while there is anything left to trace: a tier that is down, frozen or slow costs the compile what no tier
 would, not its timeouts. Later in the compile, a thread (`TierWatch`) gives up on a tier that leaves a pass
-waiting TIER_PATIENCE_SECONDS and ten times the tier's slowest answer so far (a frozen server, long before the
+waiting TIER_PATIENCE_SECONDS and ten times the slowest of their reads so far (a frozen server, long before the
 operation timeout: the pass goes on as on a tier that failed), and once the tier failed, puts the skipped tasks
 of the passes still to run back in the pool and wakes the helpers: those passes wait for them as without a
 tier. Helpers are forked when this process runs no other thread (they start in milliseconds, the compiler
