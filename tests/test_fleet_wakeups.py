@@ -117,3 +117,15 @@ def test_an_idle_worker_takes_a_job_in_any_shard_as_soon_as_it_is_queued(
     [(shard, _message_id, fields)] = taken
     assert json.loads(fields[b"job"])["id"] == submission.job_ids[0]
     assert shard == worker.keys.job_shard(workers.fleet.job_shard(submission.job_ids[0], 8))
+
+
+def test_a_key_that_is_no_list_turns_a_woken_wait_into_a_timed_one(redis_client: redis.Redis, namespace: str) -> None:
+    """Another tool's string under the wake-up or finished list: the waits time out as before, no error."""
+    keys = KeySpace(namespace)
+    redis_client.set(keys.job_wake("tc"), b"not a list")
+    redis_client.set(keys.job_batch_done("b1"), b"not a list")
+    tell_finished(redis_client, keys, "b2", "b2-00000", ttl=60)
+    started = time.monotonic()
+    assert not wait_for_job(redis_client, keys, "tc", 0.05)
+    assert finished_jobs(redis_client, keys, ["b1", "b2"], 0.05) == []
+    assert time.monotonic() - started >= 0.1  # both waited their block out

@@ -12,8 +12,11 @@ the two loses a wake-up, never a job, and each wait still looks on its own at le
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
+
+import redis.exceptions as rex
 
 from cachestore.keys import KeySpace
 
@@ -35,8 +38,13 @@ def wake_workers(client: Any, keys: KeySpace, toolchain: str, jobs: int, ttl: in
 
 
 def wait_for_job(client: Any, keys: KeySpace, toolchain: str, seconds: float) -> bool:
-    """Block until a token comes (True) or `seconds` pass (False)."""
-    return client.blpop([keys.job_wake(toolchain)], timeout=seconds) is not None
+    """Block until a token comes (True) or `seconds` pass (False). Under a key that is no list (another tool's,
+    or a hand's), the block is waited out as a timed one."""
+    try:
+        return client.blpop([keys.job_wake(toolchain)], timeout=seconds) is not None
+    except rex.ResponseError:  # WRONGTYPE
+        time.sleep(seconds)
+        return False
 
 
 def tell_finished(client: Any, keys: KeySpace, batch_id: str, job_id: str, ttl: int) -> None:
@@ -51,12 +59,16 @@ def tell_finished(client: Any, keys: KeySpace, batch_id: str, job_id: str, ttl: 
 def finished_jobs(client: Any, keys: KeySpace, batch_ids: Sequence[str], seconds: float) -> list[str]:
     """The ids of the batches' jobs that finished since the last call, blocking up to `seconds` for the first."""
     lists = [keys.job_batch_done(batch) for batch in batch_ids]
-    popped = client.blpop(lists, timeout=seconds)
+    try:
+        popped = client.blpop(lists, timeout=seconds)
+    except rex.ResponseError:  # one of them is no list: the wait's own looks find its results
+        time.sleep(seconds)
+        return []
     if popped is None:
         return []
     with client.pipeline(transaction=False) as pipe:
         for done in lists:
             pipe.lpop(done, 10_000)
-        more = pipe.execute()
-    ids = [popped[1], *(job for batch in more if batch for job in batch)]
+        more = pipe.execute(raise_on_error=False)
+    ids = [popped[1], *(job for batch in more if isinstance(batch, list) for job in batch)]
     return [job.decode() if isinstance(job, bytes) else job for job in ids]

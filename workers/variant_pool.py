@@ -93,10 +93,11 @@ class Claims:
         """Mark free tasks SKIPPED, or (`skipped=False`) skipped ones FREE again; a TAKEN task stays taken."""
         if not positions:
             return
+        before, after = (FREE, SKIPPED) if skipped else (SKIPPED, FREE)
         with self._locked() as counter:
             for position in positions:
-                if self.state[position] == (SKIPPED if not skipped else FREE):
-                    self.state[position] = SKIPPED if skipped else FREE
+                if self.state[position] == before:
+                    self.state[position] = after
             if not skipped and counter.value < STOPPED:
                 counter.value = min(counter.value, *positions)
 
