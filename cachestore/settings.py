@@ -27,7 +27,7 @@ from cachestore.keys import (
     MAX_METRICS_SHARDS,
     QUARANTINE_SCOPE,
 )
-from cachestore.tier_urls import PATH_SCHEMES, redact_url, tier_levels, tier_url_problem
+from cachestore.tier_urls import redact_url, tier_levels, tier_path, tier_url_problem
 
 # read-through: ask the tier before tracing and write what was traced; mirror: write only; read-only: ask,
 # never write (no entries, leases, TTL refreshes nor metrics: for clients whose credentials cannot write).
@@ -319,7 +319,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         what = {int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
         raise SettingsError(f"{source}: {name} must be {what}, got {value!r}") from None
-    if isinstance(coerced, str) and not coerced.startswith(PATH_SCHEMES):  # a path may be any bytes
+    if isinstance(coerced, str) and tier_path(coerced) is None:  # a path may be any bytes
         try:
             # Bytes that are not UTF-8 reach Python escaped (in the environment and on the command line alike):
             # a host, worker or namespace, or a Redis URL, holding them would fail every write to the tier.

@@ -3,18 +3,19 @@ imported only then), `open_tier` the client the compile path uses (a stack of th
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from functools import partial
 
 from bridge.identity import toolchain_id
-from cachestore.api import READ_TIMEOUT, Backend, Reader
+from cachestore.api import Backend, Reader
 from cachestore.client import TierClient
 from cachestore.credentials import Credentials, settings_credentials
 from cachestore.keys import partition
 from cachestore.read_only import ReadOnlyTier
 from cachestore.settings import Settings, SettingsError
 from cachestore.stacked import StackedTier, level_settings
-from cachestore.tier_urls import PATH_SCHEMES, REDIS_SCHEMES, TIER_SCHEMES_TEXT, redact_url, shared_level, tier_levels
+from cachestore.tier_urls import TIER_SCHEMES_TEXT, redact_url, scheme_of, shared_level, tier_levels, tier_path
 
 
 def open_backend(
@@ -26,39 +27,12 @@ def open_backend(
     tier is opened read-only, neither created nor upgraded, and one that does not exist reads as empty; a
     Redis tier is only sent reads by such a client anyway."""
     url = shared_level(settings.tier)  # a stack of levels: the shared one holds the fleet's entries and metrics
-    if url != settings.tier:
-        settings = settings.replace(tier=url)
-    if url.startswith("local:"):
-        from cachestore.backends.sqlite import SqliteBackend
-
-        timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
-        # Background writes may wait for the lock as long as a closing client waits for them to land.
-        return SqliteBackend(
-            url[len("local:") :],
-            timeout=timeout,
-            create=not reading and writable,
-            writable=writable,
-            partition=partition,
-            write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
-            max_entry_bytes=settings.max_entry_bytes,
-            max_size=settings.max_size,
-        )
-    if url.startswith("dir:"):
-        from cachestore.backends.directory import DirectoryBackend
-
-        return DirectoryBackend(
-            url[len("dir:") :],
-            create=not reading and writable,
-            writable=writable,
-            partition=partition,
-            max_entry_bytes=settings.max_entry_bytes,
-            lease_ttl=settings.lease_ttl,
-        )
-    if url.startswith(REDIS_SCHEMES):
-        from cachestore.backends.redis import RedisBackend
-
-        return RedisBackend.open(settings, reading=reading, partition=partition)
-    raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
+    scheme = scheme_of(url)
+    if scheme is None:
+        raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
+    store = importlib.import_module(scheme.module)  # only the named store's library is imported
+    location = tier_path(url) if scheme.names_path else url
+    return store.open_store(settings, location, reading=reading, partition=partition, writable=writable)
 
 
 def open_tier(settings: Settings, toolchain: str | None = None) -> TierClient | ReadOnlyTier | StackedTier | None:
@@ -73,7 +47,7 @@ def open_tier(settings: Settings, toolchain: str | None = None) -> TierClient | 
         return StackedTier(
             [open_tier(level_settings(settings, levels, index), toolchain) for index in range(len(levels))]
         )
-    if not settings.tier.startswith((*PATH_SCHEMES, *REDIS_SCHEMES)):
+    if scheme_of(settings.tier) is None:
         open_backend(settings)  # raises the clear error for an unknown scheme
     credentials = settings_credentials(settings)
     backend = partial(

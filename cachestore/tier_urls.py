@@ -1,20 +1,61 @@
 """Tier URLs, read in one place: the schemes, the levels of a stack, the checks made when settings are read,
-and the form every output shows (without secrets). The store a URL names is opened by cachestore.stores."""
+and the form every output shows (without secrets). The store a URL names is opened by cachestore.stores, with
+the module its scheme names here."""
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-PATH_SCHEMES = ("local:", "dir:")  # a tier named by a path: local:PATH (an SQLite file), dir:PATH (a shared folder)
-TIER_SCHEMES_TEXT = "off, local:PATH, dir:PATH, redis://, rediss://, unix:// or redis+cluster://"
+REDIS_MODULE = "cachestore.backends.redis"
 
+
+class Scheme(NamedTuple):
+    """A kind of tier URL: how it starts, the module whose `open_store` opens what it names (imported only
+    then), and how `--help` and errors name it. A scheme without "//" names a path (local:PATH)."""
+
+    prefix: str
+    module: str
+    shown: str
+
+    @property
+    def names_path(self) -> bool:
+        return "//" not in self.prefix
+
+
+LOCAL = Scheme("local:", "cachestore.backends.sqlite", "local:PATH")  # the embedded default
+# Every tier URL there is: nothing outside this module reads a URL's scheme.
+SCHEMES = (
+    LOCAL,
+    Scheme("dir:", "cachestore.backends.directory", "dir:PATH"),
+    Scheme("redis://", REDIS_MODULE, "redis://"),
+    Scheme("rediss://", REDIS_MODULE, "rediss://"),
+    Scheme("unix://", REDIS_MODULE, "unix://"),
+    Scheme("redis+cluster://", REDIS_MODULE, "redis+cluster://"),
+    Scheme("rediss+cluster://", REDIS_MODULE, "rediss+cluster://"),
+)
+TIER_SCHEMES_TEXT = f"off, {', '.join(s.shown for s in SCHEMES[:-1])} or {SCHEMES[-1].shown}"
 
 # A level of a stacked tier starts after whitespace with a scheme, so a local path may still hold spaces.
-_LEVEL_START = re.compile(
-    r"\s+(?=off(?:\s|$)|local:|dir:|redis://|rediss://|unix://|redis\+cluster://|rediss\+cluster://)"
-)
+_LEVEL_START = re.compile(r"\s+(?=off(?:\s|$)|" + "|".join(re.escape(s.prefix) for s in SCHEMES) + ")")
+
+
+def scheme_of(url: str) -> Scheme | None:
+    """The scheme of one level's URL, None for `off` or what is no tier URL."""
+    return next((scheme for scheme in SCHEMES if url.startswith(scheme.prefix)), None)
+
+
+def tier_path(url: str) -> str | None:
+    """The PATH of a tier named by a path (local:PATH, dir:PATH), None for any other."""
+    scheme = scheme_of(url)
+    return url[len(scheme.prefix) :] if scheme is not None and scheme.names_path else None
+
+
+def is_redis(url: str, cluster: bool = True) -> bool:
+    """Whether the URL names a Redis server or (unless `cluster` is False) a cluster: what the fleet needs."""
+    scheme = scheme_of(url)
+    return scheme is not None and scheme.module == REDIS_MODULE and (cluster or "+cluster" not in scheme.prefix)
 
 
 def tier_levels(tier: str) -> list[str]:
@@ -88,15 +129,15 @@ def tier_url_problem(url: str) -> str | None:
     levels = tier_levels(url)
     if len(levels) > 1:
         return _stack_problem(levels)
-    scheme = next((s for s in PATH_SCHEMES if url.startswith(s)), None)
-    if url == "off" or (scheme and url[len(scheme) :].strip()):
+    scheme = scheme_of(url)
+    if url == "off":
         return None
-    if scheme:
-        return f"{scheme} needs a path ({scheme}PATH)"
-    if not url.startswith(REDIS_SCHEMES):
+    if scheme is None:
         return f"is not a tier; use {TIER_SCHEMES_TEXT}"
+    if scheme.names_path:
+        return None if url[len(scheme.prefix) :].strip() else f"{scheme.prefix} needs a path ({scheme.shown})"
     if any(character.isspace() for character in url):
-        return "holds a space; each level of a stack starts with off, local:, dir:, redis://, rediss://, unix:// or redis+cluster://"
+        return f"holds a space; each level of a stack starts with {TIER_SCHEMES_TEXT.replace('PATH', '')}"
     try:
         parts = urlsplit(url)
         return _address_problem(parts) or _database_problem(parts) or _query_problem(parts.query)

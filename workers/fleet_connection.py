@@ -8,7 +8,7 @@ from typing import Any
 from bridge.errors import NkiCacheError
 from cachestore.backends.redis import connect
 from cachestore.settings import Settings
-from cachestore.tier_urls import REDIS_SCHEMES, redact_url, shared_level
+from cachestore.tier_urls import is_redis, redact_url, shared_level
 
 BLOCK_MS = 1000  # how long an idle worker's read of the job streams blocks
 
@@ -20,7 +20,7 @@ class FleetError(NkiCacheError):
 def fleet_client(settings: Settings) -> Any:
     """A Redis client for the fleet's keys, its timeout longer than one blocking read of the job streams."""
     url = shared_level(settings.tier)  # a stack's shared level holds the queue
-    if not url.startswith(REDIS_SCHEMES):
+    if not is_redis(url):
         raise FleetError(f"the fleet runs on Redis; --tier must be a redis:// URL, got {redact_url(settings.tier)!r}")
     op_timeout = max(settings.op_timeout, BLOCK_MS / 1000 + 1)
     return connect(

@@ -197,10 +197,10 @@ def _report_reader(settings: Any) -> Iterator[Any]:
 
     from cachestore.backends.sqlite import SqliteBackend
     from cachestore.stores import open_backend
-    from cachestore.tier_urls import shared_level
+    from cachestore.tier_urls import LOCAL, scheme_of, shared_level, tier_path
 
     url = shared_level(settings.tier)  # what open_backend opens
-    path = Path(url[len("local:") :]).expanduser() if url.startswith("local:") else None
+    path = Path(tier_path(url)).expanduser() if scheme_of(url) == LOCAL else None
     if path is None or path.exists():
         reader = open_backend(settings, reading=True)
         try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from cachestore.tier_urls import REDIS_SCHEMES, shared_level
+from cachestore.tier_urls import is_redis, shared_level
 from workers.cli_common import (
     EXIT_CHECK_FAILED,
     PROCESS_COUNT,
@@ -126,7 +126,7 @@ def warm_command(
         variants = pick_variants(reader, source, top=top, min_usage=min_usage, since=since)
     finally:
         reader.close()
-    if fleet and not shared_level(settings.tier).startswith(REDIS_SCHEMES):
+    if fleet and not is_redis(shared_level(settings.tier)):
         raise click.UsageError("--fleet needs the fleet's Redis tier (--tier redis://...)")
     client = open_tier(settings.replace(tier_mode="read-through", worker="warm"))
     progress = Progress(len(variants), f"warming from {source[:8]}", quiet=as_json)

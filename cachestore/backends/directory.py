@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bridge.identity import toolchain_id
 from cachestore import api
@@ -31,6 +32,9 @@ from cachestore.backends import files
 from cachestore.backends.file_leases import FileLease
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.metrics_fold import FoldedMetrics, batch_record, zero_record
+
+if TYPE_CHECKING:
+    from cachestore.settings import Settings
 
 MARKER = "nkicache-dir-store"
 MARKER_TEXT = b"nkicache shared directory tier, layout 1\n"
@@ -263,3 +267,17 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
 
     def close(self) -> None:
         pass
+
+
+def open_store(
+    settings: Settings, path: str, *, reading: bool, partition: str | None, writable: bool
+) -> DirectoryBackend:
+    """The shared folder `dir:PATH` names (cachestore.stores); reading never creates it."""
+    return DirectoryBackend(
+        path,
+        create=not reading and writable,
+        writable=writable,
+        partition=partition,
+        max_entry_bytes=settings.max_entry_bytes,
+        lease_ttl=settings.lease_ttl,
+    )

@@ -1084,3 +1084,8 @@ def _record_time(stream_id: bytes | str, fields: dict) -> float:
     """When the pass ended (its record's `finished`), else when it was appended (the stream id)."""
     record = _pass_record(fields) or {}
     return pass_time(record.get("finished"), int(text(stream_id).partition("-")[0]) / 1000)
+
+
+def open_store(settings: Settings, url: str, *, reading: bool, partition: str | None, writable: bool) -> RedisBackend:
+    """The Redis server or cluster `url` names (cachestore.stores); a read-only client only sends it reads."""
+    return RedisBackend.open(settings.replace(tier=url), reading=reading, partition=partition)

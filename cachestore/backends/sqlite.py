@@ -22,10 +22,12 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bridge.identity import toolchain_id
 from cachestore.api import (
     BATCH,
+    READ_TIMEOUT,
     Backend,
     BatchRefused,
     KeyRecord,
@@ -43,6 +45,9 @@ from cachestore.api import (
 )
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
 from cachestore.value import retention_score
+
+if TYPE_CHECKING:
+    from cachestore.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -943,3 +948,19 @@ def _local_record_time(ts: float, raw: str) -> tuple[float, dict | None]:
     if not isinstance(record, dict):
         return ts, None
     return pass_time(record.get("finished"), ts), record
+
+
+def open_store(settings: Settings, path: str, *, reading: bool, partition: str | None, writable: bool) -> SqliteBackend:
+    """The local tier `local:PATH` names (cachestore.stores): reading (reports, inspection) waits longer for
+    the lock and never creates the file; a compile's writes may wait as long as a closing client waits."""
+    timeout = max(settings.op_timeout, READ_TIMEOUT) if reading else settings.op_timeout
+    return SqliteBackend(
+        path,
+        timeout=timeout,
+        create=not reading and writable,
+        writable=writable,
+        partition=partition,
+        write_timeout=max(settings.final_flush_timeout, settings.op_timeout),
+        max_entry_bytes=settings.max_entry_bytes,
+        max_size=settings.max_size,
+    )

@@ -85,16 +85,16 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     scaling figure is printed beside its CPU control.
     """
     from bridge.errors import NkiCacheError
-    from cachestore.tier_urls import redact_url, tier_url_problem
+    from cachestore.tier_urls import is_redis, redact_url, tier_url_problem
     from workers.bench.figures import BenchConfig, run_benchmarks
     from workers.dev_redis import answers_ping, start_private_server
 
     if redis_url:
         # Checked first: the measurements would fail on it, after the first ones ran and printed many warnings.
-        single = ("redis://", "rediss://", "unix://")  # the bench talks to one server, with redis-py's from_url
+        # The bench talks to one server, with redis-py's from_url.
         problem = (
             tier_url_problem(redis_url)
-            if redis_url.startswith(single)
+            if is_redis(redis_url, cluster=False)
             else "is not a redis://, rediss:// or unix:// URL"
         )
         if problem:
