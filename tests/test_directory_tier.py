@@ -265,3 +265,21 @@ def test_dir_urls_are_accepted_wherever_a_tier_url_is() -> None:
     assert tier_levels("dir:/mnt/a redis://h:6379") == ["dir:/mnt/a", "redis://h:6379"]
     assert redact_url("dir:/mnt/user:secret@x") == "dir:/mnt/user:secret@x"  # a path, nothing hidden or mangled
     assert "dir:PATH" in (tier_url_problem("s3://bucket") or "")
+
+
+def test_gc_deletes_spent_lease_generations_and_the_folders_they_leave(tmp_path: Path) -> None:
+    """A lease generation lives lease_ttl from its creation at most: gc deletes it after that, held or released,
+    and the key's folder with it; a key whose lease is younger keeps it."""
+    store = DirectoryBackend(tmp_path / "d", lease_ttl=0.2)
+    released, held, young = "ab" * 32, "cd" * 32, "ef" * 32
+    assert store.acquire_lease(released, "w1", 60) and store.acquire_lease(held, "w1", 60)
+    store.release_lease(released, "w1")
+    assert store.expired_count() == (0, 0)  # younger than lease_ttl: maybe in use
+    time.sleep(0.3)  # lease_ttl passes
+    assert store.acquire_lease(young, "w2", 60)
+    assert store.expired_count()[0] == 2
+    store.purge_expired()
+    partition = next((tmp_path / "d" / "leases").iterdir())
+    assert len(list(partition.iterdir())) == 1  # the young lease's folder
+    assert store.expired_count() == (0, 0) and store.lease_holder(young) == "w2"
+    assert store.acquire_lease(held, "w2", 60)  # its spent lease was gone: taken afresh

@@ -10,7 +10,8 @@ mount (NFS, FSx, a local disk), as AWS Neuron's compile cache and ccache's file 
 
 Every file is written whole, and lease generations and batches exclusively (cachestore.backends.files): a
 reader sees a whole file or none, and of many processes creating one name, one does. Temp files a killed
-writer left are never read, and `purge_expired` (inspect gc) deletes them. Whoever can write the directory can
+writer left are never read, and `purge_expired` (inspect gc) deletes them, and the lease generations older than
+`lease_ttl` with the key folders they leave empty. Whoever can write the directory can
 plant anything in it: nothing here follows a link or blocks on a file (files.SharedFolder), a planted entry is
 read as a corrupt one, and gc deletes what was planted; a lease lives `lease_ttl` from its file's creation at
 most, whatever it says.
@@ -251,19 +252,38 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
                     if stale or files.removable(info.st_mode):
                         yield path, info.st_size
 
+    def _spent_leases(self) -> Iterator[tuple[Path, int]]:
+        """(path, bytes) of every lease generation older than `lease_ttl`, and whatever was planted among them."""
+        now = time.time()
+        leases = self.path / "leases"
+        for partition in self.files.names(leases):
+            for key in self.files.names(leases / partition):
+                folder = leases / partition / key
+                if (info := self.files.stat_of(folder)) is not None and files.removable(info.st_mode):
+                    yield folder, 0
+                    continue
+                for name in self.files.names(folder, hidden=True):
+                    info = self.files.stat_of(folder / name)
+                    if info is not None and (files.removable(info.st_mode) or info.st_ctime + self.lease_ttl < now):
+                        yield folder / name, info.st_size
+
     def expired_count(self) -> tuple[int, int]:
-        """(expired entries and index fields and stale temp files, their bytes), of every partition."""
-        found = [size for _, size in self._garbage()]
+        """(files `purge_expired` would delete, their bytes), of every partition."""
+        found = [size for _, size in (*self._garbage(), *self._spent_leases())]
         return len(found), sum(found)
 
     def purge_expired(self) -> None:
-        """Delete what `_garbage` lists, a file written again meanwhile excepted (`_take`)."""
+        """Delete what `_garbage` lists, a file written again meanwhile excepted (`_take`), and the spent lease
+        generations (never rewritten: deleted as they are) with the key folders they leave empty."""
         now = time.time()
         for path, _ in self._garbage():
             if path.name.startswith("."):
                 self.files.unlink(path)
             else:
                 self.files.take(path, lambda info: files.removable(info.st_mode) or info.st_mtime <= now)
+        for path, _ in list(self._spent_leases()):
+            self.files.unlink(path)
+            self.files.remove_if_empty(path.parent)
 
     def close(self) -> None:
         pass
@@ -273,11 +293,8 @@ def open_store(
     settings: Settings, path: str, *, reading: bool, partition: str | None, writable: bool
 ) -> DirectoryBackend:
     """The shared folder `dir:PATH` names (cachestore.stores); reading never creates it."""
+    size, ttl = settings.max_entry_bytes, settings.lease_ttl
+    create = not reading and writable
     return DirectoryBackend(
-        path,
-        create=not reading and writable,
-        writable=writable,
-        partition=partition,
-        max_entry_bytes=settings.max_entry_bytes,
-        lease_ttl=settings.lease_ttl,
+        path, create=create, writable=writable, partition=partition, max_entry_bytes=size, lease_ttl=ttl
     )

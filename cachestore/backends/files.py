@@ -210,6 +210,13 @@ class SharedFolder:
             finally:
                 os.unlink(aside)
 
+    def remove_if_empty(self, folder: Path) -> None:
+        """Remove `folder` if it holds nothing (a folder another process writes into meanwhile stays)."""
+        if self.hostile_folder(folder) is not None:
+            return
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
     def unlink(self, path: Path) -> None:
         """Delete the file at `path` (a link itself, never what it points to), if there is one."""
         if self.hostile_folder(path.parent) is not None:
