@@ -15,7 +15,15 @@ from cachestore.keys import partition
 from cachestore.read_only import ReadOnlyTier
 from cachestore.settings import Settings, SettingsError
 from cachestore.stacked import StackedTier, level_settings
-from cachestore.tier_urls import TIER_SCHEMES_TEXT, redact_url, scheme_of, shared_level, tier_levels, tier_path
+from cachestore.tier_urls import (
+    TIER_SCHEMES_TEXT,
+    Scheme,
+    redact_url,
+    scheme_of,
+    shared_level,
+    tier_levels,
+    tier_path,
+)
 
 
 def open_backend(
@@ -27,12 +35,17 @@ def open_backend(
     tier is opened read-only, neither created nor upgraded, and one that does not exist reads as empty; a
     Redis tier is only sent reads by such a client anyway."""
     url = shared_level(settings.tier)  # a stack of levels: the shared one holds the fleet's entries and metrics
-    scheme = scheme_of(url)
-    if scheme is None:
-        raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
+    scheme = known_scheme(url)
     store = importlib.import_module(scheme.module)  # only the named store's library is imported
     location = tier_path(url) if scheme.names_path else url
     return store.open_store(settings, location, reading=reading, partition=partition, writable=writable)
+
+
+def known_scheme(url: str) -> Scheme:
+    scheme = scheme_of(url)
+    if scheme is None:
+        raise SettingsError(f"unknown tier {redact_url(url)!r}; use {TIER_SCHEMES_TEXT}")
+    return scheme
 
 
 def open_tier(settings: Settings, toolchain: str | None = None) -> TierClient | ReadOnlyTier | StackedTier | None:
@@ -47,8 +60,7 @@ def open_tier(settings: Settings, toolchain: str | None = None) -> TierClient | 
         return StackedTier(
             [open_tier(level_settings(settings, levels, index), toolchain) for index in range(len(levels))]
         )
-    if scheme_of(settings.tier) is None:
-        open_backend(settings)  # raises the clear error for an unknown scheme
+    known_scheme(settings.tier)  # an unknown one is an error now, not at the first call
     credentials = settings_credentials(settings)
     backend = partial(
         open_backend,
