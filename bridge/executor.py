@@ -169,13 +169,15 @@ class LoadedProgram:
 
     def _writer(self, ref: object) -> tuple[Callable[[_Machine, np.ndarray], None], tuple[int, ...], str, str]:
         buf, index, shape, dtype, space = self._tile(ref)
-        np_dtype, full_shape = dtypes.to_numpy(dtype), self.buffers[buf][0]
+        full_shape = self.buffers[buf][0]
 
         def write(m: _Machine, value: np.ndarray) -> None:
             target = m.buffers[buf]
             if target is None:
                 target = m.buffers[buf] = _poisoned(full_shape, dtype)
-            target[index] = np.broadcast_to(value, shape).astype(np_dtype, copy=False)
+            # The numpy dtype when the program runs, not when it is loaded: a trace validates its binary by loading
+            # it, and bfloat16's dtype would import ml_dtypes (0.6-0.8 s) into every process that traces.
+            target[index] = np.broadcast_to(value, shape).astype(dtypes.to_numpy(dtype), copy=False)
 
         return write, shape, dtype, space
 
@@ -255,8 +257,8 @@ class LoadedProgram:
         buf, index, tile_shape, dtype, _ = self._tile(src)
         _expect_fit(tile_shape, shape, "stored tile", "destination region")
         read = self._reader(buf, index, dtype)
-        np_dtype = dtypes.to_numpy((self.inputs + self.outputs)[tensor_id][2])
-        return lambda m: write(m, read(m).reshape(shape).astype(np_dtype, copy=False))
+        stored = (self.inputs + self.outputs)[tensor_id][2]  # its numpy dtype when the program runs (see _writer)
+        return lambda m: write(m, read(m).reshape(shape).astype(dtypes.to_numpy(stored), copy=False))
 
     def _op_load_scalar(self, reg: object, access: object) -> Step:
         register = self._register(reg)
