@@ -246,7 +246,7 @@ def compile_in_parallel(
                 scheduler.close()
         finally:
             claims.stop()
-            answer.close()  # (its read is bounded by the tier's timeouts) before the tier client closes
+            answer.close()  # (its read cut short if it outlived the compile) before the tier client closes
             helpers.close()
             if tier is not None:
                 tier.close()
@@ -286,6 +286,7 @@ class TierAnswer:
 
     def __init__(self, plan: VariantPlan, tier: Any):
         self.skipped: set[int] = set()
+        self._tier = tier
         self.counts_before: Mapping[str, int] | None = tier.counts() if tier is not None else None
         self.ready, self._done = multiprocessing.Pipe(duplex=False)
         self._thread: threading.Thread | None = None
@@ -305,7 +306,11 @@ class TierAnswer:
         return self.ready.poll(timeout)
 
     def close(self) -> None:
+        """Wait for the read, TIER_PATIENCE_SECONDS at most: the compile is done, and a tier that did not answer
+        its plan while the whole compile ran is given up on (its read cut short, as TierWatch cuts a pass's)."""
         if self._thread is not None:
+            if not self.known(TIER_PATIENCE_SECONDS):
+                self._tier.give_up("the compile ended before the tier answered its plan's read")
             self._thread.join()
         self.ready.close()
 
