@@ -27,6 +27,7 @@ import contextlib
 import gc
 import multiprocessing
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
@@ -293,6 +294,7 @@ class TierAnswer:
         if tier is None or not tier.reads:
             self._done.close()
             return
+        self._asked = time.monotonic()
         self._thread = threading.Thread(target=self._read, args=(plan, tier), name="nkicache-plan", daemon=True)
         self._thread.start()
 
@@ -306,10 +308,10 @@ class TierAnswer:
         return self.ready.poll(timeout)
 
     def close(self) -> None:
-        """Wait for the read, TIER_PATIENCE_SECONDS at most: the compile is done, and a tier that did not answer
-        its plan while the whole compile ran is given up on (its read cut short, as TierWatch cuts a pass's)."""
+        """Wait for the read until it is TIER_PATIENCE_SECONDS old at most: the compile is done, and a tier that
+        did not answer its plan in that long is given up on (its read cut short, as TierWatch cuts a pass's)."""
         if self._thread is not None:
-            if not self.known(TIER_PATIENCE_SECONDS):
+            if not self.known(max(0.0, self._asked + TIER_PATIENCE_SECONDS - time.monotonic())):
                 self._tier.give_up("the compile ended before the tier answered its plan's read")
             self._thread.join()
         self.ready.close()
