@@ -342,8 +342,8 @@ class Reader(Protocol):
 
     def put_entries(self, items: Sequence[WriteItem]) -> None: ...
 
-    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
-        """Delete (cache key, digest) entries (the digest may be None; the key alone names the entry)."""
+    def delete_entries(self, cache_keys: Sequence[str]) -> None:
+        """Delete the entries of these cache keys (in this partition), where there are."""
 
     def capacity(self) -> dict[str, int | None] | None:
         """What the store holds against its size cap ({"file_bytes", "max_size"}), or None for a store with no

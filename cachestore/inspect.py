@@ -487,7 +487,6 @@ def _import_partition(
 class _Candidate(msgspec.Struct):
     key: str
     bytes: int
-    digest: str | None  # None for an unreadable entry
     usage: int
     compile_seconds: float
     last_use: float
@@ -552,7 +551,7 @@ def collect_garbage(
         for partition in sorted({c.partition for c in evicted}):
             store = reader.in_partition(partition)
             for chunk in batched(c for c in evicted if c.partition == partition):
-                store.delete_entries([(c.key, c.digest) for c in chunk])
+                store.delete_entries([c.key for c in chunk])
     expired = reader.expired_count() if reader.keeps_expired else (0, 0)
     if not dry_run and expired[0]:
         reader.purge_expired()
@@ -586,13 +585,12 @@ def _candidates(reader: Reader, policy: SignaturePolicy) -> Iterator[_Candidate]
             record = usage.get(raw.cache_key)
             writer = writer_of(raw.data)
             if isinstance(entry, str):
-                yield _Candidate(raw.cache_key, len(raw.data), None, 0, 0.0, 0.0, "unreadable", raw.partition, writer)
+                yield _Candidate(raw.cache_key, len(raw.data), 0, 0.0, 0.0, "unreadable", raw.partition, writer)
                 continue
             last = max(record.last_use if record else 0.0, entry.created)
             yield _Candidate(
                 raw.cache_key,
                 len(raw.data),
-                entry.digest,
                 record.usage if record else 0,
                 entry.compile_seconds,
                 last,

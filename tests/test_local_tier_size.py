@@ -120,7 +120,7 @@ def test_deleting_entries_gives_the_space_back(tmp_path: Path) -> None:
     tier.store([request(f"key-{i}") for i in range(40)], TTL)
     full = on_disk(path)
     assert full > 40 * 64 * 1024
-    tier.delete_entries([(f"key-{i}", None) for i in range(40)])  # what gc does
+    tier.delete_entries([f"key-{i}" for i in range(40)])  # what gc does
     assert on_disk(path) < full / 10
     tier.close()
 

@@ -120,7 +120,7 @@ def test_a_key_stored_before_and_gone_is_evicted(tier: Tier) -> None:
     compile_with(client, graph)
     evicted_key = compile_with(client, graph)._cache_key_components  # both keys, now held
     gone = sorted(evicted_key)[0]
-    tier.backend.delete_entries([(gone, None)])
+    tier.backend.delete_entries([gone])
     loop = compile_with(client, graph)
     assert causes(loop) == {"evicted": 1}
     assert loop.remote_hits == 1

@@ -478,7 +478,7 @@ def test_deleting_an_entry_removes_its_name_of_an_older_release_too(redis_backen
     listed = [raw.cache_key for raw in redis_backend.scan_entries()]
     assert listed == [cache_key]  # listed (and reported unreadable by verify), under its cache key
     assert redis_backend.fetch([cache_key], TTL) == {}  # never read by a compile
-    redis_backend.delete_entries([(cache_key, None)])
+    redis_backend.delete_entries([cache_key])
     assert redis_backend.client.exists(old_name) == 0
 
 

@@ -108,7 +108,7 @@ def quarantine(reader: Reader, key: str, data: bytes, entry: Entry, ttl: float) 
     where clients read it."""
     quarantined = partition(split_partition(reader.partition)[0], QUARANTINE_SCOPE)
     reader.in_partition(quarantined).put_entries([WriteItem(key, data, None, ttl)])
-    reader.delete_entries([(key, entry.digest)])
+    reader.delete_entries([key])
 
 
 def _count(reader: Any, host: str, toolchain: str, totals: dict[str, float]) -> None:

@@ -229,10 +229,10 @@ class DirectoryBackend(FoldedMetrics, api.Backend, api.Reader):
         for item in items:
             self._write(self._entry(item.cache_key), item.data, now + item.ttl)
 
-    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
+    def delete_entries(self, cache_keys: Sequence[str]) -> None:
         if self.read_only:
             raise api.TierError(f"dir tier {self.path} is opened read-only")
-        for key, _ in items:
+        for key in cache_keys:
             self.files.unlink(self._entry(key))
 
     def _garbage(self) -> Iterator[tuple[Path, int]]:

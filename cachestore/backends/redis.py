@@ -986,13 +986,13 @@ class RedisBackend(Backend, Reader):
         if items:
             self._pipeline(fill)
 
-    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
-        if not items:
+    def delete_entries(self, cache_keys: Sequence[str]) -> None:
+        if not cache_keys:
             return
-        names = [self._entry(key) for key, _ in items]
+        names = [self._entry(key) for key in cache_keys]
         # And each key's name before issue 16 (keys.legacy_entry), which an upgraded tier may still hold: one DEL
         # a name, as a cluster refuses a DEL of keys in two slots.
-        legacy = {self.keys.legacy_entry(self.partition, key) for key, _ in items} - set(names)
+        legacy = {self.keys.legacy_entry(self.partition, key) for key in cache_keys} - set(names)
         self._pipeline(lambda pipe: [pipe.delete(name) for name in [*names, *sorted(legacy)]])
 
     def expired_count(self) -> tuple[int, int]:

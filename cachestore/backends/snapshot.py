@@ -258,7 +258,7 @@ class SnapshotReader(Reader):
     def put_entries(self, items: Sequence[WriteItem]) -> None:
         raise SnapshotError(f"{self.path}: a snapshot is read-only; import it into a tier instead")
 
-    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
+    def delete_entries(self, cache_keys: Sequence[str]) -> None:
         raise SnapshotError(f"{self.path}: a snapshot is read-only")
 
     def expired_count(self) -> tuple[int, int]:

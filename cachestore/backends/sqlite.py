@@ -855,12 +855,13 @@ class SqliteBackend(Backend, Reader):
         if trimmed:
             self._give_back_space()
 
-    def delete_entries(self, items: Sequence[tuple[str, str | None]]) -> None:
-        if not items:
+    def delete_entries(self, cache_keys: Sequence[str]) -> None:
+        if not cache_keys:
             return
         with self._write() as db:
             db.executemany(
-                "DELETE FROM entries WHERE toolchain = ? AND cache_key = ?", [(self.partition, key) for key, _ in items]
+                "DELETE FROM entries WHERE toolchain = ? AND cache_key = ?",
+                [(self.partition, key) for key in cache_keys],
             )
         self._give_back_space()
 

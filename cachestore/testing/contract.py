@@ -175,7 +175,7 @@ class StoreContract:
         assert sorted(store.find_keys("ab")) == [f"ab-{i}" for i in range(4)]
         assert len(store.find_keys("a", limit=3)) == 3
         assert sorted(store.entry_keys()) == sorted((PARTITION, key) for key in keys)
-        store.delete_entries([("aa-0", "digest-aa-0"), ("b-1", None), ("never-stored", None)])
+        store.delete_entries(["aa-0", "b-1", "never-stored"])
         assert set(store.get_entries(keys)) == set(keys) - {"aa-0", "b-1"}
         assert "aa-0" not in store.find_keys("aa")
         assert store.expired_count() == (0, 0)
@@ -193,7 +193,7 @@ class StoreContract:
         assert sorted(store.entry_keys()) == [(PARTITION, "shared-key"), (OTHER_PARTITION, "shared-key")]
         assert store.acquire_lease("shared-key", "me", 30) and other.acquire_lease("shared-key", "you", 30)
         assert (store.lease_holder("shared-key"), other.lease_holder("shared-key")) == ("me", "you")
-        other.delete_entries([("shared-key", None)])
+        other.delete_entries(["shared-key"])
         assert store.fetch(["shared-key"], None) == {"shared-key": b"one"}
         assert store.entry_partitions() == [PARTITION]
 
@@ -207,7 +207,7 @@ class StoreContract:
         with pytest.raises(NkiCacheError):
             reader.put_entries([WriteItem("new", b"v", None, TTL)])
         with pytest.raises(NkiCacheError):
-            reader.delete_entries([("k", None)])
+            reader.delete_entries(["k"])
         assert store.get_entries(["k", "new"]) == {"k": b"v"}
 
     # -- the variant index ------------------------------------------------------------------------

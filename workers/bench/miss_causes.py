@@ -69,7 +69,7 @@ def _miss_cause_coverage(graphs: list[Graph], redis_url: str) -> dict[str, Any]:
     _compile(ours, first, causes, target=_other_target(first))  # target_differs
     backend = ours._backend
     evicted, rejected = sorted(keys[first.name])[:2], sorted(keys[second.name])[:1]
-    backend.delete_entries([(key, None) for key in evicted])
+    backend.delete_entries(list(evicted))
     backend.put_entries([WriteItem(key, b"NKC\x03 not an entry", None, 3600) for key in rejected])
     _compile(ours, first, causes)  # evicted
     _compile(ours, second, causes)  # rejected
