@@ -52,10 +52,16 @@ def tier_path(url: str) -> str | None:
     return url[len(scheme.prefix) :] if scheme is not None and scheme.names_path else None
 
 
-def is_redis(url: str, cluster: bool = True) -> bool:
-    """Whether the URL names a Redis server or (unless `cluster` is False) a cluster: what the fleet needs."""
+def is_redis(url: str) -> bool:
+    """Whether the URL names a Redis server or cluster: what the fleet needs."""
     scheme = scheme_of(url)
-    return scheme is not None and scheme.module == REDIS_MODULE and (cluster or "+cluster" not in scheme.prefix)
+    return scheme is not None and scheme.module == REDIS_MODULE
+
+
+def is_cluster(url: str) -> bool:
+    """Whether the URL names a Redis Cluster (redis+cluster://, rediss+cluster://)."""
+    scheme = scheme_of(url)
+    return scheme is not None and scheme.prefix.endswith("+cluster://")
 
 
 def tier_levels(tier: str) -> list[str]:

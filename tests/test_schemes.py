@@ -15,6 +15,7 @@ from cachestore.stores import open_backend
 from cachestore.tier_urls import (
     SCHEMES,
     TIER_SCHEMES_TEXT,
+    is_cluster,
     is_redis,
     scheme_of,
     tier_levels,
@@ -40,8 +41,9 @@ def test_a_stack_splits_before_every_scheme() -> None:
 
 def test_what_a_url_names() -> None:
     assert tier_path("local:/x y") == "/x y" and tier_path("dir:d") == "d" and tier_path("redis://h:1/0") is None
-    assert is_redis("rediss+cluster://h:1") and not is_redis("rediss+cluster://h:1", cluster=False)
-    assert is_redis("unix:///tmp/r.sock", cluster=False) and not is_redis("local:/r") and not is_redis("off")
+    assert is_redis("rediss+cluster://h:1") and is_cluster("rediss+cluster://h:1") and is_cluster("redis+cluster://h")
+    assert is_redis("unix:///tmp/r.sock") and not is_cluster("unix:///tmp/r.sock") and not is_cluster("redis://h")
+    assert not is_redis("local:/r") and not is_redis("off") and not is_cluster("local:/r+cluster://")
     assert scheme_of("off") is None and scheme_of("s3://bucket") is None
     assert tier_url_problem("memcached://h:1") == f"is not a tier; use {TIER_SCHEMES_TEXT}"
 
@@ -53,8 +55,7 @@ def test_an_unknown_scheme_is_one_error_naming_every_scheme() -> None:
 
 
 def test_no_module_but_tier_urls_reads_a_scheme() -> None:
-    """The Redis backend parses its own URLs (cluster or not); everyone else asks cachestore.tier_urls."""
-    own = {ROOT / "cachestore" / "tier_urls.py", ROOT / "cachestore" / "backends" / "redis.py"}
+    own = {ROOT / "cachestore" / "tier_urls.py"}
     readers = [
         f"{path.relative_to(ROOT)}:{number}"
         for package in ("bridge", "cachestore", "workers")

@@ -68,7 +68,7 @@ from cachestore.keys import (
     pass_shard,
     shard_count_or,
 )
-from cachestore.tier_urls import redact_url
+from cachestore.tier_urls import is_cluster, redact_url
 
 if TYPE_CHECKING:
     from cachestore.settings import Settings
@@ -227,7 +227,7 @@ def connect(url: str, *, connect_timeout: float, op_timeout: float, password: st
     }
     if password is not None:
         options["password"] = password
-    if url.startswith(("redis+cluster://", "rediss+cluster://")):
+    if is_cluster(url):
         scheme, _, rest = url.partition("://")
         rest, _, query = rest.partition("?")
         credentials, _, hosts = rest.rpartition("@")

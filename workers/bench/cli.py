@@ -85,7 +85,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     scaling figure is printed beside its CPU control.
     """
     from bridge.errors import NkiCacheError
-    from cachestore.tier_urls import is_redis, redact_url, tier_url_problem
+    from cachestore.tier_urls import is_cluster, is_redis, redact_url, tier_url_problem
     from workers.bench.figures import BenchConfig, run_benchmarks
     from workers.dev_redis import answers_ping, start_private_server
 
@@ -94,7 +94,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
         # The bench talks to one server, with redis-py's from_url.
         problem = (
             tier_url_problem(redis_url)
-            if is_redis(redis_url, cluster=False)
+            if is_redis(redis_url) and not is_cluster(redis_url)
             else "is not a redis://, rediss:// or unix:// URL"
         )
         if problem:
