@@ -142,9 +142,10 @@ def _full_disk(path: Path, exc: sqlite3.Error) -> str:
         return ""
     folder = path.absolute().parent
     try:
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        disk = os.statvfs(folder)
     except OSError:
         return ""
+    free = disk.f_bavail * disk.f_frsize
     if free > FULL_DISK_BYTES:
         return ""
     mount = folder
