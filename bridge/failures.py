@@ -3,8 +3,21 @@ format FAILED, its "binary" the failure's one-line message (UTF-8, at most MAX_F
 one fails at once with that message instead of compiling the kernel again; it lives the failure_ttl setting.
 The names live here, with the compiler, because the loop reads them; the tier's entry codec keeps them too."""
 
+from collections.abc import Iterator
+
 FAILED = "failed"
 MAX_FAILURE_BYTES = 4096
+MAX_CAUSES = 32  # links of an exception's chain of causes looked at (a chain may loop)
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then what caused it (its __cause__, else its __context__), and so on: MAX_CAUSES at most."""
+    seen: BaseException | None = exc
+    for _ in range(MAX_CAUSES):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__
 
 
 def lasting(exc: BaseException) -> bool:
@@ -13,13 +26,4 @@ def lasting(exc: BaseException) -> bool:
     recursion), which another process may not meet."""
     from bridge.errors import NkiCacheError
 
-    if not isinstance(exc, NkiCacheError):
-        return False
-    seen: BaseException | None = exc
-    for _ in range(32):  # the chain of causes, bounded
-        if seen is None:
-            return True
-        if isinstance(seen, MemoryError | RecursionError):
-            return False
-        seen = seen.__cause__ or seen.__context__
-    return True
+    return isinstance(exc, NkiCacheError) and not any(isinstance(c, MemoryError | RecursionError) for c in causes(exc))

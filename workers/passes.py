@@ -18,6 +18,7 @@ from bridge import tier_seam
 from bridge.artifact import build_artifact, encode_artifact, write_artifact
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
+from bridge.failures import causes
 from bridge.graph import load_graph
 from bridge.limits import Limits, check_graph, kernel_instruction_limit
 from bridge.metrics import KernelMetricsCollector
@@ -157,11 +158,7 @@ def out_of_memory(exc: BaseException) -> bool:
     """A MemoryError, or a thread that could not start (what CPython raises when the memory limit leaves no room
     for a thread's stack: the tier client starts its writer thread in the first pass that writes), whether
     raised as it is or as the cause of a project error."""
-    seen: BaseException | None = exc
-    for _ in range(32):  # the chain of causes, bounded
-        if seen is None:
-            return False
-        if isinstance(seen, MemoryError) or (isinstance(seen, RuntimeError) and str(seen) == "can't start new thread"):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(
+        isinstance(cause, MemoryError) or (isinstance(cause, RuntimeError) and str(cause) == "can't start new thread")
+        for cause in causes(exc)
+    )
