@@ -295,12 +295,12 @@ class TierAnswer:
             self._done.close()
             return
         self._asked = time.monotonic()
-        self._thread = threading.Thread(target=self._read, args=(plan, tier), name="nkicache-plan", daemon=True)
+        self._thread = threading.Thread(target=self._read, args=(plan,), name="nkicache-plan", daemon=True)
         self._thread.start()
 
-    def _read(self, plan: VariantPlan, tier: Any) -> None:
+    def _read(self, plan: VariantPlan) -> None:
         try:
-            self.skipped = not_ahead(plan, tier)
+            self.skipped = not_ahead(plan, self._tier)
         finally:
             self._done.close()
 
