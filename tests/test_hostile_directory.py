@@ -27,7 +27,7 @@ from bridge.codegen import kernel_cache_key
 from bridge.graph import load_graph
 from bridge.identity import toolchain_id
 from bridge.ir import InternalNkiKernel
-from cachestore.backends import directory
+from cachestore.blob import tier as blob_tier
 from cachestore.keys import KeySpace
 from workers.cli import main as nkicache
 
@@ -159,13 +159,13 @@ def test_a_planted_file_hangs_crashes_and_steers_nothing(plant: str, tmp_path: P
 def test_a_fifo_in_place_of_the_marker_turns_the_tier_off_without_a_hang(tmp_path: Path) -> None:
     tier = Tier(tmp_path)
     tier.compile("first")
-    (tier.root / directory.MARKER).unlink()
-    os.mkfifo(tier.root / directory.MARKER)
+    (tier.root / blob_tier.MARKER).unlink()
+    os.mkfifo(tier.root / blob_tier.MARKER)
     done = tier.compile("planted")
     assert done["tier_errors"] >= 1 and done["traces"] == len(graph_keys())
     result = subprocess.run([NKICACHE, "inspect", "verify", "--tier", tier.url], capture_output=True, text=True,
                             timeout=COMMAND_SECONDS)  # fmt: skip
-    assert result.returncode != 0 and "no nkicache dir tier" in result.stderr + result.stdout
+    assert result.returncode != 0 and "is no nkicache tier" in result.stderr + result.stdout
 
 
 def test_unreadable_entries_are_rejected_one_by_one_not_a_dead_tier(

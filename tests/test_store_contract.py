@@ -11,7 +11,7 @@ import pytest
 import redis
 from helpers_graphs import delete_namespace, unique_namespace
 
-from cachestore.backends.directory import DirectoryBackend
+from cachestore.backends.directory import folder_tier
 from cachestore.backends.redis import RedisBackend, connect
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.keys import KeySpace
@@ -44,11 +44,11 @@ class TestLocalStore(StoreContract):
 class TestDirectoryStore(StoreContract):
     @pytest.fixture
     def open_store(self, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-        yield from opener(lambda **options: DirectoryBackend(tmp_path / "shared", **options))
+        yield from opener(lambda **options: folder_tier(tmp_path / "shared", **options))
 
     @pytest.fixture
     def open_read_only(self, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-        yield from opener(lambda **options: DirectoryBackend(tmp_path / "shared", writable=False, **options))
+        yield from opener(lambda **options: folder_tier(tmp_path / "shared", writable=False, **options))
 
 
 @pytest.mark.redis

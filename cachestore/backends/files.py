@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from cachestore.api import TierUnavailable
 from cachestore.entry import TooLarge, Unreadable
@@ -60,6 +61,16 @@ def removable(mode: int) -> bool:
     """Whether a file of this (lstat) mode was planted and is gc's to remove: anything but a regular file or a
     folder (a link is removed itself, never what it points to)."""
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+class Read(NamedTuple):
+    """A file as read: its bytes (or what stands for them), mtime, ctime, and whether it was planted (not a
+    regular file, or in a planted folder)."""
+
+    data: bytes | TooLarge
+    mtime: float
+    ctime: float
+    planted: bool
 
 
 class SharedFolder:
@@ -96,7 +107,13 @@ class SharedFolder:
 
     def write_whole(self, path: Path, data: bytes, expires: float | None = None, *, exclusive: bool = False) -> bool:
         """Write `path` whole, its mtime `expires` (None: now); `exclusive`: only if no file has its name (False
-        when one has). Its folder is made if missing."""
+        when one has). Its folder is made if missing, and again should gc remove it meanwhile, being empty."""
+        for _ in range(2):
+            with contextlib.suppress(FileNotFoundError):
+                return self._write_whole(path, data, expires, exclusive)
+        return self._write_whole(path, data, expires, exclusive)
+
+    def _write_whole(self, path: Path, data: bytes, expires: float | None, exclusive: bool) -> bool:
         self._make_folder(path.parent)
         with tier_errors():
             temp = path.parent / f".tmp-{uuid.uuid4().hex}"
@@ -118,58 +135,62 @@ class SharedFolder:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
 
-    def read_bounded(self, path: Path, now: float, limit: int) -> tuple[bytes | TooLarge, float] | None:
-        """(data, mtime) of the file at `path` if its mtime is after `now`; a TooLarge, unread, for one over
-        `limit` bytes (stat before read); an Unreadable, whatever its mtime, for a link, a FIFO or any other
-        non-regular file, one this user may not read, or any file in a planted folder; None for no file or an
-        expired one."""
+    def read_bounded(self, path: Path, limit: int) -> Read | None:
+        """The file at `path`, whatever its mtime: its bytes; a TooLarge, unread, for one over `limit` bytes (stat
+        before read); an Unreadable for a link, a FIFO or any other non-regular file, one this user may not read,
+        or any file in a planted folder. None for no file."""
         if (hostile := self.hostile_folder(path.parent)) is not None:
-            return Unreadable(0, limit, f"{hostile} is not a folder"), now
+            return Read(Unreadable(0, limit, f"{hostile} is not a folder"), 0.0, 0.0, planted=True)
         try:
             with tier_errors():
                 info = os.lstat(path)
             if (what := planted(info.st_mode)) is not None:
-                return Unreadable(info.st_size, limit, f"{path} is {what}"), info.st_mtime
-            if info.st_mtime <= now:
-                return None
+                return Read(Unreadable(info.st_size, limit, f"{path} is {what}"), info.st_mtime, info.st_ctime, True)
             descriptor = os.open(path, READ_FLAGS)
         except NOT_FOUND:
             return None
         except PermissionError:
-            return Unreadable(info.st_size, limit, f"{path} may not be read by this user"), info.st_mtime
+            reason = f"{path} may not be read by this user"
+            return Read(Unreadable(info.st_size, limit, reason), info.st_mtime, info.st_ctime, planted=False)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # swapped for a link since the lstat
-                return Unreadable(0, limit, f"{path} is a symbolic link"), info.st_mtime
+                return Read(Unreadable(0, limit, f"{path} is a symbolic link"), info.st_mtime, info.st_ctime, True)
             raise TierUnavailable(f"shared directory: {exc.strerror or exc}: {path}") from None
         with tier_errors(), open(descriptor, "rb") as file:
             info = os.fstat(file.fileno())  # what was opened, should it have been swapped since the lstat
             if (what := planted(info.st_mode)) is not None:
-                return Unreadable(info.st_size, limit, f"{path} is {what}"), info.st_mtime
+                return Read(Unreadable(info.st_size, limit, f"{path} is {what}"), info.st_mtime, info.st_ctime, True)
             data = file.read(limit + 1) if info.st_size <= limit else b""  # bounded if it grew since the stat
         size = max(len(data), info.st_size)
-        return (TooLarge(size, limit) if size > limit else data), info.st_mtime
+        return Read(TooLarge(size, limit) if size > limit else data, info.st_mtime, info.st_ctime, planted=False)
 
     def read_small(self, path: Path, limit: int = 1 << 20) -> bytes | None:
-        """The bytes of a small file (a marker, a lease, a record), whatever its mtime; None for none, a larger
-        one or one that cannot be read."""
-        found = self.read_bounded(path, float("-inf"), limit)
-        return found[0] if found and isinstance(found[0], bytes) else None
+        """The bytes of a small file (a marker), whatever its mtime; None for none, a larger one or one that
+        cannot be read."""
+        found = self.read_bounded(path, limit)
+        return found.data if found and isinstance(found.data, bytes) else None
 
-    def names(self, folder: Path, hidden: bool = False) -> list[str]:
-        """The names in `folder`, sorted (temp files only when `hidden`); none when it is missing, planted or
-        may not be read."""
+    def walk(self, folder: Path) -> Iterator[tuple[Path, os.stat_result]]:
+        """(path, its own lstat) of every file below `folder` that is not a folder, temp files included, folder
+        by folder in name order; links are never followed, and a folder that is missing, planted or may not be
+        listed holds nothing."""
         if self.hostile_folder(folder) is not None:
-            return []
+            return
         try:
-            with tier_errors():
-                return sorted(name for name in os.listdir(folder) if hidden or not name.startswith("."))
+            with tier_errors(), os.scandir(folder) as listing:
+                found = sorted((entry.name, entry.stat(follow_symlinks=False)) for entry in listing)
         except NOT_FOUND:
-            return []
+            return
         except TierUnavailable:
             if os.access(folder, os.R_OK | os.X_OK):
                 raise
             logger.warning("shared directory: %s may not be listed by this user; skipped", folder)
-            return []
+            return
+        for name, info in found:
+            if stat.S_ISDIR(info.st_mode):
+                yield from self.walk(folder / name)
+            else:
+                yield folder / name, info
 
     def stat_of(self, path: Path) -> os.stat_result | None:
         """The file's own stat (a link's, not its target's), None for none or one in a planted folder."""

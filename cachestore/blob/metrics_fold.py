@@ -1,5 +1,5 @@
-"""Fleet metrics folded from applied batches: for a store that keeps each batch as one record (the shared
-directory tier, cachestore.backends.directory) instead of summing them into counters as it applies them.
+"""Fleet metrics folded from applied batches: for a store that keeps each batch as one record (a blob
+tier, cachestore.blob.tier) instead of summing them into counters as it applies them.
 
 A record is the JSON of one applied batch (`batch_record`) or of one `report --zero` (`zero_record`), each
 with the time the store applied it. `fold` reads them in that order and gives what the Reader protocol
