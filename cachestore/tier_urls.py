@@ -5,40 +5,11 @@ the module its scheme names here."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 REDIS_MODULE = "cachestore.backends.redis"
-
-
-class Scheme(NamedTuple):
-    """A kind of tier URL: how it starts, the module whose `open_store` opens what it names (imported only
-    then), and how `--help` and errors name it. A scheme without "//" names a path (local:PATH)."""
-
-    prefix: str
-    module: str
-    shown: str
-
-    @property
-    def names_path(self) -> bool:
-        return "//" not in self.prefix
-
-
-LOCAL = Scheme("local:", "cachestore.backends.sqlite", "local:PATH")  # the embedded default
-# Every tier URL there is: nothing outside this module reads a URL's scheme.
-SCHEMES = (
-    LOCAL,
-    Scheme("dir:", "cachestore.backends.directory", "dir:PATH"),
-    Scheme("redis://", REDIS_MODULE, "redis://"),
-    Scheme("rediss://", REDIS_MODULE, "rediss://"),
-    Scheme("unix://", REDIS_MODULE, "unix://"),
-    Scheme("redis+cluster://", REDIS_MODULE, "redis+cluster://"),
-    Scheme("rediss+cluster://", REDIS_MODULE, "rediss+cluster://"),
-)
-TIER_SCHEMES_TEXT = f"off, {', '.join(s.shown for s in SCHEMES[:-1])} or {SCHEMES[-1].shown}"
-
-# A level of a stacked tier starts after whitespace with a scheme, so a local path may still hold spaces.
-_LEVEL_START = re.compile(r"\s+(?=off(?:\s|$)|" + "|".join(re.escape(s.prefix) for s in SCHEMES) + ")")
 
 
 def scheme_of(url: str) -> Scheme | None:
@@ -140,15 +111,35 @@ def tier_url_problem(url: str) -> str | None:
         return None
     if scheme is None:
         return f"is not a tier; use {TIER_SCHEMES_TEXT}"
-    if scheme.names_path:
-        return None if url[len(scheme.prefix) :].strip() else f"{scheme.prefix} needs a path ({scheme.shown})"
-    if any(character.isspace() for character in url):
+    if not scheme.names_path and any(character.isspace() for character in url):
         return f"holds a space; each level of a stack starts with {TIER_SCHEMES_TEXT.replace('PATH', '')}"
     try:
-        parts = urlsplit(url)
-        return _address_problem(parts) or _database_problem(parts) or _query_problem(parts.query)
+        return scheme.problem(url)
     except ValueError as exc:
         return f"is not a valid URL: {exc}"
+
+
+def _path_problem(url: str) -> str | None:
+    scheme, _, path = url.partition(":")
+    return None if path.strip() else f"{scheme}: needs a path ({scheme}:PATH)"
+
+
+# S3's rules for a bucket's name: 3 to 63 lowercase letters, digits, dots and hyphens, a letter or digit at each end.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def _s3_problem(url: str) -> str | None:
+    parts = urlsplit(url)
+    if "@" in parts.netloc or parts.query or parts.fragment:
+        return "takes no user, query or fragment; credentials come from the AWS environment (docs/tiers.md)"
+    if not _BUCKET.fullmatch(parts.netloc):
+        return f"names bucket {parts.netloc!r}; a bucket is 3-63 lowercase letters, digits, dots and hyphens"
+    return None
+
+
+def _redis_problem(url: str) -> str | None:
+    parts = urlsplit(url)
+    return _address_problem(parts) or _database_problem(parts) or _query_problem(parts.query)
 
 
 def _stack_problem(levels: list[str]) -> str | None:
@@ -206,3 +197,35 @@ def _query_problem(query: str) -> str | None:
         if name == "ssl_cert_reqs" and values[0].lower() not in SSL_CERT_REQS:
             return f"ssl_cert_reqs must be one of {', '.join(SSL_CERT_REQS)}"
     return None
+
+
+class Scheme(NamedTuple):
+    """A kind of tier URL: how it starts, the module whose `open_store` opens what it names (imported only
+    then), how `--help` and errors name it, and its URL's check. A scheme without "//" names a path (local:PATH)."""
+
+    prefix: str
+    module: str
+    shown: str
+    problem: Callable[[str], str | None]  # what is wrong with a URL of this scheme, or None
+
+    @property
+    def names_path(self) -> bool:
+        return "//" not in self.prefix
+
+
+LOCAL = Scheme("local:", "cachestore.backends.sqlite", "local:PATH", _path_problem)  # the embedded default
+# Every tier URL there is: nothing outside this module reads a URL's scheme.
+SCHEMES = (
+    LOCAL,
+    Scheme("dir:", "cachestore.backends.directory", "dir:PATH", _path_problem),
+    Scheme("s3://", "cachestore.backends.s3", "s3://BUCKET/PREFIX", _s3_problem),
+    Scheme("redis://", REDIS_MODULE, "redis://", _redis_problem),
+    Scheme("rediss://", REDIS_MODULE, "rediss://", _redis_problem),
+    Scheme("unix://", REDIS_MODULE, "unix://", _redis_problem),
+    Scheme("redis+cluster://", REDIS_MODULE, "redis+cluster://", _redis_problem),
+    Scheme("rediss+cluster://", REDIS_MODULE, "rediss+cluster://", _redis_problem),
+)
+TIER_SCHEMES_TEXT = f"off, {', '.join(s.shown for s in SCHEMES[:-1])} or {SCHEMES[-1].shown}"
+
+# A level of a stacked tier starts after whitespace with a scheme, so a local path may still hold spaces.
+_LEVEL_START = re.compile(r"\s+(?=off(?:\s|$)|" + "|".join(re.escape(s.prefix) for s in SCHEMES) + ")")

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis
+from s3_server import S3Server
 
 from workers.dev_redis import RedisServer, answers_ping, start_private_server
 
@@ -122,6 +123,25 @@ def private_redis_server() -> Iterator[Callable[[], RedisServer]]:
     yield start
     for server in servers:
         server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """The session's S3 server (moto, on loopback); each test that uses it makes its own bucket."""
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_tier(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`s3://BUCKET/nkicache` in a new bucket of the session's server, with the AWS environment that reaches it
+    set for this test and the commands it starts; a generous op_timeout, as the server shares the test's CPU."""
+    for name, value in s3_server.environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.setenv("NKICACHE_OP_TIMEOUT", "10")
+    return f"s3://{s3_server.new_bucket()}/nkicache"
 
 
 @pytest.fixture(autouse=True)

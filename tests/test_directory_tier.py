@@ -265,7 +265,7 @@ def test_dir_urls_are_accepted_wherever_a_tier_url_is() -> None:
     assert tier_levels("local:/tmp/a b.sqlite dir:/mnt/my cache") == ["local:/tmp/a b.sqlite", "dir:/mnt/my cache"]
     assert tier_levels("dir:/mnt/a redis://h:6379") == ["dir:/mnt/a", "redis://h:6379"]
     assert redact_url("dir:/mnt/user:secret@x") == "dir:/mnt/user:secret@x"  # a path, nothing hidden or mangled
-    assert "dir:PATH" in (tier_url_problem("s3://bucket") or "")
+    assert "dir:PATH" in (tier_url_problem("gs://bucket") or "")
 
 
 def test_gc_deletes_spent_lease_generations_and_the_folders_they_leave(tmp_path: Path) -> None:

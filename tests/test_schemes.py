@@ -44,7 +44,7 @@ def test_what_a_url_names() -> None:
     assert is_redis("rediss+cluster://h:1") and is_cluster("rediss+cluster://h:1") and is_cluster("redis+cluster://h")
     assert is_redis("unix:///tmp/r.sock") and not is_cluster("unix:///tmp/r.sock") and not is_cluster("redis://h")
     assert not is_redis("local:/r") and not is_redis("off") and not is_cluster("local:/r+cluster://")
-    assert scheme_of("off") is None and scheme_of("s3://bucket") is None
+    assert scheme_of("off") is None and scheme_of("gs://bucket") is None and tier_path("s3://bucket/p") is None
     assert tier_url_problem("memcached://h:1") == f"is not a tier; use {TIER_SCHEMES_TEXT}"
 
 

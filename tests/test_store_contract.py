@@ -1,9 +1,10 @@
 """The store contract (cachestore.testing.contract), unchanged, on every store: the local SQLite tier, the shared
-directory, Redis (REDIS_URL) and a Redis Cluster; each class gives only how to open its store."""
+directory, S3 (moto's server), Redis (REDIS_URL) and a Redis Cluster; each class gives only how to open its store."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ from helpers_graphs import delete_namespace, unique_namespace
 
 from cachestore.backends.directory import folder_tier
 from cachestore.backends.redis import RedisBackend, connect
+from cachestore.backends.s3 import ObjectStore
 from cachestore.backends.sqlite import SqliteBackend
+from cachestore.blob.tier import BlobTier
 from cachestore.keys import KeySpace
 from cachestore.testing.contract import StoreContract
 
@@ -49,6 +52,20 @@ class TestDirectoryStore(StoreContract):
     @pytest.fixture
     def open_read_only(self, tmp_path: Path) -> Iterator[Callable[..., Any]]:
         yield from opener(lambda **options: folder_tier(tmp_path / "shared", writable=False, **options))
+
+
+class TestS3Store(StoreContract):
+    @pytest.fixture
+    def open_store(self, s3_tier: str) -> Iterator[Callable[..., Any]]:
+        bucket = s3_tier.removeprefix("s3://").partition("/")[0]
+        store = partial(ObjectStore, bucket, "contract", op_timeout=10.0, connect_timeout=2.0)
+        yield from opener(lambda **options: BlobTier(store(), **options))
+
+    @pytest.fixture
+    def open_read_only(self, s3_tier: str) -> Iterator[Callable[..., Any]]:
+        bucket = s3_tier.removeprefix("s3://").partition("/")[0]
+        store = partial(ObjectStore, bucket, "contract", op_timeout=10.0, connect_timeout=2.0)
+        yield from opener(lambda **options: BlobTier(store(), writable=False, **options))
 
 
 @pytest.mark.redis

@@ -28,7 +28,7 @@ from cachestore.entry import TooLarge
 if TYPE_CHECKING:
     from cachestore.settings import Settings
 
-FOLDERS = ("entries", "leases", "index", "batches")  # made when the tier is, so that its writability is checked
+FOLDERS = ("entries", "leases", "variants", "batches")  # made when the tier is, so that its writability is checked
 STALE_TEMP_SECONDS = 3600.0  # a temp file unchanged this long was left by a writer that died: listed as expired
 
 

@@ -6,11 +6,16 @@ partition or kernel name can name a blob outside its folder):
     nkicache-dir-store                    marker: what tells an nkicache tier from any other store
     entries/<hex partition>/<hex key>     an encoded entry as stored; its blob's expiry is the entry's
     leases/<hex partition>/<hex key>/<n>  generation n of the key's lease (cachestore.blob.leases)
-    index/<sha256 kernel>/<sha256 field>  a field's value in the variant index, with its expiry
+    variants/<sha256 kernel>              the kernel's fields of the variant index, msgpack {field: [value,
+                                          expiry]}; the blob expires with its last field
     batches/<sha256 batch id>             an applied metrics batch (cachestore.blob.metrics_fold), never rewritten
 
-Expired blobs stay until `purge_expired` (inspect gc) deletes them, with the lease generations older than
-`lease_ttl`, anything planted, and whatever lies where no name of this layout goes.
+A kernel's fields are one blob so that a plan reads one blob per kernel, not one per variant and field (a GET
+each on S3). Writers of one kernel at once may drop each other's fields: the index only names why a key
+missed and which variants a plan may leave to another process, so a lost field costs a trace, never a wrong
+binary. Expired blobs stay until `purge_expired` (inspect gc) deletes them, with the lease generations older
+than `lease_ttl`, anything planted, and whatever lies where no name of this layout goes (layout 1's index/
+folder, of one blob per field, included).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
+import msgspec
+
 from bridge.identity import toolchain_id
 from cachestore import api
-from cachestore.blob.contract import Blob, BlobStore
+from cachestore.blob.contract import NEVER, Blob, BlobStore
 from cachestore.blob.leases import BlobLease
 from cachestore.blob.metrics_fold import FoldedMetrics, batch_record, zero_record
 from cachestore.entry import MAX_ENTRY_BYTES, TooLarge
@@ -34,7 +41,10 @@ MAX_NAME_BYTES = 120  # a key or partition of at most this many bytes: its hex n
 TTL_REFRESH_FRACTION = 0.9  # as the local tier: an entry read is given its TTL again once 10% of it is used up
 MAX_SMALL_BLOB = 1 << 20  # bytes read of an index field or a batch at most
 READ_PAGE = 100  # entries read in one get while scanning
-DEPTH = {"entries": 3, "index": 3, "leases": 4, "batches": 2}  # the parts of a name of each folder
+# The parts of a name in each folder; 0: a folder whose every blob is gc's (layout 1's variant index).
+DEPTH = {"entries": 3, "variants": 2, "leases": 4, "batches": 2, "index": 0}
+Fields = dict[bytes, tuple[bytes, float]]  # a kernel's variant-index fields: {field: (value, expiry)}
+_FIELDS = msgspec.msgpack.Decoder(Fields)
 
 
 def _hex(text: str) -> str:
@@ -88,15 +98,19 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         self.lease_ttl = lease_ttl
         self.read_only = not writable  # every write raises TierError
         self._records: dict[str, dict | None] = {}
-        if create and writable:
-            blobs.create(MARKER, MARKER_TEXT, float("inf"))
-        marker = blobs.get([MARKER], len(MARKER_TEXT)).get(MARKER)
+        marker = self._marker()
+        if marker is None and create and writable:
+            marker = MARKER_TEXT if blobs.create(MARKER, MARKER_TEXT, NEVER) else self._marker()
         if marker is None and (writable or next(blobs.list(""), None) is None):
             if writable:
                 raise api.TierUnavailable(f"{self.description} holds no nkicache tier")
             return  # a read-only client of a tier not made yet: an empty tier
-        if marker is None or marker[1] != MARKER_TEXT:
+        if marker != MARKER_TEXT:
             raise api.TierUnavailable(f"{self.description} is no nkicache tier (its {MARKER} is missing or foreign)")
+
+    def _marker(self) -> bytes | TooLarge | None:
+        found = self.blobs.get([MARKER], len(MARKER_TEXT)).get(MARKER)
+        return None if found is None else found[1]
 
     def __repr__(self) -> str:
         return f"BlobTier({self.description!r}, partition {self.partition})"
@@ -125,12 +139,35 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         return {key: data for key, (_, data) in found.items()}
 
     def store(self, requests: Sequence[api.StoreRequest], ttl: int) -> None:
-        now, items = time.time(), []
+        now = time.time()
+        entries = [(self._entry(r.cache_key), r.full, now + (r.ttl or ttl)) for r in requests]
+        fields: dict[str, Fields] = {}
         for request in requests:
-            items.append((self._entry(request.cache_key), request.full, now + (request.ttl or ttl)))
-            index = f"index/{_sha(request.kernel_name)}/"
-            items.extend((index + _sha(name), value, now + ttl) for name, value in request.index_fields.items())
-        self._writing().put(items)
+            kernel = fields.setdefault(request.kernel_name, {})
+            kernel.update((name, (value, now + ttl)) for name, value in request.index_fields.items())
+        self._writing().put(entries + self._merged_variants(fields, now))
+
+    def _merged_variants(self, new: dict[str, Fields], now: float) -> list[tuple[str, bytes, float]]:
+        """The variant blobs of these kernels, their stored fields (live ones) with the new ones over them."""
+        names = {f"variants/{_sha(kernel)}": kernel for kernel in new if new[kernel]}
+        stored = self._variants(list(names), now)
+        merged = [(name, (stored.get(name) or {}) | new[kernel]) for name, kernel in names.items()]
+        return [(name, msgspec.msgpack.encode(f), max(e for _, e in f.values())) for name, f in merged]
+
+    def _variants(self, names: Sequence[str], now: float) -> dict[str, Fields | None]:
+        """The live fields of each named variant blob there is; None for a planted one. Bytes that are no such
+        blob (a foreign or damaged one) hold no field."""
+        found: dict[str, Fields | None] = {}
+        for name, (blob, data) in self.blobs.get(names, MAX_SMALL_BLOB).items():
+            if blob.planted is not None or not isinstance(data, bytes):
+                found[name] = None if blob.planted is not None else {}
+                continue
+            try:
+                fields = _FIELDS.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                fields = {}
+            found[name] = {field: held for field, held in fields.items() if held[1] > now}
+        return found
 
     def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
         if items:
@@ -138,16 +175,12 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
             self._writing().touch([(self._entry(key), now + ttl) for key, ttl in items])
 
     def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
-        names = [[f"index/{_sha(kernel)}/{_sha(field)}" for field in fields] for kernel, fields in queries]
-        now, found = time.time(), self.blobs.get([name for query in names for name in query], MAX_SMALL_BLOB)
+        names = [f"variants/{_sha(kernel)}" for kernel, _ in queries]
+        found = self._variants(sorted(set(names)), time.time())
         answers: list[list[bytes | None] | None] = []
-        for query in names:
-            reads = [found.get(name) for name in query]
-            if any(read is not None and read[0].planted for read in reads):
-                answers.append(None)  # something planted there: read as a query the store could not answer
-                continue
-            live = (read[1] if read is not None and read[0].expires > now else None for read in reads)
-            answers.append([value if isinstance(value, bytes) else None for value in live])
+        for name, (_, wanted) in zip(names, queries, strict=True):
+            fields = found.get(name, {})  # planted: None, a query the store could not answer
+            answers.append(None if fields is None else [fields[f][0] if f in fields else None for f in wanted])
         return answers
 
     # -- leases -----------------------------------------------------------------------------------
@@ -180,10 +213,10 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         if (problem := api.batch_problem(batch)) is not None:
             raise api.BatchRefused(f"{self.description}: metrics batch {batch.batch_id!r} refused: {problem}")
         record = batch_record(batch, time.time())
-        return self._writing().create(f"batches/{_sha(batch.batch_id)}", record, float("inf"))
+        return self._writing().create(f"batches/{_sha(batch.batch_id)}", record, NEVER)
 
     def zero_counters(self, record: dict) -> None:
-        self._writing().put([(f"batches/zero-{uuid.uuid4().hex}", zero_record(record, time.time()), float("inf"))])
+        self._writing().put([(f"batches/zero-{uuid.uuid4().hex}", zero_record(record, time.time()), NEVER)])
 
     def _record_names(self) -> list[str]:
         return [blob.name for blob in self.blobs.list("batches/") if not _misplaced(blob)]
