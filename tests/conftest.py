@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 
-from workers.dev_redis import RedisServer, answers_ping, start_private_server
+from bench.dev_redis import RedisServer, answers_ping, start_private_server
 
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
 REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}
@@ -49,7 +49,7 @@ def _start_private_server() -> RedisServer:
 
 def pytest_configure(config: pytest.Config) -> None:
     """In a pytest-xdist worker: exit as soon as the run's controller is gone (killed with -9, say), so the
-    servers this worker started, which die with it (workers.dev_redis.die_with_parent), do not outlive the run."""
+    servers this worker started, which die with it (bench.dev_redis.die_with_parent), do not outlive the run."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     controller = os.getppid()

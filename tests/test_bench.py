@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from bench import figures as bench
 from bridge.ir import NKIKLIRKernel
-from workers.bench import figures as bench
 from workers.cli import main
 
 
@@ -185,7 +185,7 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
 def test_broken_tier_measurement(tmp_path: Path) -> None:
     """A Redis down, frozen or trickling from the start, or frozen or killed mid-compile, each gives tier off's
     artifacts; each figure is the worst of its kind over off."""
-    from workers.bench.broken_tier import broken_tier_overhead
+    from bench.broken_tier import broken_tier_overhead
     from workers.workload import generate_workload
 
     generate_workload(tmp_path / "graphs", 2, 3)
@@ -202,9 +202,9 @@ def test_broken_tier_measurement(tmp_path: Path) -> None:
 def test_a_timed_store_times_the_loops_calls_and_changes_nothing(tiny, tmp_path: Path) -> None:
     """The figures time a compile's tier calls through a wrapper: the compile through it is the compile without
     it (same traces, same binaries, same counts), and each call the loop made is timed under its name."""
+    from bench.timed_store import TimedStore
     from cachestore.settings import load_settings
     from cachestore.stores import open_tier
-    from workers.bench.timed_store import TimedStore
 
     _config, graphs = tiny
     bare_settings = load_settings({"tier": f"local:{tmp_path / 'bare.db'}"})

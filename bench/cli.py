@@ -84,10 +84,10 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     package has none, so they are reported as skipped and the command exits 1 (the others still run). Each
     scaling figure is printed beside its CPU control.
     """
+    from bench.dev_redis import answers_ping, start_private_server
+    from bench.figures import BenchConfig, run_benchmarks
     from bridge.errors import NkiCacheError
     from cachestore.tier_urls import is_cluster, is_redis, redact_url, tier_url_problem
-    from workers.bench.figures import BenchConfig, run_benchmarks
-    from workers.dev_redis import answers_ping, start_private_server
 
     if redis_url:
         # Checked first: the measurements would fail on it, after the first ones ran and printed many warnings.
@@ -120,7 +120,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
 
 
 def _print_figures(results: dict) -> None:
-    from workers.bench.figures import GOALS
+    from bench.figures import GOALS
 
     for name, value in results.items():
         if name.endswith("_detail") or name in ("config", "skipped"):

@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 
+from bench.miss_causes import miss_cause_coverage
+from bench.timed_store import TimedStore
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import Graph, load_graph
@@ -29,11 +31,9 @@ from cachestore import entry as entry_module
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
 from cachestore.stores import open_tier
-from workers.bench.miss_causes import miss_cause_coverage
-from workers.bench.timed_store import TimedStore
 
 GOALS = {
-    # What a user feels, whole processes (workers.bench.processes): the project's performance goals.
+    # What a user feels, whole processes (bench.processes): the project's performance goals.
     "warm_compile_local_vs_floor": ("max", 2.0),
     "warm_compile_redis_vs_floor": ("max", 2.0),
     "version_vs_goal": ("max", 1.0),
@@ -60,10 +60,8 @@ GOALS = {
     "value_retention_ratio": ("min", 1.3),
 }
 
-# pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
-# installed package has no bench/ (pyproject packages bridge, cachestore and workers only): those two
-# measurements are then skipped, and the others still run.
-BENCH_SCRIPTS = Path(__file__).resolve().parents[2] / "bench"
+# pool_scaling, report_seconds_100k and the fleet figures run the scripts beside this module (bench/NAME.py).
+BENCH_SCRIPTS = Path(__file__).resolve().parent
 
 
 class MeasurementSkipped(NkiCacheError):
@@ -75,7 +73,7 @@ class BenchConfig(msgspec.Struct):
     seed: int = 0
     repeats: int = 5
     quick: bool = False
-    process_rounds: int = 5  # timed runs of each whole process (workers.bench.processes), after a warm-up
+    process_rounds: int = 5  # timed runs of each whole process (bench.processes), after a warm-up
 
     @classmethod
     def for_mode(cls, quick: bool) -> BenchConfig:
@@ -697,7 +695,7 @@ def l1_redis_read_reduction(config: BenchConfig, work: Path) -> dict:
     Redis read commands of each second compile are counted from INFO commandstats (reset just before it);
     the figure is 1 - stacked / alone. Both second compiles' artifacts must be byte-identical to a compile
     with no tier, or the measurement fails."""
-    from workers.dev_redis import start_private_server
+    from bench.dev_redis import start_private_server
     from workers.passes import compile_graph
     from workers.workload import generate_workload
 
@@ -761,11 +759,11 @@ def _second_compile_reads(files: Sequence[Path], tier: str, redis_url: str, labe
 # -- value_retention_ratio: value-ranked retention against LRU, on a replayed pass log ----------------------
 def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dict:
     """Record the workload's pass log (each pass's calls per cache key) and its entries (compile seconds, stored
-    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (workers.bench.replay:
+    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (bench.replay:
     passes drawn with Zipf-like popularity) against a cache holding a quarter of the bytes of the entries it
     uses, once under LRU and once under value-ranked retention. The figure: compile seconds the hits saved
     under value / under LRU."""
-    from workers.bench.replay import LoggedPass, compare, scaled_log
+    from bench.replay import LoggedPass, compare, scaled_log
 
     settings = tier_settings(f"local:{work / 'replay.sqlite'}")
     tier = open_tier(settings)
@@ -798,8 +796,8 @@ def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dic
 
 def _logged_entries(tier: Any) -> dict:
     """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes."""
+    from bench.replay import LoggedEntry
     from cachestore.entry import decode_entry
-    from workers.bench.replay import LoggedEntry
 
     raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
     decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
@@ -862,8 +860,8 @@ PROCESS_FIGURES = (
 
 
 def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
-    """Whole `nkicache` processes on the workload's first graph, beside their floors (workers.bench.processes)."""
-    from workers.bench.processes import process_figures, redis_namespaces
+    """Whole `nkicache` processes on the workload's first graph, beside their floors (bench.processes)."""
+    from bench.processes import process_figures, redis_namespaces
 
     graph = sorted((work / "graphs").glob("*.json"))[0]
     namespace = "nkibench-process"
@@ -876,7 +874,7 @@ def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
 def broken_tier(work: Path, config: BenchConfig) -> dict:
     """The workload compiled with --workers 2 on a Redis down, frozen or trickling from the start and on one
     frozen or killed mid-compile, beside --tier off."""
-    from workers.bench.broken_tier import ROUNDS, broken_tier_overhead
+    from bench.broken_tier import ROUNDS, broken_tier_overhead
 
     return broken_tier_overhead(
         work / "graphs", work / "broken-tier", config.process_rounds if config.quick else ROUNDS
