@@ -80,9 +80,10 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling (with single_graph_scaling), fleet_single_graph_scaling, fleet_job_latency_vs_local,
-    flood_jobs_per_second and report_seconds_100k run scripts from bench/ in the source checkout; an installed
-    package has none, so they are reported as skipped and the command exits 1 (the others still run). Each
-    scaling figure is printed beside its CPU control.
+    flood_jobs_per_second and report_seconds_100k run the scripts in bench/, each in a process of its own. A
+    measurement that cannot run is reported as skipped, with the reason, and the command exits 1 (the others
+    still run). Each scaling figure is printed beside its CPU control. The command and its measurements come
+    with a source checkout (`pip install -e '.[dev]'`); no wheel has them.
     """
     from bench.dev_redis import answers_ping, start_private_server
     from bench.figures import BenchConfig, run_benchmarks

@@ -329,12 +329,10 @@ def _median_run(runs: list[dict]) -> dict:
 
 def _big_pass(settings: Any, work: Path) -> dict:
     """The writer compiles bench/pool_scaling.py's one large graph in one pass, a fresh reader reads it: the
-    prefetch figures ({} when bench/ is not beside the package)."""
+    prefetch figures."""
     import importlib.util
 
     script = BENCH_SCRIPTS / "pool_scaling.py"
-    if not script.is_file():
-        return {}
     spec = importlib.util.spec_from_file_location("nkibench_pool_scaling", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
@@ -557,15 +555,12 @@ def _count_bytes_read(tier: Any) -> dict:
 
 # -- 6. pool_scaling and 7. report_seconds_100k: scripts in bench/, each run as its own process -------------
 def bench_script(name: str, *args: str) -> dict:
-    """Run bench/NAME.py --json from the source checkout and return what it printed; MeasurementSkipped
-    when the script is not there (an installed package)."""
+    """Run bench/NAME.py --json and return what it printed."""
     import json
     import subprocess
     import sys
 
     script = BENCH_SCRIPTS / f"{name}.py"
-    if not script.is_file():
-        raise MeasurementSkipped(f"needs bench/{name}.py from a source checkout")
     done = subprocess.run([sys.executable, str(script), *args, "--json"], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NkiCacheError(f"{script.name} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
