@@ -7,12 +7,11 @@ bench/RESULTS.md records a full run and what the figures mean.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,17 @@ from bench.timed_store import TimedStore
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import Graph, load_graph
+from bridge.identity import toolchain_id
 from bridge.ir import BasicBlock, InternalNkiKernel
 from bridge.key_rule import canonical_text
 from bridge.targets import make_target
 from cachestore import entry as entry_module
-from cachestore.keys import KeySpace
+from cachestore.credentials import settings_credentials
+from cachestore.keys import KeySpace, partition
 from cachestore.settings import load_settings
-from cachestore.stores import open_tier
+from cachestore.stores import open_backend, open_tier, tier_client
+from cachestore.tier_urls import redact_url
+from cachestore.trust import TrustPolicy
 
 GOALS = {
     # What a user feels, whole processes (bench.processes): the project's performance goals.
@@ -261,8 +264,8 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     `signature_overhead_big_pass`: the prefetch figure when the writer stores, and the reader reads, one large
     graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit.
 
-    The check time is every writer-signature check on the reading thread (`_checks_timed`): each entry's memo
-    lookup and its verify (50-120 us) on a first hit.
+    The check time is every writer-signature check the reader makes (`TimedTrust`, its trust policy's `check`):
+    each entry's memo lookup and, on a first hit, its verify (50-120 us).
 
     One reader's first-hit ratio swings with whatever else the machine runs at that moment: each first-hit
     figure is measured with FRESH_READERS fresh readers, one after another, and is the
@@ -347,44 +350,53 @@ def _big_pass(settings: Any, work: Path) -> dict:
     return _median_run(reads)
 
 
-def _timed(owner: Any, name: str, spent: list[float]) -> None:
-    """Replace `owner.name` by a wrapper that adds the seconds each call takes to spent[0]; a call made within
-    another call timed into the same `spent` (check_writers calls _check_writer) is counted once, by the
-    outer one (spent[1] says one is running)."""
-    inner = getattr(owner, name)
-    if len(spent) < 2:
-        spent.append(0.0)
+class TimedTrust(TrustPolicy):
+    """A copy of a trust policy (the same writers, an empty memo) that adds the seconds each of its signature
+    checks takes to `seconds`: the memo lookup and, when the memo does not answer, the Ed25519 verify. Handed to
+    a reader as its trust policy (`timed_reader`), so nothing of the reader is patched."""
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        if spent[1]:
-            return inner(*args, **kwargs)
-        spent[1] = 1.0
+    def __init__(self, policy: TrustPolicy) -> None:
+        super().__init__(list(policy.writers.values()), policy.source)
+        self.seconds = 0.0
+
+    def check(self, key_id: bytes, message: bytes, signature: bytes) -> str | None:
         started = time.perf_counter()
         try:
-            return inner(*args, **kwargs)
+            return super().check(key_id, message, signature)
         finally:
-            spent[0] += time.perf_counter() - started
-            spent[1] = 0.0
+            self.seconds += time.perf_counter() - started
 
-    setattr(owner, name, timed)
+
+def timed_reader(reader_settings: Any) -> tuple[Any, TimedTrust]:
+    """A client of these settings opened as open_tier opens one, with the settings' trust policy timed: (the
+    client, its TimedTrust)."""
+    credentials = settings_credentials(reader_settings)
+    trust = TimedTrust(credentials.trust)
+    credentials = msgspec.structs.replace(credentials, trust=trust)
+    backend = partial(
+        open_backend,
+        reader_settings,
+        writable=reader_settings.tier_mode != "read-only",
+        partition=partition(toolchain_id(), credentials.scope),
+    )
+    return tier_client(backend, reader_settings, redact_url(reader_settings.tier), credentials), trust
 
 
 def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
     """A fresh reader compiles every graph once; the seconds in its tier reads and, within them, in signature
     checks, the Ed25519 verifies, and the entries it found."""
-    reader = open_tier(reader_settings)
+    reader, trust = timed_reader(reader_settings)
     try:
-        timed, checks = TimedStore(reader), [0.0]
-        with _checks_timed(checks):
-            compile_all(graphs, timed)
+        timed = TimedStore(reader)
+        compile_all(graphs, timed)
         reads = timed.seconds["find_traces"]
         counts = reader.counts()
         hits = max(1, counts["entries_found"])
         return {
-            "overhead": checks[0] / reads,
+            "overhead": trust.seconds / reads,
             "hit_us": reads * 1e6 / hits,
-            "check_us": checks[0] * 1e6 / hits,
-            "verifies_per_hit": reader.policy.trust.verifies / hits,
+            "check_us": trust.seconds * 1e6 / hits,
+            "verifies_per_hit": trust.verifies / hits,
             "hits": counts["entries_found"],
             "rejected": counts["tier_rejected"],
         }
@@ -392,42 +404,23 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
         reader.close()
 
 
-@contextlib.contextmanager
-def _checks_timed(spent: list[float]) -> Iterator[None]:
-    """Time every writer-signature check of an entry into spent[0], whole: cachestore.entry._check_writer (the
-    memo lookup and the signature's verify) and cachestore.entry.check_writers, which calls
-    it for each entry of a read (counted once)."""
-    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers")]
-    inner = [getattr(owner, name) for owner, name in timed]
-    for owner, name in timed:
-        _timed(owner, name, spent)
-    try:
-        yield
-    finally:
-        for (owner, name), function in zip(timed, inner, strict=True):
-            setattr(owner, name, function)
-
-
 def _lookup_rounds(full: list[str], reader_settings: Any, rounds: int) -> dict:
     """A fresh reader looks every key of `full` up, one at a time, `rounds` times: per round, per lookup,
     (seconds of the hit, seconds in its signature check)."""
-    reader = open_tier(reader_settings)
+    reader, trust = timed_reader(reader_settings)
     try:
-        spent = [0.0]
-        trust = reader.policy.trust
         loop = BirCodeGenLoop(make_target("Trn2"))
         measured, first_verifies = [], 0
-        with _checks_timed(spent):
-            for _ in range(rounds):
-                times = []
-                for cache_key in full:
-                    spent[0] = 0.0
-                    started = time.perf_counter()
-                    entry = reader.lookup(cache_key)
-                    loop._cache_new_nki_frontend_binary(cache_key, entry.trace_result(), entry.key_components)
-                    times.append((time.perf_counter() - started, spent[0]))
-                measured.append(times)
-                first_verifies = first_verifies or trust.verifies
+        for _ in range(rounds):
+            times = []
+            for cache_key in full:
+                trust.seconds = 0.0
+                started = time.perf_counter()
+                entry = reader.lookup(cache_key)
+                loop._cache_new_nki_frontend_binary(cache_key, entry.trace_result(), entry.key_components)
+                times.append((time.perf_counter() - started, trust.seconds))
+            measured.append(times)
+            first_verifies = first_verifies or trust.verifies
         return {"rounds": measured, "first_verifies": first_verifies, "rejected": reader.counts()["tier_rejected"]}
     finally:
         reader.close()
