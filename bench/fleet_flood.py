@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout: the bench package
 
 import redis
 from fleet_survival import Fleet  # a sibling script
 
-from workers.dev_redis import start_private_server
+from bench.dev_redis import start_private_server
 from workers.fleet import submit_texts, wait_for
 from workers.workload import GraphBuilder
 

@@ -2,7 +2,7 @@
 compiling it at home.
 
 Two `nkicache worker` processes, idle and live, on a private redis-server with the default 16 job shards. In
-each round, in turn (workers.bench.processes): `nkicache submit GRAPH --wait --out DIR` of the workload's first
+each round, in turn (bench.processes): `nkicache submit GRAPH --wait --out DIR` of the workload's first
 graph, and `nkicache compile GRAPH --out DIR` on the same Redis tier (what compiling at home costs a user of
 that tier: the same client to import, the same entries to read). Round 0 warms the tier and is not kept. The
 figure is the ratio of the two medians, both whole processes from start to exit.
@@ -19,11 +19,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout: the bench package
 
 from fleet_survival import Fleet  # a sibling script
 
-from workers.bench.processes import Commands, nkicache_command
-from workers.dev_redis import start_private_server
+from bench.dev_redis import start_private_server
+from bench.processes import Commands, nkicache_command
 from workers.workload import generate_workload
 
 

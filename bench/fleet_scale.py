@@ -210,7 +210,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from redis_cluster import start_cluster
 
-    from workers.dev_redis import start_private_server
+    from bench.dev_redis import start_private_server
 
     figures: dict = {"settings": vars(args) | {"json": None}, "cpu_control_before": cpu_control()}
     with start_private_server() as server:

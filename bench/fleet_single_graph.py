@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout: the bench package
 
 from fleet_survival import Fleet  # a sibling script
 from pool_scaling import big_graph, cpu_control
 
-from workers.dev_redis import start_private_server
+from bench.dev_redis import start_private_server
 from workers.fleet import results_of, submit
 
 

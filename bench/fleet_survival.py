@@ -22,10 +22,12 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: the bench package
+
 import redis
 
+from bench.dev_redis import start_private_server
 from cachestore.keys import KeySpace
-from workers.dev_redis import start_private_server
 from workers.fleet import results_of, submit
 from workers.workload import GraphBuilder, unet_block
 

@@ -19,9 +19,11 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: the bench package
+
 import redis
 
-from workers.dev_redis import start_private_server
+from bench.dev_redis import start_private_server
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
 WARMUP = 4.0  # seconds for the worker to start and settle before the count starts

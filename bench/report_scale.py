@@ -165,7 +165,7 @@ def main() -> None:
         print(json.dumps(measure(args.url, args.measure, args.traced, args.processes)))
         return
 
-    from workers.dev_redis import start_private_server
+    from bench.dev_redis import start_private_server
 
     server = start_private_server()  # never the machine's shared Redis
     url = server.url

@@ -64,7 +64,7 @@ def main() -> None:
 
     from pool_scaling import cpu_control
 
-    from workers.dev_redis import start_private_server
+    from bench.dev_redis import start_private_server
 
     servers = {"base": start_private_server(), "new": start_private_server()}
     trees = {"base": (args.base_python, args.base), "new": (sys.executable, ROOT)}

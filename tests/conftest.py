@@ -22,7 +22,7 @@ import pytest
 import redis
 from s3_server import S3Server
 
-from workers.dev_redis import RedisServer, answers_ping, start_private_server
+from bench.dev_redis import RedisServer, answers_ping, start_private_server
 
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
 REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}
@@ -50,7 +50,7 @@ def _start_private_server() -> RedisServer:
 
 def pytest_configure(config: pytest.Config) -> None:
     """In a pytest-xdist worker: exit as soon as the run's controller is gone (killed with -9, say), so the
-    servers this worker started, which die with it (workers.dev_redis.die_with_parent), do not outlive the run."""
+    servers this worker started, which die with it (bench.dev_redis.die_with_parent), do not outlive the run."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     controller = os.getppid()

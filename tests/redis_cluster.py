@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers.dev_redis import die_with_parent, pings
+from bench.dev_redis import die_with_parent, pings
 
 START_TIMEOUT_SECONDS = 15.0
 MASTERS = 3

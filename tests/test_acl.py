@@ -36,11 +36,11 @@ from helpers_graphs import (
 )
 from redis_cluster import ServerProcess, start_server, unavailable
 
+from bench.dev_redis import pings
 from bridge.identity import toolchain_id
 from cachestore.entry import SignaturePolicy, decode_entry, is_signed
 from cachestore.keys import KeySpace
 from workers.cli import main as nkicache
-from workers.dev_redis import pings
 
 pytestmark = pytest.mark.redis
 

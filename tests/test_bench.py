@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from bench import figures as bench
 from bridge.ir import NKIKLIRKernel
-from workers.bench import figures as bench
 from workers.cli import main
 
 
@@ -77,40 +77,42 @@ def test_bench_scripts_answer_json() -> None:
     assert latency["fleet_job_latency_vs_local"] == round(latency["submit_wait_ms"] / latency["local_ms"], 3) > 0
 
 
-def test_bench_from_an_installed_package_skips_what_needs_the_scripts(
+def test_a_measurement_that_cannot_run_is_reported_as_skipped(
     tiny, private_redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Installed, the package has no bench/ beside it: the two script measurements are skipped with the reason,
-    the in-process ones still run, and the exit status says the figures are incomplete. Measured once, with
-    --json; the text output is then printed from the same figures."""
+    """A measurement that cannot run (here: every one behind a bench/ script) is skipped with its reason, with
+    those measured from it; the in-process ones still run, and the exit status says the figures are incomplete.
+    Measured once, with --json; the text output is then printed from the same figures."""
     config, _graphs = tiny
-    monkeypatch.setattr(bench, "BENCH_SCRIPTS", tmp_path / "no-bench")
+
+    def not_run(name: str, *args: str) -> dict:
+        raise bench.MeasurementSkipped(f"bench/{name}.py is not run in this test")
+
+    monkeypatch.setattr(bench, "bench_script", not_run)
     monkeypatch.setattr(bench.BenchConfig, "for_mode", classmethod(lambda cls, quick: config))
     url = private_redis_server().url
     as_json = CliRunner().invoke(main, ["bench", "--redis-url", url, "--json"])
     assert as_json.exit_code == 1, as_json.output
     results = json.loads(as_json.stdout)
     assert results["skipped"] == {
-        "pool_scaling": "needs bench/pool_scaling.py from a source checkout",
+        "pool_scaling": "bench/pool_scaling.py is not run in this test",
         "single_graph_scaling": "measured with pool_scaling, which was not",
-        "fleet_single_graph_scaling": "needs bench/fleet_single_graph.py from a source checkout",
-        "fleet_job_latency_vs_local": "needs bench/fleet_latency.py from a source checkout",
-        "flood_jobs_per_second": "needs bench/fleet_flood.py from a source checkout",
-        "report_seconds_100k": "needs bench/report_scale.py from a source checkout",
+        "fleet_single_graph_scaling": "bench/fleet_single_graph.py is not run in this test",
+        "fleet_job_latency_vs_local": "bench/fleet_latency.py is not run in this test",
+        "flood_jobs_per_second": "bench/fleet_flood.py is not run in this test",
+        "report_seconds_100k": "bench/report_scale.py is not run in this test",
     }
     assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results
     assert 0 < results["storage_ratio"] < 1 and results["local_hit_us"] > 0
     assert results["wire_bytes_ratio"] == results["storage_ratio_detail"]["wire_bytes_ratio"]
     assert results["warm_speedup_redis"] > 1
-    with pytest.raises(bench.MeasurementSkipped, match=r"^needs bench/report_scale\.py from a source checkout$"):
-        bench.bench_script("report_scale", "--sizes", "300", "--quick")
 
     monkeypatch.setattr(bench, "run_benchmarks", lambda config, redis_url, progress: results)
     text = CliRunner().invoke(main, ["bench", "--redis-url", url])
     assert text.exit_code == 1, text.output
     lines = text.stdout.splitlines()
-    assert "pool_scaling             skipped: needs bench/pool_scaling.py from a source checkout" in lines
-    assert "report_seconds_100k      skipped: needs bench/report_scale.py from a source checkout" in lines
+    assert "pool_scaling             skipped: bench/pool_scaling.py is not run in this test" in lines
+    assert "report_seconds_100k      skipped: bench/report_scale.py is not run in this test" in lines
     assert any(line.startswith("warm_speedup ") and "goal >= 100.0" in line for line in lines)
     assert any(line.startswith(f"{'storage_ratio':24} {results['storage_ratio']:.3f}") for line in lines)
 
@@ -185,7 +187,7 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
 def test_broken_tier_measurement(tmp_path: Path) -> None:
     """A Redis down, frozen or trickling from the start, or frozen or killed mid-compile, each gives tier off's
     artifacts; each figure is the worst of its kind over off."""
-    from workers.bench.broken_tier import broken_tier_overhead
+    from bench.broken_tier import broken_tier_overhead
     from workers.workload import generate_workload
 
     generate_workload(tmp_path / "graphs", 2, 3)
@@ -202,9 +204,9 @@ def test_broken_tier_measurement(tmp_path: Path) -> None:
 def test_a_timed_store_times_the_loops_calls_and_changes_nothing(tiny, tmp_path: Path) -> None:
     """The figures time a compile's tier calls through a wrapper: the compile through it is the compile without
     it (same traces, same binaries, same counts), and each call the loop made is timed under its name."""
+    from bench.timed_store import TimedStore
     from cachestore.settings import load_settings
     from cachestore.stores import open_tier
-    from workers.bench.timed_store import TimedStore
 
     _config, graphs = tiny
     bare_settings = load_settings({"tier": f"local:{tmp_path / 'bare.db'}"})

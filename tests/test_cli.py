@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import click
 import pytest
@@ -105,3 +107,38 @@ def test_unknown_func_name_is_a_usage_error() -> None:
 def test_dash_h_is_help(args: list[str]) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0 and result.output.startswith("Usage: ")
+
+
+def test_bench_without_the_dev_tooling_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wheel's install has no bench/ beside its packages: `nkicache bench`, whatever follows it, is one line on
+    stderr naming where the benchmarks come from, exit 2; `nkicache --help` still lists it."""
+    import workers.cli
+
+    monkeypatch.setattr(workers.cli, "CHECKOUT", tmp_path)  # site-packages: no pyproject.toml, no bench/
+    monkeypatch.delitem(main.commands, "bench", raising=False)
+    why = "nkicache: error: `nkicache bench` comes with a source checkout: install one with `pip install -e '.[dev]'`\n"
+    for args in (["bench"], ["bench", "--quick", "--json"], ["bench", "--help"]):
+        result = CliRunner().invoke(main, args)
+        assert (result.exit_code, result.stderr, result.stdout) == (2, why, ""), args
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "comes with a source checkout" in CliRunner().invoke(main, ["--help"]).stdout
+
+
+def test_a_dev_command_is_loaded_from_the_checkout_by_its_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In an editable install the dev package is not on sys.path (only bridge, cachestore and workers are mapped):
+    its command is loaded from the checkout's folder, from any working directory."""
+    import workers.cli
+
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "devpackage").mkdir()
+    (tmp_path / "devpackage" / "__init__.py").write_text("")
+    (tmp_path / "devpackage" / "cli.py").write_text(
+        "import click\n\n@click.command()\ndef command():\n    click.echo('from the checkout')\n"
+    )
+    monkeypatch.setattr(workers.cli, "CHECKOUT", tmp_path)
+    monkeypatch.delitem(sys.modules, "devpackage", raising=False)
+    monkeypatch.delitem(sys.modules, "devpackage.cli", raising=False)
+    monkeypatch.chdir("/")
+    command = workers.cli.dev_command("dev", "devpackage.cli:command")
+    assert sys.modules["devpackage.cli"].__file__ == str(tmp_path / "devpackage" / "cli.py")
+    assert CliRunner().invoke(command).stdout == "from the checkout\n"

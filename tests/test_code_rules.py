@@ -232,3 +232,72 @@ def test_no_private_name_of_redis_py_is_used() -> None:
 )
 def test_the_private_name_check_sees_one(source: str) -> None:
     assert redis_private_uses(ast.parse(source))
+
+
+# Benchmarks and dev tools are the checkout's bench/ package, which no wheel ships (issue 47).
+DEV_PACKAGE = "bench"
+DEV_TOOLS = ("dev_redis", "trickle_proxy")  # a throwaway redis-server, a proxy that trickles replies
+
+
+def dev_imports(tree: ast.Module) -> list[int]:
+    """Lines that import the dev package or a module of it (at module level or in a function alike, or by
+    importlib.import_module with the name written out)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else []
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            names = [arg.value for arg in node.args[:1] if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+        else:
+            continue
+        if any(name == DEV_PACKAGE or name.startswith(f"{DEV_PACKAGE}.") for name in names):
+            found.append(node.lineno)
+    return found
+
+
+def is_dev_tool(path: Path) -> bool:
+    """A product file named as a benchmark (a `bench` in any part of its path) or as one of the dev tools."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return any("bench" in part.lower() for part in parts) or parts[-1] in DEV_TOOLS
+
+
+def test_no_benchmark_or_dev_tool_ships_in_the_product() -> None:
+    """No module of bridge, cachestore or workers is a benchmark or a dev tool, or imports one; `nkicache bench`
+    names its module as text (workers/cli.py DEV_COMMANDS), loaded from a source checkout only. And pyproject.toml
+    packages no dev package."""
+    import tomllib
+
+    named = [str(path.relative_to(ROOT)) for path in product_modules() if is_dev_tool(path)]
+    importing = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in product_modules()
+        for line in dev_imports(ast.parse(path.read_text()))
+    ]
+    assert (named, importing) == ([], [])
+    packaged = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [pattern for pattern in packaged if pattern.startswith(DEV_PACKAGE)], packaged
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from bench.figures import GOALS",
+        "import bench.dev_redis",
+        "def f():\n    from bench import figures\n",
+        "importlib.import_module('bench.cli')",
+    ],
+)
+def test_the_dev_import_check_sees_one(source: str) -> None:
+    assert dev_imports(ast.parse(source))
+
+
+@pytest.mark.parametrize("path", ["workers/bench/figures.py", "workers/dev_redis.py", "cachestore/benchmarks.py"])
+def test_the_dev_tool_check_sees_one(path: str) -> None:
+    assert is_dev_tool(ROOT / path)
+
+
+def test_the_dev_checks_pass_product_code_by() -> None:
+    assert dev_imports(ast.parse("from bridge.miss_causes import variant_fingerprints\nimport benchmark_tools")) == []
+    assert not is_dev_tool(ROOT / "bridge" / "miss_causes.py")

@@ -28,10 +28,10 @@ from redis.retry import Retry
 from redis_cluster import start_server, unavailable
 from test_acl import PASSWORDS, redis_conf_text, start_acl_server
 
+from bench.dev_redis import pings
 from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
 from workers.cli import main as nkicache
-from workers.dev_redis import pings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

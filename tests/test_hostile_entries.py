@@ -36,6 +36,7 @@ from helpers_graphs import (
 )
 from helpers_report import nkicache
 
+from bench.trickle_proxy import TrickleProxy
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore import entry as entry_module
@@ -46,7 +47,6 @@ from cachestore.entry import Entry, EntryRejected, SignaturePolicy, decode_entry
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.trickle_proxy import TrickleProxy
 
 MiB = 1024 * 1024
 LIMIT = Settings().max_entry_bytes  # 8 MiB, the default

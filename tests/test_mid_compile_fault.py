@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from helpers_graphs import unique_namespace, wait_until
 
+from bench.broken_tier import MidCompileFault
 from bridge.limits import Limits
 from bridge.parallel import key_variants
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.bench.broken_tier import MidCompileFault
 from workers.variant_pool import FREE, SKIPPED, TAKEN, Claims, Scheduler
 from workers.workload import generate_workload
 

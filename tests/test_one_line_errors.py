@@ -20,9 +20,9 @@ import pytest
 import redis
 from helpers_graphs import delete_namespace, metrics_shards, mixed_graph, unique_namespace, write_graph
 
+from bench.dev_redis import RedisServer
 from cachestore.entry import SignaturePolicy, decode_entry
 from cachestore.settings import load_settings
-from workers.dev_redis import RedisServer
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
 PROCESS_TIMEOUT = 120

@@ -77,7 +77,7 @@ def test_private_server_can_be_killed(private_redis_server) -> None:
 
 KEEPER = """
 import sys, time
-from workers.dev_redis import start_private_server
+from bench.dev_redis import start_private_server
 server = start_private_server()
 print(server.port, flush=True)
 time.sleep(600)

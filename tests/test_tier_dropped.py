@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers_graphs import mixed_graph, write_graph
 
-from workers.dev_redis import RedisServer
+from bench.dev_redis import RedisServer
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
 

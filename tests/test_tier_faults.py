@@ -26,6 +26,7 @@ from helpers_graphs import (
     wait_until,
 )
 
+from bench.dev_redis import die_with_parent, pings
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
 from cachestore.api import TOTAL_COUNTERS, TierError, WriteItem
@@ -34,7 +35,6 @@ from cachestore.client import TierClient
 from cachestore.keys import KeySpace
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.dev_redis import die_with_parent, pings
 
 HOST = "fault-host"
 STALL_BOUND_SECONDS = 3.0  # how much longer than `--tier off` a compile may take when Redis misbehaves

@@ -21,9 +21,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_cluster import start_cluster, start_server, unavailable
 
+from bench.dev_redis import pings
 from cachestore.backends.redis import connect
 from workers.cli import main as nkicache
-from workers.dev_redis import pings
 
 pytestmark = pytest.mark.redis
 

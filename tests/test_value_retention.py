@@ -1,6 +1,6 @@
 """Value-ranked retention (issue 21): an entry's value is the compile seconds its reuse saves per stored byte.
 The rules (cachestore/value.py), the Redis TTL that grows with it, and the pass-log replay that compares it
-with LRU (workers/bench/replay.py)."""
+with LRU (bench/replay.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from helpers_graphs import delete_namespace, local_or_fake_backend, unique_namespace
 
+from bench.replay import LoggedEntry, LoggedPass, ReplayError, compare, replay, scaled_log
 from cachestore.client import TierClient
 from cachestore.entry import Entry
 from cachestore.settings import Settings
@@ -25,7 +26,6 @@ from cachestore.value import (
     retention_score,
     ttl_factor,
 )
-from workers.bench.replay import LoggedEntry, LoggedPass, ReplayError, compare, replay, scaled_log
 
 BASE_TTL = 3600
 
@@ -226,7 +226,7 @@ def test_a_replay_it_cannot_run_is_one_clear_error(call: Any, message: str) -> N
 
 
 def test_the_bench_measurement_replays_the_recorded_workload(tmp_path: Path) -> None:
-    from workers.bench import figures as bench
+    from bench import figures as bench
 
     config = bench.BenchConfig(models=3, seed=1, repeats=1, quick=True)
     graphs = bench.workload_graphs(tmp_path / "graphs", config)

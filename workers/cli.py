@@ -8,8 +8,10 @@ the storage side, and `nkicache --help` works even when the compiler side is bro
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -19,7 +21,6 @@ from workers.cli_common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_PROJECT
 # Every command: its name -> "module:attribute" of its click command.
 COMMANDS = {
     "batch": "workers.fleet_cli:batch_group",
-    "bench": "workers.bench.cli:bench_command",
     "compile": "workers.compile_cli:compile_command",
     "config": "workers.config_cli:config_command",
     "demo": "workers.demo_cli:demo",
@@ -41,6 +42,12 @@ COMMANDS = {
     "worker": "workers.fleet_cli:worker_command",
     "workload": "workers.quickstart_cli:workload_command",
 }
+
+# Commands of the development tooling: packages of the source checkout beside bridge/, cachestore/ and workers/,
+# which no wheel ships (pyproject.toml). An editable install (`pip install -e '.[dev]'`) finds them there.
+DEV_COMMANDS = {"bench": "bench.cli:bench_command"}
+# This package's parent folder: the source checkout in an editable install, site-packages in a wheel's.
+CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def _is_project_error(exc: BaseException) -> bool:
@@ -79,17 +86,54 @@ class _Main(_Group):
     loading pattern), and its epilog (which reads every setting) is written only when help is shown."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*self.commands, *COMMANDS})
+        return sorted({*self.commands, *COMMANDS, *DEV_COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.commands and cmd_name in COMMANDS:
             module, attribute = COMMANDS[cmd_name].split(":")
             self.add_command(getattr(importlib.import_module(module), attribute), cmd_name)
+        elif cmd_name not in self.commands and cmd_name in DEV_COMMANDS:
+            self.add_command(dev_command(cmd_name, DEV_COMMANDS[cmd_name]), cmd_name)
         return self.commands.get(cmd_name)
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         self.epilog = environment_help()
         super().format_epilog(ctx, formatter)
+
+
+def dev_command(name: str, target: str) -> click.Command:
+    """The click command `target` ("package.module:attribute") names, its package loaded from the source checkout
+    this package is part of (CHECKOUT/package/, beside a pyproject.toml); where there is none (a wheel's
+    install), a stand-in that says in one line where the command comes from."""
+    module, attribute = target.split(":")
+    package = module.split(".")[0]
+    folder = CHECKOUT / package
+    if not ((CHECKOUT / "pyproject.toml").is_file() and (folder / "__init__.py").is_file()):
+        return _not_installed(name)
+    if package not in sys.modules:
+        # Loaded from that folder by its path, not found on sys.path (an editable install maps only the packages
+        # pyproject.toml lists), and never another installed package of the same name.
+        spec = importlib.util.spec_from_file_location(
+            package, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        loaded = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[package] = loaded
+        spec.loader.exec_module(loaded)  # type: ignore[union-attr]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _not_installed(name: str) -> click.Command:
+    """A stand-in for a development command this install does not have: run, with any arguments (--help too), it
+    is one line on stderr and exit 2."""
+    why = f"`nkicache {name}` comes with a source checkout: install one with `pip install -e '.[dev]'`"
+
+    def refuse() -> None:
+        from bridge.errors import NkiCacheError
+
+        raise NkiCacheError(why)
+
+    context = {"ignore_unknown_options": True, "allow_extra_args": True}
+    return click.Command(name, callback=refuse, help=why, add_help_option=False, context_settings=context)
 
 
 def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:

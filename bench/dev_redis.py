@@ -3,8 +3,8 @@
 The server listens on a free loopback port, persists nothing (no RDB, no AOF; its own temp dir, removed on
 cleanup) and never touches a shared Redis such as the machine's 6379. `nkicache bench` measures against
 one, and the tests use it for servers of their own that they may fill, kill or restart (tests/conftest.py,
-the cluster, ACL, TLS and fault tests); bench/report_scale.py starts one too. It lives in the package only
-because `nkicache bench` needs it installed; nothing on the compile or cache path imports it.
+the cluster, ACL, TLS and fault tests); bench/report_scale.py starts one too. Development tooling of the source
+checkout (the bench package), never shipped; nothing in bridge, cachestore or workers imports it.
 """
 
 from __future__ import annotations

@@ -80,14 +80,15 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
 
     Starts a private redis-server unless --redis-url is given. bench/RESULTS.md explains a full run.
     pool_scaling (with single_graph_scaling), fleet_single_graph_scaling, fleet_job_latency_vs_local,
-    flood_jobs_per_second and report_seconds_100k run scripts from bench/ in the source checkout; an installed
-    package has none, so they are reported as skipped and the command exits 1 (the others still run). Each
-    scaling figure is printed beside its CPU control.
+    flood_jobs_per_second and report_seconds_100k run the scripts in bench/, each in a process of its own. A
+    measurement that cannot run is reported as skipped, with the reason, and the command exits 1 (the others
+    still run). Each scaling figure is printed beside its CPU control. The command and its measurements come
+    with a source checkout (`pip install -e '.[dev]'`); no wheel has them.
     """
+    from bench.dev_redis import answers_ping, start_private_server
+    from bench.figures import BenchConfig, run_benchmarks
     from bridge.errors import NkiCacheError
     from cachestore.tier_urls import is_cluster, is_redis, redact_url, tier_url_problem
-    from workers.bench.figures import BenchConfig, run_benchmarks
-    from workers.dev_redis import answers_ping, start_private_server
 
     if redis_url:
         # Checked first: the measurements would fail on it, after the first ones ran and printed many warnings.
@@ -120,7 +121,7 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
 
 
 def _print_figures(results: dict) -> None:
-    from workers.bench.figures import GOALS
+    from bench.figures import GOALS
 
     for name, value in results.items():
         if name.endswith("_detail") or name in ("config", "skipped"):

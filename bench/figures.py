@@ -7,33 +7,36 @@ bench/RESULTS.md records a full run and what the figures mean.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from bench.miss_causes import miss_cause_coverage
+from bench.timed_store import TimedStore
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import Graph, load_graph
+from bridge.identity import toolchain_id
 from bridge.ir import BasicBlock, InternalNkiKernel
 from bridge.key_rule import canonical_text
 from bridge.targets import make_target
 from cachestore import entry as entry_module
-from cachestore.keys import KeySpace
+from cachestore.credentials import settings_credentials
+from cachestore.keys import KeySpace, partition
 from cachestore.settings import load_settings
-from cachestore.stores import open_tier
-from workers.bench.miss_causes import miss_cause_coverage
-from workers.bench.timed_store import TimedStore
+from cachestore.stores import open_backend, open_tier, tier_client
+from cachestore.tier_urls import redact_url
+from cachestore.trust import TrustPolicy
 
 GOALS = {
-    # What a user feels, whole processes (workers.bench.processes): the project's performance goals.
+    # What a user feels, whole processes (bench.processes): the project's performance goals.
     "warm_compile_local_vs_floor": ("max", 2.0),
     "warm_compile_redis_vs_floor": ("max", 2.0),
     "version_vs_goal": ("max", 1.0),
@@ -60,10 +63,8 @@ GOALS = {
     "value_retention_ratio": ("min", 1.3),
 }
 
-# pool_scaling and report_seconds_100k run scripts from bench/, beside the packages in a source checkout. An
-# installed package has no bench/ (pyproject packages bridge, cachestore and workers only): those two
-# measurements are then skipped, and the others still run.
-BENCH_SCRIPTS = Path(__file__).resolve().parents[2] / "bench"
+# pool_scaling, report_seconds_100k and the fleet figures run the scripts beside this module (bench/NAME.py).
+BENCH_SCRIPTS = Path(__file__).resolve().parent
 
 
 class MeasurementSkipped(NkiCacheError):
@@ -75,7 +76,7 @@ class BenchConfig(msgspec.Struct):
     seed: int = 0
     repeats: int = 5
     quick: bool = False
-    process_rounds: int = 5  # timed runs of each whole process (workers.bench.processes), after a warm-up
+    process_rounds: int = 5  # timed runs of each whole process (bench.processes), after a warm-up
 
     @classmethod
     def for_mode(cls, quick: bool) -> BenchConfig:
@@ -263,8 +264,8 @@ def signature_overhead(graphs: list[Graph], config: BenchConfig, redis_url: str,
     `signature_overhead_big_pass`: the prefetch figure when the writer stores, and the reader reads, one large
     graph (bench/pool_scaling.py's one-big-model, one pass). Each figure comes with its verifies per hit.
 
-    The check time is every writer-signature check on the reading thread (`_checks_timed`): each entry's memo
-    lookup and its verify (50-120 us) on a first hit.
+    The check time is every writer-signature check the reader makes (`TimedTrust`, its trust policy's `check`):
+    each entry's memo lookup and, on a first hit, its verify (50-120 us).
 
     One reader's first-hit ratio swings with whatever else the machine runs at that moment: each first-hit
     figure is measured with FRESH_READERS fresh readers, one after another, and is the
@@ -331,12 +332,10 @@ def _median_run(runs: list[dict]) -> dict:
 
 def _big_pass(settings: Any, work: Path) -> dict:
     """The writer compiles bench/pool_scaling.py's one large graph in one pass, a fresh reader reads it: the
-    prefetch figures ({} when bench/ is not beside the package)."""
+    prefetch figures."""
     import importlib.util
 
     script = BENCH_SCRIPTS / "pool_scaling.py"
-    if not script.is_file():
-        return {}
     spec = importlib.util.spec_from_file_location("nkibench_pool_scaling", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
@@ -351,44 +350,53 @@ def _big_pass(settings: Any, work: Path) -> dict:
     return _median_run(reads)
 
 
-def _timed(owner: Any, name: str, spent: list[float]) -> None:
-    """Replace `owner.name` by a wrapper that adds the seconds each call takes to spent[0]; a call made within
-    another call timed into the same `spent` (check_writers calls _check_writer) is counted once, by the
-    outer one (spent[1] says one is running)."""
-    inner = getattr(owner, name)
-    if len(spent) < 2:
-        spent.append(0.0)
+class TimedTrust(TrustPolicy):
+    """A copy of a trust policy (the same writers, an empty memo) that adds the seconds each of its signature
+    checks takes to `seconds`: the memo lookup and, when the memo does not answer, the Ed25519 verify. Handed to
+    a reader as its trust policy (`timed_reader`), so nothing of the reader is patched."""
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        if spent[1]:
-            return inner(*args, **kwargs)
-        spent[1] = 1.0
+    def __init__(self, policy: TrustPolicy) -> None:
+        super().__init__(list(policy.writers.values()), policy.source)
+        self.seconds = 0.0
+
+    def check(self, key_id: bytes, message: bytes, signature: bytes) -> str | None:
         started = time.perf_counter()
         try:
-            return inner(*args, **kwargs)
+            return super().check(key_id, message, signature)
         finally:
-            spent[0] += time.perf_counter() - started
-            spent[1] = 0.0
+            self.seconds += time.perf_counter() - started
 
-    setattr(owner, name, timed)
+
+def timed_reader(reader_settings: Any) -> tuple[Any, TimedTrust]:
+    """A client of these settings opened as open_tier opens one, with the settings' trust policy timed: (the
+    client, its TimedTrust)."""
+    credentials = settings_credentials(reader_settings)
+    trust = TimedTrust(credentials.trust)
+    credentials = msgspec.structs.replace(credentials, trust=trust)
+    backend = partial(
+        open_backend,
+        reader_settings,
+        writable=reader_settings.tier_mode != "read-only",
+        partition=partition(toolchain_id(), credentials.scope),
+    )
+    return tier_client(backend, reader_settings, redact_url(reader_settings.tier), credentials), trust
 
 
 def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
     """A fresh reader compiles every graph once; the seconds in its tier reads and, within them, in signature
     checks, the Ed25519 verifies, and the entries it found."""
-    reader = open_tier(reader_settings)
+    reader, trust = timed_reader(reader_settings)
     try:
-        timed, checks = TimedStore(reader), [0.0]
-        with _checks_timed(checks):
-            compile_all(graphs, timed)
+        timed = TimedStore(reader)
+        compile_all(graphs, timed)
         reads = timed.seconds["find_traces"]
         counts = reader.counts()
         hits = max(1, counts["entries_found"])
         return {
-            "overhead": checks[0] / reads,
+            "overhead": trust.seconds / reads,
             "hit_us": reads * 1e6 / hits,
-            "check_us": checks[0] * 1e6 / hits,
-            "verifies_per_hit": reader.policy.trust.verifies / hits,
+            "check_us": trust.seconds * 1e6 / hits,
+            "verifies_per_hit": trust.verifies / hits,
             "hits": counts["entries_found"],
             "rejected": counts["tier_rejected"],
         }
@@ -396,42 +404,23 @@ def _first_pass_reads(graphs: list[Graph], reader_settings: Any) -> dict:
         reader.close()
 
 
-@contextlib.contextmanager
-def _checks_timed(spent: list[float]) -> Iterator[None]:
-    """Time every writer-signature check of an entry into spent[0], whole: cachestore.entry._check_writer (the
-    memo lookup and the signature's verify) and cachestore.entry.check_writers, which calls
-    it for each entry of a read (counted once)."""
-    timed = [(entry_module, "_check_writer"), (entry_module, "check_writers")]
-    inner = [getattr(owner, name) for owner, name in timed]
-    for owner, name in timed:
-        _timed(owner, name, spent)
-    try:
-        yield
-    finally:
-        for (owner, name), function in zip(timed, inner, strict=True):
-            setattr(owner, name, function)
-
-
 def _lookup_rounds(full: list[str], reader_settings: Any, rounds: int) -> dict:
     """A fresh reader looks every key of `full` up, one at a time, `rounds` times: per round, per lookup,
     (seconds of the hit, seconds in its signature check)."""
-    reader = open_tier(reader_settings)
+    reader, trust = timed_reader(reader_settings)
     try:
-        spent = [0.0]
-        trust = reader.policy.trust
         loop = BirCodeGenLoop(make_target("Trn2"))
         measured, first_verifies = [], 0
-        with _checks_timed(spent):
-            for _ in range(rounds):
-                times = []
-                for cache_key in full:
-                    spent[0] = 0.0
-                    started = time.perf_counter()
-                    entry = reader.lookup(cache_key)
-                    loop._cache_new_nki_frontend_binary(cache_key, entry.trace_result(), entry.key_components)
-                    times.append((time.perf_counter() - started, spent[0]))
-                measured.append(times)
-                first_verifies = first_verifies or trust.verifies
+        for _ in range(rounds):
+            times = []
+            for cache_key in full:
+                trust.seconds = 0.0
+                started = time.perf_counter()
+                entry = reader.lookup(cache_key)
+                loop._cache_new_nki_frontend_binary(cache_key, entry.trace_result(), entry.key_components)
+                times.append((time.perf_counter() - started, trust.seconds))
+            measured.append(times)
+            first_verifies = first_verifies or trust.verifies
         return {"rounds": measured, "first_verifies": first_verifies, "rejected": reader.counts()["tier_rejected"]}
     finally:
         reader.close()
@@ -559,15 +548,12 @@ def _count_bytes_read(tier: Any) -> dict:
 
 # -- 6. pool_scaling and 7. report_seconds_100k: scripts in bench/, each run as its own process -------------
 def bench_script(name: str, *args: str) -> dict:
-    """Run bench/NAME.py --json from the source checkout and return what it printed; MeasurementSkipped
-    when the script is not there (an installed package)."""
+    """Run bench/NAME.py --json and return what it printed."""
     import json
     import subprocess
     import sys
 
     script = BENCH_SCRIPTS / f"{name}.py"
-    if not script.is_file():
-        raise MeasurementSkipped(f"needs bench/{name}.py from a source checkout")
     done = subprocess.run([sys.executable, str(script), *args, "--json"], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NkiCacheError(f"{script.name} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
@@ -697,7 +683,7 @@ def l1_redis_read_reduction(config: BenchConfig, work: Path) -> dict:
     Redis read commands of each second compile are counted from INFO commandstats (reset just before it);
     the figure is 1 - stacked / alone. Both second compiles' artifacts must be byte-identical to a compile
     with no tier, or the measurement fails."""
-    from workers.dev_redis import start_private_server
+    from bench.dev_redis import start_private_server
     from workers.passes import compile_graph
     from workers.workload import generate_workload
 
@@ -761,11 +747,11 @@ def _second_compile_reads(files: Sequence[Path], tier: str, redis_url: str, labe
 # -- value_retention_ratio: value-ranked retention against LRU, on a replayed pass log ----------------------
 def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dict:
     """Record the workload's pass log (each pass's calls per cache key) and its entries (compile seconds, stored
-    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (workers.bench.replay:
+    bytes) by compiling it into a fresh local tier; replay a workload 10 times as long (bench.replay:
     passes drawn with Zipf-like popularity) against a cache holding a quarter of the bytes of the entries it
     uses, once under LRU and once under value-ranked retention. The figure: compile seconds the hits saved
     under value / under LRU."""
-    from workers.bench.replay import LoggedPass, compare, scaled_log
+    from bench.replay import LoggedPass, compare, scaled_log
 
     settings = tier_settings(f"local:{work / 'replay.sqlite'}")
     tier = open_tier(settings)
@@ -798,8 +784,8 @@ def value_retention(graphs: list[Graph], config: BenchConfig, work: Path) -> dic
 
 def _logged_entries(tier: Any) -> dict:
     """{cache key: LoggedEntry} of every entry of the tier: its compile seconds, and the bytes it takes."""
+    from bench.replay import LoggedEntry
     from cachestore.entry import decode_entry
-    from workers.bench.replay import LoggedEntry
 
     raw = {item.cache_key: item.data for item in tier._backend.scan_entries(with_ttl=False)}
     decoded = {key: decode_entry(data, tier.policy) for key, data in raw.items()}
@@ -862,8 +848,8 @@ PROCESS_FIGURES = (
 
 
 def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
-    """Whole `nkicache` processes on the workload's first graph, beside their floors (workers.bench.processes)."""
-    from workers.bench.processes import process_figures, redis_namespaces
+    """Whole `nkicache` processes on the workload's first graph, beside their floors (bench.processes)."""
+    from bench.processes import process_figures, redis_namespaces
 
     graph = sorted((work / "graphs").glob("*.json"))[0]
     namespace = "nkibench-process"
@@ -876,7 +862,7 @@ def whole_process(work: Path, redis_url: str, rounds: int) -> dict:
 def broken_tier(work: Path, config: BenchConfig) -> dict:
     """The workload compiled with --workers 2 on a Redis down, frozen or trickling from the start and on one
     frozen or killed mid-compile, beside --tier off."""
-    from workers.bench.broken_tier import ROUNDS, broken_tier_overhead
+    from bench.broken_tier import ROUNDS, broken_tier_overhead
 
     return broken_tier_overhead(
         work / "graphs", work / "broken-tier", config.process_rounds if config.quick else ROUNDS

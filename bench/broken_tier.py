@@ -2,10 +2,10 @@
 
 A tier that fails must cost no more than no tier: the variants it cannot serve are traced as a `--tier off`
 compile traces them, in parallel with `--workers 2`. Each compile is a whole `nkicache compile` process of the
-workload, run in rounds that alternate the four tiers (workers.bench.processes), so the machine's load moves
+workload, run in rounds that alternate the four tiers (bench.processes), so the machine's load moves
 them together: off; a loopback port nobody listens on (down); a redis-server stopped with SIGSTOP (frozen: it
 accepts connections and never answers); a redis-server behind a proxy that passes its answers on a few bytes
-at a time (trickling: workers/trickle_proxy.py, 160 bytes a second, so an entry takes longer than op_timeout).
+at a time (trickling: bench/trickle_proxy.py, 160 bytes a second, so an entry takes longer than op_timeout).
 Two more start each run on an empty redis-server that fails once the compile stored FAULT_AFTER_ENTRIES
 entries, after its parallel plan was made: stopped with SIGSTOP (frozen mid-compile) or killed (mid-compile).
 """
@@ -22,12 +22,12 @@ from typing import Any
 
 import redis
 
+from bench.dev_redis import RedisServer, start_private_server
+from bench.processes import Commands, nkicache_command
+from bench.trickle_proxy import TrickleProxy
 from bridge.errors import NkiCacheError
 from bridge.limits import Limits
 from bridge.parallel import key_variants
-from workers.bench.processes import Commands, nkicache_command
-from workers.dev_redis import RedisServer, start_private_server
-from workers.trickle_proxy import TrickleProxy
 
 # Rounds of the four compiles alternated. The figure is the worst of three medians, which noise biases upwards:
 # on this 2-core VM a --tier off compile's wall time spreads by 30% between rounds, so fewer than 9 rounds are

@@ -1,1 +1,0 @@
-"""`nkicache bench`: the benchmark measurements and the command that reports them."""
