@@ -30,6 +30,8 @@ def bench_command(quick: bool, as_json: bool, redis_url: str | None) -> None:
     \b
       warm_compile_local_vs_floor  warm `compile` of one graph, local tier / its floor       goal <= 2.0
       warm_compile_redis_vs_floor  the same on Redis / its floor (redis-py instead of sqlite3) goal <= 2.0
+      warm_compile_s3_vs_floor  the same on s3:// (moto's server) / obstore's bare GETs of the
+                             objects it reads, in the same rounds (bench/ script)            goal <= 2.0
       version_vs_goal        `nkicache --version` / (3 x python_ms + 60 ms)                  goal <= 1.0
       exec_startup_overhead_ms  `nkicache exec -- python -c pass` - `python -c pass`, in ms  goal <= 60
       broken_tier_overhead   `compile --workers 2` of the workload on a down, frozen or trickling

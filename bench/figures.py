@@ -39,6 +39,7 @@ GOALS = {
     # What a user feels, whole processes (bench.processes): the project's performance goals.
     "warm_compile_local_vs_floor": ("max", 2.0),
     "warm_compile_redis_vs_floor": ("max", 2.0),
+    "warm_compile_s3_vs_floor": ("max", 2.0),
     "version_vs_goal": ("max", 1.0),
     "exec_startup_overhead_ms": ("max", 60.0),
     "broken_tier_overhead": ("max", 1.1),
@@ -601,6 +602,12 @@ def fleet_latency(config: BenchConfig) -> dict:
     return bench_script("fleet_latency", "--rounds", "3" if config.quick else "9")
 
 
+def s3_warm(config: BenchConfig) -> dict:
+    """A warm `compile` of one graph on an s3:// tier (moto's server, in the script's process) against the same
+    client's bare GETs of the objects it reads, in the same rounds (bench/s3_warm.py)."""
+    return bench_script("s3_warm", "--rounds", str(config.process_rounds))
+
+
 def fleet_flood(config: BenchConfig) -> dict:
     """Tiny warm jobs through 2 workers, beside a bare XADD / XREADGROUP / XACK loop (bench/fleet_flood.py)."""
     return bench_script("fleet_flood", "--jobs", "500" if config.quick else "2000")
@@ -918,6 +925,7 @@ def _run_benchmarks(config: BenchConfig, redis_url: str, progress: Callable[[str
         steps = [
             ("warm_compile_local_vs_floor", lambda: whole_process(work, redis_url, config.process_rounds)),
             *((name, partial(_from_process, results, name)) for name in PROCESS_FIGURES),
+            ("warm_compile_s3_vs_floor", lambda: s3_warm(config)),
             ("broken_tier_overhead", lambda: broken_tier(work, config)),
             ("mid_compile_fault_overhead", lambda: _from_broken_tier(results)),
             ("warm_speedup", lambda: warm_speedup(graphs, config, work)),

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import redis
-from s3_server import S3Server
 
 from bench.dev_redis import RedisServer, answers_ping, start_private_server
+from bench.dev_s3 import S3Server
 
 REDIS_FIXTURES = {"redis_url", "redis_client", "redis_namespace", "private_redis_server"}
 REDIS_FIXTURES |= {"redis_cluster", "private_redis_cluster"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from click.testing import CliRunner
 from bench import figures as bench
 from bridge.ir import NKIKLIRKernel
 from workers.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +105,7 @@ def test_a_measurement_that_cannot_run_is_reported_as_skipped(
         "fleet_job_latency_vs_local": "bench/fleet_latency.py is not run in this test",
         "flood_jobs_per_second": "bench/fleet_flood.py is not run in this test",
         "report_seconds_100k": "bench/report_scale.py is not run in this test",
+        "warm_compile_s3_vs_floor": "bench/s3_warm.py is not run in this test",
     }
     assert "pool_scaling" not in results and "report_seconds_100k_detail" not in results
     assert 0 < results["storage_ratio"] < 1 and results["local_hit_us"] > 0
@@ -115,6 +120,17 @@ def test_a_measurement_that_cannot_run_is_reported_as_skipped(
     assert "report_seconds_100k      skipped: bench/report_scale.py is not run in this test" in lines
     assert any(line.startswith("warm_speedup ") and "goal >= 100.0" in line for line in lines)
     assert any(line.startswith(f"{'storage_ratio':24} {results['storage_ratio']:.3f}") for line in lines)
+
+
+def test_the_s3_figure_times_a_warm_compile_that_reads_every_entry_from_s3() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "s3_warm.py"), "--rounds", "1", "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["warm_compile_s3_ms"] > 0 and figures["floor_s3_ms"] > 0 and figures["objects_read"] > 1
+    assert figures["warm_compile_s3_vs_floor"] == round(figures["warm_compile_s3_ms"] / figures["floor_s3_ms"], 3)
 
 
 def test_bench_help_names_every_goal() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from s3_server import S3Server
 
+from bench.dev_s3 import S3Server
 from cachestore.api import TierTimeout, TierUnavailable
 from cachestore.backends import s3
 from workers.cli import main

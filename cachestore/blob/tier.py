@@ -41,6 +41,7 @@ MAX_NAME_BYTES = 120  # a key or partition of at most this many bytes: its hex n
 TTL_REFRESH_FRACTION = 0.9  # as the local tier: an entry read is given its TTL again once 10% of it is used up
 MAX_SMALL_BLOB = 1 << 20  # bytes read of an index field or a batch at most
 READ_PAGE = 100  # entries read in one get while scanning
+MAX_KNOWN_EXPIRIES = 65536  # expiries of entries read kept for refresh_ttls, forgotten all at once past this
 # The parts of a name in each folder; 0: a folder whose every blob is gc's (layout 1's variant index).
 DEPTH = {"entries": 3, "variants": 2, "leases": 4, "batches": 2, "index": 0}
 Fields = dict[bytes, tuple[bytes, float]]  # a kernel's variant-index fields: {field: (value, expiry)}
@@ -98,6 +99,7 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         self.lease_ttl = lease_ttl
         self.read_only = not writable  # every write raises TierError
         self._records: dict[str, dict | None] = {}
+        self._expiries: dict[str, float] = {}  # of the entries this tier read or refreshed: by key
         marker = self._marker()
         if marker is None and create and writable:
             marker = MARKER_TEXT if blobs.create(MARKER, MARKER_TEXT, NEVER) else self._marker()
@@ -132,10 +134,11 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
     # -- the compile path -------------------------------------------------------------------------
     def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict[str, bytes | TooLarge]:
         found = self._entries(cache_keys)
+        if len(self._expiries) > MAX_KNOWN_EXPIRIES:
+            self._expiries.clear()
+        self._expiries.update((key, blob.expires) for key, (blob, data) in found.items() if isinstance(data, bytes))
         if ttl is not None and not self.read_only:
-            due = time.time() + ttl * TTL_REFRESH_FRACTION
-            stale = [key for key, (blob, data) in found.items() if isinstance(data, bytes) and blob.expires < due]
-            self.refresh_ttls([(key, ttl) for key in stale])
+            self.refresh_ttls([(key, ttl) for key, (_, data) in found.items() if isinstance(data, bytes)])
         return {key: data for key, (_, data) in found.items()}
 
     def store(self, requests: Sequence[api.StoreRequest], ttl: int) -> None:
@@ -170,9 +173,14 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         return found
 
     def refresh_ttls(self, items: Sequence[tuple[str, int]]) -> None:
-        if items:
-            now = time.time()
-            self._writing().touch([(self._entry(key), now + ttl) for key, ttl in items])
+        """Only the entries not seen with 90% of the TTL still ahead of them: the client asks for a refresh after
+        every read, and on S3 one rewrites the whole object."""
+        now = time.time()
+        fresh = self._expiries
+        due = [(key, now + ttl) for key, ttl in items if fresh.get(key, 0.0) < now + ttl * TTL_REFRESH_FRACTION]
+        if due:
+            self._writing().touch([(self._entry(key), expires) for key, expires in due])
+            self._expiries.update(due)
 
     def read_variant_index(self, queries: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[bytes | None] | None]:
         names = [f"variants/{_sha(kernel)}" for kernel, _ in queries]

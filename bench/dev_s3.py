@@ -1,6 +1,6 @@
-"""An S3 server for the tests: moto's standalone server (`ThreadedMotoServer`) on a free loopback port, speaking
-the S3 wire protocol (conditional writes included) over HTTP, and the AWS environment a client needs to reach
-it."""
+"""An S3 server for the tests and the benchmarks: moto's standalone server (`ThreadedMotoServer`) on a free
+loopback port, speaking the S3 wire protocol (conditional writes included) over HTTP, and the AWS environment a
+client needs to reach it."""
 
 from __future__ import annotations
 
