@@ -3,7 +3,7 @@
 A warm compile's whole process is what a user feels (`nkicache bench`: version_ms, warm_compile_*_vs_floor);
 these tests hold the reason it can be fast: no numpy or ml_dtypes unless a value is computed, no cryptography
 or PyNaCl, nor the key and trust-policy code (cachestore.trust), unless a key or a policy is configured, no
-redis-py unless a Redis tier is."""
+redis-py unless a Redis tier is, no obstore unless an S3 one is."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.helpers_graphs import kernel_op, mixed_graph, tensor, write_graph
 
-HEAVY = ("numpy", "ml_dtypes", "cryptography", "nacl", "redis", "rich", "matplotlib", "prometheus_client",
+HEAVY = ("numpy", "ml_dtypes", "cryptography", "nacl", "redis", "rich", "matplotlib", "prometheus_client", "obstore",
          "cachestore.trust")  # fmt: skip
 
 
