@@ -32,7 +32,7 @@ import msgspec
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import VariantFacts, facts_of_stored, merged_facts
-from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
+from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace
 from cachestore.api import (
     Backend,
     KeyUsage,
@@ -88,7 +88,7 @@ class TierStats:
             return dict(self._counts)
 
 
-class EntryReads:
+class EntryReads(KernelStore):
     """The port's reads made of a tier's `find_many` and `wait_for_entry`: one key is a batch of one, and each
     entry is handed to the loop as its trace."""
 
