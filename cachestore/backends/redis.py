@@ -46,8 +46,8 @@ from cachestore.api import (
     ConnectionsDropped,
     KeyRecord,
     MetricsBatch,
+    PagedReader,
     RawEntry,
-    Reader,
     StoreRequest,
     TierTimeout,
     TierUnavailable,
@@ -289,15 +289,14 @@ def _cluster_node(part: str, url: str) -> ClusterNode:
     return ClusterNode(host, int(port))
 
 
-class RedisBackend(Backend, Reader):
+class RedisBackend(Backend, PagedReader):
     """A tier over a redis-py client (Redis, RedisCluster, or fakeredis in unit tests): the compile path
     and the reader side."""
 
     read_only = False
     value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = False  # Redis expires entries itself
-    # `entry_pages` and `read_entry_page`: a scan's pages can be read by other processes (cachestore.scan_split).
-    splits_scans = True
+    splits_scans = True  # a PagedReader: a scan's pages can be read by other processes (cachestore.scan_split)
 
     def __init__(
         self,
