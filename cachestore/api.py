@@ -184,8 +184,12 @@ def pass_time(finished: object, appended: float) -> float:
     finite number from 1970 on, not after the record was appended, give or take a day of clock skew between
     hosts), else `appended`, when the tier appended the record. A NaN would misplace the whole timeline, and
     a time centuries away would stretch it past any date the report can print."""
-    usable = isinstance(finished, int | float) and not isinstance(finished, bool) and math.isfinite(finished)
-    if usable and 0 <= finished <= appended + CLOCK_SKEW_SECONDS:
+    if (
+        isinstance(finished, int | float)
+        and not isinstance(finished, bool)
+        and math.isfinite(finished)
+        and 0 <= finished <= appended + CLOCK_SKEW_SECONDS
+    ):
         return float(finished)
     return appended
 
