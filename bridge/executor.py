@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -21,6 +22,9 @@ from bridge.nki import isa
 from bridge.nki.builder import check_matmul_shapes, check_tile_shape
 from bridge.program import Program
 from bridge.targets import TARGETS
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 INT_POISON = np.iinfo(np.int32).min
 
@@ -135,7 +139,7 @@ class LoadedProgram:
         self._last_use[buf] = self._index
         return buf, index, sizes, dtype, space
 
-    def _operand(self, operand: object) -> tuple[Callable[[_Machine], object], tuple[int, ...], bool]:
+    def _operand(self, operand: object) -> tuple[Callable[[_Machine], ArrayLike], tuple[int, ...], bool]:
         """(fetch, shape, is_integral) of an operand."""
         if not isinstance(operand, list) or not operand:
             raise BinaryFormatError(f"bad operand {operand!r}")
@@ -161,17 +165,18 @@ class LoadedProgram:
         full_shape = self.buffers[buf][0]
 
         def read(m: _Machine) -> np.ndarray:
-            if m.buffers[buf] is None:  # read before any write: the poison shows in the result
-                m.buffers[buf] = _poisoned(full_shape, dtype)
-            return m.buffers[buf][index]
+            target = m.buffers[buf]
+            if target is None:  # read before any write: the poison shows in the result
+                target = m.buffers[buf] = _poisoned(full_shape, dtype)
+            return target[index]
 
         return read
 
-    def _writer(self, ref: object) -> tuple[Callable[[_Machine, np.ndarray], None], tuple[int, ...], str, str]:
+    def _writer(self, ref: object) -> tuple[Callable[[_Machine, ArrayLike], None], tuple[int, ...], str, str]:
         buf, index, shape, dtype, space = self._tile(ref)
         full_shape = self.buffers[buf][0]
 
-        def write(m: _Machine, value: np.ndarray) -> None:
+        def write(m: _Machine, value: ArrayLike) -> None:
             target = m.buffers[buf]
             if target is None:
                 target = m.buffers[buf] = _poisoned(full_shape, dtype)
@@ -194,7 +199,9 @@ class LoadedProgram:
         name, tensor_shape, _ = specs[tensor_id]
         if len(access[1]) != len(tensor_shape):
             raise BinaryFormatError(f"access into {name!r} has {len(access[1])} indices for rank {len(tensor_shape)}")
-        resolvers, shape, gather = [], [], None
+        resolvers: list[Callable[[_Machine], object]] = []
+        shape: list[int] = []
+        gather: tuple | None = None
         for axis, (entry, size) in enumerate(zip(access[1], tensor_shape, strict=True)):
             resolver, dims, entry_gather = self._access_entry(entry, size, axis, name)
             if entry_gather is not None:
@@ -230,10 +237,10 @@ class LoadedProgram:
 
             return runtime_index, [], None
         if kind == "g" and len(entry) == 3:
-            buf, index, shape, dtype, _ = self._tile(entry[1:])
+            buf, tile_index, shape, dtype, _ = self._tile(entry[1:])
             if dtype != "int32" or len(shape) != 2 or shape[1] != 1:
                 raise BinaryFormatError(f"gather index into {name!r} must be an int32 [P, 1] tile")
-            read = self._reader(buf, index, dtype)
+            read = self._reader(buf, tile_index, dtype)
             return (lambda m: slice(None)), [shape[0]], (read, size, axis, name)
         raise BinaryFormatError(f"bad index entry {entry!r} into {name!r}")
 
@@ -341,7 +348,7 @@ def _access_closures(tensor_id: int, resolvers: list[Callable], gather: tuple | 
         def read(m: _Machine) -> np.ndarray:
             return m.tensors[tensor_id][basic_index(m)]
 
-        def write(m: _Machine, value: np.ndarray) -> None:
+        def write(m: _Machine, value: ArrayLike) -> None:
             m.tensors[tensor_id][basic_index(m)] = value
 
         return read, write

@@ -123,7 +123,7 @@ def _build(document: Mapping, source: str) -> Graph:
 
 def _check_order(graph: Graph, source: str) -> None:
     """Ops run in file order: an op may not read a tensor a later op produces, nor produce one twice."""
-    producer = {}
+    producer: dict[str, int] = {}
     for index, op in enumerate(graph.ops):
         for tensor in op.results:
             if tensor.name in producer:

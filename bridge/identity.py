@@ -112,8 +112,9 @@ def _cached_id(root: Path, stamp: str) -> str | None:
     if not isinstance(record, dict) or record.get("stamp") != stamp:
         return None
     identity = record.get("toolchain")
-    valid = isinstance(identity, str) and len(identity) == FINGERPRINT_HEX_DIGITS
-    return identity if valid and all(c in "0123456789abcdef" for c in identity) else None
+    if not isinstance(identity, str) or len(identity) != FINGERPRINT_HEX_DIGITS:
+        return None
+    return identity if all(c in "0123456789abcdef" for c in identity) else None
 
 
 def _remember_id(root: Path, stamp: str, identity: str) -> None:

@@ -13,10 +13,14 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from bridge.errors import NkiCacheError
+
+if TYPE_CHECKING:  # bridge.graph imports this module
+    from bridge.graph import Graph
 
 DEFAULT_GRAPH_BYTES = 16 * 1024 * 1024
 DEFAULT_TENSOR_ELEMENTS = 2**27  # 512 MiB of float32: larger than any tensor of the workload models by far
@@ -35,7 +39,7 @@ class Limits(msgspec.Struct, frozen=True):
     max_kernel_instructions: int = DEFAULT_KERNEL_INSTRUCTIONS
 
 
-def check_graph(graph: object, limits: Limits) -> None:
+def check_graph(graph: Graph, limits: Limits) -> None:
     """Raise LimitError for the first op that reads or writes a tensor larger than max_tensor_elements, or
     whose tensors take the graph's total past max_graph_elements (each tensor counted once)."""
     counted: set[str] = set()

@@ -165,10 +165,22 @@ class KernelStore(Protocol):
     """A persistent store of traced kernels, as the codegen loop uses it. Every method returns rather than
     raises when the store is down or slow: a store never makes a compile fail."""
 
-    reads: bool  # False: mirror only (publish, never look up)
-    writes: bool  # False: read-only (nothing is published, no lease taken)
-    available: bool  # False while the store is known to be down (its lookups all miss)
-    single_flight: bool  # take a lease before tracing, so a variant is traced once across processes
+    # Read-only properties: a store may answer them as plain attributes, or compute them.
+    @property
+    def reads(self) -> bool:
+        """False: mirror only (publish, never look up)."""
+
+    @property
+    def writes(self) -> bool:
+        """False: read-only (nothing is published, no lease taken)."""
+
+    @property
+    def available(self) -> bool:
+        """False while the store is known to be down (its lookups all miss)."""
+
+    @property
+    def single_flight(self) -> bool:
+        """Take a lease before tracing, so a variant is traced once across processes."""
 
     def find_traces(self, cache_keys: Sequence[str]) -> tuple[dict[str, StoredTrace], set[str]]:
         """(verified traces, the keys the store held anything under, rejected or not), in one round trip."""

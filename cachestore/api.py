@@ -24,7 +24,7 @@ import copy
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Self, TypeGuard
 
 import msgspec
 
@@ -184,8 +184,12 @@ def pass_time(finished: object, appended: float) -> float:
     finite number from 1970 on, not after the record was appended, give or take a day of clock skew between
     hosts), else `appended`, when the tier appended the record. A NaN would misplace the whole timeline, and
     a time centuries away would stretch it past any date the report can print."""
-    usable = isinstance(finished, int | float) and not isinstance(finished, bool) and math.isfinite(finished)
-    if usable and 0 <= finished <= appended + CLOCK_SKEW_SECONDS:
+    if (
+        isinstance(finished, int | float)
+        and not isinstance(finished, bool)
+        and math.isfinite(finished)
+        and 0 <= finished <= appended + CLOCK_SKEW_SECONDS
+    ):
         return float(finished)
     return appended
 
@@ -269,6 +273,7 @@ class Backend(Protocol):
     def abort_calls(self) -> None:
         """Make the calls in flight on other threads fail at once (a read blocked on a socket included), as the
         operation timeout does. A store whose calls never wait on a server has none to cut short."""
+        return None
 
     def close(self) -> None: ...
 
@@ -281,14 +286,14 @@ class Reader(Protocol):
     partition: str
     read_only: bool  # True: put_entries and delete_entries raise (a snapshot file)
     keeps_expired: bool  # True: entries past their expiry stay stored until purge_expired (SQLite)
-    # True: `entry_pages(every_partition, size)` yields pages of entry names and `read_entry_page(names, with_ttl)`
-    # reads one, in this process or a forked one (Redis; cachestore.scan_split)
+    # True: the reader is a `PagedReader` (`pages_of`), whose scans other processes can share (Redis;
+    # cachestore.scan_split)
     splits_scans: bool
 
     def entry_partitions(self) -> list[str]:
         """The partitions that hold entries, sorted."""
 
-    def in_partition(self, partition: str) -> Reader:
+    def in_partition(self, partition: str) -> Self:
         """The same store, in the partition `partition`: by default a shallow copy sharing its connections and
         files (closing either closes both)."""
         other = copy.copy(self)
@@ -356,6 +361,28 @@ class Reader(Protocol):
     def purge_expired(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class Store(Backend, Reader, Protocol):
+    """A whole store, both sides in one object: what a store module's `open_store` opens from a tier URL
+    (cachestore.stores), and what the contract suite (cachestore.testing.contract) tests."""
+
+
+class PagedReader(Reader, Protocol):
+    """A reader whose scans can be split over processes (`splits_scans` is True): one process pages through the
+    entry names, and any process reads a page (cachestore.scan_split)."""
+
+    def entry_pages(self, every_partition: bool = False, size: int = BATCH) -> Iterator[list[str]]:
+        """Pages of at most `size` entry names, of this partition (of every partition: `every_partition`), as
+        one scan finds them; no value is read."""
+
+    def read_entry_page(self, names: Sequence[str], with_ttl: bool = True) -> list[RawEntry]:
+        """The entries of a page of `entry_pages` still stored, in this process or a forked one."""
+
+
+def pages_of(reader: Reader) -> TypeGuard[PagedReader]:
+    """Whether `reader` is a `PagedReader`, as it declares (`splits_scans`)."""
+    return reader.splits_scans
 
 
 def batched(items: Iterable, size: int = BATCH) -> Iterator[list]:

@@ -32,7 +32,7 @@ import msgspec
 from bridge.identity import toolchain_id
 from bridge.klir import VERSION_IDENTIFIERS
 from bridge.miss_causes import VariantFacts, facts_of_stored, merged_facts
-from bridge.port import TIER_COUNTERS, PassRecord, StoredTrace
+from bridge.port import TIER_COUNTERS, KernelStore, PassRecord, StoredTrace
 from cachestore.api import (
     Backend,
     KeyUsage,
@@ -88,7 +88,7 @@ class TierStats:
             return dict(self._counts)
 
 
-class EntryReads:
+class EntryReads(KernelStore):
     """The port's reads made of a tier's `find_many` and `wait_for_entry`: one key is a batch of one, and each
     entry is handed to the loop as its trace."""
 
@@ -235,7 +235,7 @@ class TierClient(EntryReads):
                 self.stats.add("entries_found", len(own))
                 return own, set(own)
         ok, found = self._guard.call(lambda b: b.fetch(cache_keys, self._refresh_ttl(refresh)), "lookup")
-        if not ok:
+        if not ok or found is None:
             return own, set(own)
         entries = own
         decoded = decode_entries(found, self.policy, self.settings.max_entry_bytes)
@@ -321,7 +321,7 @@ class TierClient(EntryReads):
             return None
         queries = {key: query_fields(key, components, self._partition) for key, components in misses.items()}
         ok, answers = self._guard.call(lambda b: b.read_variant_index(list(queries.values())), "variant index")
-        if not ok:
+        if not ok or answers is None:
             return None
         found = {
             key: facts(values, self._partition)
@@ -565,11 +565,12 @@ class TierClient(EntryReads):
             if ok and refreshes:
                 ok, _ = self._guard.call(lambda b: b.refresh_ttls(refreshes), "TTL refresh")
         else:
-            batch = head
             if isinstance(head, UnbuiltBatch):  # (record() checked a batch handed over whole)
                 batch = self._made(head)
                 if self._dropped_invalid(batch):
                     return True
+            else:
+                batch = head
             ok, applied = self._guard.call(lambda b: b.apply_metrics(batch), "metrics")
             if ok and applied:
                 self.stats.add("metrics_applied")

@@ -9,11 +9,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from cachestore.api import Backend, BatchRefused, ConnectionsDropped, TierBusy, TierError, TierTimeout
 from cachestore.breaker import Breaker
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 SLOW_ANSWERS = 10  # a call is overdue once it waited this many times the slowest answer (and its caller's patience)
 
 
@@ -36,9 +38,10 @@ class Guard:
         Making the client object is not the store answering: the breaker is not told it succeeded."""
         return self.store is not None or self.call(lambda store: None, "open", answers=False)[0]
 
-    def call(self, operation: Callable[[Backend], object], what: str, *, answers: bool = True) -> tuple[bool, object]:
-        """(ok, result) of `operation` on the store; a failure is counted and opens the breaker. `answers`:
-        whether the operation's success shows the store answering (it proves the store to the breaker)."""
+    def call(self, operation: Callable[[Backend], T], what: str, *, answers: bool = True) -> tuple[bool, T | None]:
+        """(ok, result) of `operation` on the store; a failure is counted and opens the breaker. The result is None
+        when not ok, and for an item the store refused as invalid (ok: done with). `answers`: whether the
+        operation's success shows the store answering (it proves the store to the breaker)."""
         probe = self.breaker.admit()
         if probe is None:
             if what == "lookup":
@@ -74,7 +77,7 @@ class Guard:
         if self.store is not None:
             self.store.abort_calls()
 
-    def _attempt(self, operation: Callable[[Backend], object], what: str, answers: bool) -> tuple[bool, object]:
+    def _attempt(self, operation: Callable[[Backend], T], what: str, answers: bool) -> tuple[bool, T | None]:
         try:
             if self.store is None:
                 self.store = self._open_store()

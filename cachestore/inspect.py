@@ -188,12 +188,13 @@ def _list_partition(reader: Reader, kernel: str | None, target: str | None) -> I
         usage = reader.key_records([raw.cache_key for raw in batch])
         for raw in batch:
             entry = decode_or_reason(raw.data)
-            try:
-                error = entry if isinstance(entry, str) else None
-                info = describe_components(entry.key_components) if error is None else {}
-            except InspectError as exc:  # listed with its error like an entry that cannot be decoded
-                error = str(exc)
-            if error is not None:
+            error = entry if isinstance(entry, str) else None
+            if not isinstance(entry, str):
+                try:
+                    info = describe_components(entry.key_components)
+                except InspectError as exc:  # listed with its error like an entry that cannot be decoded
+                    error = str(exc)
+            if isinstance(entry, str) or error is not None:
                 if kernel is None and target is None:
                     yield {
                         "key": raw.cache_key,
@@ -400,7 +401,7 @@ def explain(reader: Reader, components: Mapping[str, Any], key_of: KeyOf, top: i
     (a differing kernel name weighs 100, target or neuroncores 10, any other component 1). Keeps `top`."""
     wanted = freeze_key_components(components)
     cache_key = key_of(wanted)
-    nearest: list[tuple[int, int, str, list[dict]]] = []  # a max-heap on distance, by negated values
+    nearest: list[tuple[int, str, list[dict]]] = []  # a max-heap on distance, by negated values
     present = False
     for raw in reader.scan_entries(with_ttl=False):
         entry = decode_or_reason(raw.data)
@@ -412,9 +413,9 @@ def explain(reader: Reader, components: Mapping[str, Any], key_of: KeyOf, top: i
         distance = sum(WEIGHTS.get(d["component"], 1) for d in diff)
         item = (-distance, raw.cache_key, diff)
         if len(nearest) < top:
-            heapq.heappush(nearest, item)  # type: ignore[arg-type]
+            heapq.heappush(nearest, item)
         elif item > nearest[0]:
-            heapq.heapreplace(nearest, item)  # type: ignore[arg-type]
+            heapq.heapreplace(nearest, item)
     ranked = sorted(nearest, key=lambda item: (-item[0], item[1]))
     usage = reader.key_records([key for _, key, _ in ranked])
     return {
@@ -465,17 +466,16 @@ def _import_partition(
         # trustworthy as the file, and Redis refuses an expiry beyond its range.
         return min(raw.ttl, default_ttl) if raw.ttl is not None and raw.ttl > 0 else default_ttl
 
-    def problem_of(raw: RawEntry, entry: Entry | str) -> str | None:
-        if isinstance(entry, str):
-            return entry
+    def problem_of(raw: RawEntry, entry: Entry) -> str | None:
         return toolchain_problem(raw, entry) or key_problem(raw.cache_key, entry, key_of)
 
     for batch in batched(snapshot.scan_entries()):
         items = []
         for raw in batch:
             entry = decode_or_reason(raw.data, policy, max_bytes, raw.cache_key)
-            problem = problem_of(raw, entry)
-            if problem:
+            if isinstance(entry, str):
+                rejected.append({"key": raw.cache_key, "reason": entry})
+            elif problem := problem_of(raw, entry):
                 rejected.append({"key": raw.cache_key, "reason": problem})
             else:
                 items.append(WriteItem(raw.cache_key, raw.data, entry.digest, ttl_of(raw), entry.compile_seconds))

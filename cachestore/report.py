@@ -31,9 +31,11 @@ TIMELINE_COUNTERS = ("passes", "kernels", "cache_hits", "cache_misses", "tier_lo
 BUCKET_WIDTHS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)
 MAX_BUCKETS = 48
 TOP_VARIANTS = 10
+# Every total counter, and the two hit rates (None: nothing asked), as `counters` makes them.
+Counters = dict[str, float | None]
 
 
-def counters(values: dict[str, float]) -> dict[str, float]:
+def counters(values: dict[str, float]) -> Counters:
     """Every total counter (0 when absent), integers as int, seconds as float, and the two hit rates (the
     shared cache's None when nothing asked the tier)."""
     out: dict[str, float] = {}
@@ -91,15 +93,15 @@ class FleetReport(msgspec.Struct):
     tier: str
     generated: float
     since: float | None
-    totals: dict[str, float]
+    totals: Counters
     per_host: dict[str, dict]  # host -> {"totals": {...}, "workers": {worker: {...}}}
-    per_toolchain: dict[str, dict[str, float]]  # toolchain id -> its totals (as `totals`)
+    per_toolchain: dict[str, Counters]  # toolchain id -> its totals (as `totals`)
     per_kernel: dict[str, dict[str, int]]  # kernel name -> {"call_count", "variants"}
     variants: int  # distinct cache keys the fleet used (the statistics report's "unique cached variants")
     top_variants: list[Variant] = msgspec.field(default_factory=list)
     bucket_seconds: int = 0
     timeline: list[Bucket] = msgspec.field(default_factory=list)
-    window: dict[str, float] = msgspec.field(default_factory=dict)  # the pass log summed over the timeline's span
+    window: Counters = msgspec.field(default_factory=dict)  # the pass log summed over the timeline's span
     # {toolchain: {other toolchain: Coverage}}: how much of each other toolchain's stored variants (weighted
     # by fleet usage) this one holds too. Empty when the tier holds one toolchain's entries (or none).
     coverage: dict[str, dict[str, Coverage]] = msgspec.field(default_factory=dict)
@@ -113,7 +115,7 @@ class FleetReport(msgspec.Struct):
     @property
     def misses(self) -> dict[str, int]:
         """The fleet's tier misses by cause (every pass, from the totals)."""
-        return {cause: int(self.totals.get(f"misses_{cause}", 0)) for cause in MISS_CAUSES}
+        return {cause: int(self.totals.get(f"misses_{cause}") or 0) for cause in MISS_CAUSES}
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -303,7 +305,7 @@ def pass_timeline(
     bucket_seconds: int | None = None,
     zeroed: list[dict] | None = None,
     kernel_misses: dict[str, dict[str, int]] | None = None,
-) -> tuple[int, list[Bucket], dict[str, float]]:
+) -> tuple[int, list[Bucket], Counters]:
     """(bucket width, buckets from the first to the last pass, the window's summed counts): passes are
     placed by when they finished; empty buckets are kept, so the time axis is even. The `report --zero`
     records found on the way are appended to `zeroed` (they count nothing), and each pass's tier misses by

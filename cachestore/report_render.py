@@ -11,7 +11,7 @@ import importlib
 import io
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -95,6 +95,7 @@ def shapes(values: list | None) -> str:
 def _value(name: str, value: float | None) -> str:
     if name in RATES:
         return format_rate(value)
+    assert value is not None, name  # only a hit rate is ever None
     if name.endswith("seconds"):
         return f"{value:,.2f}"
     return f"{int(value):,}"
@@ -250,7 +251,7 @@ def text_parts(report: FleetReport) -> Iterator[Any]:
             headers, rows = _kernel_miss_rows(report)
             yield _misses_table(headers, rows)
         yield (
-            f"In these buckets: {plural(window['passes'], 'pass')}, {plural(window['kernels'], 'kernel')}, "
+            f"In these buckets: {plural(window['passes'] or 0, 'pass')}, {plural(window['kernels'] or 0, 'kernel')}, "
             f"{HIT_RATE_WORDS[SHARED_HIT_RATE]} {format_rate(window[SHARED_HIT_RATE])}, "
             f"{HIT_RATE_WORDS[IN_PASS_HIT_RATE]} {format_rate(window[IN_PASS_HIT_RATE])}"
         )
@@ -312,7 +313,7 @@ def _cause_rows(misses: dict[str, int]) -> list[list[str]]:
     return [[cause, f"{count:,}", MISS_CAUSE_MEANINGS[cause]] for cause, count in misses.items() if count]
 
 
-def _causes_seen(counts: Iterable[dict[str, float]]) -> list[str]:
+def _causes_seen(counts: Iterable[Mapping[str, float]]) -> list[str]:
     """The causes any of `counts` has, in their order: a column for each cause that happened, not for all."""
     seen = {cause for one in counts for cause, count in one.items() if count}
     return [cause for cause in MISS_CAUSES if cause in seen]
@@ -406,7 +407,7 @@ def _metric_families(report: FleetReport) -> Iterator[Any]:
             f"nkicache_toolchain_{name}", f"Per toolchain (compiler id): {label(name)}.", labels=["toolchain"]
         )
         for toolchain, values in report.per_toolchain.items():
-            family.add_metric([toolchain], values[name])
+            family.add_metric([toolchain], values[name] or 0)  # (a count: never None, as a hit rate can be)
         yield family
     rows = [((toolchain,), values) for toolchain, values in report.per_toolchain.items()]
     yield from _rate_families("nkicache_toolchain_", "Per toolchain", ["toolchain"], rows)
@@ -742,7 +743,7 @@ def render_html(report: FleetReport) -> str:
         parts.append(f"<h2>Top {plural(len(report.top_variants), 'variant')}</h2>")
         rows = [
             [
-                i,
+                str(i),
                 v.kernel_name,
                 f"{v.usage:,}",
                 shapes(v.operand_shapes),

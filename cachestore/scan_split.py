@@ -28,7 +28,18 @@ from typing import Any, Protocol
 import msgpack
 
 from bridge.errors import NkiCacheError
-from cachestore.api import BATCH, RawEntry, Reader, TierBusy, TierError, TierTimeout, TierUnavailable, batched
+from cachestore.api import (
+    BATCH,
+    PagedReader,
+    RawEntry,
+    Reader,
+    TierBusy,
+    TierError,
+    TierTimeout,
+    TierUnavailable,
+    batched,
+    pages_of,
+)
 
 MAX_PROCESSES = 4  # past a few, the one Redis server's own thread is what a scan waits for
 SPLIT_AFTER_PAGES = 4  # a tier of fewer pages is scanned here: forking costs more than the pages take
@@ -74,7 +85,7 @@ def scan_split(
     """The results of `make_task`'s tasks over every entry of the reader's partition (of every partition:
     `every_partition`), one result per process that ran one (`processes`: default_processes() when None)."""
     wanted = default_processes() if processes is None else processes
-    if not reader.splits_scans:
+    if not pages_of(reader):
         return [_scan_here(make_task(0), _batches_here(reader, every_partition, with_ttl))]
     # One SCAN, of every partition at once when asked (not one a partition), whether split or not.
     pages = reader.entry_pages(every_partition, PAGE)
@@ -104,7 +115,7 @@ def _scan_here(task: ScanTask, batches: Iterator[list[RawEntry]]) -> Any:
 
 
 def _scan_in_processes(
-    reader: Reader, make_task: TaskFactory, pages: Iterator[list[str]], processes: int, with_ttl: bool
+    reader: PagedReader, make_task: TaskFactory, pages: Iterator[list[str]], processes: int, with_ttl: bool
 ) -> list[Any]:
     import multiprocessing
     from multiprocessing.connection import wait
@@ -160,7 +171,7 @@ def _result_of(message: bytes, pid: int | None) -> Any:
     return reply["ok"]
 
 
-def _child(conn: Any, reader: Reader, make_task: TaskFactory, index: int, with_ttl: bool) -> None:
+def _child(conn: Any, reader: PagedReader, make_task: TaskFactory, index: int, with_ttl: bool) -> None:
     """A forked scanning process: two requests in flight (a page waits while the last one is read), its task
     fed page by page, its result sent when the parent answers a request with the end."""
     try:

@@ -233,3 +233,6 @@ class StackedTier(EntryReads):
     def close(self, timeout: float | None = None) -> None:
         for level in self.levels:
             level.close(timeout)
+
+
+Tier = Level | StackedTier  # what cachestore.stores.open_tier opens, None aside: one level, or a stack of them

@@ -324,7 +324,7 @@ def leading_group(items: list[Item]) -> list[Item]:
     they go in one pipeline each, instead of a round trip for each."""
     if not isinstance(items[0], GROUPED):
         return items[:1]
-    group = []
+    group: list[Item] = []
     for item in items:
         if not isinstance(item, GROUPED) or len(group) == GROUP_LIMIT:
             break

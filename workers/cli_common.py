@@ -7,9 +7,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from cachestore.settings import Settings
 
 # Exit codes: 1 = a check failed or some inputs failed (the command ran); 2 = a project error reported as
 # one line (bad kernel, corrupt binary, unreachable fleet, ...); click's usage errors also exit 2; 130 = stopped
@@ -84,7 +87,7 @@ def load_cli_settings(**flags: Any) -> Any:
     return load_settings(flags)
 
 
-def refuse_read_only(settings: Any, command: str, writes: str) -> None:
+def refuse_read_only(settings: Settings, command: str, writes: str) -> None:
     """A command that must write to the tier is refused under tier_mode read-only, instead of writing anyway."""
     if settings.tier_mode == "read-only":
         raise click.UsageError(f"`nkicache {command}` {writes}; tier_mode is read-only (a client that never writes)")
@@ -204,7 +207,7 @@ def traces_text(counts: dict) -> str:
 def compile_and_summarize(
     files: list[str],
     *,
-    settings: Any,
+    settings: Settings,
     workers: int,
     out_dir: str,
     target_name: str | None,

@@ -54,7 +54,7 @@ from bridge.identity import toolchain_id
 from bridge.inputs import shown_path
 from bridge.port import plural
 from cachestore.api import stored_number
-from cachestore.backends.redis import text
+from cachestore.backends.redis import RedisClient, text
 from cachestore.keys import DEFAULT_JOB_SHARDS, MAX_JOB_SHARDS, JobKeys, KeySpace, job_shard, shard_count_or
 from cachestore.settings import Settings
 from workers.fleet_connection import BLOCK_MS, FleetError, fleet_client
@@ -153,7 +153,7 @@ return 0
 """
 
 
-def ensure_group(client: Any, keys: KeySpace, toolchain: str, shards: int) -> None:
+def ensure_group(client: RedisClient, keys: KeySpace, toolchain: str, shards: int) -> None:
     """The consumer group of every shard's stream of `toolchain`."""
     for shard in range(shards):
         try:
@@ -163,14 +163,14 @@ def ensure_group(client: Any, keys: KeySpace, toolchain: str, shards: int) -> No
                 raise
 
 
-def fix_job_shards(client: Any, keys: KeySpace, wanted: int) -> int:
+def fix_job_shards(client: RedisClient, keys: KeySpace, wanted: int) -> int:
     """The namespace's number of job shards, fixed by the first submitter or worker to `wanted` (the setting
     job_shards): every later one uses that count, whatever its own setting."""
     client.set(keys.job_shard_count, wanted, nx=True)
     return job_shards(client, keys, wanted)
 
 
-def job_shards(client: Any, keys: KeySpace, configured: int = DEFAULT_JOB_SHARDS) -> int:
+def job_shards(client: RedisClient, keys: KeySpace, configured: int = DEFAULT_JOB_SHARDS) -> int:
     """The namespace's number of job shards, or 1 before any is fixed (only shard 0, today's layout, can hold
     jobs then); `configured` (the job_shards setting) when the key holds no count, with one warning. Only
     reads, so the read-only ACL user can run it."""
@@ -213,7 +213,7 @@ def read_graphs(paths: Sequence[str], max_bytes: int = MAX_GRAPH_BYTES) -> list[
 
 
 def submit(
-    client: Any,
+    client: RedisClient,
     keys: KeySpace,
     paths: Sequence[str],
     ttl: int,
@@ -228,7 +228,7 @@ def submit(
 
 
 def submit_texts(
-    client: Any, keys: KeySpace, graphs: Sequence[tuple[str, str]], ttl: int, shards: int = DEFAULT_JOB_SHARDS
+    client: RedisClient, keys: KeySpace, graphs: Sequence[tuple[str, str]], ttl: int, shards: int = DEFAULT_JOB_SHARDS
 ) -> Submission:
     """One job per (name, graph text), every text already checked as `read_graphs` does. Each job goes to the
     shard of its id (`shards` is the job_shards setting, used if the namespace has no count yet)."""
@@ -259,7 +259,7 @@ def submit_texts(
     return submission
 
 
-def results_of(client: Any, keys: KeySpace, job_ids: Sequence[str]) -> dict[str, dict]:
+def results_of(client: RedisClient, keys: KeySpace, job_ids: Sequence[str]) -> dict[str, dict]:
     """The results of the finished jobs among `job_ids` (a job not finished, or whose result expired, has none).
     One GET per job (a cluster's MGET needs one slot); a job with none in its id's shard is looked for in shard 0,
     where a job queued before sharding finished."""
@@ -269,7 +269,7 @@ def results_of(client: Any, keys: KeySpace, job_ids: Sequence[str]) -> dict[str,
     return {**results, **_results_in(client, keys, before)} if before else results
 
 
-def _results_in(client: Any, keys: KeySpace, shard_of: dict[str, int]) -> dict[str, dict]:
+def _results_in(client: RedisClient, keys: KeySpace, shard_of: dict[str, int]) -> dict[str, dict]:
     with client.pipeline(transaction=False) as pipe:
         for job_id, shard in shard_of.items():
             pipe.get(keys.job_shard(shard).result(job_id))
@@ -338,7 +338,7 @@ class Waited(msgspec.Struct):
     lost: list[str]  # jobs with no result whose batch is gone from Redis: they will never finish
 
 
-def lost_jobs(client: Any, keys: KeySpace, unfinished: Sequence[str], keep_for: int) -> list[str]:
+def lost_jobs(client: RedisClient, keys: KeySpace, unfinished: Sequence[str], keep_for: int) -> list[str]:
     """The unfinished jobs whose batch list is gone (Redis restarted empty, or a failover lost the writes); the
     lists that are there are kept `keep_for` seconds more (EXPIRE answers both), so that a wait longer than
     job_ttl does not take its own batch for lost. A batch's list is written after its jobs, so while it exists
@@ -352,7 +352,7 @@ def lost_jobs(client: Any, keys: KeySpace, unfinished: Sequence[str], keep_for: 
 
 
 def wait_for(
-    client: Any,
+    client: RedisClient,
     keys: KeySpace,
     job_ids: Sequence[str],
     timeout: float | None,
@@ -390,7 +390,7 @@ def wait_for(
         finished = retrying(lambda seconds=seconds: finished_jobs(client, keys, batches, seconds))
 
 
-def download_artifacts(client: Any, keys: KeySpace, results: dict[str, dict], out_dir: str) -> list[str]:
+def download_artifacts(client: RedisClient, keys: KeySpace, results: dict[str, dict], out_dir: str) -> list[str]:
     from bridge.artifact import decode_artifact, write_artifact
 
     written = []
@@ -405,7 +405,7 @@ def download_artifacts(client: Any, keys: KeySpace, results: dict[str, dict], ou
     return written
 
 
-def live_workers(client: Any, keys: KeySpace, heartbeat_interval: float) -> list[dict[str, Any]]:
+def live_workers(client: RedisClient, keys: KeySpace, heartbeat_interval: float) -> list[dict[str, Any]]:
     """The workers whose heartbeat is at most 3 intervals old, by name. `toolchain` is None for a worker that
     predates toolchains (its heartbeat has none): it serves no toolchain's stream."""
     now = time.time()
@@ -433,7 +433,7 @@ def _heartbeat(beat: bytes | str) -> dict[str, Any] | None:
     return {"host": "", "pid": None, "job": None, "done": 0, **info}
 
 
-def _group_of(client: Any, stream: str) -> dict:
+def _group_of(client: RedisClient, stream: str) -> dict:
     # Only reads, so the read-only ACL user can run it: before the first submit there is no stream.
     try:
         groups = client.xinfo_groups(stream)
@@ -444,7 +444,7 @@ def _group_of(client: Any, stream: str) -> dict:
     return next((g for g in groups if text(g["name"]) == GROUP), {})
 
 
-def _waiting(client: Any, stream: str, group: dict) -> int:
+def _waiting(client: RedisClient, stream: str, group: dict) -> int:
     """Messages of `stream` no worker has taken yet. A finished message is acknowledged and deleted, so the
     stream holds the waiting ones and the group's pending (taken) ones; the group's `lag` cannot count them
     once a message was deleted before its delivery (a trace task withdrawn: workers/trace_tasks.py)."""
@@ -453,7 +453,7 @@ def _waiting(client: Any, stream: str, group: dict) -> int:
     return max(0, client.xlen(stream) - int(group.get("pending", 0)))
 
 
-def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict[str, Any]:
+def queue_status(client: RedisClient, keys: KeySpace, heartbeat_interval: float) -> dict[str, Any]:
     """The queue as `nkicache queue --json` prints it. `pending` and `in_flight` are summed over the
     toolchains' streams; `toolchains` breaks them down (with the live workers of each) for every toolchain that
     has jobs waiting or a live worker, and `unserved` maps each toolchain whose jobs no live worker can take
@@ -491,7 +491,7 @@ def queue_status(client: Any, keys: KeySpace, heartbeat_interval: float) -> dict
     }
 
 
-def serves(client: Any, keys: KeySpace, toolchain: str, heartbeat_interval: float) -> bool:
+def serves(client: RedisClient, keys: KeySpace, toolchain: str, heartbeat_interval: float) -> bool:
     """Whether a live worker compiles with `toolchain`, i.e. reads that toolchain's stream."""
     return any(w["toolchain"] == toolchain for w in live_workers(client, keys, heartbeat_interval))
 
@@ -909,7 +909,7 @@ def _job(raw: object) -> dict | str:
     return job
 
 
-def dead_letters(client: Any, keys: KeySpace) -> Iterator[dict]:
+def dead_letters(client: RedisClient, keys: KeySpace) -> Iterator[dict]:
     """Every shard's dead letters, shard by shard (each shard's in the order they were dead-lettered)."""
     for shard in range(job_shards(client, keys)):
         for message_id, fields in client.xrange(keys.job_shard(shard).dead_letters):

@@ -3,10 +3,8 @@ which must be Redis."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from bridge.errors import NkiCacheError
-from cachestore.backends.redis import connect
+from cachestore.backends.redis import RedisClient, connect
 from cachestore.settings import Settings
 from cachestore.tier_urls import is_redis, redact_url, shared_level
 
@@ -17,7 +15,7 @@ class FleetError(NkiCacheError):
     """A fleet operation cannot proceed (a graph too large to submit, a tier that is not Redis)."""
 
 
-def fleet_client(settings: Settings) -> Any:
+def fleet_client(settings: Settings) -> RedisClient:
     """A Redis client for the fleet's keys, its timeout longer than one blocking read of the job streams."""
     url = shared_level(settings.tier)  # a stack's shared level holds the queue
     if not is_redis(url):

@@ -10,7 +10,7 @@ import redis.exceptions as rex
 
 from bridge.identity import toolchain_id
 from cachestore.api import stored_number
-from cachestore.backends.redis import text
+from cachestore.backends.redis import RedisClient, text
 from cachestore.keys import JobKeys, KeySpace
 from workers.fleet import GROUP, REQUEUE_LUA, FleetError, _heartbeat, _job, home_shards, job_shards, results_of
 from workers.fleet_wakeups import wake_workers
@@ -19,7 +19,7 @@ JOB_FIELDS = ("status", "file", "error", "worker", "seconds")  # of each job in 
 STREAM_SCAN_LIMIT = 10_000  # jobs of a stream looked through to find a waiting one (finished jobs leave it)
 
 
-def job_info(client: Any, keys: KeySpace, job_id: str) -> dict[str, Any]:
+def job_info(client: RedisClient, keys: KeySpace, job_id: str) -> dict[str, Any]:
     """What is known of one job: its result once finished (completed or dead_letter), else the worker compiling
     it, else whether it waits in this toolchain's stream; `failed_attempts` so far, and whether its artifact is
     still stored. A job unknown to all of these never existed, or finished more than job_ttl ago. It is looked
@@ -48,7 +48,7 @@ def job_info(client: Any, keys: KeySpace, job_id: str) -> dict[str, Any]:
     return info
 
 
-def batch_info(client: Any, keys: KeySpace, batch_id: str) -> dict[str, Any]:
+def batch_info(client: RedisClient, keys: KeySpace, batch_id: str) -> dict[str, Any]:
     job_ids = [text(job) for job in client.lrange(keys.job_batch(batch_id), 0, -1)]
     if not job_ids:
         raise FleetError(f"no batch {batch_id!r}: never submitted, or finished more than job_ttl seconds ago")
@@ -68,7 +68,9 @@ def batch_info(client: Any, keys: KeySpace, batch_id: str) -> dict[str, Any]:
     }
 
 
-def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None, ttl: int) -> tuple[list[str], list[str]]:
+def requeue(
+    client: RedisClient, keys: KeySpace, job_ids: Sequence[str] | None, ttl: int
+) -> tuple[list[str], list[str]]:
     """Put dead-lettered jobs (all, or those of `job_ids`) back on their toolchain's stream as new jobs (attempt
     1, their result and failure count cleared), each with a wake-up for an idle worker (kept `ttl` seconds).
     Returns (requeued job ids, problems): a dead letter that holds no job (a malformed message) or names no
@@ -95,7 +97,7 @@ def requeue(client: Any, keys: KeySpace, job_ids: Sequence[str] | None, ttl: int
 
 
 def _requeue_one(
-    client: Any, keys: KeySpace, shard: JobKeys, script: Any, entry: tuple[str, str], payload: Any, ttl: int
+    client: RedisClient, keys: KeySpace, shard: JobKeys, script: Any, entry: tuple[str, str], payload: Any, ttl: int
 ) -> str | None:
     """Requeue one dead letter (its entry id and job id) onto its toolchain's stream in its own shard (the
     script's keys share its slot): None when requeued, "" when another requeue took it first, else the problem."""
@@ -115,7 +117,7 @@ def _requeue_one(
     return None
 
 
-def _ensure_group(client: Any, stream: str) -> str | None:
+def _ensure_group(client: RedisClient, stream: str) -> str | None:
     try:
         client.xgroup_create(stream, GROUP, id="0", mkstream=True)
     except rex.ResponseError as exc:
@@ -124,7 +126,7 @@ def _ensure_group(client: Any, stream: str) -> str | None:
     return None
 
 
-def purge(client: Any, keys: KeySpace, dead_letters: bool, waiting: bool) -> dict[str, int]:
+def purge(client: RedisClient, keys: KeySpace, dead_letters: bool, waiting: bool) -> dict[str, int]:
     """Delete the dead letters, and/or the jobs of this toolchain's stream that no worker has taken yet. Jobs
     in flight are left to finish (deleting them would not stop their workers)."""
     purged = {"dead_letters": 0, "waiting": 0}
@@ -137,7 +139,7 @@ def purge(client: Any, keys: KeySpace, dead_letters: bool, waiting: bool) -> dic
     return purged
 
 
-def _purge_waiting(client: Any, stream: str) -> int:
+def _purge_waiting(client: RedisClient, stream: str) -> int:
     """Delete the jobs of `stream` past its group's last delivered one."""
     groups = [g for g in _groups(client, stream) if text(g["name"]) == GROUP]
     after = text(groups[0]["last-delivered-id"]) if groups else "0-0"
@@ -150,7 +152,7 @@ def _purge_waiting(client: Any, stream: str) -> int:
         after = text(batch[-1][0])
 
 
-def _groups(client: Any, stream: str) -> list[dict]:
+def _groups(client: RedisClient, stream: str) -> list[dict]:
     try:
         return client.xinfo_groups(stream)
     except rex.ResponseError:

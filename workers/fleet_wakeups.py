@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis.exceptions as rex
 
 from cachestore.keys import KeySpace
+
+if TYPE_CHECKING:
+    from cachestore.backends.redis import RedisClient
 
 # A toolchain's list keeps at most this many tokens: enough to wake every idle worker of a large fleet at once;
 # tokens nobody popped (every worker was busy) cost an idle worker one empty look each.
 WAKE_TOKENS = 64
 
 
-def wake_workers(client: Any, keys: KeySpace, toolchain: str, jobs: int, ttl: int) -> None:
+def wake_workers(client: RedisClient, keys: KeySpace, toolchain: str, jobs: int, ttl: int) -> None:
     """One token per job queued (at most WAKE_TOKENS), for the toolchain's idle workers."""
     if jobs <= 0:
         return
@@ -37,7 +40,7 @@ def wake_workers(client: Any, keys: KeySpace, toolchain: str, jobs: int, ttl: in
         pipe.execute()
 
 
-def wait_for_job(client: Any, keys: KeySpace, toolchain: str, seconds: float) -> bool:
+def wait_for_job(client: RedisClient, keys: KeySpace, toolchain: str, seconds: float) -> bool:
     """Block until a token comes (True) or `seconds` pass (False). Under a key that is no list (another tool's,
     or a hand's), the block is waited out as a timed one."""
     try:
@@ -47,7 +50,7 @@ def wait_for_job(client: Any, keys: KeySpace, toolchain: str, seconds: float) ->
         return False
 
 
-def tell_finished(client: Any, keys: KeySpace, batch_id: str, job_id: str, ttl: int) -> None:
+def tell_finished(client: RedisClient, keys: KeySpace, batch_id: str, job_id: str, ttl: int) -> None:
     """A job of `batch_id` finished: its id for the batch's waiters."""
     done = keys.job_batch_done(batch_id)
     with client.pipeline(transaction=False) as pipe:
@@ -56,7 +59,7 @@ def tell_finished(client: Any, keys: KeySpace, batch_id: str, job_id: str, ttl: 
         pipe.execute()
 
 
-def finished_jobs(client: Any, keys: KeySpace, batch_ids: Sequence[str], seconds: float) -> list[str]:
+def finished_jobs(client: RedisClient, keys: KeySpace, batch_ids: Sequence[str], seconds: float) -> list[str]:
     """The ids of the batches' jobs that finished since the last call, blocking up to `seconds` for the first."""
     lists = [keys.job_batch_done(batch) for batch in batch_ids]
     try:

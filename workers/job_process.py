@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -33,6 +33,10 @@ from bridge.errors import NkiCacheError
 from cachestore.settings import Settings
 from workers.own_code import own_code_environment
 from workers.passes import PassResult
+
+if TYPE_CHECKING:
+    from bridge.limits import Limits
+    from bridge.port import KernelStore
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +239,7 @@ def _child() -> None:
 
 
 def answer_job(
-    job: dict, tier: Any, limits: Any, out_dir: str | None, queue_for: Any
+    job: dict, tier: KernelStore | None, limits: Limits, out_dir: str | None, queue_for: Any
 ) -> tuple[PassResult, bytes | None]:
     """What the compiling process answers for one job message (a job, or another job's trace task), once the
     job's writes are stored: its traced entries and its pass's metrics batch. The pass hands them to the tier

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,6 +21,10 @@ from workers.cli_common import (
     plural,
     refuse_read_only,
 )
+
+if TYPE_CHECKING:
+    from cachestore.api import Reader
+    from cachestore.settings import Settings
 
 TIER_HELP = (
     "local:PATH (default: local:~/.cache/nkicache/tier.sqlite), dir:PATH, redis://, rediss://, unix:// or "
@@ -165,7 +169,7 @@ def report_command(
         click.echo(render_text(report, width=_terminal_width(), ascii_only=not sys.stdout.isatty()), nl=False)
 
 
-def _zero(settings: Any, as_json: bool) -> None:
+def _zero(settings: Settings, as_json: bool) -> None:
     """`report --zero`: the fleet counters start again from 0; the pass log keeps a record of it (and of the
     counters it zeroed), so the report's history shows when the counts were reset and by whom."""
     from cachestore.report import counters, zero_record
@@ -189,7 +193,7 @@ def _zero(settings: Any, as_json: bool) -> None:
 
 
 @contextlib.contextmanager
-def _report_reader(settings: Any) -> Iterator[Any]:
+def _report_reader(settings: Settings) -> Iterator[Reader]:
     """The tier to report on. A local tier that does not exist yet (a fresh machine: nothing compiled) reports
     zeros, as sccache -s does, instead of an error; reading still never creates it where it was named: an empty
     one is made in a temporary folder and read instead."""

@@ -19,11 +19,10 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from typing import Any
 
 import msgspec
 
-from cachestore.api import MetricsBatch, Reader, WriteItem, batched
+from cachestore.api import MetricsBatch, Reader, Store, WriteItem, batched
 from cachestore.entry import Entry, SignaturePolicy
 from cachestore.inspect import decode_or_reason
 from cachestore.keys import QUARANTINE_SCOPE, partition, split_partition
@@ -49,7 +48,7 @@ class SentinelReport(msgspec.Struct):
 
 
 def run_sentinel(
-    reader: Reader,
+    reader: Store,
     policy: SignaturePolicy,
     *,
     rate: float,
@@ -88,7 +87,7 @@ def run_sentinel(
     return report
 
 
-def _check(reader: Reader, key: str, data: bytes, entry: Entry, report: SentinelReport, host: str, ttl: float) -> None:
+def _check(reader: Store, key: str, data: bytes, entry: Entry, report: SentinelReport, host: str, ttl: float) -> None:
     problem = _recompile_problem(key, entry)
     if problem is None:
         report.matched += 1
@@ -111,7 +110,7 @@ def quarantine(reader: Reader, key: str, data: bytes, entry: Entry, ttl: float) 
     reader.delete_entries([key])
 
 
-def _count(reader: Any, host: str, toolchain: str, totals: dict[str, float]) -> None:
+def _count(reader: Store, host: str, toolchain: str, totals: dict[str, float]) -> None:
     """Sentinel counts into the fleet metrics, summed per toolchain too (`report`, Prometheus)."""
     batch = MetricsBatch(uuid.uuid4().hex, host or "sentinel", "sentinel", dict(totals), toolchain=toolchain)
     reader.apply_metrics(batch)

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.errors import NkiCacheError
 from bridge.graph import GraphError
@@ -36,6 +36,9 @@ from bridge.parallel import (
 )
 from bridge.port import KernelStore, TracedVariant
 from workers.passes import PassResult, compile_graph
+
+if TYPE_CHECKING:
+    from cachestore.backends.redis import RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ MAX_JOB_ID_CHARS = 128  # a job id a trace task may name: the key of the job's t
 
 
 def enqueue_tasks(
-    client: Any,
+    client: RedisClient,
     streams: Sequence[str],
     job_id: str,
     tasks: Sequence[TraceTask],
@@ -99,7 +102,7 @@ def enqueue_tasks(
     return withdraw
 
 
-def _wait_for_answers(client: Any, messages: Sequence[tuple[str, Any]]) -> None:
+def _wait_for_answers(client: RedisClient, messages: Sequence[tuple[str, Any]]) -> None:
     """Until no worker holds one of `messages` unanswered (a worker records what it traced before it
     acknowledges the message), or ANSWER_WAIT_SECONDS: a worker that died holding one answers never."""
     deadline = time.monotonic() + ANSWER_WAIT_SECONDS

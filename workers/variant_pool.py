@@ -31,17 +31,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task
-from bridge.port import TracedVariant
+from bridge.port import KernelStore, TracedVariant
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
 from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
 from workers.pool_process import init_process, pool_context, trace_in_process
+
+if TYPE_CHECKING:
+    from bridge.limits import Limits
+    from cachestore.stacked import Tier
 
 # A process killed while it holds the counter's lock (a window of microseconds) would hold it for ever: the
 # others give up on it after this long and trace what is left here.
@@ -262,7 +266,7 @@ def compile_in_parallel(
     return run
 
 
-def not_ahead(plan: VariantPlan, tier: Any) -> set[int]:
+def not_ahead(plan: VariantPlan, tier: KernelStore) -> set[int]:
     """The tasks not worth tracing ahead: a variant the tier's index says it stored (its pass reads it), and,
     when the tier stores what a pass publishes and reads it back, all but the first of each variant of the
     whole compile (a later pass reads the earlier one's). A guess only: a pass counts what it would alone
@@ -285,15 +289,15 @@ class TierAnswer:
     `ready` (a connection `wait` can watch) is readable once it is known; with no tier that reads, at once.
     `counts_before`: the tier's counts before it was asked."""
 
-    def __init__(self, plan: VariantPlan, tier: Any):
+    def __init__(self, plan: VariantPlan, tier: Tier | None):
         self.skipped: set[int] = set()
-        self._tier = tier
         self.counts_before: Mapping[str, int] | None = tier.counts() if tier is not None else None
         self.ready, self._done = multiprocessing.Pipe(duplex=False)
         self._thread: threading.Thread | None = None
         if tier is None or not tier.reads:
             self._done.close()
             return
+        self._tier = tier  # (set, as _asked is, only when the read runs)
         self._asked = time.monotonic()
         self._thread = threading.Thread(target=self._read, args=(plan,), name="nkicache-plan", daemon=True)
         self._thread.start()
@@ -322,13 +326,13 @@ class TierWatch:
     thread (`passes`) is overdue (cachestore.guard; TIER_PATIENCE_SECONDS at least), and calls `failed` once the
     tier failed (whichever call saw it). Ends with the compile (`stop`)."""
 
-    def __init__(self, tier: Any, passes: int, failed: Callable[[], None]):
+    def __init__(self, tier: Tier, passes: int, failed: Callable[[], None]):
         self._stopped = threading.Event()
         args = (tier, passes, failed)
         self._thread = threading.Thread(target=self._watch, args=args, name="nkicache-tier-watch", daemon=True)
         self._thread.start()
 
-    def _watch(self, tier: Any, passes: int, failed: Callable[[], None]) -> None:
+    def _watch(self, tier: Tier, passes: int, failed: Callable[[], None]) -> None:
         told = False
         while not self._stopped.wait(WATCH_SECONDS):
             if tier.overdue(passes, TIER_PATIENCE_SECONDS):
@@ -345,7 +349,9 @@ class TierWatch:
 class Scheduler:
     """Runs each pass once every task it needs is answered, and takes the next task to trace in between."""
 
-    def __init__(self, plan: VariantPlan, answer: TierAnswer, claims: Claims, helpers: Helpers, tier: Any, limits: Any):
+    def __init__(
+        self, plan: VariantPlan, answer: TierAnswer, claims: Claims, helpers: Helpers, tier: Tier | None, limits: Limits
+    ):
         self.plan, self.claims, self.helpers, self.tier, self.limits = plan, claims, helpers, tier, limits
         self.tasks = plan.tasks  # in the pass order; helpers index them by position
         self.needs = {graph: set(tasks) for graph, tasks in plan.needs.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,6 +19,9 @@ from workers.cli_common import (
     plural,
     refuse_read_only,
 )
+
+if TYPE_CHECKING:
+    from cachestore.settings import Settings
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -182,7 +185,7 @@ def _shapes(shapes: list) -> str:
     return " ".join(json.dumps(shape, separators=(",", ":")) for shape in shapes) or "-"
 
 
-def _fleet_submitter(settings: Any) -> Callable[[list[tuple[str, str]]], Any]:
+def _fleet_submitter(settings: Settings) -> Callable[[list[tuple[str, str]]], Any]:
     from cachestore.keys import KeySpace
     from workers.fleet import fleet_client, submit_texts
 
@@ -196,7 +199,7 @@ def _fleet_submitter(settings: Any) -> Callable[[list[tuple[str, str]]], Any]:
     return submit
 
 
-def _wait_for_fleet(settings: Any, report: Any, timeout: float, *, quiet: bool) -> None:
+def _wait_for_fleet(settings: Settings, report: Any, timeout: float, *, quiet: bool) -> None:
     """Wait for the warm jobs; add what they traced to `report`, and each job that failed or did not finish."""
     from cachestore.keys import KeySpace
     from workers.fleet import fleet_client, wait_for

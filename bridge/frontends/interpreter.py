@@ -18,6 +18,7 @@ import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -183,7 +184,7 @@ class KernelInterpreter:
         return module == self.kernel_module or module.startswith("bridge.kernels")
 
     @staticmethod
-    def _may_call(func: object) -> bool:
+    def _may_call(func: object) -> TypeGuard[Callable[..., object]]:
         if any(func is allowed for allowed in ALLOWED_BUILTINS.values()):
             return True
         module = getattr(func, "__module__", None)
@@ -329,7 +330,8 @@ class KernelInterpreter:
         value = self._eval(node.value, frame)
         if not isinstance(value, HBMTensor | Tile | tuple | list | range | str):
             raise KernelCompileError(f"cannot index a {type(value).__name__}")
-        return value[self._eval(node.slice, frame)]
+        index: Any = self._eval(node.slice, frame)  # whatever the kernel wrote: the value it indexes checks it
+        return value[index]
 
     def _expr_Slice(self, node: ast.Slice, frame: _Frame) -> slice:
         def part(child: ast.expr | None) -> object:

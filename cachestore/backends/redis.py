@@ -26,7 +26,8 @@ import heapq
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 from urllib.parse import parse_qs, unquote
 
 import redis
@@ -46,8 +47,8 @@ from cachestore.api import (
     ConnectionsDropped,
     KeyRecord,
     MetricsBatch,
+    PagedReader,
     RawEntry,
-    Reader,
     StoreRequest,
     TierTimeout,
     TierUnavailable,
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+RedisClient = redis.Redis | RedisCluster  # what `connect` opens: a server's client, or a cluster's
 APPLIED_MARKER_TTL = 7 * 24 * 3600  # seconds a batch id is remembered; retries come far sooner
 INVALID_BATCH = "invalid metrics batch"  # how the metrics script's error reply says it refused a batch
 PASS_LOG_MAXLEN = 1_000_000
@@ -216,7 +218,7 @@ return 0
 """
 
 
-def connect(url: str, *, connect_timeout: float, op_timeout: float, password: str | None = None) -> Any:
+def connect(url: str, *, connect_timeout: float, op_timeout: float, password: str | None = None) -> RedisClient:
     """A redis-py client for a tier URL; `password` (from the environment) overrides one in the URL."""
     # No retries: a failed operation is counted and trips the breaker at once, instead of multiplying the
     # operation timeout by redis-py's default retry count.
@@ -257,7 +259,7 @@ def _query_options(query: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for name, values in parse_qs(query).items():
         parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
-        options[name] = parser(values[0]) if parser else values[0]
+        options[name] = parser(values[0]) if callable(parser) else values[0]  # redis-py leaves the table untyped
     return options
 
 
@@ -289,19 +291,18 @@ def _cluster_node(part: str, url: str) -> ClusterNode:
     return ClusterNode(host, int(port))
 
 
-class RedisBackend(Backend, Reader):
+class RedisBackend(Backend, PagedReader):
     """A tier over a redis-py client (Redis, RedisCluster, or fakeredis in unit tests): the compile path
     and the reader side."""
 
     read_only = False
     value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = False  # Redis expires entries itself
-    # `entry_pages` and `read_entry_page`: a scan's pages can be read by other processes (cachestore.scan_split).
-    splits_scans = True
+    splits_scans = True  # a PagedReader: a scan's pages can be read by other processes (cachestore.scan_split)
 
     def __init__(
         self,
-        client: Any,
+        client: RedisClient,
         keys: KeySpace,
         description: str = "redis",
         partition: str | None = None,
@@ -322,7 +323,6 @@ class RedisBackend(Backend, Reader):
         self.op_timeout = op_timeout
         self.metrics_shards = metrics_shards  # for a namespace that has none yet (see _shard_count)
         self._shards: int | None = None
-        self.cluster = isinstance(client, RedisCluster)
         self._drops = 0  # how often the watchdog closed the client's connections (abort_calls)
         self._apply_metrics = client.register_script(APPLY_METRICS_LUA)
         self._release_lease = client.register_script(RELEASE_LEASE_LUA)
@@ -467,7 +467,7 @@ class RedisBackend(Backend, Reader):
                 found[cache_keys[i]] = head
         if longer:
             values = self._read_longer(redis_keys, [(None, None)] * len(redis_keys), longer)
-            found.update((cache_keys[i], values[i][0]) for i in longer if values[i][0] is not None)
+            found.update((cache_keys[i], value) for i in longer if (value := values[i][0]) is not None)
         return found
 
     def _read_entries(
@@ -674,7 +674,7 @@ class RedisBackend(Backend, Reader):
         """Run `script` once per (KEYS, ARGV), pipelined after the `prelude` command(s): one round trip on a
         server; on a cluster, one per master that holds a call's slot (redis-py's cluster pipeline refuses
         scripts, so each master gets a pipeline of its own) and one for the prelude, however many calls."""
-        if not self.cluster:
+        if not isinstance(self.client, RedisCluster):
             return _pipelined_script(self.client, script, calls, prelude)
         fill = self.client.pipeline()
         prelude(fill)
@@ -784,13 +784,26 @@ class RedisBackend(Backend, Reader):
     # -- fleet metrics (summed over the shards) ----------------------------------------------------
     def _summed_hashes(self, names: Sequence[str]) -> dict[str, float]:
         """Field-wise sums of the hashes `names` (one per shard), read in one pipeline."""
-        return _summed(self._pipeline(lambda pipe: [pipe.hgetall(name) for name in names], raise_on_error=False))
+        return _summed(self._hashes(names))
+
+    # The metrics keys each pipeline below reads may be of another type: the reply is then the command's error.
+    def _hashes(self, names: Sequence[str]) -> list:
+        """HGETALL of each of `names`, in one pipeline."""
+        return self._pipeline(lambda pipe: [pipe.hgetall(name) for name in names], raise_on_error=False)
+
+    def _hash_fields(self, names: Sequence[str], fields: list[str]) -> list:
+        """HMGET of `fields` in each of `names`, in one pipeline."""
+        return self._pipeline(lambda pipe: [pipe.hmget(name, fields) for name in names], raise_on_error=False)
+
+    def _set_members(self, names: Sequence[str]) -> list:
+        """SMEMBERS of each of `names`, in one pipeline."""
+        return self._pipeline(lambda pipe: [pipe.smembers(name) for name in names], raise_on_error=False)
 
     def _members(self, name_of: Callable[[MetricsKeys], str]) -> list[str]:
         """The union of one set per shard, sorted."""
         found: set[str] = set()
         for shard in self._metric_shards():
-            members = self._stream(lambda s=shard: self.client.sscan_iter(name_of(s), count=1000), of_metric=True)
+            members = self._stream(partial(self.client.sscan_iter, name_of(shard), count=1000), of_metric=True)
             found.update(text(m) for m in members)
         return sorted(found)
 
@@ -803,8 +816,7 @@ class RedisBackend(Backend, Reader):
         for group in batched(self._members(lambda shard: shard.workers), max(1, BATCH // len(shards))):
             pairs = [member.partition(":")[::2] for member in group]
             names = [shard.worker_metrics(host, worker) for host, worker in pairs for shard in shards]
-            read = self._pipeline(lambda pipe, n=names: [pipe.hgetall(name) for name in n], raise_on_error=False)
-            hashes = iter(read)
+            hashes = iter(self._hashes(names))
             for host, worker in pairs:
                 yield host, worker, _summed([next(hashes) for _ in shards])
 
@@ -827,7 +839,7 @@ class RedisBackend(Backend, Reader):
 
     def key_usage(self) -> Iterator[tuple[str, int]]:
         for shard in self._metric_shards():
-            pairs = self._stream(lambda s=shard: self.client.hscan_iter(s.key_usage, count=1000), of_metric=True)
+            pairs = self._stream(partial(self.client.hscan_iter, shard.key_usage, count=1000), of_metric=True)
             for key, usage in pairs:
                 yield text(key), int(stored_number(usage))
 
@@ -850,10 +862,7 @@ class RedisBackend(Backend, Reader):
     def key_records(self, cache_keys: Sequence[str]) -> dict[str, KeyRecord]:
         found: dict[str, KeyRecord] = {}
         for k, chunk in self._by_key_shard(cache_keys):
-            hashes = (k.key_usage, k.key_kernel, k.key_first, k.key_last)
-            replies = self._pipeline(
-                lambda pipe, c=chunk, h=hashes: [pipe.hmget(n, c) for n in h], raise_on_error=False
-            )
+            replies = self._hash_fields((k.key_usage, k.key_kernel, k.key_first, k.key_last), chunk)
             usage, kernel, first, last = (self._of_metric(reply, [None] * len(chunk)) for reply in replies)
             for i, key in enumerate(chunk):
                 if usage[i] is not None:
@@ -869,9 +878,7 @@ class RedisBackend(Backend, Reader):
     def key_hosts(self, cache_keys: Sequence[str]) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
         for k, chunk in self._by_key_shard(cache_keys):
-            members = self._pipeline(
-                lambda pipe, c=chunk, k=k: [pipe.smembers(k.key_hosts(key)) for key in c], raise_on_error=False
-            )
+            members = self._set_members([k.key_hosts(key) for key in chunk])
             for key, hosts in zip(chunk, members, strict=True):
                 if self._of_metric(hosts, None):
                     found[key] = sorted(text(h) for h in hosts)
@@ -885,8 +892,8 @@ class RedisBackend(Backend, Reader):
         spans = []
         start = self._stream_id(since)
         for shard in self._metric_shards():
-            first = self._metric_read(lambda s=shard: self.client.xrange(s.pass_log, min=start, count=1))
-            last = self._metric_read(lambda s=shard: self.client.xrevrange(s.pass_log, count=1))
+            first = self._metric_read(partial(self.client.xrange, shard.pass_log, min=start, count=1))
+            last = self._metric_read(partial(self.client.xrevrange, shard.pass_log, count=1))
             if first and last:
                 spans.append((_record_time(*first[0]), _record_time(*last[0])))
         if not spans:
@@ -903,7 +910,7 @@ class RedisBackend(Backend, Reader):
     def _shard_pass_log(self, shard: MetricsKeys, since: float | None) -> Iterator[tuple[tuple, float, dict]]:
         start = self._stream_id(since)
         while True:
-            page = self._metric_read(lambda s=start: self.client.xrange(shard.pass_log, min=s, count=1000))
+            page = self._metric_read(partial(self.client.xrange, shard.pass_log, min=start, count=1000))
             for stream_id, fields in page:
                 record = _pass_record(fields)
                 if record is not None:
@@ -920,8 +927,8 @@ class RedisBackend(Backend, Reader):
         the pass log are kept."""
         calls = []
         for i, k in enumerate(self._metric_shards()):
-            workers = [text(m) for m in self._metric_read(lambda k=k: self.client.smembers(k.workers))]
-            toolchains = [text(m) for m in self._metric_read(lambda k=k: self.client.smembers(k.toolchains))]
+            workers = [text(m) for m in self._metric_read(partial(self.client.smembers, k.workers))]
+            toolchains = [text(m) for m in self._metric_read(partial(self.client.smembers, k.toolchains))]
             hashes = [k.worker_metrics(*m.partition(":")[::2]) for m in workers]
             hashes += [k.toolchain_metrics(t) for t in toolchains]
             logged = json.dumps(record, sort_keys=True) if i == 0 else ""
@@ -1006,7 +1013,7 @@ class RedisBackend(Backend, Reader):
 
 
 def _pipelined_script(
-    client: Any, script: Any, calls: Sequence[tuple[list[str], list[str]]], prelude: Callable[[Any], None]
+    client: redis.Redis, script: Any, calls: Sequence[tuple[list[str], list[str]]], prelude: Callable[[Any], None]
 ) -> list:
     """EVALSHA of `script` per call in one pipeline of a plain client, after the `prelude` command(s); a server
     that lacks the script gets it loaded and runs again only the calls it refused. Any other error is raised."""
@@ -1065,6 +1072,14 @@ def _stream_order(stream_id: bytes | str) -> tuple[int, int]:
     return int(milliseconds), int(sequence or 0)
 
 
+@overload
+def text(value: bytes | str) -> str: ...
+
+
+@overload
+def text(value: None) -> None: ...
+
+
 def text(value: bytes | str | None) -> str | None:
     """A Redis reply as text (redis-py returns bytes unless the client decodes responses)."""
     # Replacing what is not UTF-8: a name written by hand must not fail a whole report or listing.
@@ -1073,6 +1088,8 @@ def text(value: bytes | str | None) -> str | None:
 
 def _pass_record(fields: dict) -> dict | None:
     raw = fields.get(b"pass", fields.get("pass"))
+    if raw is None:
+        return None
     try:
         record = json.loads(raw)
     except (TypeError, ValueError):

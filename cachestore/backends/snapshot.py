@@ -210,6 +210,9 @@ class SnapshotReader(Reader):
     def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
         return iter(())
 
+    def zero_counters(self, record: dict) -> None:
+        pass  # it holds no counters
+
     # -- Reader: entries ------------------------------------------------------------------------
     def scan_entries(self, with_ttl: bool = True) -> Iterator[RawEntry]:
         for _, record in self._own_records():
@@ -225,7 +228,7 @@ class SnapshotReader(Reader):
         offset = self._offsets().get(key)
         return self._record_at(offset).get("usage") if offset is not None else None
 
-    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes]:
+    def get_entries(self, cache_keys: Sequence[str]) -> dict[str, bytes | TooLarge]:
         offsets = self._offsets()
         return {key: self._record_at(offsets[key])["data"] for key in cache_keys if key in offsets}
 

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -502,7 +502,7 @@ class SqliteBackend(Backend, Reader):
                     continue
                 if expires < now + ttl * TTL_REFRESH_FRACTION or used < now - USE_GRANULARITY:
                     stale.append(key)
-        if stale:
+        if stale and ttl is not None:  # (stale stays empty when ttl is None)
             # Refreshing takes SQLite's write lock, so it is done only once an entry has used up a tenth of its
             # TTL: reads by several processes stay reads. It waits no longer than a read, and when another
             # process holds the lock it is left to a later read: the entries were read all the same.
@@ -544,7 +544,7 @@ class SqliteBackend(Backend, Reader):
         if not self.writable and not self.path.is_file():
             return [[None] * len(fields) for _, fields in queries]  # no writer made the tier yet: nothing indexed
         now = time.time()
-        answers = []
+        answers: list[list[bytes | None] | None] = []
         for kernel_name, fields in queries:
             marks = ", ".join("?" * len(fields))
             rows = self._read(
@@ -759,7 +759,7 @@ class SqliteBackend(Backend, Reader):
         (last_record,) = self._read("SELECT ts, record FROM pass_log ORDER BY id DESC LIMIT 1")
         return start, _local_record_time(*last_record)[0]
 
-    def pass_log(self, since: float | None) -> Iterator[tuple[float, dict]]:
+    def pass_log(self, since: float | None) -> Generator[tuple[float, dict], None, None]:
         last_id = 0
         while True:
             rows = self._read(

@@ -24,12 +24,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 
 from bridge.errors import NkiCacheError
-from cachestore.api import BatchRefused, KeyUsage, MetricsBatch, StoreRequest, WriteItem
+from cachestore.api import BatchRefused, KeyUsage, MetricsBatch, Store, StoreRequest, WriteItem
 from cachestore.entry import TooLarge
 from cachestore.keys import partition
 
@@ -63,11 +64,24 @@ def usage_batch(batch_id: str, host: str, worker: str, keys: dict[str, KeyUsage]
     return MetricsBatch(batch_id, host, worker, dict(totals), calls, keys, record, TOOLCHAIN)
 
 
-def contend_at_once(handles: list[Any], key: str) -> list[str]:
+def entry_ttls(store: Store) -> dict[str, float]:
+    """The seconds each entry has left: every entry a store under test keeps has an expiry."""
+    ttls = {}
+    for raw in store.scan_entries():
+        assert raw.ttl is not None, raw
+        ttls[raw.cache_key] = raw.ttl
+    return ttls
+
+
+def lease_free(store: Store, key: str) -> bool:
+    return store.lease_holder(key) is None
+
+
+def contend_at_once(handles: list[Store], key: str) -> list[str]:
     """The owners that won `key`'s lease when each handle asked for it at once, from a thread of its own."""
     start, won = threading.Barrier(len(handles)), []
 
-    def contend(index: int, handle: Any) -> None:
+    def contend(index: int, handle: Store) -> None:
         start.wait()
         if handle.acquire_lease(key, f"w{index}", 30):
             won.append(f"w{index}")
@@ -84,19 +98,19 @@ class StoreContract:
     """The contract's tests; a subclass provides the `open_store` fixture (see the module's docstring)."""
 
     @pytest.fixture
-    def open_store(self) -> Callable[..., Any]:
+    def open_store(self) -> Callable[..., Store]:
         raise NotImplementedError("a store's test class provides open_store")
 
     @pytest.fixture
-    def open_read_only(self) -> Callable[..., Any] | None:
+    def open_read_only(self) -> Callable[..., Store] | None:
         return None
 
     @pytest.fixture
-    def store(self, open_store: Callable[..., Any]) -> Any:
+    def store(self, open_store: Callable[..., Store]) -> Store:
         return open_store(partition=PARTITION)
 
     # -- entries ----------------------------------------------------------------------------------
-    def test_missing_keys_read_as_absent(self, store: Any) -> None:
+    def test_missing_keys_read_as_absent(self, store: Store) -> None:
         assert store.fetch(["nope", "a" * 64], TTL) == {}
         assert store.fetch(["nope"], None) == {}
         assert store.get_entries(["nope"]) == {}
@@ -105,7 +119,9 @@ class StoreContract:
         assert list(store.entry_keys()) == []
         assert store.entry_partitions() == []
 
-    def test_store_then_fetch_round_trips_and_another_handle_sees_it(self, store: Any, open_store: Any) -> None:
+    def test_store_then_fetch_round_trips_and_another_handle_sees_it(
+        self, store: Store, open_store: Callable[..., Store]
+    ) -> None:
         items = {f"key-{i}": b"entry %d " % i * (i + 1) for i in range(3)}
         store.store([request(key, data) for key, data in items.items()], TTL)
         assert store.fetch(["key-1", "missing", "key-2"], TTL) == {"key-1": items["key-1"], "key-2": items["key-2"]}
@@ -114,14 +130,14 @@ class StoreContract:
         assert store.fetch(["key-0"], TTL) == {"key-0": b"second"}  # stored again: replaced
         assert sorted(raw.cache_key for raw in store.scan_entries()) == sorted(items)
 
-    def test_any_key_is_its_own_and_comes_back_as_it_was(self, store: Any) -> None:
+    def test_any_key_is_its_own_and_comes_back_as_it_was(self, store: Store) -> None:
         store.put_entries([WriteItem(key, key.encode() * 2, None, TTL) for key in ODD_KEYS])
         assert store.get_entries(ODD_KEYS) == {key: key.encode() * 2 for key in ODD_KEYS}
         assert sorted(raw.cache_key for raw in store.scan_entries()) == sorted(ODD_KEYS)
         assert store.find_keys("../", 5) == ["../../escape"]
         assert store.get_entries(["escape", "../escape", "a/b"]) == {}
 
-    def test_an_entry_over_the_bound_is_its_size_unread(self, open_store: Any) -> None:
+    def test_an_entry_over_the_bound_is_its_size_unread(self, open_store: Callable[..., Store]) -> None:
         store = open_store(partition=PARTITION, max_entry_bytes=1000)
         sizes = {"small": 10, "exact": 1000, "over": 1001, "far-over": 5000}
         store.put_entries([WriteItem(key, b"e" * size, None, TTL) for key, size in sizes.items()])
@@ -138,7 +154,7 @@ class StoreContract:
         assert {raw.cache_key: raw.data for raw in store.scan_entries(with_ttl=False)} == expected
 
     # -- expiry -----------------------------------------------------------------------------------
-    def test_entries_expire_by_the_calls_ttl_or_their_own(self, store: Any) -> None:
+    def test_entries_expire_by_the_calls_ttl_or_their_own(self, store: Store) -> None:
         store.store([request("short", b"short"), request("own", b"own", ttl=1)], 1)
         store.store([request("own-ttl", b"own", ttl=1), request("kept", b"kept")], TTL)
         assert set(store.get_entries(["short", "own", "own-ttl", "kept"])) == {"short", "own", "own-ttl", "kept"}
@@ -149,22 +165,22 @@ class StoreContract:
         assert [key for _, key in store.entry_keys()] == ["kept"]
         assert store.find_keys("") == ["kept"]
 
-    def test_a_fetch_with_a_ttl_refreshes_it_and_one_without_does_not(self, store: Any) -> None:
+    def test_a_fetch_with_a_ttl_refreshes_it_and_one_without_does_not(self, store: Store) -> None:
         store.store([request("k", b"v"), request("other", b"v")], 60)
-        ttls = {raw.cache_key: raw.ttl for raw in store.scan_entries()}
-        assert all(ttl is not None and 0 < ttl <= 60 for ttl in ttls.values()), ttls
+        ttls = entry_ttls(store)
+        assert all(0 < ttl <= 60 for ttl in ttls.values()), ttls
         assert store.fetch(["k", "other"], None) and store.get_entries(["k"])
-        assert all(0 < raw.ttl <= 60 for raw in store.scan_entries())  # reading only keeps the TTL
+        assert all(0 < ttl <= 60 for ttl in entry_ttls(store).values())  # reading only keeps the TTL
         assert store.fetch(["k"], TTL) == {"k": b"v"}
-        ttls = {raw.cache_key: raw.ttl for raw in store.scan_entries()}
+        ttls = entry_ttls(store)
         assert TTL - 60 < ttls["k"] <= TTL and ttls["other"] <= 60
         store.refresh_ttls([("other", 2 * TTL), ("missing", TTL)])
-        ttls = {raw.cache_key: raw.ttl for raw in store.scan_entries()}
+        ttls = entry_ttls(store)
         assert 2 * TTL - 60 < ttls["other"] <= 2 * TTL
         assert store.get_entries(["missing"]) == {}  # refreshing is no store
 
     # -- scans and administration -----------------------------------------------------------------
-    def test_put_get_find_scan_and_delete(self, store: Any) -> None:
+    def test_put_get_find_scan_and_delete(self, store: Store) -> None:
         keys = [f"{prefix}-{i}" for prefix in ("aa", "ab", "b") for i in range(4)]
         store.put_entries([WriteItem(key, key.encode(), f"digest-{key}", TTL) for key in keys])
         assert store.get_entries(keys) == {key: key.encode() for key in keys}
@@ -180,7 +196,7 @@ class StoreContract:
         assert "aa-0" not in store.find_keys("aa")
         assert store.expired_count() == (0, 0)
 
-    def test_partitions_keep_entries_and_leases_apart(self, store: Any) -> None:
+    def test_partitions_keep_entries_and_leases_apart(self, store: Store) -> None:
         store.store([request("shared-key", b"one")], TTL)
         other = store.in_partition(OTHER_PARTITION)
         assert other.partition == OTHER_PARTITION and store.partition == PARTITION
@@ -197,7 +213,7 @@ class StoreContract:
         assert store.fetch(["shared-key"], None) == {"shared-key": b"one"}
         assert store.entry_partitions() == [PARTITION]
 
-    def test_read_only_refuses_writes(self, store: Any, open_read_only: Callable[..., Any] | None) -> None:
+    def test_read_only_refuses_writes(self, store: Store, open_read_only: Callable[..., Store] | None) -> None:
         if open_read_only is None:
             pytest.skip("this store is not opened read-only")
         store.store([request("k", b"v")], TTL)
@@ -211,7 +227,7 @@ class StoreContract:
         assert store.get_entries(["k", "new"]) == {"k": b"v"}
 
     # -- the variant index ------------------------------------------------------------------------
-    def test_the_variant_index_keeps_what_each_store_set(self, store: Any) -> None:
+    def test_the_variant_index_keeps_what_each_store_set(self, store: Store) -> None:
         store.store([request("k1", b"v", "softmax", index_fields={b"k tag": b"1", b"h \x00\xff": b"tag"})], TTL)
         store.store([request("k2", b"v", "matmul", index_fields={b"k tag": b"2"})], TTL)
         answers = store.read_variant_index(
@@ -222,7 +238,7 @@ class StoreContract:
         assert store.read_variant_index([("softmax", [b"k tag"])]) == [[b"3"]]
 
     # -- leases -----------------------------------------------------------------------------------
-    def test_a_lease_is_exclusive_and_released_or_renewed_only_by_its_owner(self, store: Any) -> None:
+    def test_a_lease_is_exclusive_and_released_or_renewed_only_by_its_owner(self, store: Store) -> None:
         assert store.lease_holder("k") is None
         assert store.acquire_lease("k", "w1", 30) is True
         assert store.acquire_lease("k", "w2", 30) is False
@@ -238,7 +254,7 @@ class StoreContract:
         store.release_leases([("a", "w1"), ("b", "not-w2")])
         assert (store.lease_holder("a"), store.lease_holder("b")) == (None, "w2")
 
-    def test_a_lease_expires_and_its_late_holder_cannot_touch_the_next(self, store: Any) -> None:
+    def test_a_lease_expires_and_its_late_holder_cannot_touch_the_next(self, store: Store) -> None:
         assert store.acquire_lease("k", "dead", 0.3)
         assert store.renew_lease("k", "dead", 0.3)
         assert wait_until(lambda: store.lease_holder("k") is None, 3)
@@ -248,17 +264,19 @@ class StoreContract:
         assert store.renew_lease("k", "dead", 30) is False
         assert store.lease_holder("k") == "next"
 
-    def test_an_expired_lease_is_taken_over_by_exactly_one_contender(self, store: Any, open_store: Any) -> None:
+    def test_an_expired_lease_is_taken_over_by_exactly_one_contender(
+        self, store: Store, open_store: Callable[..., Store]
+    ) -> None:
         for round_ in range(3):
             key = f"k{round_}"
             assert store.acquire_lease(key, "dead", 0.2)
-            assert wait_until(lambda key=key: store.lease_holder(key) is None, 3)
+            assert wait_until(partial(lease_free, store, key), 3)
             won = contend_at_once([open_store(partition=PARTITION) for _ in range(6)], key)
             assert len(won) == 1, won
             assert store.lease_holder(key) == won[0]
 
     # -- fleet metrics ----------------------------------------------------------------------------
-    def test_metrics_apply_once_by_batch_id_and_fold(self, store: Any, open_store: Any) -> None:
+    def test_metrics_apply_once_by_batch_id_and_fold(self, store: Store, open_store: Callable[..., Store]) -> None:
         usage = {"k1": KeyUsage("softmax", 3, 100.0, 110.0), "k2": KeyUsage("matmul", 1, 101.0, 101.0)}
         first = usage_batch("pass-1", "host-a", "w1", usage, passes=1, traces=2, compile_seconds=0.25)
         second = usage_batch(
@@ -287,13 +305,14 @@ class StoreContract:
             110.0,
         )
         assert store.key_hosts(["k1", "k2", "never"]) == {"k1": ["host-a", "host-b"], "k2": ["host-a"]}
+        assert first.pass_record is not None and second.pass_record is not None
         log = list(store.pass_log(None))
         assert [record for _, record in log] == [first.pass_record, second.pass_record]
         assert [when for when, _ in log] == [first.pass_record["finished"], second.pass_record["finished"]]
         assert store.pass_log_span(None) == (first.pass_record["finished"], second.pass_record["finished"])
         assert store.pass_log_span(time.time() + 3600) is None and list(store.pass_log(time.time() + 3600)) == []
 
-    def test_zeroing_clears_the_counters_and_keeps_usage_and_the_log(self, store: Any) -> None:
+    def test_zeroing_clears_the_counters_and_keeps_usage_and_the_log(self, store: Store) -> None:
         store.apply_metrics(usage_batch("pass-1", "h", "w", {"k": KeyUsage("softmax", 2, 1.0, 2.0)}, traces=2))
         store.zero_counters({"zeroed": True, "finished": 2000.0})
         assert store.totals() == {} and list(store.workers()) == [] and store.toolchains() == {}
@@ -302,7 +321,7 @@ class StoreContract:
         store.apply_metrics(usage_batch("pass-2", "h", "w", {"k": KeyUsage("softmax", 1, 3.0, 4.0)}, traces=1))
         assert store.totals() == {"traces": 1} and dict(store.key_usage()) == {"k": 3}
 
-    def test_an_invalid_batch_is_refused_whole_and_its_id_stays_free(self, store: Any) -> None:
+    def test_an_invalid_batch_is_refused_whole_and_its_id_stays_free(self, store: Store) -> None:
         bad = usage_batch("pass-1", "h", "w", {"k": KeyUsage("softmax", 1, 1.0, 1.0)}, traces=float("nan"))
         with pytest.raises(BatchRefused):
             store.apply_metrics(bad)
