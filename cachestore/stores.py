@@ -8,7 +8,7 @@ from collections.abc import Callable
 from functools import partial
 
 from bridge.identity import toolchain_id
-from cachestore.api import Backend, Reader
+from cachestore.api import Backend, Store
 from cachestore.client import TierClient
 from cachestore.credentials import Credentials, settings_credentials
 from cachestore.keys import partition
@@ -28,7 +28,7 @@ from cachestore.tier_urls import (
 
 def open_backend(
     settings: Settings, *, reading: bool = False, partition: str | None = None, writable: bool = True
-) -> Backend | Reader:
+) -> Store:
     """The backend the settings' tier URL names, in the partition `partition` (default: this compiler's).
     `reading` opens it for reports and inspection: longer timeouts, and an embedded tier that does not exist
     yet is an error instead of a new file. `writable=False` (a read-only client's compile path): an embedded
@@ -57,9 +57,12 @@ def open_tier(settings: Settings, toolchain: str | None = None) -> TierClient | 
         return None
     levels = tier_levels(settings.tier)
     if len(levels) > 1:
-        return StackedTier(
-            [open_tier(level_settings(settings, levels, index), toolchain) for index in range(len(levels))]
-        )
+        return StackedTier([_one_level(level_settings(settings, levels, i), toolchain) for i in range(len(levels))])
+    return _one_level(settings, toolchain)
+
+
+def _one_level(settings: Settings, toolchain: str | None) -> TierClient | ReadOnlyTier:
+    """The client of the one store `settings.tier` names."""
     known_scheme(settings.tier)  # an unknown one is an error now, not at the first call
     credentials = settings_credentials(settings)
     backend = partial(

@@ -190,7 +190,7 @@ def _query_problem(query: str) -> str | None:
         if parser is None and name not in URL_TEXT_PARAMETERS:
             return f"unknown query parameter {name!r}"
         try:
-            if parser is not None:
+            if callable(parser):
                 parser(values[0])
         except (TypeError, ValueError):
             return f"query parameter {name!r} has an invalid value"

@@ -12,10 +12,11 @@ import pytest
 import redis
 from helpers_graphs import delete_namespace, unique_namespace
 
-from cachestore.backends.directory import folder_tier
+from cachestore.backends.directory import FolderStore, folder_tier
 from cachestore.backends.redis import RedisBackend, connect
 from cachestore.backends.s3 import ObjectStore
 from cachestore.backends.sqlite import SqliteBackend
+from cachestore.blob.contract import BlobStore
 from cachestore.blob.tier import BlobTier
 from cachestore.keys import KeySpace
 from cachestore.testing.contract import StoreContract
@@ -88,3 +89,9 @@ class TestRedisClusterStore(StoreContract):
         yield from opener(lambda **options: RedisBackend(client, KeySpace(namespace), "contract cluster", **options))
         delete_namespace(client, namespace)
         client.close()
+
+
+def test_the_blob_contract_has_at_most_eight_methods_and_both_blob_stores_keep_it() -> None:
+    methods = [name for name, value in vars(BlobStore).items() if callable(value) and not name.startswith("_")]
+    assert sorted(methods) == ["close", "create", "delete", "get", "list", "put", "touch"]
+    assert issubclass(FolderStore, BlobStore) and issubclass(ObjectStore, BlobStore)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachestore import api
 from cachestore.backends import files
-from cachestore.blob.contract import Blob
+from cachestore.blob.contract import Blob, BlobStore
 from cachestore.blob.tier import BlobTier
 from cachestore.entry import TooLarge
 
@@ -32,7 +32,7 @@ FOLDERS = ("entries", "leases", "variants", "batches")  # made when the tier is,
 STALE_TEMP_SECONDS = 3600.0  # a temp file unchanged this long was left by a writer that died: listed as expired
 
 
-class FolderStore:
+class FolderStore(BlobStore):
     """Blobs as files under `path`."""
 
     def __init__(self, path: str | Path, *, create: bool = True, writable: bool = True) -> None:
@@ -125,5 +125,5 @@ def folder_tier(path: str | Path, *, create: bool = True, writable: bool = True,
 def open_store(settings: Settings, path: str, *, reading: bool, partition: str | None, writable: bool) -> BlobTier:
     """The shared folder `dir:PATH` names (cachestore.stores); reading never creates it."""
     size, ttl = settings.max_entry_bytes, settings.lease_ttl
-    options = {"partition": partition, "max_entry_bytes": size, "lease_ttl": ttl}
-    return folder_tier(path, create=not reading and writable, writable=writable, **options)
+    create = not reading and writable
+    return folder_tier(path, create=create, writable=writable, partition=partition, max_entry_bytes=size, lease_ttl=ttl)

@@ -28,7 +28,7 @@ from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import S3Store
 
 from cachestore import api
-from cachestore.blob.contract import Blob
+from cachestore.blob.contract import Blob, BlobStore
 from cachestore.blob.tier import BlobTier
 from cachestore.entry import TooLarge
 
@@ -51,7 +51,7 @@ def loopback(endpoint: str) -> bool:
         return False
 
 
-class ObjectStore:
+class ObjectStore(BlobStore):
     """Blobs as objects of `bucket` under `prefix`."""
 
     def __init__(self, bucket: str, prefix: str, *, op_timeout: float, connect_timeout: float) -> None:
@@ -190,6 +190,6 @@ def open_store(settings: Settings, url: str, *, reading: bool, partition: str | 
     op_timeout = max(settings.op_timeout, api.READ_TIMEOUT) if reading else settings.op_timeout
     connect_timeout = max(settings.connect_timeout, api.READ_CONNECT_TIMEOUT) if reading else settings.connect_timeout
     store = ObjectStore(parts.netloc, parts.path.strip("/"), op_timeout=op_timeout, connect_timeout=connect_timeout)
+    size, ttl = settings.max_entry_bytes, settings.lease_ttl
     create = not reading and writable
-    options = {"partition": partition, "max_entry_bytes": settings.max_entry_bytes, "lease_ttl": settings.lease_ttl}
-    return BlobTier(store, create=create, writable=writable, **options)
+    return BlobTier(store, create=create, writable=writable, partition=partition, max_entry_bytes=size, lease_ttl=ttl)

@@ -60,7 +60,7 @@ class BlobLease:
             if (found := self.blobs.get([name], MAX_LEASE_BYTES).get(name)) is not None:
                 blob, data = found
                 try:
-                    lease = json.loads(data) if isinstance(data, bytes) else None
+                    lease = json.loads(data) if isinstance(data, bytes) else {}
                     owner, expires = str(lease["owner"]), float(lease["expires"])
                 except (ValueError, TypeError, KeyError):
                     break
