@@ -6,9 +6,8 @@ M simulated workers (processes) each run passes against a private Redis through 
 (`cachestore.stores.open_tier`, the same calls the codegen loop makes through the KernelStore port): one
 `find_traces` of the pass's distinct keys, a lease and a `publish_trace` (the real entry format, a synthetic
 binary sized like the workload's, 4-170 KiB, which zstd shrinks to 0.17 against the workload's 0.09) for each
-miss, then `record_pass` and
-`flush` (the fleet metrics batch). Each pass uses `--ops` kernel calls drawn from `--variants` variants with
-a Zipf popularity, as a fleet's models share their common kernels.
+miss, then `record_pass` and `flush` (the fleet metrics batch). Each pass uses `--ops` kernel calls drawn from
+`--variants` variants with a Zipf popularity, as a fleet's models share their common kernels.
 
 It runs once against one private redis-server and once against a private 3-master Redis Cluster (the one
 the tests use, tests/redis_cluster.py), each with no persistence on free loopback ports, and prints per
