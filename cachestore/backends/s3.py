@@ -16,7 +16,7 @@ import contextlib
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from ipaddress import ip_address
@@ -78,10 +78,11 @@ class ObjectStore(BlobStore):
     def __repr__(self) -> str:
         return f"ObjectStore({self.description!r})"
 
-    def _each(self, call: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
-        """`call` on every item, PARALLEL at a time (obstore's calls let go of the GIL); errors translated."""
+    def _each(self, call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """`call` on every item, PARALLEL at a time (obstore's calls let go of the GIL), one alone in this thread;
+        errors translated."""
         with s3_errors(self.description):
-            return list(self._pool.map(call, items))
+            return [call(items[0])] if len(items) == 1 else list(self._pool.map(call, items))
 
     def _blob(self, name: str, result: GetResult) -> Blob:
         meta = result.meta
