@@ -493,7 +493,7 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
     import redis
 
     settings = tier_settings(redis_url, namespace="nkibench-storage")
-    tier = open_tier(settings)
+    tier, opened = counting_client(settings)
     raw = redis.Redis.from_url(redis_url)
     space = KeySpace(settings.namespace)
     try:
@@ -510,10 +510,12 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
         kinds = {"entries": entry_keys, "index": index_keys}
         sizes = {name: sum(raw.memory_usage(k, samples=0) or 0 for k in keys) for name, keys in kinds.items()}
         used = sum(sizes.values())
-        per_key_binary, wire = 0, _count_bytes_read(tier)
-        for stored in tier._backend.scan_entries():
+        store = opened[0].inner
+        read_before, per_key_binary = opened[0].bytes, 0
+        for stored in store.scan_entries():
             entry = tier.lookup(stored.cache_key)  # a hit, as the compile takes it
             per_key_binary += len(entry.binary)
+        wire = {"bytes": opened[0].bytes - read_before}
         unique_binary = sum(binaries.values())
     finally:
         tier.close()
@@ -532,19 +534,33 @@ def storage_ratio(graphs: list[Graph], redis_url: str) -> dict:
     }
 
 
-def _count_bytes_read(tier: Any) -> dict:
-    """Counts the bytes of every value the tier's backend hands over from now on (what a hit reads)."""
-    counted = {"bytes": 0}
-    backend = tier._backend
-    fetch = backend.fetch
+class CountingBackend:
+    """A store that counts the bytes of every value its `fetch` hands over (what a hit reads), delegating the
+    rest to the store it wraps: handed to tier_client as the store it opens, not patched into one."""
 
-    def counting(cache_keys: Any, ttl: int) -> dict:
-        found = fetch(cache_keys, ttl)
-        counted["bytes"] += sum(len(value) for value in found.values())
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.bytes = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def fetch(self, cache_keys: Sequence[str], ttl: int | None) -> dict:
+        found = self.inner.fetch(cache_keys, ttl)
+        self.bytes += sum(len(value) for value in found.values())
         return found
 
-    backend.fetch = counting
-    return counted
+
+def counting_client(settings: Any) -> tuple[Any, list[CountingBackend]]:
+    """A client of these settings opened as open_tier opens one, on a CountingBackend: (the client, the store it
+    opened, once it has)."""
+    credentials = settings_credentials(settings)
+    opened: list[CountingBackend] = []
+
+    def backend() -> CountingBackend:
+        opened.append(CountingBackend(open_backend(settings, partition=partition(toolchain_id(), credentials.scope))))
+        return opened[-1]
+
+    return tier_client(backend, settings, redact_url(settings.tier), credentials), opened
 
 
 # -- 6. pool_scaling and 7. report_seconds_100k: scripts in bench/, each run as its own process -------------
