@@ -9,6 +9,7 @@ what they skipped, and compile exactly what `--tier off` compiles.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -123,10 +124,26 @@ def plant_symlinked_entry(tier: Tier) -> None:
     victim.symlink_to(tier.outside / "1")
 
 
+def plant_folder_entry(tier: Tier) -> None:
+    victim = tier.entry(graph_keys()[0])
+    victim.unlink()
+    (victim / "empty").mkdir(parents=True)  # a folder where the entry goes, holding only an empty folder
+
+
+def plant_folder_variants(tier: Tier) -> None:
+    ops = [op for op in load_graph(mixed_graph()).ops if isinstance(op, InternalNkiKernel)]
+    for name in {name for op in ops for name in (op.kernel_name, op.func_name)}:  # where the compile writes them
+        blob = tier.root / "variants" / hashlib.sha256(name.encode()).hexdigest()
+        blob.mkdir(parents=True)
+        (blob / "inside").write_text("planted")
+
+
 # plant -> (made in a warm tier, so entries are there to replace), and the entries it spoils
 PLANTS: dict[str, tuple[Callable[[Tier], None], bool, int]] = {
     "fifo-entry": (plant_fifo_entry, True, 1),
     "fifo-batch": (plant_fifo_batch, True, 0),
+    "folder-entry": (plant_folder_entry, True, 1),
+    "folder-variants": (plant_folder_variants, False, 0),
     "symlinked-entry": (plant_symlinked_entry, True, 1),
     "symlinked-partition": (plant_symlinked_partition, True, len(graph_keys())),
     "symlinked-lease-folders": (plant_symlinked_lease_folders, False, 0),
@@ -145,6 +162,7 @@ def test_a_planted_file_hangs_crashes_and_steers_nothing(plant: str, tmp_path: P
     done = tier.compile("planted")
     assert artifacts(tmp_path / "planted") == artifacts(tmp_path / "off")
     assert done["tier_rejected"] == spoiled and done["tier_errors"] == 0 and done["tier_timeouts"] == 0
+    assert done["tier_dropped"] == 0  # what stands where a file goes is replaced by the write
     assert done["traces"] == (spoiled if warm else len(graph_keys()))
     run("report", "--tier", tier.url, "--json")
     verify = run("inspect", "verify", "--tier", tier.url, expect=(0, 1))
@@ -154,6 +172,10 @@ def test_a_planted_file_hangs_crashes_and_steers_nothing(plant: str, tmp_path: P
     assert again["traces"] == 0 and again["tier_rejected"] == 0 and again["remote_hits"] == len(graph_keys())
     assert artifacts(tmp_path / "again") == artifacts(tmp_path / "off")
     assert "0 problems" in run("inspect", "verify", "--tier", tier.url), verify
+    folders = [
+        path for path in tier.root.rglob("*") if path.is_dir() and path.parent != tier.root and not any(path.iterdir())
+    ]
+    assert folders == [], "gc leaves no empty folder below the layout's own"
 
 
 def test_a_fifo_in_place_of_the_marker_turns_the_tier_off_without_a_hang(tmp_path: Path) -> None:

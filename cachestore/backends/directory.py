@@ -86,6 +86,7 @@ class FolderStore(BlobStore):
             path = self.path.joinpath(*name.split("/"))  # a temp file's name too, which _path refuses
             if expired_by is None or path.name.startswith("."):
                 self.files.unlink(path)
+                self.files.remove_if_empty(path)  # an empty folder planted where a blob goes
             else:
                 self.files.take(path, lambda info: files.removable(info.st_mode) or info.st_mtime <= expired_by)
             if len(path.relative_to(self.path).parts) > 2:
@@ -96,7 +97,7 @@ class FolderStore(BlobStore):
         now = time.time()
         for path, info in self.files.walk(self.path / folder if folder else self.path):
             name = path.relative_to(self.path).as_posix()
-            if not name.startswith(prefix):
+            if not name.startswith(prefix) or "/" not in name:  # (the layout's own folders, empty in a new tier)
                 continue
             if path.name.startswith("."):  # a temp file: listed, as expired, once its writer must be dead
                 if info.st_ctime < now - STALE_TEMP_SECONDS:

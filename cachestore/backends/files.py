@@ -22,6 +22,7 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import stat
 import time
 import uuid
@@ -125,6 +126,7 @@ class SharedFolder:
                 if expires is not None:
                     os.utime(temp, (time.time(), expires))
                 if not exclusive:
+                    self._remove_planted_folder(path)
                     os.replace(temp, path)  # replaces a link or FIFO planted there, never what a link points to
                     return True
                 with contextlib.suppress(FileExistsError):
@@ -134,6 +136,14 @@ class SharedFolder:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
+
+    def _remove_planted_folder(self, path: Path) -> None:
+        """Remove a folder standing where the file `path` goes (the name is the tier's: what is there is garbage;
+        rmtree follows no link)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                logger.warning("shared directory: %s was a folder; removed", path)
+                shutil.rmtree(path, ignore_errors=True)
 
     def read_bounded(self, path: Path, limit: int) -> Read | None:
         """The file at `path`, whatever its mtime: its bytes; a TooLarge, unread, for one over `limit` bytes (stat
@@ -171,9 +181,9 @@ class SharedFolder:
         return found.data if found and isinstance(found.data, bytes) else None
 
     def walk(self, folder: Path) -> Iterator[tuple[Path, os.stat_result]]:
-        """(path, its own lstat) of every file below `folder` that is not a folder, temp files included, folder
-        by folder in name order; links are never followed, and a folder that is missing, planted or may not be
-        listed holds nothing."""
+        """(path, its own lstat) of every file below `folder` that is not a folder, and of every empty folder,
+        temp files included, folder by folder in name order; links are never followed, and a folder that is
+        missing, planted or may not be listed holds nothing."""
         if self.hostile_folder(folder) is not None:
             return
         try:
@@ -187,10 +197,15 @@ class SharedFolder:
             logger.warning("shared directory: %s may not be listed by this user; skipped", folder)
             return
         for name, info in found:
-            if stat.S_ISDIR(info.st_mode):
-                yield from self.walk(folder / name)
-            else:
+            if not stat.S_ISDIR(info.st_mode):
                 yield folder / name, info
+                continue
+            inside = self.walk(folder / name)
+            if (first := next(inside, None)) is None:
+                yield folder / name, info
+            else:
+                yield first
+                yield from inside
 
     def stat_of(self, path: Path) -> os.stat_result | None:
         """The file's own stat (a link's, not its target's), None for none or one in a planted folder."""
