@@ -39,7 +39,9 @@ MARKER = "nkicache-dir-store"
 MARKER_TEXT = b"nkicache shared directory tier, layout 1\n"
 MAX_NAME_BYTES = 120  # a key or partition of at most this many bytes: its hex name fits in any file system's 255
 TTL_REFRESH_FRACTION = 0.9  # as the local tier: an entry read is given its TTL again once 10% of it is used up
-MAX_SMALL_BLOB = 1 << 20  # bytes read of an index field or a batch at most
+# Bytes read of a kernel's variants blob or a batch at most. A variants blob grown past it reads as empty, and
+# the next write of that kernel's fields starts it afresh.
+MAX_SMALL_BLOB = 1 << 20
 READ_PAGE = 100  # entries read in one get while scanning
 MAX_KNOWN_EXPIRIES = 65536  # expiries of entries read kept for refresh_ttls, forgotten all at once past this
 # The parts of a name in each folder; 0: a folder whose every blob is gc's (layout 1's variant index).
@@ -122,8 +124,8 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
             raise api.TierError(f"{self.description} is opened read-only")
         return self.blobs
 
-    def _entry(self, cache_key: str, partition: str | None = None) -> str:
-        return f"entries/{_hex(partition or self.partition)}/{_hex(cache_key)}"
+    def _entry(self, cache_key: str) -> str:
+        return f"entries/{_hex(self.partition)}/{_hex(cache_key)}"
 
     def _entries(self, cache_keys: Sequence[str]) -> dict[str, tuple[Blob, bytes | TooLarge]]:
         """The live entries of these keys (and whatever was planted under their names), by key."""
