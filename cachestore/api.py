@@ -14,7 +14,7 @@ Two protocols, implemented by one class per backend (`cachestore/backends/`):
 - `Reader`: reports, inspection and administration (streamed scans of entries and fleet metrics, plain
   reads that never refresh a TTL, and the few writes `inspect import` and `inspect gc` make).
 
-Optional abilities are declared as class attributes (`value_ttls`, `read_only`, `keeps_expired`,
+Optional abilities are declared as class attributes (`value_ttls`, `keeps_expired`,
 `splits_scans`), never probed.
 """
 
@@ -284,7 +284,6 @@ class Reader(Protocol):
 
     description: str
     partition: str
-    read_only: bool  # True: put_entries and delete_entries raise (a snapshot file)
     keeps_expired: bool  # True: entries past their expiry stay stored until purge_expired (SQLite)
     # True: the reader is a `PagedReader` (`pages_of`), whose scans other processes can share (Redis;
     # cachestore.scan_split)

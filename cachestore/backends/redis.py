@@ -295,7 +295,6 @@ class RedisBackend(Backend, PagedReader):
     """A tier over a redis-py client (Redis, RedisCluster, or fakeredis in unit tests): the compile path
     and the reader side."""
 
-    read_only = False
     value_ttls = True  # an entry stays for its TTL alone
     keeps_expired = False  # Redis expires entries itself
     splits_scans = True  # a PagedReader: a scan's pages can be read by other processes (cachestore.scan_split)

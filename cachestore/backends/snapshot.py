@@ -97,7 +97,6 @@ class SnapshotReader(Reader):
     workers, kernel counts or pass log, so those read as empty. Entries are read in one partition, as
     from a tier."""
 
-    read_only = True
     keeps_expired = False  # a snapshot keeps what was live when it was written
     splits_scans = False  # scanned in one process (cachestore.scan_split)
 

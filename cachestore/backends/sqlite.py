@@ -157,7 +157,6 @@ def _full_disk(path: Path, exc: sqlite3.Error) -> str:
 class SqliteBackend(Backend, Reader):
     """A tier in one SQLite file: the compile path and the reader side."""
 
-    read_only = False
     keeps_expired = True  # nothing deletes an expired row but `purge_expired` (inspect gc)
     splits_scans = False  # scanned in one process (cachestore.scan_split)
 
@@ -197,7 +196,6 @@ class SqliteBackend(Backend, Reader):
         # Only a compile's backend replaces a broken file: reports and inspection say what they found.
         self._heals = create and writable
         self.writable = writable
-        self.read_only = not writable  # put_entries and delete_entries fail: the connections cannot write
         if create and writable:
             self._create()
         elif not self.path.is_file():

@@ -99,7 +99,7 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         self.partition = partition or toolchain_id()
         self.max_entry_bytes = max_entry_bytes
         self.lease_ttl = lease_ttl
-        self.read_only = not writable  # every write raises TierError
+        self.writable = writable  # False: every write raises TierError
         self._records: dict[str, dict | None] = {}
         self._expiries: dict[str, float] = {}  # of the entries this tier read or refreshed: by key
         marker = self._marker()
@@ -120,7 +120,7 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         return f"BlobTier({self.description!r}, partition {self.partition})"
 
     def _writing(self) -> BlobStore:
-        if self.read_only:
+        if not self.writable:
             raise api.TierError(f"{self.description} is opened read-only")
         return self.blobs
 
@@ -139,7 +139,7 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         if len(self._expiries) > MAX_KNOWN_EXPIRIES:
             self._expiries.clear()
         self._expiries.update((key, blob.expires) for key, (blob, data) in found.items() if isinstance(data, bytes))
-        if ttl is not None and not self.read_only:
+        if ttl is not None and self.writable:
             self.refresh_ttls([(key, ttl) for key, (_, data) in found.items() if isinstance(data, bytes)])
         return {key: data for key, (_, data) in found.items()}
 

@@ -218,7 +218,6 @@ class StoreContract:
             pytest.skip("this store is not opened read-only")
         store.store([request("k", b"v")], TTL)
         reader = open_read_only(partition=PARTITION)
-        assert reader.read_only is True and store.read_only is False
         assert reader.fetch(["k"], None) == {"k": b"v"}
         with pytest.raises(NkiCacheError):
             reader.put_entries([WriteItem("new", b"v", None, TTL)])
