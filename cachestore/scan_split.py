@@ -154,13 +154,25 @@ def _deal(children: dict[Any, Any], pages: Iterator[list[str]], wait: Callable) 
                     if page is None:
                         ended.add(conn)
                     conn.send_bytes(_ASK if page is None else msgpack.packb(page))
-            except (EOFError, OSError):  # its end of the pipe closed: it died (killed, out of memory)
+            except (EOFError, OSError):  # its end of the pipe closed: it failed and said so, or it died
+                if (last := _last_word(conn)) is not None:  # (a page sent after it failed finds the pipe closed)
+                    results[conn] = _result_of(last, child.pid)
+                    continue
                 child.join(timeout=5)
                 raise ScanFailed(
                     f"scan process {child.pid} ended (exit code {child.exitcode}) before sending its "
                     "result: its entries were not all read"
                 ) from None
     return [results[conn] for conn in children]
+
+
+def _last_word(conn: Any) -> bytes | None:
+    """The result or error a child sent before its end of the pipe closed, None when it sent neither."""
+    with contextlib.suppress(EOFError, OSError):
+        while conn.poll():
+            if (message := conn.recv_bytes()) != _ASK:
+                return message
+    return None
 
 
 def _result_of(message: bytes, pid: int | None) -> Any:

@@ -259,6 +259,42 @@ def test_a_scanning_process_that_dies_fails_the_scan(backend: RedisBackend, ci: 
         scan_split.scan_split(backend, lambda index: _Dies("tier"), processes=2)
 
 
+class _FailsAfterOnePage:
+    """A child's end of the pipe, as the parent sees it: two requests; the first page's read fails, so the child
+    says why and closes, and the page the parent then sends for the second request finds the pipe closed."""
+
+    def __init__(self) -> None:
+        self.inbox = [b"", b""]  # two requests in flight
+        self.pages_sent = 0
+        self.error = msgpack.packb({"error": "TierUnavailable", "message": "redis://127.0.0.1: gone"})
+
+    def recv_bytes(self) -> bytes:
+        return self.inbox.pop(0)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.pages_sent += 1
+        if self.pages_sent == 2:  # the child failed on the first page, said so and closed meanwhile
+            self.inbox.append(self.error)
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def poll(self) -> bool:
+        return bool(self.inbox)
+
+
+class _Child:
+    pid, exitcode = 12345, 0
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_a_child_that_fails_between_two_pages_is_heard_not_taken_for_dead() -> None:
+    conn = _FailsAfterOnePage()
+    pages = iter([["a"], ["b"], ["c"]])
+    with pytest.raises(TierUnavailable, match="gone"):  # its own error, not "ended before sending its result"
+        scan_split._deal({conn: _Child()}, pages, lambda conns: list(conns))
+
+
 # -- a scan's reads of many entries ---------------------------------------------------------------------
 def test_a_scans_reads_give_each_value_and_a_refused_one_leaves_the_next_read_in_step(backend: RedisBackend) -> None:
     values = {f"{i:064x}": os.urandom(i * 37) for i in range(1, 40)}
