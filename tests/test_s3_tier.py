@@ -71,9 +71,9 @@ def test_a_cold_then_a_warm_compile_match_a_compile_without_a_tier(s3_tier: str,
 
 @pytest.mark.slow
 def test_two_compiles_of_overlapping_workloads_at_once_trace_each_variant_once(s3_tier: str, tmp_path: Path) -> None:
-    workloads = [tmp_path / "three-models", tmp_path / "five-models"]
-    generate_workload(workloads[0], 3, 0)
-    generate_workload(workloads[1], 5, 0)  # the same seed: the three models and two more
+    workloads = [tmp_path / "two-models", tmp_path / "three-models"]
+    generate_workload(workloads[0], 2, 0)
+    generate_workload(workloads[1], 3, 0)  # the same seed: the two models and one more
     processes = [compile_process(graphs, s3_tier, tmp_path / f"out-{graphs.name}") for graphs in workloads]
     results = []
     for process in processes:
@@ -98,10 +98,10 @@ def test_a_server_stopped_mid_compile_costs_counted_faults_not_the_compile(
         for name, value in server.environment.items():
             monkeypatch.setenv(name, value)
         bucket = server.new_bucket()
-        generate_workload(tmp_path / "graphs", 12, 0)
+        generate_workload(tmp_path / "graphs", 6, 0)  # 31 variants: the server stops a third of the way
         process = compile_process(tmp_path / "graphs", f"s3://{bucket}", tmp_path / "out")
         deadline = time.monotonic() + 120
-        while len(server.object_names(bucket, "entries/")) < 20 and process.poll() is None:
+        while len(server.object_names(bucket, "entries/")) < 10 and process.poll() is None:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         server.stop()
@@ -110,7 +110,7 @@ def test_a_server_stopped_mid_compile_costs_counted_faults_not_the_compile(
         server.stop()
     assert process.returncode == 0, err
     done = json.loads(out)
-    assert done["tier_errors"] + done["tier_timeouts"] >= 1 and done["traces"] > 20, done
+    assert done["tier_errors"] + done["tier_timeouts"] >= 1 and done["traces"] > 10, done
     compile_json(tmp_path / "graphs", "off", tmp_path / "off")
     assert artifacts(tmp_path / "out") == artifacts(tmp_path / "off")
 
