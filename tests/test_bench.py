@@ -186,6 +186,9 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
         "report_scale",
         "upgrade",
         "fleet_single_graph_scaling",
+        "fleet_latency",
+        "fleet_flood",
+        "s3_warm",
         "l1_redis_read_reduction",
         "value_retention",
     ):
