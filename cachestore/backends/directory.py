@@ -86,7 +86,6 @@ class FolderStore(BlobStore):
             path = self.path.joinpath(*name.split("/"))  # a temp file's name too, which _path refuses
             if expired_by is None or path.name.startswith("."):
                 self.files.unlink(path)
-                self.files.remove_if_empty(path)  # an empty folder planted where a blob goes
             else:
                 self.files.take(path, lambda info: files.removable(info.st_mode) or info.st_mtime <= expired_by)
             if len(path.relative_to(self.path).parts) > 2:

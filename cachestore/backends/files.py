@@ -126,8 +126,7 @@ class SharedFolder:
                 if expires is not None:
                     os.utime(temp, (time.time(), expires))
                 if not exclusive:
-                    self._remove_planted_folder(path)
-                    os.replace(temp, path)  # replaces a link or FIFO planted there, never what a link points to
+                    self._replace(temp, path)
                     return True
                 with contextlib.suppress(FileExistsError):
                     os.link(temp, path, follow_symlinks=False)
@@ -137,13 +136,17 @@ class SharedFolder:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
 
-    def _remove_planted_folder(self, path: Path) -> None:
-        """Remove a folder standing where the file `path` goes (the name is the tier's: what is there is garbage;
-        rmtree follows no link)."""
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                logger.warning("shared directory: %s was a folder; removed", path)
-                shutil.rmtree(path, ignore_errors=True)
+    @staticmethod
+    def _replace(temp: Path, path: Path) -> None:
+        """Rename `temp` over `path`: over a link or FIFO planted there (never what a link points to), and over a
+        folder planted there once it is removed (the name is the tier's: what stands there is garbage; rmtree
+        follows no link)."""
+        try:
+            os.replace(temp, path)
+        except IsADirectoryError:
+            logger.warning("shared directory: %s was a folder; removed", path)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(temp, path)
 
     def read_bounded(self, path: Path, limit: int) -> Read | None:
         """The file at `path`, whatever its mtime: its bytes; a TooLarge, unread, for one over `limit` bytes (stat
@@ -173,12 +176,6 @@ class SharedFolder:
             data = file.read(limit + 1) if info.st_size <= limit else b""  # bounded if it grew since the stat
         size = max(len(data), info.st_size)
         return Read(TooLarge(size, limit) if size > limit else data, info.st_mtime, info.st_ctime, planted=False)
-
-    def read_small(self, path: Path, limit: int = 1 << 20) -> bytes | None:
-        """The bytes of a small file (a marker), whatever its mtime; None for none, a larger one or one that
-        cannot be read."""
-        found = self.read_bounded(path, limit)
-        return found.data if found and isinstance(found.data, bytes) else None
 
     def walk(self, folder: Path) -> Iterator[tuple[Path, os.stat_result]]:
         """(path, its own lstat) of every file below `folder` that is not a folder, and of every empty folder,
@@ -254,8 +251,13 @@ class SharedFolder:
             os.rmdir(folder)
 
     def unlink(self, path: Path) -> None:
-        """Delete the file at `path` (a link itself, never what it points to), if there is one."""
+        """Delete the file at `path` (a link itself, never what it points to), or an empty folder planted there,
+        if there is one."""
         if self.hostile_folder(path.parent) is not None:
             return
-        with contextlib.suppress(*NOT_FOUND), tier_errors():
-            os.unlink(path)
+        try:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError), tier_errors():
+                os.unlink(path)
+        except IsADirectoryError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
