@@ -88,16 +88,16 @@ class ObjectStore(BlobStore):
         meta = result.meta
         return Blob(name, meta["size"], _expiry(result.attributes.get(EXPIRES)), meta["last_modified"].timestamp())
 
-    def _get(self, name: str, limit: float) -> tuple[Blob, bytes | TooLarge] | None:
+    def _get(self, name: str, limit: int) -> tuple[Blob, bytes | TooLarge] | None:
         try:
             result = obstore.get(self.store, name)
         except FileNotFoundError:
             return None
         blob = self._blob(name, result)
         if blob.size > limit:
-            return blob, TooLarge(blob.size, int(min(limit, blob.size)))  # the body is never read
+            return blob, TooLarge(blob.size, limit)  # the body is never read
         data = bytes(result.bytes())
-        return blob, (TooLarge(len(data), int(limit)) if len(data) > limit else data)
+        return blob, (TooLarge(len(data), limit) if len(data) > limit else data)
 
     def get(self, names: Sequence[str], limit: int) -> dict[str, tuple[Blob, bytes | TooLarge]]:
         reads = self._each(lambda name: self._get(name, limit), names)
@@ -116,7 +116,7 @@ class ObjectStore(BlobStore):
 
     def delete(self, names: Sequence[str], *, expired_by: float | None = None) -> None:
         if expired_by is not None:
-            heads = self._each(lambda name: self._head(name), names)
+            heads = self._each(self._head, names)
             names = [blob.name for blob in heads if blob is not None and blob.expires <= expired_by]
         with s3_errors(self.description):
             for start in range(0, len(names), 1000):  # at most 1,000 keys a DeleteObjects request
@@ -131,9 +131,9 @@ class ObjectStore(BlobStore):
     def list(self, prefix: str) -> Iterator[Blob]:
         """S3 lists no user metadata, so each listed object's expiry is asked for with a HEAD."""
         with s3_errors(self.description):
-            pages = [[meta["path"] for meta in page] for page in obstore.list(self.store, prefix=prefix or None)]
-        for page in pages:
-            yield from (blob for blob in self._each(self._head, sorted(page)) if blob is not None)
+            for page in obstore.list(self.store, prefix=prefix or None):
+                heads = self._each(self._head, sorted(meta["path"] for meta in page))
+                yield from (blob for blob in heads if blob is not None)
 
     def touch(self, items: Sequence[tuple[str, float]]) -> None:
         def rewrite(item: tuple[str, float]) -> None:
