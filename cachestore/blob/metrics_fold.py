@@ -113,8 +113,8 @@ def _fold_batch(done: Fold, record: dict) -> None:
 
 class FoldedMetrics:
     """The Reader's fleet-metrics methods, answered by folding a store's records, one a name and never rewritten
-    (so each is read and parsed once): the store gives their names (`_record_names`) and bytes (`_record_bytes`:
-    None for one gone)."""
+    (so each is read and parsed once): the store gives their names (`_record_names`) and the bytes of those it
+    still holds (`_records_bytes`, many at once: one round of requests, not one request each, on S3)."""
 
     _records: dict[str, dict | None]  # parsed records by name (None: no record)
     _folded: tuple[list[str], Fold] | None = None  # the last fold, and the names it folded
@@ -122,7 +122,7 @@ class FoldedMetrics:
     def _record_names(self) -> list[str]:
         raise NotImplementedError
 
-    def _record_bytes(self, name: str) -> bytes | None:
+    def _records_bytes(self, names: list[str]) -> dict[str, bytes]:
         raise NotImplementedError
 
     def _fold(self) -> Fold:
@@ -130,10 +130,10 @@ class FoldedMetrics:
         names = self._record_names()
         if self._folded is not None and self._folded[0] == names:
             return self._folded[1]
-        for name in names:
-            if name not in self._records:
-                data = self._record_bytes(name)
-                self._records[name] = parse_record(data) if data is not None else None
+        new = [name for name in names if name not in self._records]
+        found = self._records_bytes(new) if new else {}
+        for name in new:
+            self._records[name] = parse_record(found[name]) if name in found else None
         self._folded = (names, fold(record for name in names if (record := self._records.get(name)) is not None))
         return self._folded[1]
 

@@ -194,9 +194,10 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
         return answers
 
     # -- leases -----------------------------------------------------------------------------------
-    def _lease(self, cache_key: str) -> BlobLease:
+    def _lease(self, cache_key: str, blobs: BlobStore | None = None) -> BlobLease:
+        """The key's lease, on a store that may be written unless `blobs` (to read it) is given."""
         folder = f"leases/{_hex(self.partition)}/{_hex(cache_key)}/"
-        return BlobLease(self._writing(), folder, self.lease_ttl)
+        return BlobLease(blobs or self._writing(), folder, self.lease_ttl)
 
     def acquire_lease(self, cache_key: str, owner: str, ttl: float) -> bool:
         return self._lease(cache_key).acquire(owner, ttl)
@@ -212,8 +213,7 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
             self._lease(cache_key).release(owner)
 
     def lease_holder(self, cache_key: str) -> str | None:
-        folder = f"leases/{_hex(self.partition)}/{_hex(cache_key)}/"
-        return BlobLease(self.blobs, folder, self.lease_ttl).holder()
+        return self._lease(cache_key, self.blobs).holder()
 
     def abort_calls(self) -> None:
         pass  # each call is bounded by the store's own timeouts
@@ -231,9 +231,12 @@ class BlobTier(FoldedMetrics, api.Backend, api.Reader):
     def _record_names(self) -> list[str]:
         return [blob.name for blob in self.blobs.list("batches/") if not _misplaced(blob)]
 
-    def _record_bytes(self, name: str) -> bytes | None:
-        read = self.blobs.get([name], MAX_SMALL_BLOB).get(name)
-        return read[1] if read is not None and isinstance(read[1], bytes) else None
+    def _records_bytes(self, names: list[str]) -> dict[str, bytes]:
+        found: dict[str, bytes] = {}
+        for page in api.batched(names):
+            reads = self.blobs.get(page, MAX_SMALL_BLOB).items()
+            found.update((name, data) for name, (_, data) in reads if isinstance(data, bytes))
+        return found
 
     # -- entries ----------------------------------------------------------------------------------
     def _live(self, prefix: str) -> Iterator[tuple[str, str]]:
