@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers_tier_cli import GRAPHS, artifacts, cli, compile_json, compile_process, listed_keys
 
 from cachestore.api import StoreRequest, WriteItem
 from cachestore.backends import directory
@@ -26,27 +27,7 @@ from cachestore.tier_urls import redact_url, tier_levels, tier_url_problem
 from workers.cli import main
 from workers.workload import generate_workload
 
-GRAPHS = Path(__file__).parent / "data" / "graphs"
-NKICACHE = str(Path(sys.executable).with_name("nkicache"))
 TTL = 3600
-
-
-def cli(*args: str, expect: int = 0) -> str:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == expect, result.output
-    return result.stdout
-
-
-def compile_json(graphs: Path, tier: str, out: Path) -> dict:
-    return json.loads(cli("compile", str(graphs), "--json", "--tier", tier, "--out", str(out)))
-
-
-def artifacts(folder: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
-
-
-def listed_keys(tier: str) -> set[str]:
-    return {item["key"] for item in json.loads(cli("inspect", "ls", "--tier", tier, "--json"))}
 
 
 def test_the_store_module_is_at_most_200_lines() -> None:
@@ -67,13 +48,6 @@ def test_a_cold_then_a_warm_compile_into_a_directory_match_a_compile_without_a_t
     report = json.loads(cli("report", "--tier", tier, "--json"))
     assert report["totals"]["passes"] == cold["passes"] + warm["passes"]
     assert report["totals"]["traces"] == cold["traces"]
-
-
-def compile_process(graphs: Path, tier: str, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [NKICACHE, "compile", str(graphs), "--workers", "2", "--tier", tier, "--out", str(out), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 @pytest.mark.slow

@@ -6,47 +6,18 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers_tier_cli import GRAPHS, artifacts, cli, compile_json, compile_process, listed_keys
 
 from bench.dev_s3 import S3Server
 from cachestore.api import TierTimeout, TierUnavailable
 from cachestore.backends import s3
 from workers.cli import main
 from workers.workload import generate_workload
-
-GRAPHS = Path(__file__).parent / "data" / "graphs"
-NKICACHE = str(Path(sys.executable).with_name("nkicache"))
-
-
-def cli(*args: str, expect: int = 0) -> str:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == expect, result.output
-    return result.stdout
-
-
-def compile_json(graphs: Path, tier: str, out: Path, *options: str) -> dict:
-    return json.loads(cli("compile", str(graphs), "--json", "--tier", tier, "--out", str(out), *options))
-
-
-def artifacts(folder: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
-
-
-def listed_keys(tier: str) -> set[str]:
-    return {item["key"] for item in json.loads(cli("inspect", "ls", "--tier", tier, "--json"))}
-
-
-def compile_process(graphs: Path, tier: str, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [NKICACHE, "compile", str(graphs), "--workers", "2", "--tier", tier, "--out", str(out), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 def test_the_module_is_at_most_200_lines() -> None:
