@@ -27,11 +27,11 @@ class Credentials(msgspec.Struct, frozen=True):
     scope: str  # cachestore.keys.TRUSTED_SCOPE ("") or an untrusted scope's name
 
 
-def settings_credentials(settings: Settings) -> Credentials:
-    """`load_credentials` of what the settings name (a client that is not read-only writes)."""
-    return load_credentials(
-        settings.writer_key_file, settings.trust_policy, settings.scope, settings.tier_mode != "read-only"
-    )
+def settings_credentials(settings: Settings, *, writes: bool = True) -> Credentials:
+    """`load_credentials` of what the settings name. A read-only client does not write; nor does a command that
+    only reads entries (`writes=False`)."""
+    writes = writes and not settings.read_only
+    return load_credentials(settings.writer_key_file, settings.trust_policy, settings.scope, writes)
 
 
 def load_credentials(writer_key_file: str, trust_policy: str, scope: str, writes: bool) -> Credentials:

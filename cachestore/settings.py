@@ -144,6 +144,12 @@ class Settings(msgspec.Struct, frozen=True):
     def replace(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **changes)
 
+    @property
+    def read_only(self) -> bool:
+        """Whether this client never writes to the tier: the one place tier_mode read-only is asked. The compile
+        path answers it with cachestore.read_only.ReadOnlyTier; commands that must write refuse to run."""
+        return self.tier_mode == "read-only"
+
     def limits(self) -> Limits:
         """The bounds on one graph's work, as the compiler side takes them."""
         return Limits(**{name: getattr(self, name) for name in Limits.__struct_fields__})

@@ -36,10 +36,9 @@ SERVED_KEPT = 4096  # keys whose serving level is remembered, to count a rejecti
 def level_settings(settings: Settings, levels: Sequence[str], index: int) -> Settings:
     """The settings of level `index` of a stack: its own URL; a nearer level under a read-only stack reads
     and writes (see the module's docstring)."""
-    mode = settings.tier_mode
-    if mode == "read-only" and index < len(levels) - 1:
-        mode = "read-through"
-    return settings.replace(tier=levels[index], tier_mode=mode)
+    if settings.read_only and index < len(levels) - 1:
+        return settings.replace(tier=levels[index], tier_mode="read-through")
+    return settings.replace(tier=levels[index])
 
 
 class StackedTier(EntryReads):

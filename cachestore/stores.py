@@ -68,7 +68,7 @@ def _one_level(settings: Settings, toolchain: str | None) -> TierClient | ReadOn
     backend = partial(
         open_backend,
         settings,
-        writable=settings.tier_mode != "read-only",
+        writable=not settings.read_only,
         partition=partition(toolchain or toolchain_id(), credentials.scope),
     )
     return tier_client(backend, settings, redact_url(settings.tier), credentials, toolchain)
@@ -84,4 +84,4 @@ def tier_client(
     """The client of the store `backend_factory` opens, as these settings' tier_mode wants it: wrapped in a
     ReadOnlyTier for `read-only`."""
     client = TierClient(backend_factory, settings, description, credentials, toolchain)
-    return ReadOnlyTier(client) if settings.tier_mode == "read-only" else client
+    return ReadOnlyTier(client) if settings.read_only else client

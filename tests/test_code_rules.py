@@ -169,6 +169,38 @@ def test_the_probe_check_sees_one(source: str) -> None:
     assert probes(ast.parse(source))
 
 
+def read_only_asks(tree: ast.Module) -> list[int]:
+    """Lines comparing something with "read-only", or setting tier_mode to it to borrow what it implies."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.keyword) and node.arg == "tier_mode":
+            operands = [node.value]
+        else:
+            continue
+        if any(isinstance(operand, ast.Constant) and operand.value == "read-only" for operand in operands):
+            found.append(node.lineno if isinstance(node, ast.Compare) else node.value.lineno)
+    return found
+
+
+def test_read_only_is_asked_in_one_place() -> None:
+    """Settings.read_only answers it; the compile path's answer is the ReadOnlyTier wrapper (cachestore.read_only)."""
+    asks = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in product_modules()
+        for line in read_only_asks(ast.parse(path.read_text()))
+    ]
+    assert asks == ["cachestore/settings.py:151"], asks
+
+
+@pytest.mark.parametrize(
+    "source", ["settings.tier_mode == 'read-only'", "'read-only' != mode", "s.replace(tier_mode='read-only')"]
+)
+def test_the_read_only_check_sees_one(source: str) -> None:
+    assert read_only_asks(ast.parse(source))
+
+
 def test_the_formatter_formats_product_code() -> None:
     """`# fmt: skip` only where a table would lose its meaning: at most 30 in product code."""
     skips = sum(path.read_text().count("# fmt: skip") for path in product_modules())

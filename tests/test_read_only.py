@@ -85,9 +85,17 @@ def fill(backend: Any, graph: dict) -> None:
 
 
 def test_the_setting_takes_read_only() -> None:
-    assert load_settings({"tier_mode": "read-only"}).tier_mode == "read-only"
+    assert load_settings({"tier_mode": "read-only"}).read_only
+    assert not load_settings({"tier_mode": "mirror"}).read_only
     with pytest.raises(SettingsError, match="tier_mode"):
         load_settings({"tier_mode": "readonly"})
+
+
+def test_the_command_line_offers_every_tier_mode_the_settings_take() -> None:
+    from cachestore import settings as settings_module
+    from workers import cli_common
+
+    assert cli_common.TIER_MODES == settings_module.TIER_MODES
 
 
 def test_a_read_only_client_hits_and_traces_its_misses_without_one_write(backend: Any) -> None:

@@ -54,11 +54,15 @@ def plural(count: float, word: str) -> str:
     return worded(count, word)
 
 
+# cachestore.settings.TIER_MODES, spelled here so that parsing a command line imports no store code.
+TIER_MODES = ("read-through", "mirror", "read-only", "off")
+
+
 def tier_options(command: Callable) -> Callable:
     """--tier and --tier-mode; both fall back to the settings (config file, NKICACHE_* environment)."""
     command = click.option(
         "--tier-mode",
-        type=click.Choice(["read-through", "mirror", "read-only", "off"]),
+        type=click.Choice(TIER_MODES),
         default=None,
         help="read-through: ask the tier before tracing (default); mirror: only write to it; read-only: only "
         "read it (no entries, leases, TTL refreshes nor metrics written); off: ignore it.",
@@ -89,7 +93,7 @@ def load_cli_settings(**flags: Any) -> Any:
 
 def refuse_read_only(settings: Settings, command: str, writes: str) -> None:
     """A command that must write to the tier is refused under tier_mode read-only, instead of writing anyway."""
-    if settings.tier_mode == "read-only":
+    if settings.read_only:
         raise click.UsageError(f"`nkicache {command}` {writes}; tier_mode is read-only (a client that never writes)")
 
 

@@ -331,7 +331,7 @@ def _policy(tier: str | None = None, trusting: bool = False) -> Any:
     from cachestore.entry import SignaturePolicy
 
     settings = load_cli_settings(tier=tier)
-    trust = settings_credentials(settings.replace(tier_mode="read-only")).trust if trusting else None
+    trust = settings_credentials(settings, writes=False).trust if trusting else None
     return SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust), settings
 
 

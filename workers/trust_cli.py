@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from workers.cli_common import echo_json, plural
+from workers.cli_common import TIER_MODES, echo_json, plural
 
 
 @click.command("keygen")
@@ -111,7 +111,7 @@ def trust_distrust(key_id: str, policy: Path | None) -> None:
 )
 @click.option(
     "--tier-mode",
-    type=click.Choice(["read-through", "mirror", "read-only", "off"]),
+    type=click.Choice(TIER_MODES),
     default=None,
     help="read-only: send no write (report what it would quarantine, count nothing); default: the tier_mode setting.",
 )
@@ -151,7 +151,7 @@ def sentinel_command(
     rate = settings.sentinel_rate if rate is None else rate
     if not 0 <= rate <= 1:
         raise click.BadParameter(f"{rate} is not from 0 to 1", param_hint="--rate")
-    trust = settings_credentials(settings.replace(tier_mode="read-only")).trust
+    trust = settings_credentials(settings, writes=False).trust
     policy = SignaturePolicy(settings.hmac_key, settings.require_signed, settings.reject_unverifiable, trust)
     reader = open_backend(settings, reading=True, partition=partition(toolchain_id()))
     try:
@@ -163,7 +163,7 @@ def sentinel_command(
             host=settings.host,
             quarantine_ttl=settings.entry_ttl,
             rng=random.Random(seed),
-            read_only=settings.tier_mode == "read-only",
+            read_only=settings.read_only,
         )
     finally:
         reader.close()
