@@ -324,7 +324,10 @@ class TierAnswer:
 class TierWatch:
     """A thread that watches the tier for the compile: it gives up on the tier when a read made by the passes'
     thread (`passes`) is overdue (cachestore.guard; TIER_PATIENCE_SECONDS at least), and calls `failed` once the
-    tier failed (whichever call saw it). Ends with the compile (`stop`)."""
+    tier failed (whichever call saw it: its breaker is open). Not while a call merely probes a tier not proven yet
+    (it is not `available` to other calls meanwhile): the plan's own read is that probe, and taking it for a
+    failure would throw the tier's answer away, so a warm compile whose plan read outlasts WATCH_SECONDS (a loaded
+    machine) would trace every variant. Ends with the compile (`stop`)."""
 
     def __init__(self, tier: Tier, passes: int, failed: Callable[[], None]):
         self._stopped = threading.Event()
@@ -337,7 +340,7 @@ class TierWatch:
         while not self._stopped.wait(WATCH_SECONDS):
             if tier.overdue(passes, TIER_PATIENCE_SECONDS):
                 tier.give_up(f"a pass's read outwaited compile --workers ({TIER_PATIENCE_SECONDS} s at least)")
-            if not told and not tier.available:
+            if not told and tier.failed:  # (not `available`: the plan's read probing an unproven tier is no failure)
                 failed()
                 told = True
 
