@@ -22,7 +22,16 @@ from bridge.parallel import key_variants
 from cachestore.client import TierClient
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.variant_pool import FREE, SKIPPED, TAKEN, WATCH_SECONDS, Claims, Scheduler, TierWatch
+from workers.variant_pool import (
+    FREE,
+    SKIPPED,
+    TAKEN,
+    TIER_PATIENCE_SECONDS,
+    WATCH_SECONDS,
+    Claims,
+    Scheduler,
+    TierWatch,
+)
 from workers.workload import generate_workload
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
@@ -95,14 +104,18 @@ def test_a_tier_failing_before_its_answer_is_applied_answers_for_nothing(tmp_pat
 
 
 class GatedFetch:
-    """A store whose reads wait until released (or cut short)."""
+    """A store that answers its first `answered` reads at once, and then waits until released (or cut short)."""
 
     value_ttls = False
 
-    def __init__(self) -> None:
+    def __init__(self, answered: int = 0) -> None:
+        self.answered = answered
         self.reading, self.released = threading.Event(), threading.Event()
 
     def fetch(self, cache_keys: list[str], ttl: int | None) -> dict:
+        if self.answered > 0:
+            self.answered -= 1
+            return {}
         self.reading.set()
         self.released.wait(10)
         return {}
@@ -137,6 +150,24 @@ def test_tier_watch_takes_no_first_read_under_way_for_a_failure() -> None:
     finally:
         store.released.set()
         watch.stop()
+        client.close(timeout=1)
+
+
+def test_a_pass_read_unanswered_for_a_tenth_of_a_second_is_given_up_on() -> None:
+    """A frozen Redis leaves the pass's process idle until TierWatch gives up on it: each millisecond of that
+    patience cost the figure mid_compile_fault_overhead about one of wall time, so a proven tier's read left
+    unanswered for 0.12 s (far more than ten times its answered read) is overdue."""
+    store = GatedFetch(answered=1)
+    client = TierClient(lambda: store, Settings(), "gated tier")
+    try:
+        # The pass's thread: a read answered (the tier proven to it, its slowest answer known), then one not.
+        reader = threading.Thread(target=lambda: [client.find_many([key]) for key in ("ab" * 32, "cd" * 32)])
+        reader.start()
+        assert store.reading.wait(10)
+        threading.Event().wait(0.12)
+        assert client.overdue(reader.ident, TIER_PATIENCE_SECONDS)
+    finally:
+        store.released.set()
         client.close(timeout=1)
 
 
