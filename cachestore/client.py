@@ -199,6 +199,12 @@ class TierClient(EntryReads):
         """False while the breaker keeps the tier off after a failure, or another call is probing it."""
         return self._breaker.available()
 
+    @property
+    def failed(self) -> bool:
+        """True while the breaker keeps the tier off after a failure (breaker_cooldown). Unlike `available`, not
+        while another call is merely probing it: the first call to a tier not proven yet is no failure."""
+        return self._breaker.is_open()
+
     def overdue(self, caller: int, patience: float) -> bool:
         """Whether thread `caller`'s call to the store has waited past `patience` (cachestore.guard): a store
         that takes calls and does not answer (a frozen server) is seen here long before the call times out."""

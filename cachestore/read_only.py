@@ -40,6 +40,10 @@ class ReadOnlyTier(EntryReads):
     def available(self) -> bool:
         return self.client.available
 
+    @property
+    def failed(self) -> bool:
+        return self.client.failed
+
     def overdue(self, caller: int, patience: float) -> bool:
         return self.client.overdue(caller, patience)
 

@@ -79,6 +79,11 @@ class StackedTier(EntryReads):
         entry), whatever the nearer levels answer."""
         return self.shared.available
 
+    @property
+    def failed(self) -> bool:
+        """The shared level's: it is the one whose failure the parallel plan's skipped tasks depend on."""
+        return self.shared.failed
+
     def overdue(self, caller: int, patience: float) -> bool:
         return self.shared.overdue(caller, patience)
 

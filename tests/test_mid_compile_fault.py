@@ -19,9 +19,19 @@ from helpers_graphs import unique_namespace, wait_until
 from bench.broken_tier import MidCompileFault
 from bridge.limits import Limits
 from bridge.parallel import key_variants
+from cachestore.client import TierClient
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.variant_pool import FREE, SKIPPED, TAKEN, Claims, Scheduler
+from workers.variant_pool import (
+    FREE,
+    SKIPPED,
+    TAKEN,
+    TIER_PATIENCE_SECONDS,
+    WATCH_SECONDS,
+    Claims,
+    Scheduler,
+    TierWatch,
+)
 from workers.workload import generate_workload
 
 NKICACHE = str(Path(sys.executable).with_name("nkicache"))
@@ -91,6 +101,74 @@ def test_a_tier_failing_before_its_answer_is_applied_answers_for_nothing(tmp_pat
     scheduler._wait_for_put_back()
     assert list(scheduler.claims.state) == [FREE] * len(scheduler.tasks)
     assert scheduler.needs == {graph: set(tasks) for graph, tasks in scheduler.plan.needs.items()}
+
+
+class GatedFetch:
+    """A store that answers its first `answered` reads at once, and then waits until released (or cut short)."""
+
+    value_ttls = False
+
+    def __init__(self, answered: int = 0) -> None:
+        self.answered = answered
+        self.reading, self.released = threading.Event(), threading.Event()
+
+    def fetch(self, cache_keys: list[str], ttl: int | None) -> dict:
+        if self.answered > 0:
+            self.answered -= 1
+            return {}
+        self.reading.set()
+        self.released.wait(10)
+        return {}
+
+    def abort_calls(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        pass
+
+
+def test_tier_watch_takes_no_first_read_under_way_for_a_failure() -> None:
+    """The plan's read is the first call to a tier not proven yet: the breaker's probe, during which other calls
+    find the tier unavailable. TierWatch must not take that for a failure: it would put the tasks back and throw
+    the tier's answer away, and a warm compile whose plan read outlasted WATCH_SECONDS traced every variant."""
+    store = GatedFetch()
+    client = TierClient(lambda: store, Settings(), "gated tier")
+    failures: list[float] = []
+    watch = TierWatch(client, threading.get_ident(), lambda: failures.append(1.0))
+    reader = threading.Thread(target=client.find_many, args=(["ab" * 32],))
+    try:
+        reader.start()
+        assert store.reading.wait(10)
+        assert not client.available  # another call would find it busy being probed
+        threading.Event().wait(WATCH_SECONDS * 10)
+        assert failures == [] and not client.failed
+        store.released.set()
+        reader.join(10)
+        client.give_up("the test's patience")  # a failure, this time
+        assert wait_until(lambda: failures == [1.0], timeout=10)
+        assert client.failed
+    finally:
+        store.released.set()
+        watch.stop()
+        client.close(timeout=1)
+
+
+def test_a_pass_read_unanswered_for_a_tenth_of_a_second_is_given_up_on() -> None:
+    """A frozen Redis leaves the pass's process idle until TierWatch gives up on it: each millisecond of that
+    patience cost the figure mid_compile_fault_overhead about one of wall time, so a proven tier's read left
+    unanswered for 0.12 s (far more than ten times its answered read) is overdue."""
+    store = GatedFetch(answered=1)
+    client = TierClient(lambda: store, Settings(), "gated tier")
+    try:
+        # The pass's thread: a read answered (the tier proven to it, its slowest answer known), then one not.
+        reader = threading.Thread(target=lambda: [client.find_many([key]) for key in ("ab" * 32, "cd" * 32)])
+        reader.start()
+        assert store.reading.wait(10)
+        threading.Event().wait(0.12)
+        assert client.overdue(reader.ident, TIER_PATIENCE_SECONDS)
+    finally:
+        store.released.set()
+        client.close(timeout=1)
 
 
 def test_give_up_cuts_short_a_read_waiting_on_a_frozen_server(private_redis_server: Any) -> None:

@@ -54,10 +54,16 @@ STOPPED = 1 << 62  # the counter once the compile stops: no task is taken any mo
 # A healthy tier's index answers within milliseconds: tracing waits this long for it, then starts without it
 # (what it answers for later is skipped from then on).
 PLAN_PATIENCE_SECONDS = 0.05
-# A pass's read of a healthy tier returns within milliseconds; one still waiting after this long is taken as a
-# tier that stopped answering (the pass's process is idle meanwhile, while the helpers trace on).
-TIER_PATIENCE_SECONDS = 0.15
-WATCH_SECONDS = 0.02  # how often TierWatch looks at the tier
+# A pass's read of a healthy tier returns within milliseconds; one still waiting after this long (and after ten
+# times the slowest of the passes' reads: cachestore.guard) is taken as a tier that stopped answering. The pass's
+# process is idle meanwhile, while the helpers trace on: on a Redis frozen mid-compile that read waited 152-171 ms
+# at 0.15 s, 81-93 ms at 0.08 s (checked every 10 ms), and the 12-model compile went from 1.25x to 1.18x --tier
+# off's wall time (25 alternated rounds). The passes' slowest call to a healthy loopback Redis took 5-9 ms, and at
+# most 17 ms with 3-4 busy loops on the 2 cores.
+TIER_PATIENCE_SECONDS = 0.08
+# The plan's read, when the compile ends before it answered, is given up on once it is this old.
+PLAN_READ_PATIENCE_SECONDS = 0.15
+WATCH_SECONDS = 0.01  # how often TierWatch looks at the tier (a give-up comes up to this late)
 FREE, SKIPPED, TAKEN = 0, 1, 2  # a task's state in Claims
 
 
@@ -312,10 +318,10 @@ class TierAnswer:
         return self.ready.poll(timeout)
 
     def close(self) -> None:
-        """Wait for the read until it is TIER_PATIENCE_SECONDS old at most: the compile is done, and a tier that
-        did not answer its plan in that long is given up on (its read cut short, as TierWatch cuts a pass's)."""
+        """Wait for the read until it is PLAN_READ_PATIENCE_SECONDS old at most: the compile is done, and a tier
+        that did not answer its plan in that long is given up on (its read cut short, as TierWatch cuts a pass's)."""
         if self._thread is not None:
-            if not self.known(max(0.0, self._asked + TIER_PATIENCE_SECONDS - time.monotonic())):
+            if not self.known(max(0.0, self._asked + PLAN_READ_PATIENCE_SECONDS - time.monotonic())):
                 self._tier.give_up("the compile ended before the tier answered its plan's read")
             self._thread.join()
         self.ready.close()
@@ -324,7 +330,10 @@ class TierAnswer:
 class TierWatch:
     """A thread that watches the tier for the compile: it gives up on the tier when a read made by the passes'
     thread (`passes`) is overdue (cachestore.guard; TIER_PATIENCE_SECONDS at least), and calls `failed` once the
-    tier failed (whichever call saw it). Ends with the compile (`stop`)."""
+    tier failed (whichever call saw it: its breaker is open). Not while a call merely probes a tier not proven yet
+    (it is not `available` to other calls meanwhile): the plan's own read is that probe, and taking it for a
+    failure would throw the tier's answer away, so a warm compile whose plan read outlasts WATCH_SECONDS (a loaded
+    machine) would trace every variant. Ends with the compile (`stop`)."""
 
     def __init__(self, tier: Tier, passes: int, failed: Callable[[], None]):
         self._stopped = threading.Event()
@@ -337,7 +346,7 @@ class TierWatch:
         while not self._stopped.wait(WATCH_SECONDS):
             if tier.overdue(passes, TIER_PATIENCE_SECONDS):
                 tier.give_up(f"a pass's read outwaited compile --workers ({TIER_PATIENCE_SECONDS} s at least)")
-            if not told and not tier.available:
+            if not told and tier.failed:  # (not `available`: the plan's read probing an unproven tier is no failure)
                 failed()
                 told = True
 
