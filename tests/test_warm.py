@@ -41,7 +41,7 @@ def compiled(folder: Path | None, cwd: Path, graphs: Path, out: str, tier: str) 
 
 def test_a_new_compiler_warmed_from_the_old_ones_entries_traces_nothing(tmp_path: Path) -> None:
     graphs = tmp_path / "graphs"
-    generate_workload(graphs, 12, seed=0)  # the default workload
+    generate_workload(graphs, 4, seed=0)  # softmax among them (the maths this test changes)
     tier = f"local:{tmp_path / 'tier.sqlite'}"
     new = compiler_copy(tmp_path, "new", ("kernels/softmax.py", *SOFTMAX_MATHS))
     assert fingerprint(new / "bridge") != toolchain_id()
