@@ -54,12 +54,10 @@ STOPPED = 1 << 62  # the counter once the compile stops: no task is taken any mo
 # A healthy tier's index answers within milliseconds: tracing waits this long for it, then starts without it
 # (what it answers for later is skipped from then on).
 PLAN_PATIENCE_SECONDS = 0.05
-# A pass's read of a healthy tier returns within milliseconds; one still waiting after this long (and after ten
-# times the slowest of the passes' reads: cachestore.guard) is taken as a tier that stopped answering. The pass's
-# process is idle meanwhile, while the helpers trace on: on a Redis frozen mid-compile that read waited 152-171 ms
-# at 0.15 s, 81-93 ms at 0.08 s (checked every 10 ms), and the 12-model compile went from 1.25x to 1.18x --tier
-# off's wall time (25 alternated rounds). The passes' slowest call to a healthy loopback Redis took 5-9 ms, and at
-# most 17 ms with 3-4 busy loops on the 2 cores.
+# A pass's read of a healthy tier returns within milliseconds (a loopback Redis: 5-9 ms, 17 ms at most with both
+# cores busy); one still waiting after this long, and after ten times the slowest of the passes' reads
+# (cachestore.guard), is taken as a tier that stopped answering. The pass's process is idle while it waits, so on
+# a tier frozen mid-compile this is wall time, nearly all of it.
 TIER_PATIENCE_SECONDS = 0.08
 # The plan's read, when the compile ends before it answered, is given up on once it is this old.
 PLAN_READ_PATIENCE_SECONDS = 0.15
