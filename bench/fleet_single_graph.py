@@ -5,7 +5,8 @@ Each run: a fresh namespace on a private redis-server (so the tier is cold) with
 blocks on one shard at a time, for up to a second: with 16, when a job is picked up would be noise common to
 both sides, not what is measured), N workers started and waited for (live, their compiling process up), the
 graph of bench/pool_scaling.py's single-graph measurement submitted, and the time from the submit to the job's
-result in Redis (polled every 5 ms), beside the job's own seconds as its worker measured them. Runs alternate
+result as `submit --wait` gets it (workers.fleet.wait_for, woken by the job's push: a poll would take CPU from
+the workers being measured), beside the job's own seconds as its worker measured them. Runs alternate
 (1 worker, 2 workers, ...), each pair after the CPU control of the moment (bench/pool_scaling.py: 2 processes
 of pure-Python work vs 1). Medians.
 
@@ -30,7 +31,7 @@ from fleet_survival import Fleet  # a sibling script
 from pool_scaling import big_graph, cpu_control
 
 from bench.dev_redis import start_private_server
-from workers.fleet import results_of, submit
+from workers.fleet import submit, wait_for
 
 
 def one_run(url: str, folder: Path, graph: Path, workers: int) -> dict:
@@ -42,8 +43,9 @@ def one_run(url: str, folder: Path, graph: Path, workers: int) -> dict:
         fleet.wait(lambda: all(fleet.beats().get(name, {}).get("compiler_pid") for name in names), timeout=120)
         started = time.perf_counter()
         job_ids = submit(fleet.client, fleet.keys, [str(graph)], ttl=3600).job_ids
-        result = fleet.wait(lambda: results_of(fleet.client, fleet.keys, job_ids).get(job_ids[0]), interval=0.005)
+        waited = wait_for(fleet.client, fleet.keys, job_ids, timeout=300, on_progress=lambda done: None, job_ttl=3600)
         elapsed = time.perf_counter() - started
+        result = waited.results.get(job_ids[0], {"status": f"lost or not finished in 300 s: {waited.lost}"})
     finally:
         fleet.close()
     if result["status"] != "completed":
