@@ -1,9 +1,8 @@
 """One cold graph submitted to a fleet of 2 `nkicache worker` processes vs 1 (issue 17): its variants are traced
 by both workers through trace tasks on the job streams (workers/trace_tasks.py).
 
-Each run: a fresh namespace on a private redis-server (so the tier is cold) with one job shard (an idle worker
-blocks on one shard at a time, for up to a second: with 16, when a job is picked up would be noise common to
-both sides, not what is measured), N workers started and waited for (live, their compiling process up), the
+Each run: a fresh namespace on a private redis-server (so the tier is cold) with one job shard (the job and its
+trace tasks on one stream), N workers started and waited for (live, their compiling process up), the
 graph of bench/pool_scaling.py's single-graph measurement submitted, and the time from the submit to the job's
 result as `submit --wait` gets it (workers.fleet.wait_for, woken by the job's push: a poll would take CPU from
 the workers being measured), beside the job's own seconds as its worker measured them. Runs alternate
