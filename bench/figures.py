@@ -23,15 +23,14 @@ from bench.timed_store import TimedStore
 from bridge.codegen import BirCodeGenLoop
 from bridge.errors import NkiCacheError
 from bridge.graph import Graph, load_graph
-from bridge.identity import toolchain_id
 from bridge.ir import BasicBlock, InternalNkiKernel
 from bridge.key_rule import canonical_text
 from bridge.targets import make_target
 from cachestore import entry as entry_module
 from cachestore.credentials import settings_credentials
-from cachestore.keys import KeySpace, partition
+from cachestore.keys import KeySpace
 from cachestore.settings import load_settings
-from cachestore.stores import open_backend, open_tier, tier_client
+from cachestore.stores import level_backend, open_tier, tier_client
 from cachestore.tier_urls import redact_url
 from cachestore.trust import TrustPolicy
 
@@ -374,12 +373,7 @@ def timed_reader(reader_settings: Any) -> tuple[Any, TimedTrust]:
     credentials = settings_credentials(reader_settings)
     trust = TimedTrust(credentials.trust)
     credentials = msgspec.structs.replace(credentials, trust=trust)
-    backend = partial(
-        open_backend,
-        reader_settings,
-        writable=reader_settings.tier_mode != "read-only",
-        partition=partition(toolchain_id(), credentials.scope),
-    )
+    backend = level_backend(reader_settings, credentials)
     return tier_client(backend, reader_settings, redact_url(reader_settings.tier), credentials), trust
 
 
@@ -554,10 +548,11 @@ def counting_client(settings: Any) -> tuple[Any, list[CountingBackend]]:
     """A client of these settings opened as open_tier opens one, on a CountingBackend: (the client, the store it
     opened, once it has)."""
     credentials = settings_credentials(settings)
+    store = level_backend(settings, credentials)
     opened: list[CountingBackend] = []
 
     def backend() -> CountingBackend:
-        opened.append(CountingBackend(open_backend(settings, partition=partition(toolchain_id(), credentials.scope))))
+        opened.append(CountingBackend(store()))
         return opened[-1]
 
     return tier_client(backend, settings, redact_url(settings.tier), credentials), opened

@@ -65,13 +65,15 @@ def _one_level(settings: Settings, toolchain: str | None) -> TierClient | ReadOn
     """The client of the one store `settings.tier` names."""
     known_scheme(settings.tier)  # an unknown one is an error now, not at the first call
     credentials = settings_credentials(settings)
-    backend = partial(
-        open_backend,
-        settings,
-        writable=not settings.read_only,
-        partition=partition(toolchain or toolchain_id(), credentials.scope),
-    )
+    backend = level_backend(settings, credentials, toolchain)
     return tier_client(backend, settings, redact_url(settings.tier), credentials, toolchain)
+
+
+def level_backend(settings: Settings, credentials: Credentials, toolchain: str | None = None) -> Callable[[], Store]:
+    """How a client of these credentials opens the one store `settings.tier` names: in its scope's partition of
+    `toolchain`'s entries (default: this package's), read-only for a read-only client."""
+    scope_partition = partition(toolchain or toolchain_id(), credentials.scope)
+    return partial(open_backend, settings, writable=not settings.read_only, partition=scope_partition)
 
 
 def tier_client(
