@@ -103,7 +103,8 @@ class Fleet:
     def results(self) -> dict[str, dict]:
         results = {}
         for shard in self.shards():
-            keys = list(self.redis.scan_iter(match=shard.result_pattern()))
+            # (Tests poll this: count=1000 scans the shared server's keyspace in a few round trips, not hundreds.)
+            keys = list(self.redis.scan_iter(match=shard.result_pattern(), count=1000))
             prefix = len(shard.result(""))
             results.update({k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, self.redis.mget(keys),
                                                                              strict=True) if v})  # fmt: skip
