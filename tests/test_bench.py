@@ -25,49 +25,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[bench.BenchConfig, l
     return config, bench.workload_graphs(tmp_path_factory.mktemp("graphs"), config)
 
 
-def test_in_process_measurements(tiny, private_redis_server, tmp_path: Path) -> None:
+def test_in_process_measurements_without_redis(tiny, tmp_path: Path) -> None:
+    """The in-process measurements on the local tier (those on Redis: the keys test below)."""
     config, graphs = tiny
-    url = private_redis_server().url
     warm = bench.warm_speedup(graphs, config, tmp_path)
     assert warm["warm_traces"] == 0 and warm["warm_speedup"] > 1
-    warm_redis = bench.warm_speedup_redis(graphs, config, url)
-    assert warm_redis["warm_traces"] == 0 and warm_redis["warm_speedup_redis"] > 1
-    mirror = bench.mirror_overhead(graphs, config, url)
-    assert mirror["mirror_overhead"] > 0 and 1 <= mirror["mirror_overhead_direct"] < 2
-    runs = mirror["tier_seconds_in_compile_thread_runs"]
-    assert len(runs) == config.repeats and mirror["tier_seconds_in_compile_thread"] == statistics.median(runs) > 0
-    hits = bench.remote_hit_vs_raw_get(graphs, config, url)
-    assert hits["entries"] > 0 and hits["remote_hit_us"] > 0 and hits["batched_hit_us"] > 0
     assert bench.local_hit_cost(graphs, config)["local_hit_us"] > 0
     assert 0 < bench.key_throughput(graphs, config)["key_throughput_ratio"] < 1  # hashing alone is cheaper
-    signed = bench.signature_overhead(graphs, config, url, tmp_path)
-    assert signed["entries"] > 0 and signed["rejected"] == 0 and signed["first_check_us"] > signed["memo_check_us"] > 0
-    # Each entry is signed alone: a first hit verifies it once, a later pass's hit of it not again.
-    assert 0 < signed["prefetch_verifies_per_hit"] <= 1 and signed["first_hit_verifies_per_hit"] == 1
-    assert signed["signed"] == signed["entries"] and signed["big_pass_hits"] > 0
-    assert signed["signature_overhead"] >= signed["signature_overhead_prefetch"]
-    # Every first-hit figure a median of fresh readers.
-    assert len(signed["signature_overhead_prefetch_runs"]) == len(signed["signature_overhead_first_hit_runs"]) == 5
-    assert signed["signature_overhead_prefetch"] in signed["signature_overhead_prefetch_runs"]
-    storage = bench.storage_ratio(graphs, url)
-    assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
-    assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0
-
-
-def test_whole_process_figures(redis_url: str, tmp_path: Path) -> None:
-    """Every whole-process figure is measured from real `nkicache` processes beside its floor; the warm compiles
-    traced nothing (the measurement refuses a warm figure that traced)."""
-    from workers.workload import generate_workload
-
-    generate_workload(tmp_path / "graphs", 1, 3)
-    figures = bench.whole_process(tmp_path, redis_url, rounds=1)
-    for name in ("warm_compile_local_vs_floor", *bench.PROCESS_FIGURES):
-        assert figures[name] > 0, name
-    assert figures["warm_compile_local_vs_floor"] == round(
-        figures["warm_compile_local_ms"] / figures["floor_local_ms"], 3
-    )
-    assert figures["version_goal_ms"] == round(3 * figures["python_ms"] + 60, 1)
-    assert figures["floor_local_ms"] > figures["python_ms"] * 0.5 and figures["kernels"] > 0
 
 
 @pytest.mark.redis  # report_scale.py starts a redis-server of its own
@@ -191,10 +155,11 @@ def test_upgrade_measurement(tiny, tmp_path: Path) -> None:
     assert upgrade["warm_seconds_per_variant"] > 0 and upgrade["cold_seconds_per_trace"] > 0
 
 
-def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
+def test_the_redis_measurements_answer_and_delete_the_keys_they_wrote(
     tiny, private_redis_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`bench --redis-url` may be pointed at a Redis in use: its own nkibench-* keys go, nothing else does."""
+    """Every measurement that writes to the Redis `bench --redis-url` names produces its figures, and as that Redis
+    may be in use, its own nkibench-* keys go at the end and nothing else does."""
     import redis
 
     config, _graphs = tiny
@@ -222,10 +187,48 @@ def test_bench_deletes_the_keys_it_wrote_to_the_redis_it_was_given(
     ):
         monkeypatch.setattr(bench, name, skipped)
     results = bench.run_benchmarks(config, url, lambda name: None)
-    # The Redis measurements ran (and wrote entries and metrics), then their keys were deleted.
-    assert results["mirror_overhead"] > 0 and results["storage_ratio"] > 0
-    assert results["remote_hit_vs_raw_get_detail"]["entries"] > 0
-    # (SCAN may return a key twice while Redis rehashes the keyspace the cleanup just shrank.)
+    assert set(results["skipped"]) == {
+        "broken_tier_overhead", "mid_compile_fault_overhead", "warm_compile_s3_vs_floor", "warm_speedup",
+        "local_hit_us", "key_throughput_ratio", "pool_scaling", "single_graph_scaling", "fleet_single_graph_scaling",
+        "fleet_job_latency_vs_local", "flood_jobs_per_second", "report_seconds_100k", "upgrade_first_pass_hit_rate",
+        "l1_redis_read_reduction", "value_retention_ratio",
+    }, results["skipped"]  # fmt: skip
+
+    # Every whole-process figure from real `nkicache` processes beside its floor; the warm compiles traced nothing
+    # (the measurement refuses a warm figure that traced).
+    figures = results["warm_compile_local_vs_floor_detail"]
+    for name in ("warm_compile_local_vs_floor", *bench.PROCESS_FIGURES):
+        assert figures[name] > 0, name
+    assert figures["warm_compile_local_vs_floor"] == round(
+        figures["warm_compile_local_ms"] / figures["floor_local_ms"], 3
+    )
+    assert figures["version_goal_ms"] == round(3 * figures["python_ms"] + 60, 1)
+    assert figures["floor_local_ms"] > figures["python_ms"] * 0.5 and figures["kernels"] > 0
+
+    warm_redis = results["warm_speedup_redis_detail"]
+    assert warm_redis["warm_traces"] == 0 and warm_redis["warm_speedup_redis"] > 1
+    mirror = results["mirror_overhead_detail"]
+    assert mirror["mirror_overhead"] > 0 and 1 <= mirror["mirror_overhead_direct"] < 2
+    runs = mirror["tier_seconds_in_compile_thread_runs"]
+    assert len(runs) == config.repeats and mirror["tier_seconds_in_compile_thread"] == statistics.median(runs) > 0
+    hits = results["remote_hit_vs_raw_get_detail"]
+    assert hits["entries"] > 0 and hits["remote_hit_us"] > 0 and hits["batched_hit_us"] > 0
+    signed = results["signature_overhead_detail"]
+    assert signed["entries"] > 0 and signed["rejected"] == 0 and signed["first_check_us"] > signed["memo_check_us"] > 0
+    # Each entry is signed alone: a first hit verifies it once, a later pass's hit of it not again.
+    assert 0 < signed["prefetch_verifies_per_hit"] <= 1 and signed["first_hit_verifies_per_hit"] == 1
+    assert signed["signed"] == signed["entries"] and signed["big_pass_hits"] > 0
+    assert signed["signature_overhead"] >= signed["signature_overhead_prefetch"]
+    # Every first-hit figure a median of fresh readers.
+    assert len(signed["signature_overhead_prefetch_runs"]) == len(signed["signature_overhead_first_hit_runs"]) == 5
+    assert signed["signature_overhead_prefetch"] in signed["signature_overhead_prefetch_runs"]
+    storage = results["storage_ratio_detail"]
+    assert 0 < storage["storage_ratio"] < 1 and storage["entries"] == storage["unique_binaries"]  # compressed
+    assert 0 < storage["wire_bytes_ratio"] < 1 and storage["wire_bytes"] > 0
+    assert results["wire_bytes_ratio"] == storage["wire_bytes_ratio"]
+
+    # Then their keys were deleted. (SCAN may return a key twice while Redis rehashes the keyspace the cleanup
+    # just shrank.)
     assert {key.decode() for key in client.scan_iter()} == {"someone-else:key"}
     client.close()
 
