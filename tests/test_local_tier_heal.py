@@ -194,6 +194,23 @@ def test_a_set_up_answered_locked_without_waiting_is_tried_again(
         store.close()
 
 
+def test_a_tier_file_the_store_made_itself_is_not_taken_for_a_replaced_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first write to a new tier file went through the 'deleted or replaced by another process' path: the
+    connection that made the file had taken its identity before there was one. Every first compile on a new
+    local tier printed that warning, dropped its connection and set the tables up again."""
+    path = tmp_path / "tier.sqlite"
+    store = SqliteBackend(path)  # makes the file
+    try:
+        written = request("first", 1024)
+        store.store([written], 3600)
+        assert store.get_entries(["first"]) == {"first": written.full}
+    finally:
+        store.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_writes_after_the_tier_file_is_deleted_go_to_a_new_file_not_nowhere(tmp_path: Path) -> None:
     """Issue 45 F13: the tier file deleted mid-compile (by hand, a cleanup job) took every later write of the
     open connection with it, silently. The next write notices and goes to a new file at the path."""

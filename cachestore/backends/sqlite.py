@@ -310,6 +310,8 @@ class SqliteBackend(Backend, Reader):
                 if db is not None:
                     db.close()
                 raise self._failure(exc) from None
+            if self._local.identity is None:  # no file before: this connection made the one at the path (or
+                self._local.identity = _identity(self.path)  # found it just made), not one that replaced its own
             self._local.db = db
             with self._lock:
                 self._connections.append(db)
