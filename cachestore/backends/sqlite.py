@@ -293,7 +293,7 @@ class SqliteBackend(Backend, Reader):
         if db is None:
             # Taken before opening: a file replaced in between makes the identity older than the connection's
             # file, never newer, so `_replace` cannot mistake a fresh file for the broken one.
-            self._local.identity = _identity(self.path)
+            identity = self._local.identity = _identity(self.path)
             self._local.generation = self._file.generation
             try:
                 if self.writable:
@@ -310,8 +310,8 @@ class SqliteBackend(Backend, Reader):
                 if db is not None:
                     db.close()
                 raise self._failure(exc) from None
-            if self._local.identity is None:  # no file before: this connection made the one at the path (or
-                self._local.identity = _identity(self.path)  # found it just made), not one that replaced its own
+            if identity is None:  # no file before: this connection made the one at the path (or found it just
+                self._local.identity = _identity(self.path)  # made), not one that replaced its own
             self._local.db = db
             with self._lock:
                 self._connections.append(db)
