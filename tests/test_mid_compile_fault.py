@@ -197,12 +197,21 @@ def compile_json(graphs: Path, out: Path, tier: str, env: dict[str, str]) -> dic
     return json.loads(done.stdout) | {"stderr": done.stderr}
 
 
+@pytest.fixture(scope="module")
+def six_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict[str, bytes]]:
+    """The default workload's first six models, tier off's report of them and its artifacts."""
+    graphs = tmp_path_factory.mktemp("graphs")
+    generate_workload(graphs, 6, 0)
+    out = tmp_path_factory.mktemp("off")
+    off = compile_json(graphs, out, "off", {**os.environ})
+    return graphs, off, {p.name: p.read_bytes() for p in out.iterdir()}
+
+
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
-def test_a_tier_failing_mid_compile_costs_no_pass_its_timeout(tmp_path: Path, fault: int) -> None:
+def test_a_tier_failing_mid_compile_costs_no_pass_its_timeout(tmp_path: Path, fault: int, six_models: tuple) -> None:
     """Redis stopped or killed once the compile stored 20 entries, with a 60 s operation timeout: no pass waits
     for it longer than the compile's patience, and the artifacts are tier off's."""
-    graphs = tmp_path / "graphs"
-    generate_workload(graphs, 6, 0)
+    graphs, off, off_artifacts = six_models
     env = {**os.environ, "NKICACHE_OP_TIMEOUT": "60", "NKICACHE_NAMESPACE": unique_namespace()}
     injector = MidCompileFault(fault)
     try:
@@ -210,10 +219,7 @@ def test_a_tier_failing_mid_compile_costs_no_pass_its_timeout(tmp_path: Path, fa
         assert injector.faults == 1  # the fault came mid-compile
     finally:
         injector.close()
-    off = compile_json(graphs, tmp_path / "off", "off", env)
     assert [(g["file"], g["error"]) for g in run["graphs"]] == [(g["file"], None) for g in off["graphs"]]
-    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == {
-        p.name: p.read_bytes() for p in (tmp_path / "off").iterdir()
-    }
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == off_artifacts
     assert run["tier_timeouts"] + run["tier_errors"] >= 1
     assert max(graph["seconds"] for graph in run["graphs"]) < 30, run["stderr"]
