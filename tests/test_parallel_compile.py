@@ -406,11 +406,12 @@ def test_every_counter_is_the_same_with_1_2_and_4_workers(tmp_path: Path, state:
     warmed = tmp_path / "warmed.sqlite"
     if state in ("warm", "damaged", "read-only"):
         compile_json(graphs, tmp_path / "warm", 1, f"local:{warmed}", expect=1)  # all but the failing graph's last ops
+        assert not Path(f"{warmed}-wal").exists()  # the compile's last close checkpointed it: the file is whole
     runs = {}
     for workers in (1, 2, 4):
         tier = tmp_path / f"tier-{workers}.sqlite"
         url, env = f"local:{tier}", {**os.environ}
-        if warmed.exists():  # each compile starts from the same copy (the warming compile has exited: no WAL left)
+        if warmed.exists():  # each worker count starts from a copy of the same tier
             shutil.copyfile(warmed, tier)
         if state == "damaged":
             tier_with_every_other_entry_damaged(tier)
