@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers_code import ROOT, product_modules
+
+
+def product_lines(find: Callable[[ast.Module], list[int]]) -> list[str]:
+    """`path:line` of every line `find` reports in a product module's syntax tree."""
+    return [
+        f"{path.relative_to(ROOT)}:{line}" for path in product_modules() for line in find(ast.parse(path.read_text()))
+    ]
 
 
 def is_sorted_items_text(node: ast.AST) -> bool:
@@ -155,10 +163,7 @@ def probes(tree: ast.Module) -> list[int]:
 
 def test_no_store_ability_is_probed() -> None:
     """Optional abilities of a store are declared in the contract with defaults (cachestore.api, bridge.port)."""
-    probed = [
-        f"{path.relative_to(ROOT)}:{line}" for path in product_modules() for line in probes(ast.parse(path.read_text()))
-    ]
-    assert probed == []
+    assert product_lines(probes) == []
 
 
 @pytest.mark.parametrize(
@@ -186,11 +191,7 @@ def read_only_asks(tree: ast.Module) -> list[int]:
 
 def test_read_only_is_asked_in_one_place() -> None:
     """Settings.read_only answers it; the compile path's answer is the ReadOnlyTier wrapper (cachestore.read_only)."""
-    asks = [
-        f"{path.relative_to(ROOT)}:{line}"
-        for path in product_modules()
-        for line in read_only_asks(ast.parse(path.read_text()))
-    ]
+    asks = product_lines(read_only_asks)
     settings = ast.parse((ROOT / "cachestore" / "settings.py").read_text())
     [answer] = [node for node in ast.walk(settings) if isinstance(node, ast.FunctionDef) and node.name == "read_only"]
     assert asks == [f"cachestore/settings.py:{answer.body[-1].lineno}"], asks  # its return statement
@@ -245,12 +246,7 @@ def _attribute_read(node: ast.AST) -> tuple[ast.expr, str] | None:
 
 def test_no_private_name_of_redis_py_is_used() -> None:
     """redis-py is used through its public API (`redis[hiredis]` has no upper bound in pyproject.toml)."""
-    used = [
-        f"{path.relative_to(ROOT)}:{line}"
-        for path in product_modules()
-        for line in redis_private_uses(ast.parse(path.read_text()))
-    ]
-    assert used == []
+    assert product_lines(redis_private_uses) == []
 
 
 @pytest.mark.parametrize(
@@ -304,11 +300,7 @@ def test_no_benchmark_or_dev_tool_ships_in_the_product() -> None:
     import tomllib
 
     named = [str(path.relative_to(ROOT)) for path in product_modules() if is_dev_tool(path)]
-    importing = [
-        f"{path.relative_to(ROOT)}:{line}"
-        for path in product_modules()
-        for line in dev_imports(ast.parse(path.read_text()))
-    ]
+    importing = product_lines(dev_imports)
     assert (named, importing) == ([], [])
     packaged = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert not [pattern for pattern in packaged if pattern.startswith(DEV_PACKAGE)], packaged
