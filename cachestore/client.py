@@ -509,8 +509,10 @@ class TierClient(EntryReads):
         self._publish(PendingStore(cache_key, build), release_lease)
 
     def release_lease(self, cache_key: str) -> None:
-        self._leases.drop(cache_key)
-        self._outbox.put(LeaseRelease(cache_key, self.owner), wake=False)
+        """Queue the release of a lease this process holds; one it never got (the tier could not say, so it traced
+        without) has nothing to release, and no write is queued, or counted as dropped on a tier that is down."""
+        if self._leases.drop(cache_key):
+            self._outbox.put(LeaseRelease(cache_key, self.owner), wake=False)
 
     def record(self, batch: MetricsBatch) -> None:
         """Queue a metrics batch, unless no tier would take it (a NaN, a count that is not a number): that one

@@ -33,9 +33,12 @@ class LeaseKeeper:
                 thread.start()  # kept only once started: stop() never joins a thread that could not start
                 self._thread = thread
 
-    def drop(self, cache_key: str) -> None:
+    def drop(self, cache_key: str) -> bool:
+        """Stop renewing `cache_key`; whether it was held."""
         with self._lock:
+            held = cache_key in self._held
             self._held.discard(cache_key)
+            return held
 
     def held(self) -> set[str]:
         with self._lock:

@@ -379,6 +379,7 @@ def test_a_write_after_close_is_dropped_and_counted_and_starts_no_flusher(backen
     flusher started again would send there, from a daemon thread the process may kill mid-write)."""
     client = client_for(backend)
     client.publish("before", make_entry())
+    assert client.acquire_lease("after")
     client.close()
     threads = threading.active_count()
     client.publish("after", make_entry())
@@ -624,3 +625,16 @@ def test_the_compiling_thread_only_hands_the_trace_to_the_flusher(backend, monke
     found = client_for(backend, hmac_key=KEY).lookup("key-1")
     assert found.binary == BINARY and found.digest == hashlib.sha256(BINARY).hexdigest() and found.signed
     client.close()
+
+
+def test_releasing_a_lease_the_tier_never_granted_writes_nothing(backend) -> None:
+    """A down tier cannot say who holds a lease, so its caller traces as the holder: at the end there is no
+    lease to release, no write is queued, and none is counted as dropped."""
+    flaky = FlakyBackend(backend)
+    client = client_for(flaky, breaker_cooldown=600)
+    flaky.fail["acquire_lease"] = 1
+    assert client.acquire_lease("key-1") is True  # the tier could not say: trace it
+    client.release_lease("key-1")
+    assert client.pending() == 0
+    client.close()
+    assert counts(client)["tier_dropped"] == 0
