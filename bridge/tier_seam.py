@@ -238,7 +238,11 @@ class PassSeam:
             resolve(inst)
         result = self._take_traced_elsewhere(inst, cache_key)
         if result is None:
-            result = self._read_through(loop, inst, cache_key)
+            # A variant this compiler traced ahead for the pass is in hand: it takes no lease (single flight would
+            # only make it wait for another process's trace of it, and cost two round trips).
+            traced = self.traced_ahead.get(cache_key)
+            in_hand = traced is not None and traced.toolchain == toolchain_id()
+            result = self._read_through(loop, inst, cache_key, lease=not in_hand)
         if result is not None:
             self._unpublished.add(cache_key)
             return result
@@ -363,9 +367,9 @@ class PassSeam:
         self._prefetched.clear()  # (binaries the pass did not need: a finished pass keeps only its counts)
 
     # -- the tier ----------------------------------------------------------------------------------
-    def _read_through(self, loop: Any, inst: Any, cache_key: str) -> dict | None:
+    def _read_through(self, loop: Any, inst: Any, cache_key: str, lease: bool = True) -> dict | None:
         """On an in-pass miss, the tier's verified entry (counted in remote_hits), else None: trace it, holding
-        the lease when single flight."""
+        the lease when single flight and `lease`."""
         if not self.reads():
             return None
         self.tier_lookups += 1
@@ -375,7 +379,7 @@ class PassSeam:
         else:
             stored, held = self._find(loop, cache_key)
         waited = False
-        if stored is None and self.tier.single_flight:
+        if stored is None and self.tier.single_flight and lease:
             if self.tier.acquire_lease(cache_key):
                 # On a plain miss, the previous holder may have published and released between our lookup and
                 # our lease: look once more (an entry just rejected is not read, nor counted, twice).

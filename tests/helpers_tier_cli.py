@@ -26,10 +26,10 @@ def compile_json(graphs: Path, tier: str, out: Path, *options: str) -> dict:
     return json.loads(cli("compile", str(graphs), "--json", "--tier", tier, "--out", str(out), *options))
 
 
-def compile_process(graphs: Path, tier: str, out: Path) -> subprocess.Popen:
-    """`compile --workers 2` in a process of its own (two of them run at once)."""
+def compile_process(graphs: Path, tier: str, out: Path, workers: int = 2) -> subprocess.Popen:
+    """`compile --workers N` in a process of its own (two of them run at once)."""
     return subprocess.Popen(
-        [NKICACHE, "compile", str(graphs), "--workers", "2", "--tier", tier, "--out", str(out), "--json"],
+        [NKICACHE, "compile", str(graphs), "--workers", str(workers), "--tier", tier, "--out", str(out), "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
 

@@ -32,12 +32,15 @@ from helpers_graphs import (
 
 from bridge.codegen import BirCodeGenLoop
 from bridge.graph import load_graph
+from bridge.limits import Limits
+from bridge.parallel import key_variants, trace_task
 from cachestore.api import TOTAL_COUNTERS
 from cachestore.backends.sqlite import SqliteBackend
 from cachestore.client import TierClient
 from cachestore.entry import SignaturePolicy, decode_entry, encode_entry
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
+from workers.passes import compile_graph
 
 HOST = "test-host"
 KEY = b"fleet-signing-key-for-tests-0001"
@@ -349,6 +352,30 @@ def test_a_dead_lease_holder_is_not_waited_for_beyond_lease_wait(tier: Tier) -> 
     assert time.monotonic() - started < 5
     assert loop.lease_waits == 1 and loop.traces == MIXED_DISTINCT_KEYS
     assert binary_digests(bb) == binary_digests(reference_bb)
+
+
+def test_a_variant_traced_ahead_is_taken_without_a_lease_while_another_holds_one(tier: Tier, tmp_path: Path) -> None:
+    """`compile --workers N` hands a pass the variants its processes traced ahead: the pass takes them without
+    asking for a lease (two round trips each), so another worker holding the lease on one costs it no wait,
+    and what it traced is stored all the same."""
+    path = write_graph(tmp_path, mixed_graph(rows=32))
+    plan = key_variants([str(path)], shared=False, target_name=None, limits=Limits())
+    ahead = {task.cache_key: trace_task(task, None, Limits()).traced for task in plan.tasks}
+    keys = sorted(ahead)  # (the pass takes what it uses out of the dict)
+    busy_key = keys[0]
+    assert tier.backend.acquire_lease(busy_key, "other-worker", 60)  # tracing it, and never done
+    client = open_tier(tier.settings(worker="pool", lease_wait=30))
+    started = time.monotonic()
+    try:
+        result, artifact = compile_graph(str(path), tier=client, traced_ahead=ahead)
+        client.flush()
+    finally:
+        client.close(timeout=10)
+    assert time.monotonic() - started < 10  # not the lease's 30 s
+    assert result.error is None, result.error
+    assert (result.counts["lease_waits"], result.counts["traces"]) == (0, MIXED_DISTINCT_KEYS), result.counts
+    assert sorted(stored_entries(tier.backend)) == keys
+    assert artifact == compile_graph(str(path))[1]
 
 
 # -- modes ----------------------------------------------------------------------------------------------
