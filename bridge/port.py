@@ -222,6 +222,10 @@ class KernelStore(Protocol):
         """Hand over what a pass did, to be applied to the fleet metrics exactly once. The pass's last call: it
         must not wait for the store (the loop returns right after it); a store that writes behind sends soon."""
 
+    def send_now(self) -> None:
+        """Have what was handed over sent at once, without waiting for it: what another process may be waiting
+        for (a trace and its lease's release) does not wait out a write-behind's gathering."""
+
     def flush(self) -> bool:
         """Wait (bounded) until what was handed over is stored; False when it is not (yet). The loop never calls
         it: whoever needs the pass's writes stored before going on does (a fleet job before it is acknowledged)."""

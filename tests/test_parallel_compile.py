@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_graphs import delete_namespace, unique_namespace
+from helpers_graphs import delete_namespace, unique_namespace, wait_until
 
 from bridge.limits import Limits
 from bridge.miss_causes import MISS_COUNTERS
@@ -306,11 +306,20 @@ def test_a_trace_task_message_of_several_variants_is_checked_whole(default_workl
     assert {stream for stream, _ in pipe.sent} == {"s0", "s1"}
 
 
+def recorded(calls: list[str], name: str, method: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return method(*args, **kwargs)
+
+    return call
+
+
 def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
-    default_workload: Path, redis_url: str, redis_client: Any
+    default_workload: Path, redis_url: str, redis_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The job's process waits on the lease for a variant another worker traces: the trace is in the tier and
-    its lease gone as soon as `run_task` answers, not after the tier client's write-behind (flush_interval), and
+    """The job's process waits on the lease for a variant another worker traces: each trace is sent as soon as
+    it is made (the next one traced meanwhile), so the trace is in the tier and its lease gone within moments
+    of `run_task`'s answer, not after the tier client's write-behind gathering (flush_interval, 30 s here), and
     it decodes to the binary a fresh trace gives."""
     from bridge.identity import toolchain_id
     from bridge.parallel import task_document
@@ -326,8 +335,14 @@ def test_a_fleet_trace_task_is_stored_and_its_lease_released_when_it_answers(
         paths = [str(p) for p in sorted(default_workload.glob("*.json"))]
         tasks = plan_variants(paths, tier=tier, target_name=None, limits=Limits()).tasks[:3]
         message = json.dumps({"job": "j", "tasks": [task_document(task) for task in tasks]})
+        calls: list[str] = []  # what run_task asks of the tier's write-behind: never to wait for it
+        for name in ("send_now", "flush"):
+            monkeypatch.setattr(tier, name, recorded(calls, name, getattr(tier, name)))
         assert run_task(message, tier, settings.limits()).counts["parallel_traces"] == 3
+        assert calls == ["send_now"] * 3
         keys = KeySpace(namespace)
+        leases = [keys.lease(toolchain_id(), task.cache_key) for task in tasks]
+        assert wait_until(lambda: not redis_client.exists(*leases), timeout=10)
         for task in tasks:
             stored = redis_client.get(keys.entry(toolchain_id(), task.cache_key))
             assert stored is not None

@@ -232,9 +232,12 @@ def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
     result.traced_for = job if isinstance(job, str) and 0 < len(job) <= MAX_JOB_ID_CHARS else None
     result.file = f"trace task {tasks[0].cache_key[:16]}... (+{len(tasks) - 1}) of job {job}"
     for task in tasks:
-        # Stored before the answer: the job's process waits for it on the lease, which the write-behind would
-        # keep for up to flush_interval after the trace (the job's last variants waited that long for it).
-        outcome = trace_task(task, tier, limits, wait=False)
+        # The job's process waits for each trace on its lease: sent at once, while this process traces the next
+        # one, rather than gathered for up to flush_interval (or waited for here). The answer waits for them all
+        # (workers.job_process.answer_job).
+        outcome = trace_task(task, tier, limits, wait=False, flush=False)
+        if tier is not None:
+            tier.send_now()
         result.error = result.error or outcome.error
         if outcome.traced is not None:
             result.counts["parallel_traces"] += 1
