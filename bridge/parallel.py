@@ -176,13 +176,12 @@ def trace_task(
     tier: KernelStore | None,
     limits: Limits,
     wait: bool = True,
-    flush: bool = True,
 ) -> TraceOutcome:
     """Trace one task's variant as the loop's own miss would (single-flight lease, publish to the tier, the
     kernel instruction limit), in this process. When another process holds the lease: wait for its trace
-    (`wait`), else answer `busy` at once, so a process with other tasks to trace goes on to the next. `flush`:
-    the trace is stored before the answer (else written behind: the lease is released once it is stored, so
-    a process waiting on the lease still finds it)."""
+    (`wait`), else answer `busy` at once, so a process with other tasks to trace goes on to the next. What it
+    publishes is written behind, the lease released once it is stored, so a process waiting on the lease still
+    finds it (a caller with such a waiter has it sent at once: `send_now`)."""
     lease = tier is not None and tier.reads and tier.single_flight
     if lease:
         if not tier.acquire_lease(task.cache_key):
@@ -214,15 +213,11 @@ def trace_task(
         message = " ".join(str(exc).split())
         if tier is not None:
             tier.publish_failure(task.cache_key, task.key_components, message, release_lease=lease)
-            if flush:
-                tier.flush()
         failed = TracedVariant({}, time.perf_counter() - started, toolchain_id(), failure=message)
         return TraceOutcome(task.task_id, task.cache_key, failed, error=message)
     seconds = time.perf_counter() - started
     if tier is not None:
         tier.publish_trace(task.cache_key, result, task.key_components, seconds, release_lease=lease)
-        if flush:
-            tier.flush()  # a later pass reads it from the tier without a lease wait
     return TraceOutcome(task.task_id, task.cache_key, TracedVariant(result, seconds, toolchain_id()))
 
 

@@ -181,7 +181,7 @@ def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limit
     handed: dict[str, TracedVariant] = {}
     busy = []
     for task in reversed(tasks):
-        outcome = trace_task(task, tier, limits, wait=False, flush=False)  # the pass is handed it directly
+        outcome = trace_task(task, tier, limits, wait=False)  # the pass is handed it directly
         if outcome.busy:
             busy.append(task)
         _take(handed, outcome)
@@ -193,15 +193,15 @@ def trace_alongside(tasks: Sequence[TraceTask], tier: KernelStore, limits: Limit
         time.sleep(BUSY_POLL_SECONDS)
         still = []
         for task in busy:
-            outcome = trace_task(task, tier, limits, wait=False, flush=False)
+            outcome = trace_task(task, tier, limits, wait=False)
             if outcome.busy:
                 still.append(task)
             _take(handed, outcome)
         busy = still
     for task in busy:  # held for longer than the poll: the tier client's bounded wait (lease_wait)
-        outcome = trace_task(task, tier, limits, wait=True, flush=False)
+        outcome = trace_task(task, tier, limits, wait=True)
         if outcome.traced is None and outcome.found is None and outcome.error is None:
-            outcome = trace_task(task, tier, limits, wait=True, flush=False)  # its holder died: the lease lapsed
+            outcome = trace_task(task, tier, limits, wait=True)  # its holder died: the lease lapsed
         _take(handed, outcome)
     return handed
 
@@ -235,7 +235,7 @@ def run_task(raw: str, tier: KernelStore | None, limits: Limits) -> PassResult:
         # The job's process waits for each trace on its lease: sent at once, while this process traces the next
         # one, rather than gathered for up to flush_interval (or waited for here). The answer waits for them all
         # (workers.job_process.answer_job).
-        outcome = trace_task(task, tier, limits, wait=False, flush=False)
+        outcome = trace_task(task, tier, limits, wait=False)
         if tier is not None:
             tier.send_now()
         result.error = result.error or outcome.error
