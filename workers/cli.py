@@ -43,6 +43,10 @@ COMMANDS = {
     "workload": "workers.quickstart_cli:workload_command",
 }
 
+# Commands that trace kernels in several processes at once: each process runs numpy's BLAS on one thread
+# (workers.blas).
+TRACING_COMMANDS = {"compile", "quickstart", "warm", "worker"}
+
 # Commands of the development tooling: packages of the source checkout beside bridge/, cachestore/ and workers/,
 # which no wheel ships (pyproject.toml). An editable install (`pip install -e '.[dev]'`) finds them there.
 DEV_COMMANDS = {"bench": "bench.cli:bench_command"}
@@ -192,6 +196,10 @@ def environment_help() -> str:
 def main(ctx: click.Context, log_level: str | None) -> None:
     """nkicache: a distributed build cache for a kernel compiler's NKI-frontend bridge."""
     ctx.obj = {"log_level": log_level}
+    if ctx.invoked_subcommand in TRACING_COMMANDS:
+        from workers.blas import one_blas_thread
+
+        one_blas_thread()
     if log_level is not None:
         configure_logging(log_level)
 

@@ -31,6 +31,7 @@ import msgspec
 
 from bridge.errors import NkiCacheError
 from cachestore.settings import Settings
+from workers.blas import ONE_BLAS_THREAD
 from workers.own_code import own_code_environment
 from workers.passes import PassResult
 
@@ -97,9 +98,9 @@ class CompileProcess:
         if self._process is not None and self._process.poll() is None:
             return
         self._reap()
-        # The worker's own code, whatever its current directory holds (workers.own_code); and one BLAS thread:
-        # each reserves address space.
-        env = {**own_code_environment(), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        # The worker's own code, whatever its current directory holds (workers.own_code); and one BLAS thread
+        # whatever the worker's environment says: each reserves address space, which job_memory bounds.
+        env = {**own_code_environment(), **ONE_BLAS_THREAD}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "workers.job_process"],
             stdin=subprocess.PIPE,
