@@ -1,16 +1,22 @@
 """numpy's BLAS on one thread in the processes that compile.
 
-The executor multiplies tiles of at most a few hundred KB, too small for BLAS threads to shorten, and a trace
-process takes a core of its own: OpenBLAS's threads (one per core by default) then spin on the cores the other
-processes trace on. One thread each: `compile --workers 2` of one graph 1.70x -> 1.84x its `--workers 1`, which
-itself spends 9% less CPU for the same wall time (bench/RESULTS.md). The variables are numpy's documented set.
+The executor multiplies tiles of a few hundred KB at most, too small for BLAS threads to shorten, and each trace
+process has a core of its own: OpenBLAS's threads (one per core by default) would spin on the cores the other
+processes trace on, which cost `compile --workers 2` a tenth of its speed (bench/RESULTS.md, "One BLAS thread a
+trace process"). One variable for each BLAS a numpy build may load: OpenBLAS (the wheels on Linux and Windows), MKL,
+OpenMP builds, and Accelerate (macOS).
 """
 
 from __future__ import annotations
 
 import os
 
-ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+ONE_BLAS_THREAD = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "VECLIB_MAXIMUM_THREADS": "1",
+}
 
 
 def one_blas_thread() -> None:
