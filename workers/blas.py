@@ -20,7 +20,8 @@ ONE_BLAS_THREAD = {
 
 
 def one_blas_thread() -> None:
-    """This process and its children load BLAS with one thread, unless the user set its thread count. Called
-    before anything imports numpy: BLAS reads these when it loads."""
-    for name, value in ONE_BLAS_THREAD.items():
-        os.environ.setdefault(name, value)
+    """This process and its children load BLAS with one thread, unless the user set any of these (OpenBLAS reads
+    its own variable before OMP_NUM_THREADS, so setting only the others could override theirs). Called before
+    anything imports numpy: BLAS reads them when it loads."""
+    if not any(name in os.environ for name in ONE_BLAS_THREAD):
+        os.environ.update(ONE_BLAS_THREAD)
