@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,60 @@ def test_jobs_sharing_variants_count_each_trace_once(fleet, tmp_path: Path, grap
     assert sum(r["traces"] + r["remote_hits"] for r in results) == sum(r["cache_misses"] for r in results)
     for artifact in (tmp_path / "alone").iterdir():
         assert (tmp_path / "out" / artifact.name).read_bytes() == artifact.read_bytes()
+
+
+def test_a_job_withdrawing_its_trace_tasks_waits_for_the_one_a_worker_holds_and_hands_out_no_more(
+    redis_client, redis_namespace: str
+) -> None:
+    """Once the job traced every variant, its messages no worker took yet are withdrawn at once, not handed out
+    one by one to a worker that would find each variant traced while the job waits; the message a worker holds
+    is waited for, so what it traced for the job is known."""
+    from bridge.limits import Limits
+    from bridge.parallel import plan_variants
+    from workers.trace_tasks import GROUP, enqueue_tasks
+
+    graphs = Path(__file__).parent / "data" / "graphs"
+    paths = [str(graphs / name) for name in ("attention_tiles.json", "bf16_norm.json", "mlp_repeated.json")]
+    tasks = plan_variants(paths, tier=None, target_name=None, limits=Limits()).tasks
+    stream, traced_for = f"{redis_namespace}jobs", f"{redis_namespace}traced"
+    redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    withdraw = enqueue_tasks(redis_client, [stream], "job", tasks, traced_for)
+    assert redis_client.xlen(stream) >= 3
+
+    taken: list[bytes] = []
+    first_taken = threading.Event()
+
+    def worker() -> None:  # takes a message, answers it 0.2 s later (its trace recorded first), takes the next
+        while reply := redis_client.xreadgroup(GROUP, "w1", {stream: ">"}, count=1):
+            [(_, [(message_id, _)])] = reply
+            taken.append(message_id)
+            first_taken.set()
+            time.sleep(0.2)
+            redis_client.sadd(traced_for, f"traced-from-{message_id.decode()}")
+            redis_client.xack(stream, GROUP, message_id)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert first_taken.wait(10)
+    traced = withdraw()
+    thread.join(10)
+    assert len(taken) == 1
+    assert traced == {f"traced-from-{taken[0].decode()}"}
+    assert redis_client.xlen(stream) == 0 and redis_client.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_a_heartbeat_leaves_a_withdrawn_trace_task_pending(redis_client, redis_namespace: str) -> None:
+    """The worker's heartbeat resets the idle time of the message it holds (TOUCH_JOB_LUA). A message its job
+    withdrew (deleted) stays pending as it is: XCLAIM would drop it, and the job waits for it by that list."""
+    from workers.fleet import GROUP, TOUCH_JOB_LUA
+
+    stream = f"{redis_namespace}jobs"
+    redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    touch = redis_client.register_script(TOUCH_JOB_LUA)
+    kept, withdrawn = (redis_client.xadd(stream, {"trace": "{}"}) for _ in range(2))
+    redis_client.xreadgroup(GROUP, "w1", {stream: ">"}, count=2)
+    redis_client.xdel(stream, withdrawn)
+    assert touch(keys=[stream], args=["w1", kept]) == 1
+    assert touch(keys=[stream], args=["w1", withdrawn]) == 0
+    pending = redis_client.xpending_range(stream, GROUP, min="-", max="+", count=10)
+    assert [(entry["message_id"], entry["consumer"]) for entry in pending] == [(kept, b"w1"), (withdrawn, b"w1")]

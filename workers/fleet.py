@@ -113,10 +113,12 @@ return attempts
 
 # KEYS[1] job stream   ARGV[1] consumer   ARGV[2] message id
 # Reset the idle time of a job this consumer still holds, so a long compile is not taken over while its worker
-# is alive (only a worker that went quiet loses its job); a job another consumer already took is left alone.
+# is alive (only a worker that went quiet loses its job); a job another consumer already took is left alone, and
+# so is a deleted message (a trace task its job withdrew, workers/trace_tasks.py): XCLAIM would drop it from the
+# pending list, by which the job waits for this worker's answer.
 TOUCH_JOB_LUA = """
 local entry = redis.call('XPENDING', KEYS[1], 'nkicache-workers', ARGV[2], ARGV[2], 1)[1]
-if entry and entry[2] == ARGV[1] then
+if entry and entry[2] == ARGV[1] and #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0 then
   redis.call('XCLAIM', KEYS[1], 'nkicache-workers', ARGV[1], 0, ARGV[2], 'JUSTID')
   return 1
 end

@@ -71,10 +71,10 @@ def enqueue_tasks(
     """The trace tasks as messages of a few consecutive variants each (`message_size`), dealt over the
     toolchain's job streams (one per shard) in the pass's order, in one round trip, then `wake(messages)`: a
     wake-up per message for the idle workers (workers.fleet_wakeups). Returns how to withdraw them once the
-    job's variants are all traced: the messages a worker is still answering are waited for (at most
-    ANSWER_WAIT_SECONDS), then all are acknowledged and deleted, so no worker takes one any more, nor takes over
-    one a dead worker held; it returns the cache keys other workers traced from them (the set `traced_for`,
-    KeySpace.job_traced)."""
+    job's variants are all traced: all are deleted, so no worker takes one any more (each would only find its
+    variants traced); the ones a worker took before are waited for (at most ANSWER_WAIT_SECONDS); then all are
+    acknowledged, so no worker takes over one a dead worker held. It returns the cache keys other workers
+    traced from them (the set `traced_for`, KeySpace.job_traced)."""
     size = message_size(len(tasks))
     groups = [tasks[start : start + size] for start in range(0, len(tasks), size)]
     dealt = [streams[index % len(streams)] for index in range(len(groups))]
@@ -87,11 +87,14 @@ def enqueue_tasks(
     messages = list(zip(dealt, message_ids, strict=True))
 
     def withdraw() -> set[str]:
+        with client.pipeline(transaction=False) as pipe:
+            for stream, message_id in messages:
+                pipe.xdel(stream, message_id)
+            pipe.execute()
         _wait_for_answers(client, messages)
         with client.pipeline(transaction=False) as pipe:
             for stream, message_id in messages:
                 pipe.xack(stream, GROUP, message_id)
-                pipe.xdel(stream, message_id)
             pipe.execute()
         with client.pipeline(transaction=False) as pipe:
             pipe.smembers(traced_for)
