@@ -201,6 +201,9 @@ class PassSeam:
         # ahead by `compile --workers N` (published by the pass). A miss takes one instead of tracing.
         self.traced_elsewhere: dict[str, TracedVariant] = {}
         self.traced_ahead: dict[str, TracedVariant] = {}
+        # How the graph's prefetch is read: here by default; a driver with other work for this process (tracing,
+        # `compile --workers N`) reads it on a thread of its own and does that work while it waits.
+        self.read_tier: Callable[[Callable[[], Any]], Any] = lambda read: read()
         self._components: dict[str, dict] = {}
         self._compile_seconds: dict[str, float] = {}
         self._unpublished: set[str] = set()  # keys whose result came from the tier or a trace task
@@ -305,10 +308,15 @@ class PassSeam:
             key_components, cache_key = key_of(op)
             components[cache_key] = key_components
         self._graph_prefetched = True
-        traces, self._prefetch_stored = self.tier.find_traces(sorted(components))
+        tier = self.tier
+
+        def read() -> tuple[dict[str, StoredTrace], set[str], tuple[bool, dict[str, VariantFacts] | None]]:
+            traces, stored = tier.find_traces(sorted(components))
+            # For a pass that will miss, one more round trip: what the tier's index knows of the absent keys.
+            return traces, stored, facts_of_absent(tier, components, stored)
+
+        traces, self._prefetch_stored, (self._tier_down, self._variant_facts) = self.read_tier(read)
         self._prefetched = {key: traces.get(key) for key in components}
-        # For a pass that will miss, one more round trip: what the tier's index knows of the absent keys.
-        self._tier_down, self._variant_facts = facts_of_absent(self.tier, components, self._prefetch_stored)
 
     def tier_counts(self) -> dict[str, int]:
         """Tier errors, timeouts, rejections and drops during this pass (the traces it could not store too)."""

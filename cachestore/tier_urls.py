@@ -181,6 +181,8 @@ def _database_problem(parts: SplitResult) -> str | None:
 
 
 def _query_problem(query: str) -> str | None:
+    if not query:
+        return None  # (redis-py is not imported to check nothing: a compile imports it later, off its critical path)
     from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 
     for name, values in parse_qs(query, keep_blank_values=True).items():

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ from bridge.parallel import key_variants
 from cachestore.client import TierClient
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
+from workers import variant_pool
+from workers.compile_run import CtrlC
+from workers.passes import PassResult
 from workers.variant_pool import (
     FREE,
     SKIPPED,
@@ -61,8 +65,11 @@ class Answer:
 
 
 class Woken:
+    """Helpers without a process: they trace nothing, and count how often they were told to go."""
+
     def __init__(self) -> None:
         self.times = 0
+        self.pipes: dict = {}
 
     def go(self) -> None:
         self.times += 1
@@ -85,7 +92,7 @@ def test_a_tier_failing_after_the_plan_puts_the_later_passes_tasks_back(tmp_path
     scheduler.passes_done = 1  # the tier fails during the second pass: it traces its own
     scheduler._put_back()
     scheduler._wait_for_put_back()
-    assert helpers.times == 2  # the start, and the tasks put back
+    assert helpers.times == 1  # the tasks put back (compile_in_parallel starts them)
     for position, task in enumerate(scheduler.tasks):
         assert state[position] == (SKIPPED if task.graph == 1 else FREE), task
         if task.graph == 2:
@@ -101,6 +108,62 @@ def test_a_tier_failing_before_its_answer_is_applied_answers_for_nothing(tmp_pat
     scheduler._wait_for_put_back()
     assert list(scheduler.claims.state) == [FREE] * len(scheduler.tasks)
     assert scheduler.needs == {graph: set(tasks) for graph, tasks in scheduler.plan.needs.items()}
+
+
+class FrozenPrefetch:
+    """A tier whose first pass's prefetch is never answered until given up on (a server frozen mid-compile), as
+    TierWatch sees one: through `overdue`, `give_up` and `failed`."""
+
+    def __init__(self) -> None:
+        self.failed = False
+        self.waiting: dict[int, float] = {}  # thread -> when its read started
+        self.released = threading.Event()
+        self.read_by: list[int] = []
+
+    def read(self) -> str:
+        self.read_by.append(threading.get_ident())
+        self.waiting[threading.get_ident()] = time.monotonic()
+        self.released.wait(10)
+        del self.waiting[threading.get_ident()]
+        return "answered"
+
+    def overdue(self, thread: int, patience: float) -> bool:
+        started = self.waiting.get(thread)
+        return started is not None and time.monotonic() - started > patience
+
+    def give_up(self, why: str) -> None:
+        self.failed = True
+        self.released.set()
+
+
+def test_a_pass_waiting_for_a_frozen_tier_leaves_its_process_tracing(tmp_path: Path, monkeypatch: Any) -> None:
+    """A pass's prefetch is read on the reader's thread: this process traces the later passes' variants while it
+    waits, instead of idling until TierWatch gives up on the tier, and TierWatch watches that thread."""
+    paths = [str(p) for p in generate_workload(tmp_path / "graphs", 3, seed=2)]
+    plan = key_variants(paths, shared=False, target_name=None, limits=Limits())
+    claims = Claims(multiprocessing.get_context("fork"), len(plan.tasks))
+    tier = FrozenPrefetch()
+    scheduler = Scheduler(plan, Answer(set(), True), claims, Woken(), tier, Limits())  # type: ignore[arg-type]
+    later = {task.task_id for task in plan.tasks if task.graph > 0}
+    during_the_wait: list[set[int]] = []
+
+    def compile_graph(path: str, *, read_tier: Any, **_: Any) -> tuple[PassResult, None]:
+        if path == paths[0]:
+            assert read_tier(tier.read) == "answered"
+            during_the_wait.append(later & scheduler.outcomes.keys())
+        return PassResult(path), None
+
+    monkeypatch.setattr(variant_pool, "compile_graph", compile_graph)
+    try:
+        started = time.monotonic()
+        results = scheduler.run(paths, str(tmp_path / "out"), None, lambda _: None, CtrlC())
+    finally:
+        tier.released.set()
+        scheduler.close()
+    assert [r.file for r in results] == paths
+    assert tier.read_by == [scheduler.reader.ident] and tier.failed  # given up on, the reader's read overdue
+    assert time.monotonic() - started < 5  # long before the read's own 10 s
+    assert during_the_wait[0], "no later pass's variant was traced while the first pass waited for the tier"
 
 
 class GatedFetch:
@@ -134,7 +197,7 @@ def test_tier_watch_takes_no_first_read_under_way_for_a_failure() -> None:
     store = GatedFetch()
     client = TierClient(lambda: store, Settings(), "gated tier")
     failures: list[float] = []
-    watch = TierWatch(client, threading.get_ident(), lambda: failures.append(1.0))
+    watch = TierWatch(client, [threading.get_ident()], lambda: failures.append(1.0))
     reader = threading.Thread(target=client.find_many, args=(["ab" * 32],))
     try:
         reader.start()

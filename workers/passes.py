@@ -8,7 +8,7 @@ the file, the op and the cause; the caller decides what to do with them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ def compile_graph(
     traced_elsewhere: Mapping[str, TracedVariant] | None = None,
     traced_ahead: dict[str, TracedVariant] | None = None,
     tier_counts_from: Mapping[str, int] | None = None,
+    read_tier: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> tuple[PassResult, bytes | None]:
     """Compile one graph with a fresh BirCodeGenLoop (the spec's cache dies with the pass).
 
@@ -102,6 +103,8 @@ def compile_graph(
         seam.traced_ahead = traced_ahead if traced_ahead is not None else {}
         if tier_counts_from is not None:
             seam.tier_counts_at_start = dict(tier_counts_from)
+        if read_tier is not None:
+            seam.read_tier = read_tier
         with kernel_instruction_limit(limits.max_kernel_instructions):
             bb = loop.run(graph)
         artifact = build_artifact(graph, bb, result.target)

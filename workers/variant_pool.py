@@ -7,22 +7,25 @@ over through queues: a helper never waits for this process to be handed its next
 tasks a pass needs are answered, this process runs that pass, in input order, with the specification's loop,
 handed the variants traced for it.
 
-With a tier that reads, a thread of this process asks the tier's index for the compile's variants after the
-fork (a forked process must not inherit a tier client in use), and the tasks it answers for are skipped (a
-pass reads them). Tracing waits for that answer PLAN_PATIENCE_SECONDS at most, and the passes wait for it
-while there is anything left to trace: a tier that is down, frozen or slow costs the compile what no tier
-would, not its timeouts. Later in the compile, a thread (`TierWatch`) gives up on a tier that leaves a pass
-waiting TIER_PATIENCE_SECONDS and ten times the slowest of their reads so far (a frozen server, long before the
-operation timeout: the pass goes on as on a tier that failed), and once the tier failed, puts the skipped tasks
-of the passes still to run back in the pool and wakes the helpers: those passes wait for them as without a
-tier. Helpers are forked when this process runs no other thread (they start in milliseconds, the compiler
-already imported), otherwise they start from the forkserver (`workers.pool_process.pool_context`). A helper
-that dies leaves the tasks it took to this process, which traces them; the others keep taking tasks, and each
-pass completes as without helpers.
+The helpers trace from the start. With a tier, this process imports the store's library after the fork, while
+they trace (redis-py takes 60-70 ms, which a core would otherwise spend idle), then a thread of it asks the
+tier's index for the compile's variants (a forked process must not inherit a tier client in use), and the tasks
+it answers for are skipped (a pass reads them). This process waits for that answer PLAN_PATIENCE_SECONDS at
+most before it traces, and the passes wait for it while there is anything left to trace: a tier that is down,
+frozen or slow costs the compile what no tier would, not its timeouts. A pass's prefetch is read on a thread of
+its own (`TierReader`), and this process traces while it waits. Later in the compile, a thread (`TierWatch`)
+gives up on a tier that leaves a pass waiting TIER_PATIENCE_SECONDS and ten times the slowest of their reads so
+far (a frozen server, long before the operation timeout: the pass goes on as on a tier that failed), and once
+the tier failed, puts the skipped tasks of the passes still to run back in the pool and wakes the helpers:
+those passes wait for them as without a tier. Helpers are forked when this process runs no other thread (they
+start in milliseconds, the compiler already imported), otherwise they start from the forkserver
+(`workers.pool_process.pool_context`). A helper that dies leaves the tasks it took to this process, which traces
+them; the others keep taking tasks, and each pass completes as without helpers.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import multiprocessing
@@ -38,7 +41,7 @@ import msgspec
 from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task
 from bridge.port import KernelStore, TracedVariant
 from cachestore.settings import Settings
-from cachestore.stores import open_tier
+from cachestore.stores import import_store_library, open_tier
 from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
 from workers.pool_process import init_process, pool_context, trace_in_process
@@ -51,13 +54,13 @@ if TYPE_CHECKING:
 # others give up on it after this long and trace what is left here.
 CLAIM_LOCK_SECONDS = 5.0
 STOPPED = 1 << 62  # the counter once the compile stops: no task is taken any more
-# A healthy tier's index answers within milliseconds: tracing waits this long for it, then starts without it
-# (what it answers for later is skipped from then on).
+# A healthy tier's index answers within milliseconds: this process waits this long for it, then traces without
+# it (what it answers for later is skipped from then on).
 PLAN_PATIENCE_SECONDS = 0.05
 # A pass's read of a healthy tier returns within milliseconds (a loopback Redis: 5-9 ms, 17 ms at most with both
 # cores busy); one still waiting after this long, and after ten times the slowest of the passes' reads
-# (cachestore.guard), is taken as a tier that stopped answering. The pass's process is idle while it waits, so on
-# a tier frozen mid-compile this is wall time, nearly all of it.
+# (cachestore.guard), is taken as a tier that stopped answering. The pass's process traces while it waits
+# (TierReader), but the pass itself, and the compile's end, wait this long on a tier frozen mid-compile.
 TIER_PATIENCE_SECONDS = 0.08
 # The plan's read, when the compile ends before it answered, is given up on once it is this old.
 PLAN_READ_PATIENCE_SECONDS = 0.15
@@ -140,9 +143,8 @@ def _helper(
     settings: Settings,
     dropped_outside_passes: Any,
 ) -> None:
-    """A helper process: each time this compile's parent says go (it has the tier's answer, or waited
-    PLAN_PATIENCE_SECONDS for it; or it put tasks back), take tasks until none is free, sending back each
-    outcome. It ends when the parent closes its pipe."""
+    """A helper process: each time this compile's parent says go (once forked, and when it put tasks back), take
+    tasks until none is free, sending back each outcome. It ends when the parent closes its pipe."""
     for other in others:  # the other pipes' ends: a pipe whose process dies must read as closed
         other.close()
     init_process(settings, dropped_outside_passes)
@@ -246,6 +248,12 @@ def compile_in_parallel(
         # (about 5% more trace CPU in two processes, measured).
         gc.freeze()
         helpers = Helpers(context, plan.tasks, claims, workers - 1, settings, dropped_outside_passes)
+        # The tier's answer, when it comes, takes the variants it holds off their list. Until then, on a warm compile,
+        # they trace for nothing (about 80 ms of a core, measured), which a cold or failing tier's compile gains.
+        helpers.go()
+        if tier is not None:
+            import_store_library(settings)  # while the helpers trace
+            gc.freeze()  # what it made, too (a process exits about 10 ms sooner with redis-py's objects frozen)
         answer = TierAnswer(plan, tier)
         try:
             scheduler = Scheduler(plan, answer, claims, helpers, tier, limits)
@@ -326,23 +334,23 @@ class TierAnswer:
 
 
 class TierWatch:
-    """A thread that watches the tier for the compile: it gives up on the tier when a read made by the passes'
-    thread (`passes`) is overdue (cachestore.guard; TIER_PATIENCE_SECONDS at least), and calls `failed` once the
-    tier failed (whichever call saw it: its breaker is open). Not while a call merely probes a tier not proven yet
-    (it is not `available` to other calls meanwhile): the plan's own read is that probe, and taking it for a
-    failure would throw the tier's answer away, so a warm compile whose plan read outlasts WATCH_SECONDS (a loaded
-    machine) would trace every variant. Ends with the compile (`stop`)."""
+    """A thread that watches the tier for the compile: it gives up on the tier when a read made by one of the
+    passes' threads (`passes`, their idents) is overdue (cachestore.guard; TIER_PATIENCE_SECONDS at least), and
+    calls `failed` once the tier failed (whichever call saw it: its breaker is open). Not while a call merely
+    probes a tier not proven yet (it is not `available` to other calls meanwhile): the plan's own read is that
+    probe, and taking it for a failure would throw the tier's answer away, so a warm compile whose plan read
+    outlasts WATCH_SECONDS (a loaded machine) would trace every variant. Ends with the compile (`stop`)."""
 
-    def __init__(self, tier: Tier, passes: int, failed: Callable[[], None]):
+    def __init__(self, tier: Tier, passes: Collection[int], failed: Callable[[], None]):
         self._stopped = threading.Event()
         args = (tier, passes, failed)
         self._thread = threading.Thread(target=self._watch, args=args, name="nkicache-tier-watch", daemon=True)
         self._thread.start()
 
-    def _watch(self, tier: Tier, passes: int, failed: Callable[[], None]) -> None:
+    def _watch(self, tier: Tier, passes: Collection[int], failed: Callable[[], None]) -> None:
         told = False
         while not self._stopped.wait(WATCH_SECONDS):
-            if tier.overdue(passes, TIER_PATIENCE_SECONDS):
+            if any(tier.overdue(thread, TIER_PATIENCE_SECONDS) for thread in passes):
                 tier.give_up(f"a pass's read outwaited compile --workers ({TIER_PATIENCE_SECONDS} s at least)")
             if not told and tier.failed:  # (not `available`: the plan's read probing an unproven tier is no failure)
                 failed()
@@ -351,6 +359,28 @@ class TierWatch:
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join()
+
+
+class TierReader:
+    """A thread that makes the passes' prefetch reads (a pass's `read_tier`), so that this process traces while a
+    pass waits for the tier instead of idling: on a tier frozen mid-compile, until TierWatch gives up on it, which
+    cost the compile about half that wait with two processes (measured)."""
+
+    def __init__(self, meanwhile: Callable[[], bool]):
+        """`meanwhile()`: trace one task; False when there is none."""
+        self._meanwhile = meanwhile
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nkicache-tier-reader")
+        self.ident: int = self._executor.submit(threading.get_ident).result()  # the thread TierWatch watches
+
+    def read(self, read: Callable[[], Any]) -> Any:
+        """`read()`'s result, made on the reader's thread, this one tracing until it is in (then the pass goes on)."""
+        future = self._executor.submit(read)
+        while not future.done() and self._meanwhile():
+            pass
+        return future.result()
+
+    def close(self) -> None:
+        self._executor.shutdown()
 
 
 class Scheduler:
@@ -374,12 +404,14 @@ class Scheduler:
         self.skips = threading.Lock()  # skipping the tier's answer and putting tasks back, one at a time
         self.put_back: set[int] | None = None  # once the tier failed: the tasks of the passes after the one running
         self.put_back_applied = False
-        self.watch = TierWatch(tier, threading.get_ident(), self._put_back) if tier is not None else None
+        self.reader = TierReader(self._trace_one) if tier is not None else None
+        # The passes read the tier in this thread (leases, single lookups) and in the reader's (their prefetch).
+        readers = {threading.get_ident(), self.reader.ident} if self.reader is not None else set()
+        self.watch = TierWatch(tier, readers, self._put_back) if tier is not None else None
         # The plan's read is the compile's first contact with the tier, which a sequential compile's first pass
         # makes itself: what it counted (a tier down: its error) is the first pass's that runs the loop.
         self.first_counts_from = answer.counts_before
         self._apply_answer(PLAN_PATIENCE_SECONDS)
-        helpers.go()
 
     def _apply_answer(self, timeout: float = 0.0) -> None:
         """Once the tier answered: skip the tasks it answers for (helpers no longer take them, passes no longer
@@ -416,6 +448,18 @@ class Scheduler:
     def close(self) -> None:
         if self.watch is not None:
             self.watch.stop()
+        if self.reader is not None:
+            self.reader.close()
+
+    def _trace_one(self) -> bool:
+        """(While a pass waits for the tier) trace the next free task; False when there is none. The helpers'
+        outcomes are read first: a helper whose pipe is full would wait for this process instead of tracing."""
+        self._receive(0)
+        task = self._next_task()
+        if task is None:
+            return False
+        self.outcomes[task.task_id] = trace_task(task, None, self.limits)
+        return True
 
     def run(
         self,
@@ -499,6 +543,7 @@ class Scheduler:
             limits=self.limits,
             traced_ahead=ahead,
             tier_counts_from=self.first_counts_from,
+            read_tier=self.reader.read if self.reader is not None else None,
         )
         if result.counts:  # its loop ran
             self.first_counts_from = None
