@@ -41,9 +41,10 @@ import msgspec
 from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, trace_task
 from bridge.port import KernelStore, TracedVariant
 from cachestore.settings import Settings
-from cachestore.stores import import_store_library, open_tier
+from cachestore.stores import open_tier
 from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC
 from workers.passes import PassResult, compile_graph
+from workers.pool import import_tier_library
 from workers.pool_process import init_process, pool_context, trace_in_process
 
 if TYPE_CHECKING:
@@ -252,8 +253,7 @@ def compile_in_parallel(
         # they trace for nothing (about 80 ms of a core, measured), which a cold or failing tier's compile gains.
         helpers.go()
         if tier is not None:
-            import_store_library(settings)  # while the helpers trace
-            gc.freeze()  # what it made, too (a process exits about 10 ms sooner with redis-py's objects frozen)
+            import_tier_library(settings)  # while the helpers trace
         answer = TierAnswer(plan, tier)
         try:
             scheduler = Scheduler(plan, answer, claims, helpers, tier, limits)
