@@ -34,6 +34,7 @@ from workers.variant_pool import (
     WATCH_SECONDS,
     Claims,
     Scheduler,
+    TierReader,
     TierWatch,
 )
 from workers.workload import generate_workload
@@ -164,6 +165,18 @@ def test_a_pass_waiting_for_a_frozen_tier_leaves_its_process_tracing(tmp_path: P
     assert tier.read_by == [scheduler.reader.ident] and tier.failed  # given up on, the reader's read overdue
     assert time.monotonic() - started < 5  # long before the read's own 10 s
     assert during_the_wait[0], "no later pass's variant was traced while the first pass waited for the tier"
+
+
+def test_a_read_that_fails_on_the_readers_thread_fails_in_the_pass() -> None:
+    """The pass sees the reader's exception as if it had read itself (compile_graph turns it into the pass's
+    error), and the reader goes on serving the next pass."""
+    reader = TierReader(lambda: False)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            reader.read(lambda: 1 / 0)
+        assert reader.read(lambda: threading.get_ident()) == reader.ident != threading.get_ident()
+    finally:
+        reader.close()
 
 
 class GatedFetch:

@@ -25,10 +25,10 @@ them; the others keep taking tasks, and each pass completes as without helpers.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import gc
 import multiprocessing
+import queue
 import threading
 import time
 from collections import deque
@@ -364,23 +364,38 @@ class TierWatch:
 class TierReader:
     """A thread that makes the passes' prefetch reads (a pass's `read_tier`), so that this process traces while a
     pass waits for the tier instead of idling: on a tier frozen mid-compile, until TierWatch gives up on it, which
-    cost the compile about half that wait with two processes (measured)."""
+    cost the compile about half that wait with two processes (measured). A daemon thread and two queues, not a
+    concurrent.futures executor: a second Ctrl-C raised while this thread holds a future's lock would hang the
+    compile's end (workers.compile_run.CtrlC), and a read still waiting at exit must not hold the process."""
 
     def __init__(self, meanwhile: Callable[[], bool]):
         """`meanwhile()`: trace one task; False when there is none."""
         self._meanwhile = meanwhile
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nkicache-tier-reader")
-        self.ident: int = self._executor.submit(threading.get_ident).result()  # the thread TierWatch watches
+        self._reads: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        thread = threading.Thread(target=self._serve, name="nkicache-tier-reader", daemon=True)
+        thread.start()
+        self.ident: int = thread.ident  # the thread TierWatch watches
+
+    def _serve(self) -> None:
+        while (read := self._reads.get()) is not None:
+            try:
+                self._answers.put((True, read()))
+            except BaseException as exc:  # (a bug in the read: raised in the pass, as if it had read there)
+                self._answers.put((False, exc))
 
     def read(self, read: Callable[[], Any]) -> Any:
         """`read()`'s result, made on the reader's thread, this one tracing until it is in (then the pass goes on)."""
-        future = self._executor.submit(read)
-        while not future.done() and self._meanwhile():
+        self._reads.put(read)
+        while self._answers.empty() and self._meanwhile():
             pass
-        return future.result()
+        ok, answer = self._answers.get()
+        if not ok:
+            raise answer
+        return answer
 
     def close(self) -> None:
-        self._executor.shutdown()
+        self._reads.put(None)
 
 
 class Scheduler:
