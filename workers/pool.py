@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cachestore.settings import Settings
-from cachestore.stores import import_store_library, open_tier
-from workers.compile_run import CompileRun, CtrlC
+from cachestore.stores import open_tier
+from workers.compile_run import CompileRun, CtrlC, import_tier_library
 from workers.passes import PassResult, compile_graph
 
 
@@ -83,14 +83,6 @@ def compile_run(
             results.append(by_path[path])
     run.results = results
     return run
-
-
-def import_tier_library(settings: Settings) -> None:
-    """Import the library of the tier's store now (redis-py: 60-70 ms) and keep what it made from the collector,
-    as compile_paths keeps the compiler's (a warm Redis compile exits ~7 ms sooner): a serial compile at once,
-    `compile --workers N` after forking its helpers, while they trace."""
-    import_store_library(settings)
-    gc.freeze()
 
 
 def _compile_all(

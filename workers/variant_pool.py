@@ -42,9 +42,8 @@ from bridge.parallel import TraceOutcome, TraceTask, VariantPlan, key_variants, 
 from bridge.port import KernelStore, TracedVariant
 from cachestore.settings import Settings
 from cachestore.stores import open_tier
-from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC
+from workers.compile_run import CTRL_C_POLL_SECONDS, CompileRun, CtrlC, import_tier_library
 from workers.passes import PassResult, compile_graph
-from workers.pool import import_tier_library
 from workers.pool_process import init_process, pool_context, trace_in_process
 
 if TYPE_CHECKING:
