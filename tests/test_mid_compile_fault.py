@@ -115,6 +115,8 @@ class FrozenPrefetch:
     """A tier whose first pass's prefetch is never answered until given up on (a server frozen mid-compile), as
     TierWatch sees one: through `overdue`, `give_up` and `failed`."""
 
+    reads = True
+
     def __init__(self) -> None:
         self.failed = False
         self.waiting: dict[int, float] = {}  # thread -> when its read started

@@ -418,7 +418,7 @@ class Scheduler:
         self.skips = threading.Lock()  # skipping the tier's answer and putting tasks back, one at a time
         self.put_back: set[int] | None = None  # once the tier failed: the tasks of the passes after the one running
         self.put_back_applied = False
-        self.reader = TierReader(self._trace_one) if tier is not None else None
+        self.reader = TierReader(self._trace_one) if tier is not None and tier.reads else None
         # The passes read the tier in this thread (leases, single lookups) and in the reader's (their prefetch).
         readers = {threading.get_ident(), self.reader.ident} if self.reader is not None else set()
         self.watch = TierWatch(tier, readers, self._put_back) if tier is not None else None
