@@ -5,6 +5,7 @@ tests/test_store_contract.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -164,6 +166,29 @@ def test_a_partial_temp_file_is_never_read_and_gc_deletes_it(tmp_path: Path, mon
     done = json.loads(cli("inspect", "gc", "--tier", tier, "--json"))
     assert done["expired_purged"] == 1 and done["evicted"] == 0
     assert not partial.exists() and sorted(raw.cache_key for raw in store.scan_entries()) == sorted(keys)
+
+
+def test_a_temp_file_renamed_away_while_its_folder_is_listed_hides_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer's temp file can go between the listing of a folder and the stat of its files. Had the
+    folder then read as empty, a contender for an expired lease would have found no generation, claimed the
+    first again and won beside the real winner."""
+    store = folder_tier(tmp_path / "d", partition="tc")
+    assert store.acquire_lease("the-key", "w1", 30)
+    folder = next((tmp_path / "d" / "leases").rglob("1")).parent
+    listing = os.scandir
+
+    def renamed_meanwhile(path: Any) -> Any:
+        (folder / ".tmp-renamed").write_bytes(b"")
+        with listing(path) as entries:
+            found = list(entries)
+        (folder / ".tmp-renamed").unlink()
+        return contextlib.nullcontext(found)
+
+    monkeypatch.setattr(os, "scandir", renamed_meanwhile)
+    assert store.lease_holder("the-key") == "w1"
+    assert store.acquire_lease("the-key", "w2", 30) is False
 
 
 def test_a_truncated_entry_is_rejected_and_counted_not_served(tmp_path: Path) -> None:

@@ -64,6 +64,15 @@ def removable(mode: int) -> bool:
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
+def _own_stat(entry: os.DirEntry[str]) -> tuple[str, os.stat_result] | None:
+    """(name, lstat) of a listed file, None for one deleted since the listing (a temp file another writer just
+    renamed into place): one file gone, not a folder of them."""
+    try:
+        return entry.name, entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
 class Read(NamedTuple):
     """A file as read: its bytes (or what stands for them), mtime, ctime, and whether it was planted (not a
     regular file, or in a planted folder)."""
@@ -185,7 +194,7 @@ class SharedFolder:
             return
         try:
             with tier_errors(), os.scandir(folder) as listing:
-                found = sorted((entry.name, entry.stat(follow_symlinks=False)) for entry in listing)
+                found = sorted(filter(None, map(_own_stat, listing)))
         except NOT_FOUND:
             return
         except TierUnavailable:

@@ -57,7 +57,9 @@ class BlobStore(Protocol):
         written again meanwhile stays). A planted one is deleted itself, never what it points to."""
 
     def list(self, prefix: str) -> Iterator[Blob]:
-        """Every blob whose name starts with `prefix` (a folder: "entries/"), in name order; no bytes read."""
+        """Every blob whose name starts with `prefix` (a folder: "entries/"), in name order; no bytes read. A blob
+        that exists throughout the call is listed whatever others write or delete meanwhile: a lease's
+        contenders rely on it (cachestore.blob.leases)."""
         ...
 
     def touch(self, items: Sequence[tuple[str, float]]) -> None:
